@@ -1,0 +1,43 @@
+"""Every DataProto key the trainer and the workers exchange, declared once.
+
+Shapes use B = batch (one row per sampled response), P = max prompt length,
+R = max response length, T = P + R. Prompts are LEFT-padded, responses are
+RIGHT-padded, so `input_ids = cat([prompts, responses], dim=-1)` and the
+last prompt token always sits at column P - 1. Per-token quantities that
+belong to the response (log-probs, values, rewards, advantages) have shape
+[B, R] and line up with `responses`; `response_mask` marks their valid entries.
+
+Import the names, not the strings, so a typo fails at import time.
+"""
+
+# --- tensors in DataProto.batch ---------------------------------------------
+INPUT_IDS = "input_ids"  # [B, T] int64: prompt + response token ids
+ATTENTION_MASK = "attention_mask"  # [B, T] int64: 1 on real tokens, 0 on padding
+POSITION_IDS = "position_ids"  # [B, T] int64: cumsum(attention_mask) - 1, clipped at 0
+PROMPTS = "prompts"  # [B, P] int64: left-padded prompt ids
+RESPONSES = "responses"  # [B, R] int64: right-padded response ids
+RESPONSE_MASK = "response_mask"  # [B, R] int64/float: 1 on generated tokens up to and incl. EOS
+ROLLOUT_LOG_PROBS = "rollout_log_probs"  # [B, R] float32: log-probs the sampler drew with
+OLD_LOG_PROBS = "old_log_probs"  # [B, R] float32: actor log-probs before the update
+ENTROPYS = "entropys"  # [B, R] float32: per-token entropy of the actor
+REF_LOG_PROB = "ref_log_prob"  # [B, R] float32: reference-policy log-probs
+VALUES = "values"  # [B, R] float32: critic values V(s_t)
+RM_SCORES = "rm_scores"  # [B, R] float32: reward-model score at the last valid token, 0 elsewhere
+TOKEN_LEVEL_SCORES = "token_level_scores"  # [B, R] float32: task score at the last valid token
+TOKEN_LEVEL_REWARDS = "token_level_rewards"  # [B, R] float32: scores minus KL penalty (if in reward)
+ADVANTAGES = "advantages"  # [B, R] float32
+RETURNS = "returns"  # [B, R] float32: value targets
+
+# --- numpy object arrays in DataProto.non_tensor_batch ----------------------
+UID = "uid"  # [B] str: one id per prompt; the n samples of a prompt share it (GRPO groups)
+DATA_SOURCE = "data_source"  # [B] str: which scorer applies ("arithmetic", "gsm8k", ...)
+GROUND_TRUTH = "ground_truth"  # [B] str: reward_model.ground_truth of the dataset row
+RAW_PROMPT = "raw_prompt"  # [B] list[dict]: the chat messages before templating
+EXTRA_INFO = "extra_info"  # [B] dict: the dataset row's extra_info
+
+# --- meta_info keys ----------------------------------------------------------
+META_TEMPERATURE = "temperature"  # float: sampling temperature, also used to scale logits for log-probs
+META_DO_SAMPLE = "do_sample"  # bool: False means greedy (validation)
+META_N = "n"  # int: samples per prompt for this generate call
+META_GLOBAL_TOKEN_NUM = "global_token_num"  # list[int]: valid tokens per sample, for throughput metrics
+META_METRICS = "metrics"  # dict[str, float | list[float]]: metrics returned by a worker call
