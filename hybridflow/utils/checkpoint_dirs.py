@@ -1,0 +1,203 @@
+"""On-disk layout of trainer checkpoints, written so that a crash never leaves a usable-looking half checkpoint.
+
+Layout: `<root>/global_step_<N>/` holds everything saved at step N (e.g.
+`actor/`, `critic/` written by the engines, plus the trainer's own state
+files). A checkpoint is *complete* only if it contains the marker file
+`COMPLETE`, which is written last, after every other file was fsynced.
+
+Saving goes through a temporary sibling directory:
+
+    tmp = begin_checkpoint(root, step)        # <root>/global_step_<N>.tmp-<pid>/
+    ... engines save into tmp / "actor", tmp / "critic" (any rank, any process) ...
+    ... the trainer writes its own state into tmp ...
+    commit_checkpoint(tmp, step_dir(root, step))   # marker, then rename into place
+
+or, in one process, `with atomic_dir(step_dir(root, step)) as tmp: ...`.
+Only the controller calls these functions; worker ranks just write below the
+path they are given (on several nodes, `root` must be on a shared filesystem).
+Readers (`find_latest_complete`, `list_complete`) ignore `.tmp-*` directories
+and directories without the marker, so a crash at any point falls back to
+the previous complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+STEP_DIR_PREFIX = "global_step_"
+COMPLETE_MARKER = "COMPLETE"
+_STEP_DIR_RE = re.compile(r"^global_step_(\d+)$")
+_TMP_DIR_RE = re.compile(r"^global_step_\d+\.tmp-(\d+)$")
+
+
+def step_dir(root: str | Path, step: int) -> Path:
+    """The final directory of the checkpoint of `step`: `<root>/global_step_<step>`."""
+    if step < 0:
+        raise ValueError(f"checkpoint step must be >= 0, got {step}")
+    return Path(root) / f"{STEP_DIR_PREFIX}{step}"
+
+
+def checkpoint_step(path: str | Path) -> int | None:
+    """The step N of a `global_step_<N>` directory name, or None for any other name."""
+    match = _STEP_DIR_RE.match(Path(path).name)
+    return int(match.group(1)) if match else None
+
+
+def is_complete(path: str | Path) -> bool:
+    """True if `path` is a `global_step_<N>` directory holding the COMPLETE marker."""
+    path = Path(path)
+    return checkpoint_step(path) is not None and (path / COMPLETE_MARKER).is_file()
+
+
+def list_complete(root: str | Path) -> list[Path]:
+    """Every complete checkpoint directory under `root`, oldest step first ([] if root is missing)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and is_complete(p)]
+    return sorted(found, key=lambda p: checkpoint_step(p))
+
+
+def find_latest_complete(root: str | Path) -> Path | None:
+    """The complete checkpoint with the highest step under `root`, or None if there is none."""
+    complete = list_complete(root)
+    return complete[-1] if complete else None
+
+
+def begin_checkpoint(root: str | Path, step: int) -> Path:
+    """Create and return the empty temporary directory to save the checkpoint of `step` into."""
+    return _begin(step_dir(root, step))
+
+
+def commit_checkpoint(tmp_path: str | Path, final_path: str | Path) -> Path:
+    """Fsync everything in `tmp_path`, write the COMPLETE marker, and rename it to `final_path`.
+
+    An existing `final_path` (the same step saved again after a resume) is
+    replaced: it is first moved aside to `<name>.old-<pid>` and deleted after
+    the rename, so a crash in between leaves the previous checkpoint as the
+    latest complete one.
+    """
+    tmp_path, final_path = Path(tmp_path), Path(final_path)
+    if not tmp_path.is_dir():
+        raise FileNotFoundError(f"checkpoint temp dir {tmp_path} does not exist; create it with begin_checkpoint")
+    for file in sorted(p for p in tmp_path.rglob("*") if p.is_file()):
+        _fsync_file(file)
+    marker = tmp_path / COMPLETE_MARKER
+    marker.write_text(f"{final_path.name}\n")
+    _fsync_file(marker)
+    old = final_path.with_name(f"{final_path.name}.old-{os.getpid()}")
+    if final_path.exists():
+        os.replace(final_path, old)
+    os.replace(tmp_path, final_path)
+    _fsync_dir(final_path.parent)
+    shutil.rmtree(old, ignore_errors=True)
+    return final_path
+
+
+def abort_checkpoint(tmp_path: str | Path) -> None:
+    """Delete a temporary checkpoint directory that will not be committed."""
+    shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+@contextmanager
+def atomic_dir(final_path: str | Path) -> Iterator[Path]:
+    """Yield a temporary sibling of `final_path`; on success commit it there, on exception delete it."""
+    final_path = Path(final_path)
+    tmp_path = _begin(final_path)
+    try:
+        yield tmp_path
+    except BaseException:
+        abort_checkpoint(tmp_path)
+        raise
+    commit_checkpoint(tmp_path, final_path)
+
+
+def prune_checkpoints(root: str | Path, keep_last: int) -> list[Path]:
+    """Delete all but the `keep_last` newest complete checkpoints; return what was deleted.
+
+    Only complete `global_step_<N>` directories are candidates: temporary and
+    incomplete directories, and anything else under `root`, are left alone.
+    """
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1 (the newest checkpoint is never pruned), got {keep_last}")
+    doomed = list_complete(root)[:-keep_last]
+    for path in doomed:
+        shutil.rmtree(path)
+    return doomed
+
+
+def remove_stale_tmp(root: str | Path) -> list[Path]:
+    """Delete `global_step_<N>.tmp-<pid>` directories left by crashed saves of other processes.
+
+    Call it only from the single process that writes checkpoints under `root`
+    (the trainer at start-up): a concurrent save of another run would be lost.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    stale = []
+    for path in root.iterdir():
+        match = _TMP_DIR_RE.match(path.name)
+        if match and int(match.group(1)) != os.getpid():
+            shutil.rmtree(path, ignore_errors=True)
+            stale.append(path)
+    return sorted(stale)
+
+
+def write_json_atomic(path: str | Path, obj: Any, default: Callable[[Any], Any] | None = None) -> Path:
+    """Write `obj` as JSON to `path` through a temp file + fsync + rename, so readers never see half a file.
+
+    `default` is passed to `json.dumps` (e.g. `str` to write Paths in a config).
+    """
+    path = Path(path)
+    text = json.dumps(obj, indent=2, default=default, allow_nan=True) + "\n"
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _begin(final_path: Path) -> Path:
+    """Create a fresh empty `<final>.tmp-<pid>` sibling directory (and the parents)."""
+    tmp_path = final_path.with_name(f"{final_path.name}.tmp-{os.getpid()}")
+    if tmp_path.exists():  # left by an earlier failed save of this very process
+        shutil.rmtree(tmp_path)
+    tmp_path.mkdir(parents=True)
+    return tmp_path
+
+
+def _fsync_file(path: Path) -> None:
+    """Flush one file's data to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    """Flush a directory entry (the rename) to disk where the platform allows it."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
