@@ -1,0 +1,37 @@
+"""The Ray backend: placement-group resource pools and actor worker groups."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+
+from hybridflow.controller.colocate import create_colocated_worker_cls
+from hybridflow.controller.ray.resource_pool import (
+    RayClassWithInitArgs,
+    RayResourcePool,
+    merge_resource_pool,
+    split_resource_pool,
+)
+from hybridflow.controller.ray.worker_group import RayWorkerGroup
+
+__all__ = [
+    "RayClassWithInitArgs",
+    "RayResourcePool",
+    "RayWorkerGroup",
+    "create_colocated_worker_cls",
+    "init_local_ray",
+    "merge_resource_pool",
+    "split_resource_pool",
+]
+
+
+def init_local_ray(num_cpus: int | None = None, **kwargs: Any) -> None:
+    """Start a fresh single-node Ray on loopback (no-op when Ray is already up).
+
+    `address="local"` never attaches to a stale cluster; extra `kwargs` go to `ray.init`.
+    """
+    if ray.is_initialized():
+        return
+    options = {"address": "local", "_node_ip_address": "127.0.0.1", "include_dashboard": False}
+    ray.init(num_cpus=num_cpus, **{**options, **kwargs})

@@ -1,0 +1,153 @@
+"""Ray resource pools: placement groups of CPU (and GPU) bundles, one per node."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
+
+from hybridflow.controller.resource_pool import ClassWithInitArgs, ResourcePool
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One bundle of a placement group: where one rank's process runs."""
+
+    pg: PlacementGroup
+    """The placement group holding the bundle."""
+    bundle_index: int
+    """Index of the bundle inside `pg`."""
+    node_id: str
+    """Ray node id the bundle was placed on."""
+    num_cpus: float
+    """CPUs in the bundle."""
+
+
+class RayClassWithInitArgs(ClassWithInitArgs):
+    """ClassWithInitArgs plus extra Ray actor options (e.g. `{"max_concurrency": 2}`)."""
+
+    def __init__(self, cls: type, *args: Any, **kwargs: Any) -> None:
+        super().__init__(cls, *args, **kwargs)
+        self.ray_options: dict[str, Any] = {}
+        """Extra keyword arguments for `ActorClass.options` (resources and placement are set by the group)."""
+
+    def update_options(self, options: dict[str, Any]) -> "RayClassWithInitArgs":
+        """Merge `options` into the Ray actor options; returns self."""
+        self.ray_options.update(options)
+        return self
+
+
+class RayResourcePool(ResourcePool):
+    """Process slots as Ray placement groups: one STRICT_PACK group per node entry.
+
+    Ranks are numbered node by node: the slots of `process_on_nodes[0]` come
+    first. Each slot is a bundle of `num_cpus_per_process` CPUs (and one GPU
+    with `use_gpu`); up to `max_colocate_count` worker groups may share it,
+    each process then asking for its share of the bundle's CPUs.
+    """
+
+    def __init__(
+        self,
+        process_on_nodes: list[int] | None = None,
+        use_gpu: bool = False,
+        max_colocate_count: int = 1,
+        name_prefix: str = "",
+        num_cpus_per_process: float = 1.0,
+        ready_timeout_s: float = 60.0,
+    ) -> None:
+        super().__init__(process_on_nodes, max_colocate_count, use_gpu)
+        if num_cpus_per_process <= 0:
+            raise ValueError(f"num_cpus_per_process must be > 0, got {num_cpus_per_process}")
+        self.name_prefix = name_prefix
+        """Prefix of the placement group names."""
+        self.num_cpus_per_process = num_cpus_per_process
+        """CPUs of each slot's bundle."""
+        self.ready_timeout_s = ready_timeout_s
+        """How long to wait for the placement groups to be scheduled before failing."""
+        self._slots: list[Slot] | None = None
+        self._pgs: list[PlacementGroup] = []
+
+    def _bundle(self) -> dict[str, float]:
+        bundle = {"CPU": self.num_cpus_per_process}
+        if self.use_gpu:
+            bundle["GPU"] = 1
+        return bundle
+
+    def get_placement_groups(self) -> list[PlacementGroup]:
+        """Create (once) and return the ready placement groups, one per node entry."""
+        if self._slots is None:
+            self._slots = self._create_slots()
+        return list(self._pgs)
+
+    def slots(self) -> list[Slot]:
+        """The bundles in rank order (placement groups are created on first use)."""
+        self.get_placement_groups()
+        return list(self._slots)
+
+    def _create_slots(self) -> list[Slot]:
+        if not ray.is_initialized():
+            raise RuntimeError("RayResourcePool needs Ray: call ray.init(...) or init_local_ray() first")
+        self._pgs = [
+            placement_group([self._bundle()] * n, strategy="STRICT_PACK", name=f"{self.name_prefix}pg_{i}")
+            for i, n in enumerate(self._store)
+            if n > 0
+        ]
+        ready, _ = ray.wait([pg.ready() for pg in self._pgs], num_returns=len(self._pgs), timeout=self.ready_timeout_s)
+        if len(ready) < len(self._pgs):
+            self.remove()
+            raise RuntimeError(
+                f"{self!r}: placement groups of {self._bundle()} x {self._store} were not scheduled within "
+                f"{self.ready_timeout_s}s; the cluster offers {ray.available_resources()} — lower "
+                "process_on_nodes / num_cpus_per_process or free the resources other pools hold"
+            )
+        slots = []
+        for pg in self._pgs:
+            nodes = placement_group_table(pg)["bundles_to_node_id"]
+            slots += [Slot(pg, i, nodes[i], self.num_cpus_per_process) for i in range(pg.bundle_count)]
+        return slots
+
+    def remove(self) -> None:
+        """Release the placement groups (kill the worker groups on this pool first).
+
+        A pool made by split/merge does not own its placement groups: this is a no-op there.
+        """
+        if not self._pgs:
+            return
+        for pg in self._pgs:
+            remove_placement_group(pg)
+        self._pgs, self._slots = [], None
+
+
+def _view_pool(slots: list[Slot], like: RayResourcePool, name_prefix: str) -> RayResourcePool:
+    per_node: dict[str, int] = {}
+    for s in slots:
+        per_node[s.node_id] = per_node.get(s.node_id, 0) + 1
+    pool = RayResourcePool(
+        list(per_node.values()), like.use_gpu, like.max_colocate_count, name_prefix, like.num_cpus_per_process
+    )
+    pool._slots = list(slots)
+    pool._pgs = []  # a view does not own the placement groups; remove() the original pool
+    return pool
+
+
+def split_resource_pool(pool: RayResourcePool, split_size: int | list[int]) -> list[RayResourcePool]:
+    """Split a pool's slots, in rank order, into pools of `split_size` slots each
+    (an int: equal parts; a list: those sizes, summing to the pool's world size)."""
+    n = pool.world_size
+    sizes = [split_size] * (n // split_size) if isinstance(split_size, int) else list(split_size)
+    if sum(sizes) != n or any(s <= 0 for s in sizes):
+        raise ValueError(f"split_resource_pool: sizes {sizes} must be positive and sum to the world size {n}")
+    slots, out, start = pool.slots(), [], 0
+    for i, size in enumerate(sizes):
+        out.append(_view_pool(slots[start : start + size], pool, f"{pool.name_prefix}split{i}_"))
+        start += size
+    return out
+
+
+def merge_resource_pool(first: RayResourcePool, second: RayResourcePool) -> RayResourcePool:
+    """One pool with the slots of `first` followed by those of `second`."""
+    if first.use_gpu != second.use_gpu or first.num_cpus_per_process != second.num_cpus_per_process:
+        raise ValueError("merge_resource_pool: pools differ in use_gpu or num_cpus_per_process")
+    return _view_pool(first.slots() + second.slots(), first, f"{first.name_prefix}merged_")

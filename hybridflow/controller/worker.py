@@ -1,0 +1,143 @@
+"""`Worker`: the base class of a process that runs one SPMD rank.
+
+A backend starts one process per rank with these environment variables set
+and instantiates the worker class there:
+
+    RANK, WORLD_SIZE              this rank and the group size
+    LOCAL_RANK, LOCAL_WORLD_SIZE  rank among, and number of, the group's processes on this node
+    MASTER_ADDR, MASTER_PORT      where rank 0 listens for torch.distributed rendezvous
+    HYBRIDFLOW_NUM_THREADS        CPU threads this process may use (its CPU share)
+
+Subclasses call `super().__init__()` first, then build their state; their
+`@register` methods are what the controller calls.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from hybridflow.controller.decorator import Dispatch, register
+
+NUM_THREADS_ENV = "HYBRIDFLOW_NUM_THREADS"
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on `host` right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return default if value in (None, "") else int(value)
+
+
+class Worker:
+    """One SPMD rank: reads its place in the group from the environment."""
+
+    def __init__(self) -> None:
+        self._rank = _env_int("RANK", 0)
+        self._world_size = _env_int("WORLD_SIZE", 1)
+        self._local_rank = _env_int("LOCAL_RANK", 0)
+        self._local_world_size = _env_int("LOCAL_WORLD_SIZE", 1)
+        self._master_addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        self._master_port = _env_int("MASTER_PORT", 0)
+        self._dispatch_info: dict[str, tuple[int, bool]] = {}
+        _apply_thread_limit()
+
+    @property
+    def rank(self) -> int:
+        """Global rank of this process in its worker group."""
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of processes in the worker group."""
+        return self._world_size
+
+    @property
+    def local_rank(self) -> int:
+        """Rank among the group's processes on this node."""
+        return self._local_rank
+
+    @property
+    def local_world_size(self) -> int:
+        """Number of the group's processes on this node."""
+        return self._local_world_size
+
+    @property
+    def master_addr(self) -> str:
+        """Address of rank 0 for torch.distributed rendezvous."""
+        return self._master_addr
+
+    @property
+    def master_port(self) -> int:
+        """Port of rank 0 for torch.distributed rendezvous."""
+        return self._master_port
+
+    def init_process_group(self, backend: str | None = None, timeout_s: float = 300.0) -> None:
+        """Join the default torch.distributed group of all ranks (idempotent).
+
+        `backend` defaults to nccl when CUDA is available, gloo otherwise.
+        """
+        if dist.is_initialized():
+            return
+        if self._world_size > 1 and not self._master_port:
+            raise RuntimeError(
+                f"rank {self._rank}: MASTER_PORT is not set; start workers through a WorkerGroup "
+                "or set MASTER_ADDR/MASTER_PORT before init_process_group"
+            )
+        if backend is None:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        port = self._master_port or find_free_port()
+        dist.init_process_group(
+            backend=backend,
+            init_method=f"tcp://{self._master_addr}:{port}",
+            rank=self._rank,
+            world_size=self._world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+
+    def _register_dispatch_collect_info(self, mesh_name: str, dp_rank: int, is_collect: bool) -> None:
+        """Declare this rank's place in the named mesh for mesh-aware dispatch.
+
+        `dp_rank`: which data shard this rank receives; `is_collect`: whether its
+        output is kept (exactly one rank per dp group, e.g. tp rank 0).
+        """
+        self._dispatch_info[mesh_name] = (int(dp_rank), bool(is_collect))
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def _query_dispatch_info(self, mesh_name: str) -> tuple[int, bool]:
+        """This rank's `(dp_rank, is_collect)` in `mesh_name` (controller side)."""
+        if mesh_name not in self._dispatch_info:
+            raise KeyError(
+                f"rank {self._rank} declared no mesh {mesh_name!r} (declared: {sorted(self._dispatch_info)}); "
+                "call self._register_dispatch_collect_info(mesh_name, dp_rank, is_collect) in __init__"
+            )
+        return self._dispatch_info[mesh_name]
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def _hf_process_info(self) -> dict:
+        """pid, host name and rank layout of this process (for tests and debugging)."""
+        return {
+            "pid": os.getpid(),
+            "hostname": socket.gethostname(),
+            "rank": self._rank,
+            "world_size": self._world_size,
+            "local_rank": self._local_rank,
+            "local_world_size": self._local_world_size,
+            "num_threads": torch.get_num_threads(),
+        }
+
+
+def _apply_thread_limit() -> None:
+    """Use as many torch threads as CPUs given to this process, so ranks do not oversubscribe."""
+    n = _env_int(NUM_THREADS_ENV, 0)
+    if n > 0 and torch.get_num_threads() != n:
+        torch.set_num_threads(n)

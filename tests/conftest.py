@@ -1,0 +1,42 @@
+"""Shared test fixtures.
+
+`ray_local`: one loopback-only local Ray (2 CPUs) for the whole session. Its
+workers get this folder on PYTHONPATH, so worker classes defined in a test
+module (imported by pytest under the module's bare name) load in the actors.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+TESTS_DIR = str(Path(__file__).resolve().parent)
+RAY_NUM_CPUS = 2
+
+
+def start_local_ray(num_cpus: int = RAY_NUM_CPUS) -> None:
+    """Start the tests' local Ray unless one is already up."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    path = os.pathsep.join(p for p in (TESTS_DIR, os.environ.get("PYTHONPATH", "")) if p)
+    ray.init(
+        address="local",
+        _node_ip_address="127.0.0.1",
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        runtime_env={"env_vars": {"PYTHONPATH": path}},
+    )
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """A local Ray with 2 CPUs on loopback, shut down at the end of the session."""
+    import ray
+
+    start_local_ray()
+    yield
+    ray.shutdown()
