@@ -1,0 +1,65 @@
+"""Pure tensor math of the RL algorithms: advantages, policy/value losses, KL, masked reductions.
+
+No Ray, no torch.distributed, no I/O: everything here is a function of
+tensors (and of counts passed in, see `GlobalNorm`). Estimators and policy
+losses are registered by name; register your own with `@register_adv_est`
+or `@register_policy_loss` and select it from the config.
+"""
+
+from hybridflow.algos import cov_losses as _cov_losses  # noqa: F401  (registers clip_cov, kl_cov)
+from hybridflow.algos.advantages import (
+    get_advantage_estimator,
+    list_advantage_estimators,
+    register_adv_est,
+)
+from hybridflow.algos.core import (
+    LOSS_AGG_MODES,
+    GlobalNorm,
+    agg_loss,
+    masked_mean,
+    masked_sum,
+    masked_var,
+    masked_whiten,
+)
+from hybridflow.algos.kl import (
+    AdaptiveKLController,
+    FixedKLController,
+    apply_kl_penalty,
+    get_kl_controller,
+    kl_loss,
+    kl_penalty,
+)
+from hybridflow.algos.logits import entropy_from_logits, logprobs_from_logits
+from hybridflow.algos.losses import (
+    PolicyLossConfig,
+    compute_value_loss,
+    get_policy_loss_fn,
+    list_policy_losses,
+    register_policy_loss,
+)
+
+__all__ = [
+    "LOSS_AGG_MODES",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "GlobalNorm",
+    "PolicyLossConfig",
+    "agg_loss",
+    "apply_kl_penalty",
+    "compute_value_loss",
+    "entropy_from_logits",
+    "get_advantage_estimator",
+    "get_kl_controller",
+    "get_policy_loss_fn",
+    "kl_loss",
+    "kl_penalty",
+    "list_advantage_estimators",
+    "list_policy_losses",
+    "logprobs_from_logits",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "register_adv_est",
+    "register_policy_loss",
+]

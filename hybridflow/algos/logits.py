@@ -1,0 +1,84 @@
+"""Per-token log-probabilities and entropies from logits, with bounded memory.
+
+A [B, R, V] logits tensor for a 50k vocabulary is large; a full
+`log_softmax` or `softmax` doubles it. These functions walk the flattened
+rows in chunks of `chunk_size`, so the extra memory is one chunk
+(chunk_size x V floats), and compute in float32 whatever the logits dtype.
+
+Departures: none in the math. Under autograd, `entropy_from_logits` (and
+`logprobs_from_logits` for non-float32 logits, whose float32 upcast would
+otherwise be kept) recompute each chunk in backward (activation
+checkpointing) instead of keeping per-chunk intermediates alive, so the
+memory bound also holds for training. The gradient w.r.t. the logits is
+itself [..., V]; that one is unavoidable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+DEFAULT_CHUNK_SIZE = 512
+
+
+def _check_chunk(chunk_size: int) -> None:
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+
+
+def _map_chunks(fn: Callable[..., Tensor], inputs: tuple[Tensor, ...], chunk_size: int, recompute: bool) -> Tensor:
+    """Apply `fn` to row chunks of `inputs` and concatenate; checkpoint chunks if asked and grads flow."""
+    _check_chunk(chunk_size)
+    use_ckpt = recompute and torch.is_grad_enabled() and inputs[0].requires_grad
+    parts = []
+    for i in range(0, inputs[0].shape[0], chunk_size):
+        chunk = tuple(t[i : i + chunk_size] for t in inputs)
+        parts.append(checkpoint(fn, *chunk, use_reentrant=False) if use_ckpt else fn(*chunk))
+    return torch.cat(parts) if parts else inputs[0].new_zeros(0, dtype=torch.float32)
+
+
+def _chunk_logprobs(logits: Tensor, labels: Tensor) -> Tensor:
+    logits = logits.float()
+    picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def logprobs_from_logits(logits: Tensor, labels: Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Tensor:
+    """log p(label) = logit[label] - logsumexp(logits), per position.
+
+    logits: [..., V]; labels: [...] int64. Returns float32 [...]. At most
+    `chunk_size` rows of the flattened input are processed at once; no
+    log-softmax over the whole vocabulary is materialised.
+    """
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(
+            f"labels shape {tuple(labels.shape)} must equal logits shape without vocab {tuple(logits.shape[:-1])}"
+        )
+    # fp32 logits: logsumexp keeps only a view of its input for backward; other
+    # dtypes would keep a float32 copy per chunk, so recompute it instead.
+    recompute = logits.dtype != torch.float32
+    out = _map_chunks(
+        _chunk_logprobs, (logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)), chunk_size, recompute
+    )
+    return out.reshape(labels.shape)
+
+
+def _chunk_entropy(logits: Tensor) -> Tensor:
+    logits = logits.float()
+    lse = torch.logsumexp(logits, dim=-1)
+    probs = torch.softmax(logits, dim=-1)
+    return lse - (probs * logits).sum(dim=-1)
+
+
+def entropy_from_logits(logits: Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Tensor:
+    """Entropy of softmax(logits) per position: H = logsumexp(z) - sum_v p_v z_v.
+
+    logits: [..., V]; returns float32 [...]. Processed `chunk_size` rows at
+    a time; with gradients enabled each chunk is checkpointed so its softmax
+    is not kept for backward.
+    """
+    out = _map_chunks(_chunk_entropy, (logits.reshape(-1, logits.shape[-1]),), chunk_size, True)
+    return out.reshape(logits.shape[:-1])
