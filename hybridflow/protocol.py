@@ -225,6 +225,7 @@ class DataProto:
                 raise ValueError(
                     f"DataProto.concat: part {i} has keys {sorted(d.batch.keys())} + {sorted(d.non_tensor_batch)}"
                     f" but part 0 has {sorted(keys0)} + {sorted(nkeys0)}")
+        _check_row_shapes(data)
         batch = torch.cat([d.batch for d in data], dim=0)
         non_tensor = {k: np.concatenate([d.non_tensor_batch[k] for d in data]) for k in data[0].non_tensor_batch}
         return cls(batch, non_tensor, merge_meta([d.meta_info for d in data]))
@@ -315,6 +316,18 @@ class DataProto:
                             for k, t in self.batch.items())
         return (f"DataProto(len={len(self)}, batch={{{tensors}}}, "
                 f"non_tensor_batch={list(self.non_tensor_batch)}, meta_info={list(self.meta_info)})")
+
+
+def _check_row_shapes(data: Sequence[DataProto]) -> None:
+    """Every tensor must have the same per-row shape and dtype in every part being concatenated."""
+    for key, first in data[0].batch.items():
+        for i, d in enumerate(data[1:], start=1):
+            t = d.batch[key]
+            if t.shape[1:] != first.shape[1:] or t.dtype != first.dtype:
+                raise ValueError(
+                    f"DataProto.concat: batch[{key!r}] is {t.dtype} {list(t.shape)} in part {i} but "
+                    f"{first.dtype} {list(first.shape)} in part 0; only dim 0 may differ (pad to one width first)"
+                )
 
 
 def collate_fn(rows: Sequence[dict[str, Any]]) -> DataProto:

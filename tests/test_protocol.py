@@ -228,6 +228,9 @@ def test_concat_rejects_mismatched_keys_and_empty_list():
     b.pop(batch_keys=["h"])
     with pytest.raises(ValueError, match=r"part 1 has keys \['ids', 'logp', 'mask'\]"):
         DataProto.concat([a, b])
+    wide = DataProto.from_dict({"r": torch.zeros(2, 5)})
+    with pytest.raises(ValueError, match=r"batch\['r'\] is torch.float32 \[2, 5\] in part 1 but .* \[2, 3\]"):
+        DataProto.concat([DataProto.from_dict({"r": torch.zeros(2, 3)}), wide])
     with pytest.raises(ValueError, match="empty list"):
         DataProto.concat([])
 
