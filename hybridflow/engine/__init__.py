@@ -1,0 +1,18 @@
+"""Engines: how one model trains and infers on its process group (FSDP2 today)."""
+
+from hybridflow.engine.base import Engine, LossFn, MicroBatch
+from hybridflow.engine.checkpoint import CheckpointError, export_hf, latest_checkpoint
+from hybridflow.engine.config import EngineConfig, OptimConfig
+from hybridflow.engine.fsdp import FSDPEngine
+
+__all__ = [
+    "CheckpointError",
+    "Engine",
+    "EngineConfig",
+    "FSDPEngine",
+    "LossFn",
+    "MicroBatch",
+    "OptimConfig",
+    "export_hf",
+    "latest_checkpoint",
+]

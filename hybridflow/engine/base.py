@@ -1,0 +1,110 @@
+"""The Engine interface: how one model trains and infers on its process group.
+
+Role workers (actor, critic, reference, reward model) are written once over this
+interface; backends (FSDP2 here, tensor parallel later) implement it. Every method
+works on THIS rank's shard of the batch, SPMD: all ranks of the group call the same
+method with the same number of micro-batches, because parameters are gathered
+collectively inside the forward and gradients are reduced inside the backward.
+
+Batch layout (hybridflow/keys.py): `input_ids`, `attention_mask`, `position_ids`
+are [B, T] with prompts left-padded and responses right-padded, `responses` is
+[B, R], and per-token outputs (log-probs, entropy, values) are [B, R], aligned with
+`responses`: the logits at columns P-1 .. T-2 (P = T - R) predict the response
+tokens at columns P .. T-1. Entries past a row's last valid token are 0.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MicroBatch = Mapping[str, torch.Tensor]
+"""One micro-batch: at least input_ids, attention_mask, position_ids [b, T] and responses [b, R]."""
+
+LossFn = Callable[[dict[str, torch.Tensor], MicroBatch], tuple[torch.Tensor, dict[str, float]]]
+"""loss_fn(outputs, micro) -> (scalar loss, detached metrics). The loss must already be
+scaled for accumulation over micro-batches and ranks (e.g. sum of token losses divided by
+the global token count, times the data-parallel size); the engine does not rescale it."""
+
+
+class Engine(ABC):
+    """One model (policy or value) on one process group: inference, training, checkpoints."""
+
+    @property
+    @abstractmethod
+    def rank(self) -> int:
+        """This process's rank in the engine's data-parallel group."""
+
+    @property
+    @abstractmethod
+    def world_size(self) -> int:
+        """Number of ranks the model is sharded over."""
+
+    @property
+    @abstractmethod
+    def is_value_model(self) -> bool:
+        """True for a critic (per-token values), False for a causal LM (log-probs)."""
+
+    @abstractmethod
+    def forward_micro_batch(
+        self, micro: MicroBatch, temperature: float = 1.0, calc_entropy: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """Forward one micro-batch WITH autograd.
+
+        Returns {"log_probs": [b, R]} (+ {"entropy": [b, R]} when `calc_entropy`) for a
+        causal LM, with logits divided by `temperature` first; {"values": [b, R]} for a
+        value model. All fp32, zero past each row's valid length.
+        """
+
+    @abstractmethod
+    def compute_log_probs(
+        self,
+        data: Mapping[str, torch.Tensor],
+        micro_batch_size: int,
+        temperature: float = 1.0,
+        calc_entropy: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs [B, R] of `responses` (and entropy [B, R] or None), without grad."""
+
+    @abstractmethod
+    def compute_values(self, data: Mapping[str, torch.Tensor], micro_batch_size: int) -> torch.Tensor:
+        """Values V(s_t) [B, R] of a value model, without grad."""
+
+    @abstractmethod
+    def train_step(self, micro_batches: list[MicroBatch], loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step: forward + `loss_fn` + backward per micro-batch, then clip and step.
+
+        Returns the mean of each `loss_fn` metric over micro-batches, plus "loss" (sum of
+        the micro-batch losses), "grad_norm" (before clipping) and "update_skipped" (1.0
+        when the norm was not finite and the step was skipped). Does not touch the LR
+        schedule: call `lr_scheduler_step` once per training step.
+        """
+
+    @abstractmethod
+    def lr_scheduler_step(self) -> float:
+        """Advance the LR schedule by one step; return the new learning rate."""
+
+    @property
+    @abstractmethod
+    def lr(self) -> float:
+        """Current learning rate."""
+
+    @abstractmethod
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Gathered full weights under HF names, on every rank, as plain tensors.
+
+        Collective: every rank must call it. Meant for syncing weights into a rollout
+        model in the same process.
+        """
+
+    @abstractmethod
+    def save_checkpoint(self, path: str | Path, extra: dict[str, Any] | None = None) -> Path:
+        """Save sharded model + optimizer + LR schedule + `extra` (per rank) to `path`, atomically."""
+
+    @abstractmethod
+    def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
+        """Restore a checkpoint written by `save_checkpoint`; return this rank's `extra`."""

@@ -1,0 +1,117 @@
+"""Batch plumbing shared by engines: micro-batching, padding removal, response alignment.
+
+Padding removal here is column trimming: a micro-batch keeps only the columns in
+which at least one row has a real token (prompts are left-padded and responses
+right-padded, so padding shared by all rows sits at both ends). Attention masks
+and position ids are kept, so every attention backend (SDPA, eager) stays exact.
+True varlen packing needs flash-attention kernels, which CPU SDPA lacks; with
+dense block-diagonal masks it would cost more attention FLOPs than it saves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from hybridflow import keys
+
+MODEL_INPUT_KEYS = (keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS, keys.RESPONSES)
+
+
+def select_inputs(data: Mapping[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """The model-input tensors of a batch (dict or TensorDict) on `device`.
+
+    position_ids are derived from attention_mask when the batch has none.
+    """
+    missing = [k for k in (keys.INPUT_IDS, keys.ATTENTION_MASK, keys.RESPONSES) if k not in data.keys()]
+    if missing:
+        raise KeyError(f"batch lacks {missing}; an engine needs {list(MODEL_INPUT_KEYS)}")
+    out = {k: data[k].to(device) for k in MODEL_INPUT_KEYS if k in data.keys()}
+    if keys.POSITION_IDS not in out:
+        out[keys.POSITION_IDS] = position_ids_from_mask(out[keys.ATTENTION_MASK])
+    return out
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """cumsum(attention_mask) - 1 clipped at 0, as in hybridflow/keys.py."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def split_micro_batches(data: Mapping[str, torch.Tensor], micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
+    """Split every [B, ...] tensor of `data` into consecutive chunks of `micro_batch_size` rows."""
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    size = data[keys.INPUT_IDS].shape[0]
+    return [
+        {k: data[k][i : i + micro_batch_size] for k in data.keys()}
+        for i in range(0, size, micro_batch_size)
+    ]
+
+
+@dataclass(frozen=True)
+class ResponseWindow:
+    """Where a (trimmed) micro-batch's response predictions sit.
+
+    Columns [start, end) of the padded [b, T] batch are fed to the model; the
+    positions P-1 .. end-2 predict the response columns 0 .. n_valid-1.
+    """
+
+    start: int
+    """First kept column of the padded batch."""
+    end: int
+    """One past the last kept column."""
+    prompt_len: int
+    """P = T - R: the column where responses start in the padded batch."""
+    response_len: int
+    """R of the padded batch (outputs are padded back to it)."""
+
+    @property
+    def n_valid(self) -> int:
+        """Response columns that hold a real token in at least one row."""
+        return max(self.end - self.prompt_len, 0)
+
+    @property
+    def logits_to_keep(self) -> int:
+        """Trailing positions whose logits are needed (>= 1; one more than predicted)."""
+        return self.n_valid + 1
+
+
+def response_window(micro: Mapping[str, torch.Tensor], remove_padding: bool) -> ResponseWindow:
+    """Column window of `micro` to run the model on (the whole batch unless `remove_padding`)."""
+    mask = micro[keys.ATTENTION_MASK]
+    total, resp = mask.shape[1], micro[keys.RESPONSES].shape[1]
+    prompt_len = total - resp
+    if not remove_padding:
+        return ResponseWindow(0, total, prompt_len, resp)
+    cols = mask.bool().any(dim=0).nonzero().flatten()
+    if cols.numel() == 0:
+        raise ValueError("micro-batch has no real tokens (attention_mask is all zero)")
+    # The last prompt column always holds a token (keys.py), but keep it even if not.
+    start = min(int(cols[0]), prompt_len - 1) if prompt_len > 0 else 0
+    end = max(int(cols[-1]) + 1, prompt_len)
+    return ResponseWindow(start, end, prompt_len, resp)
+
+
+def trim(micro: Mapping[str, torch.Tensor], win: ResponseWindow) -> dict[str, torch.Tensor]:
+    """input_ids / attention_mask / position_ids restricted to the window's columns."""
+    cols = slice(win.start, win.end)
+    return {
+        "input_ids": micro[keys.INPUT_IDS][:, cols],
+        "attention_mask": micro[keys.ATTENTION_MASK][:, cols],
+        "position_ids": micro[keys.POSITION_IDS][:, cols],
+    }
+
+
+def pad_to_response(values: torch.Tensor, win: ResponseWindow, response_mask: torch.Tensor) -> torch.Tensor:
+    """[b, n_valid] per-token values -> [b, R] fp32, zero past n_valid and on masked entries."""
+    out = values.new_zeros(values.shape[0], win.response_len, dtype=torch.float32)
+    out[:, : win.n_valid] = values.float()
+    return torch.where(response_mask.bool(), out, torch.zeros_like(out))
+
+
+def response_mask_of(micro: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """[b, R] mask of real response tokens (the response part of attention_mask)."""
+    resp = micro[keys.RESPONSES].shape[1]
+    return micro[keys.ATTENTION_MASK][:, -resp:]

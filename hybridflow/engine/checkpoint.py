@@ -1,0 +1,174 @@
+"""Sharded, atomic engine checkpoints and HF exports.
+
+Layout of a checkpoint directory (e.g. `ckpts/global_step_20`):
+  *.distcp, .metadata   model + optimizer shards (torch.distributed.checkpoint)
+  extra_rank{r}.pt      LR-schedule state and the caller's `extra` (rng, step) of rank r
+  hf_config/            the model's HF config, so `export_hf` works from the shards alone
+  meta.json             world size, model kind, whether optimizer state is present
+  COMPLETE              written last, by rank 0, before the directory takes its name
+
+All ranks write into `<dir>.tmp-<token>`; after a barrier rank 0 writes COMPLETE
+and renames it to `<dir>`. A save that dies midway leaves only the tmp directory,
+which `latest_checkpoint` skips and `load_checkpoint` refuses. All ranks must see
+the same filesystem (true on one machine; use a shared filesystem across nodes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+
+from hybridflow.models.value import ValueModel
+from hybridflow.utils.checkpoint_dirs import COMPLETE_MARKER as COMPLETE
+from hybridflow.utils.checkpoint_dirs import commit_checkpoint
+
+if TYPE_CHECKING:
+    from hybridflow.engine.fsdp import FSDPEngine
+
+class CheckpointError(RuntimeError):
+    """A checkpoint directory that is missing, incomplete or incompatible."""
+
+
+def _broadcast_token() -> str:
+    token = [uuid.uuid4().hex[:8] if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(token, src=0)
+    return token[0]
+
+
+def _states(engine: "FSDPEngine") -> dict[str, Any]:
+    if engine.optimizer is None:
+        return {"model": engine.model.state_dict()}
+    model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def save_checkpoint(engine: "FSDPEngine", path: Path, extra: dict[str, Any] | None = None) -> Path:
+    """Write engine state + per-rank `extra` to `path` atomically (collective: all ranks call it)."""
+    rank = engine.rank
+    token = _broadcast_token()
+    tmp = path.with_name(f"{path.name}.tmp-{token}")
+    if rank == 0:
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    dcp.save(_states(engine), checkpoint_id=tmp)
+    sched = engine.lr_scheduler.state_dict() if engine.lr_scheduler else None
+    torch.save({"lr_scheduler": sched, "extra": extra or {}}, tmp / f"extra_rank{rank}.pt")
+    if rank == 0:
+        engine.hf_config().save_pretrained(tmp / "hf_config")
+        meta = {"world_size": engine.world_size, "value_model": engine.is_value_model,
+                "has_optimizer": engine.optimizer is not None}
+        (tmp / "meta.json").write_text(json.dumps(meta))
+    dist.barrier()
+    if rank == 0:
+        commit_checkpoint(tmp, path)  # fsync, COMPLETE marker, rename into place
+    dist.barrier()
+    return path
+
+
+def _check_complete(path: Path) -> dict[str, Any]:
+    if not (path / COMPLETE).is_file():
+        raise CheckpointError(
+            f"{path} is not a complete checkpoint (no {COMPLETE} marker; an interrupted save?); "
+            "pick one with latest_checkpoint(root)"
+        )
+    return json.loads((path / "meta.json").read_text())
+
+
+def load_checkpoint(engine: "FSDPEngine", path: Path) -> dict[str, Any]:
+    """Restore model, optimizer and LR schedule from `path`; return this rank's `extra`."""
+    meta = _check_complete(path)
+    if meta["value_model"] != engine.is_value_model:
+        raise CheckpointError(f"{path} holds a value_model={meta['value_model']} checkpoint; engine differs")
+    if engine.optimizer is not None and not meta["has_optimizer"]:
+        raise CheckpointError(f"{path} has no optimizer state; load it into an engine built with optim=None")
+    state = _states(engine)
+    dcp.load(state, checkpoint_id=path)
+    if engine.optimizer is None:
+        set_state_dict(engine.model, [], model_state_dict=state["model"], optim_state_dict={})
+    else:
+        set_state_dict(engine.model, engine.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+    own = path / f"extra_rank{engine.rank}.pt"
+    blob = torch.load(own if own.exists() else path / "extra_rank0.pt", weights_only=False)
+    if engine.lr_scheduler is not None and blob["lr_scheduler"] is not None:
+        engine.lr_scheduler.load_state_dict(blob["lr_scheduler"])
+    return blob["extra"]
+
+
+def _step_of(path: Path) -> int:
+    match = re.search(r"(\d+)$", path.name)
+    return int(match.group(1)) if match else -1
+
+
+def latest_checkpoint(root: str | os.PathLike) -> Path | None:
+    """Newest COMPLETE checkpoint directly under `root` (by trailing step number, then mtime)."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    done = [p for p in root.iterdir() if p.is_dir() and (p / COMPLETE).is_file()
+            and ".tmp-" not in p.name and ".old-" not in p.name]
+    return max(done, key=lambda p: (_step_of(p), p.stat().st_mtime), default=None)
+
+
+def _empty_hf_model(config: Any, value_model: bool) -> torch.nn.Module:
+    if value_model:
+        return AutoModelForTokenClassification.from_config(config, dtype=torch.float32)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def _model_from_checkpoint(path: Path) -> torch.nn.Module:
+    meta = _check_complete(path)
+    config = AutoConfig.from_pretrained(path / "hf_config")
+    model = _empty_hf_model(config, meta["value_model"])
+    holder = ValueModel(model) if meta["value_model"] else model  # same names as when saved
+    dcp.load({"model": holder.state_dict()}, checkpoint_id=path, no_dist=True)
+    return model
+
+
+def export_hf(source: "FSDPEngine | str | os.PathLike", out_dir: str | os.PathLike, tokenizer: Any = None) -> Path:
+    """Write a full HF directory (safetensors + config + tokenizer) from an engine or a checkpoint.
+
+    From an engine this is collective (all ranks call it; rank 0 writes). `tokenizer` is a
+    tokenizer object or a model path to take it from; None writes weights and config only.
+    """
+    from hybridflow.engine.base import Engine
+
+    out = Path(out_dir)
+    if isinstance(source, Engine):
+        state = source.full_state_dict()
+        if source.rank != 0:
+            dist.barrier()
+            return out
+        model = _empty_hf_model(source.hf_config(), source.is_value_model)
+        model.load_state_dict(state, strict=True)
+    else:
+        model = _model_from_checkpoint(Path(source))
+    _write_hf(model, out, tokenizer)
+    if isinstance(source, Engine):
+        dist.barrier()
+    return out
+
+
+def _write_hf(model: torch.nn.Module, out: Path, tokenizer: Any) -> None:
+    if isinstance(tokenizer, (str, os.PathLike)):
+        from hybridflow.models import load_tokenizer
+
+        tokenizer = load_tokenizer(tokenizer)
+    tmp = out.with_name(f"{out.name}.tmp-{uuid.uuid4().hex[:8]}")
+    model.save_pretrained(tmp, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    if out.exists():
+        shutil.rmtree(out)
+    os.rename(tmp, out)

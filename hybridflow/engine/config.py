@@ -1,0 +1,88 @@
+"""Typed configs of a training engine: the optimizer/LR schedule and the engine itself."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def dtype_of(name: str) -> torch.dtype:
+    """torch dtype for a config dtype name ("fp32" | "bf16")."""
+    return _DTYPES[name]
+
+
+@dataclass
+class OptimConfig:
+    """AdamW and its learning-rate schedule."""
+
+    lr: float = 1e-6
+    """Peak learning rate."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW (beta1, beta2)."""
+    weight_decay: float = 0.01
+    """AdamW decoupled weight decay."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Max global gradient norm; <= 0 disables clipping (the norm is still reported)."""
+    lr_scheduler: Literal["constant", "cosine"] = "constant"
+    """Schedule after warmup: constant at `lr`, or cosine decay to `lr * min_lr_ratio`."""
+    lr_warmup_steps_ratio: float = 0.0
+    """Fraction of `total_training_steps` spent in linear warmup from 0 to `lr`."""
+    min_lr_ratio: float = 0.0
+    """Final LR of the cosine schedule as a fraction of `lr`."""
+    total_training_steps: int = -1
+    """Number of optimizer steps in the run; set by the trainer. Needed by warmup/cosine."""
+
+    def __post_init__(self) -> None:
+        if self.lr < 0:
+            raise ValueError(f"optim.lr must be >= 0, got {self.lr}")
+        if self.lr_scheduler not in ("constant", "cosine"):
+            raise ValueError(
+                f"optim.lr_scheduler must be 'constant' or 'cosine', got {self.lr_scheduler!r}"
+            )
+        if not 0.0 <= self.lr_warmup_steps_ratio <= 1.0:
+            raise ValueError(
+                f"optim.lr_warmup_steps_ratio must be in [0, 1], got {self.lr_warmup_steps_ratio}"
+            )
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        self.betas = (float(self.betas[0]), float(self.betas[1]))
+
+
+@dataclass
+class EngineConfig:
+    """How one model runs on its process group (FSDP2)."""
+
+    param_dtype: Literal["fp32", "bf16"] = "bf16"
+    """Compute dtype of forward/backward; master weights and optimizer state stay fp32."""
+    reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Dtype of the gradient reduce-scatter across data-parallel ranks."""
+    gradient_checkpointing: bool = False
+    """Recompute decoder-layer activations in backward to save memory."""
+    use_remove_padding: bool = True
+    """Drop the columns that are padding in every row of a micro-batch before the forward."""
+    micro_batch_size_per_device: int = 4
+    """Rows per forward/backward on each rank (per device, not global)."""
+    logits_chunk_size: int = 1024
+    """Tokens per chunk when turning logits into log-probs/entropy (bounds fp32 memory)."""
+    reshard_after_forward: bool = True
+    """FSDP2: free gathered parameters after forward (saves memory, costs a re-gather)."""
+
+    def __post_init__(self) -> None:
+        for key in ("param_dtype", "reduce_dtype"):
+            if getattr(self, key) not in _DTYPES:
+                raise ValueError(
+                    f"engine.{key} must be one of {sorted(_DTYPES)}, got {getattr(self, key)!r}"
+                )
+        if self.micro_batch_size_per_device < 1:
+            raise ValueError(
+                "engine.micro_batch_size_per_device must be >= 1, "
+                f"got {self.micro_batch_size_per_device}"
+            )
+        if self.logits_chunk_size < 1:
+            raise ValueError(f"engine.logits_chunk_size must be >= 1, got {self.logits_chunk_size}")

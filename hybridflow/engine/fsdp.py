@@ -1,0 +1,262 @@
+"""FSDP2 engine: `fully_shard` on every decoder layer and on the root, over the whole world.
+
+Parameters, gradients and AdamW state are sharded over the ranks of the current
+torch.distributed world (gloo on CPU, nccl on GPU). Compute runs in
+`param_dtype` through FSDP2's MixedPrecisionPolicy while the sharded master
+weights and optimizer state stay fp32. Without an initialised process group the
+engine starts a single-process one (world size 1, in-memory store, no ports), so
+one code path serves one process and many.
+
+Departures from a plain training loop, on purpose:
+- Logits are computed only at the response positions (`logits_to_keep`), never
+  for the prompt, and stay in `param_dtype`; log-probs and entropy are taken
+  chunk-wise in fp32 (hybridflow/algos/logits.py).
+- Gradients are reduce-scattered after every micro-batch (no no-sync
+  accumulation), so accumulation happens in fp32 on the shards.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from hybridflow import keys
+from hybridflow.algos.logits import entropy_from_logits, logprobs_from_logits
+from hybridflow.engine import batch as B
+from hybridflow.engine.base import Engine, LossFn, MicroBatch
+from hybridflow.engine.config import EngineConfig, OptimConfig, dtype_of
+from hybridflow.engine.optim import build_lr_scheduler, build_optimizer
+from hybridflow.models.value import ValueModel
+
+
+def ensure_process_group() -> None:
+    """Initialise torch.distributed if needed: from env:// when RANK/WORLD_SIZE are set, else world 1."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def engine_device() -> torch.device:
+    """cuda:LOCAL_RANK when CUDA is available, else cpu."""
+    if torch.cuda.is_available():
+        index = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated transformer blocks of an HF model (its `_no_split_modules` classes)."""
+    names: set[str] = set()
+    for module in model.modules():
+        names.update(getattr(module, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(f"cannot find decoder layers in {type(model).__name__} to shard")
+    return layers
+
+
+def _detached_full(t: torch.Tensor) -> torch.Tensor:
+    """The full value of a (possibly sharded) tensor, never aliasing the live parameter."""
+    local = t.to_local() if isinstance(t, DTensor) else t
+    full = t.full_tensor() if isinstance(t, DTensor) else t
+    if full.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
+        full = full.clone()  # world size 1 gathers nothing and would hand out the parameter itself
+    return full.detach()
+
+
+class FSDPEngine(Engine):
+    """A causal LM or a `ValueModel`, sharded with FSDP2 over the current world.
+
+    Pass `optim=None` for an inference-only engine (reference policy, reward model).
+    """
+
+    def __init__(self, model: nn.Module, config: EngineConfig, optim: OptimConfig | None = None) -> None:
+        ensure_process_group()
+        self.config = config
+        self.device = engine_device()
+        self._value = isinstance(model, ValueModel)
+        if config.gradient_checkpointing:
+            model.activation_checkpointing_enable({"use_reentrant": False})
+        self.model = self._shard(model.to(self.device))
+        self.optimizer = build_optimizer(self.model, optim) if optim else None
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, optim) if optim else None
+        self.optim_config = optim
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike,
+        config: EngineConfig,
+        optim: OptimConfig | None = None,
+        value_model: bool = False,
+    ) -> "FSDPEngine":
+        """Load a causal LM (or, with `value_model`, a value model) from a local HF dir and shard it."""
+        from hybridflow.models import load_causal_lm, load_value_model
+
+        model = load_value_model(path) if value_model else load_causal_lm(path)
+        return cls(model, config, optim)
+
+    def _shard(self, model: nn.Module) -> nn.Module:
+        mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
+        policy = MixedPrecisionPolicy(
+            param_dtype=dtype_of(self.config.param_dtype), reduce_dtype=dtype_of(self.config.reduce_dtype)
+        )
+        kwargs = dict(mesh=mesh, mp_policy=policy, reshard_after_forward=self.config.reshard_after_forward)
+        for layer in decoder_layers(model):
+            fully_shard(layer, **kwargs)
+        fully_shard(model, **kwargs)
+        return model
+
+    # --- properties -----------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size()
+
+    @property
+    def is_value_model(self) -> bool:
+        return self._value
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"]) if self.optimizer else 0.0
+
+    # --- forward --------------------------------------------------------------
+    def forward_micro_batch(
+        self, micro: MicroBatch, temperature: float = 1.0, calc_entropy: bool = False
+    ) -> dict[str, torch.Tensor]:
+        inputs = B.select_inputs(micro, self.device)
+        win = B.response_window(inputs, self.config.use_remove_padding)
+        rmask = B.response_mask_of(inputs)
+        if self._value:
+            values = self.model(**B.trim(inputs, win))
+            first = win.prompt_len - 1 - win.start
+            return {"values": B.pad_to_response(values[:, first : first + win.n_valid], win, rmask)}
+        out = self.model(**B.trim(inputs, win), logits_to_keep=win.logits_to_keep, use_cache=False)
+        logits = out.logits[:, :-1]
+        if temperature != 1.0:
+            logits = logits.float() / temperature
+        labels = inputs[keys.RESPONSES][:, : win.n_valid]
+        chunk = self.config.logits_chunk_size
+        result = {"log_probs": B.pad_to_response(logprobs_from_logits(logits, labels, chunk), win, rmask)}
+        if calc_entropy:
+            result["entropy"] = B.pad_to_response(entropy_from_logits(logits, chunk), win, rmask)
+        return result
+
+    @torch.no_grad()
+    def _infer(self, data: Mapping[str, torch.Tensor], micro_batch_size: int, **kw) -> dict[str, torch.Tensor]:
+        self.model.eval()
+        parts: dict[str, list[torch.Tensor]] = defaultdict(list)
+        for micro in B.split_micro_batches(B.select_inputs(data, self.device), micro_batch_size):
+            for k, v in self.forward_micro_batch(micro, **kw).items():
+                parts[k].append(v)
+        return {k: torch.cat(v) for k, v in parts.items()}
+
+    def compute_log_probs(
+        self,
+        data: Mapping[str, torch.Tensor],
+        micro_batch_size: int,
+        temperature: float = 1.0,
+        calc_entropy: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self._value:
+            raise TypeError("compute_log_probs needs a causal LM; this engine holds a value model")
+        out = self._infer(data, micro_batch_size, temperature=temperature, calc_entropy=calc_entropy)
+        return out["log_probs"], out.get("entropy")
+
+    def compute_values(self, data: Mapping[str, torch.Tensor], micro_batch_size: int) -> torch.Tensor:
+        if not self._value:
+            raise TypeError("compute_values needs a value model; build the engine with value_model=True")
+        return self._infer(data, micro_batch_size)["values"]
+
+    # --- training -------------------------------------------------------------
+    def train_step(
+        self,
+        micro_batches: list[MicroBatch],
+        loss_fn: LossFn,
+        temperature: float = 1.0,
+        calc_entropy: bool = False,
+    ) -> dict[str, float]:
+        """See `Engine.train_step`; `temperature`/`calc_entropy` go to `forward_micro_batch`."""
+        if self.optimizer is None:
+            raise RuntimeError("train_step needs an optimizer; build the engine with an OptimConfig")
+        self.model.train()
+        collected: dict[str, list[float]] = defaultdict(list)
+        total_loss = 0.0
+        for micro in micro_batches:
+            micro = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in micro.items()}
+            outputs = self.forward_micro_batch(micro, temperature=temperature, calc_entropy=calc_entropy)
+            loss, stats = loss_fn(outputs, micro)
+            loss.backward()
+            total_loss += float(loss.detach())
+            for k, v in stats.items():
+                collected[k].append(float(v))
+        metrics = {k: sum(v) / len(v) for k, v in collected.items()}
+        metrics.update(self._optimizer_step(), loss=total_loss)
+        return metrics
+
+    def _optimizer_step(self) -> dict[str, float]:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        clip = self.optim_config.grad_clip
+        if clip > 0:
+            norm = torch.nn.utils.clip_grad_norm_(params, clip)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        norm = float(norm)
+        finite = bool(torch.isfinite(torch.tensor(norm)))
+        if finite:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": norm, "update_skipped": 0.0 if finite else 1.0, "lr": self.lr}
+
+    def lr_scheduler_step(self) -> float:
+        if self.lr_scheduler is None:
+            raise RuntimeError("lr_scheduler_step needs an optimizer; build the engine with an OptimConfig")
+        self.lr_scheduler.step()
+        return self.lr
+
+    # --- weights and checkpoints ---------------------------------------------
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """See `Engine.full_state_dict`; fp32 master weights, value models under their HF names."""
+        gathered: dict[int, torch.Tensor] = {}
+        out: dict[str, torch.Tensor] = {}
+        prefix = "backbone." if self._value else ""
+        for name, t in self.model.state_dict().items():
+            if id(t) not in gathered:  # tied weights share one tensor: gather once
+                gathered[id(t)] = _detached_full(t)
+            out[name.removeprefix(prefix)] = gathered[id(t)]
+        return out
+
+    def hf_config(self) -> Any:
+        """The HF config of the model (for exports)."""
+        return self.model.config
+
+    def save_checkpoint(self, path: str | Path, extra: dict[str, Any] | None = None) -> Path:
+        from hybridflow.engine.checkpoint import save_checkpoint
+
+        return save_checkpoint(self, Path(path), extra)
+
+    def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
+        from hybridflow.engine.checkpoint import load_checkpoint
+
+        return load_checkpoint(self, Path(path))

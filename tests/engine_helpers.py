@@ -1,0 +1,47 @@
+"""Batches and reference computations shared by the engine tests."""
+
+from __future__ import annotations
+
+import torch
+
+from hybridflow import keys
+
+VOCAB = 49152
+
+
+def make_batch(batch: int, prompt_len: int, resp_len: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Left-padded prompts + right-padded responses with varied lengths, as in hybridflow/keys.py.
+
+    Every prompt is shorter than `prompt_len` and every response shorter than `resp_len`,
+    so whole padding columns exist at both ends (what padding removal trims).
+    """
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (batch, prompt_len + resp_len), generator=g)
+    mask = torch.zeros_like(ids)
+    for i in range(batch):
+        p = int(torch.randint(1, prompt_len, (1,), generator=g))
+        r = int(torch.randint(1, resp_len, (1,), generator=g))
+        mask[i, prompt_len - p : prompt_len + r] = 1
+    return {
+        keys.INPUT_IDS: ids,
+        keys.ATTENTION_MASK: mask,
+        keys.POSITION_IDS: (mask.cumsum(-1) - 1).clamp(min=0),
+        keys.RESPONSES: ids[:, prompt_len:],
+    }
+
+
+def reference_log_probs(model: torch.nn.Module, data: dict, temperature: float = 1.0):
+    """Plain full-padding forward, full logits, fp32 log_softmax: (log_probs, entropy) [B, R]."""
+    resp = data[keys.RESPONSES].shape[1]
+    with torch.no_grad():
+        logits = model(
+            input_ids=data[keys.INPUT_IDS],
+            attention_mask=data[keys.ATTENTION_MASK],
+            position_ids=data[keys.POSITION_IDS],
+        ).logits.float() / temperature
+    logits = logits[:, -resp - 1 : -1]
+    logp = torch.log_softmax(logits, -1)
+    lp = logp.gather(-1, data[keys.RESPONSES].unsqueeze(-1)).squeeze(-1)
+    ent = -(logp.exp() * logp).sum(-1)
+    mask = data[keys.ATTENTION_MASK][:, -resp:].bool()
+    return torch.where(mask, lp, 0.0), torch.where(mask, ent, 0.0)

@@ -1,0 +1,87 @@
+"""Engine training: LR schedules, skipped non-finite steps, gradient checkpointing, config checks."""
+
+import math
+
+import pytest
+import torch
+
+from hybridflow import keys
+from hybridflow.engine import EngineConfig, FSDPEngine, OptimConfig
+from hybridflow.engine.optim import lr_factor
+from hybridflow.models import tiny_model_dir
+from tests.engine_helpers import make_batch
+
+
+def test_constant_schedule_with_warmup():
+    cfg = OptimConfig(lr=1.0, lr_warmup_steps_ratio=0.2, total_training_steps=10)
+    assert [lr_factor(s, cfg) for s in range(4)] == [0.5, 1.0, 1.0, 1.0]
+
+
+def test_cosine_schedule_hits_peak_and_floor():
+    cfg = OptimConfig(lr=1.0, lr_scheduler="cosine", lr_warmup_steps_ratio=0.1,
+                      min_lr_ratio=0.1, total_training_steps=20)
+    assert lr_factor(0, cfg) == pytest.approx(0.5)
+    assert lr_factor(2, cfg) == pytest.approx(1.0)
+    assert lr_factor(11, cfg) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert lr_factor(20, cfg) == pytest.approx(0.1)
+    assert lr_factor(50, cfg) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize(
+    "kwargs, key",
+    [(dict(lr_scheduler="linear"), "lr_scheduler"), (dict(lr_warmup_steps_ratio=1.5), "lr_warmup"),
+     (dict(min_lr_ratio=-0.1), "min_lr_ratio")],
+)
+def test_bad_optim_config_names_the_key(kwargs, key):
+    with pytest.raises(ValueError, match=key):
+        OptimConfig(**kwargs)
+
+
+def test_bad_engine_config_names_the_key():
+    with pytest.raises(ValueError, match="param_dtype"):
+        EngineConfig(param_dtype="fp16")
+    with pytest.raises(ValueError, match="micro_batch_size_per_device"):
+        EngineConfig(micro_batch_size_per_device=0)
+
+
+def test_cosine_without_run_length_is_rejected():
+    with pytest.raises(ValueError, match="total_training_steps"):
+        FSDPEngine.from_pretrained(tiny_model_dir("llama"), EngineConfig(), OptimConfig(lr_scheduler="cosine"))
+
+
+def _pg_loss(out, micro):
+    mask = micro[keys.ATTENTION_MASK][:, -micro[keys.RESPONSES].shape[1]:].float()
+    return -(out["log_probs"] * mask).sum() / mask.sum() / 2, {"seen": 1.0}
+
+
+def _train_once(gc: bool, data: dict) -> tuple[dict, dict]:
+    engine = FSDPEngine.from_pretrained(tiny_model_dir("qwen2"), EngineConfig(param_dtype="fp32", gradient_checkpointing=gc),
+                                        OptimConfig(lr=1e-3, lr_warmup_steps_ratio=0.5, total_training_steps=4))
+    metrics = engine.train_step([{k: v[:2] for k, v in data.items()}, {k: v[2:] for k, v in data.items()}],
+                                _pg_loss, calc_entropy=True)
+    metrics["next_lr"] = engine.lr_scheduler_step()
+    return metrics, engine.full_state_dict()
+
+
+def test_gradient_checkpointing_gives_the_same_update():
+    data = make_batch(4, 7, 5, seed=5)
+    m_plain, w_plain = _train_once(False, data)
+    m_gc, w_gc = _train_once(True, data)
+    assert m_plain["update_skipped"] == 0.0 and m_plain["seen"] == 1.0
+    assert m_plain["lr"] == pytest.approx(0.5e-3) and m_plain["next_lr"] == pytest.approx(1e-3)
+    assert m_gc["grad_norm"] == pytest.approx(m_plain["grad_norm"], rel=1e-5)
+    for k in w_plain:
+        torch.testing.assert_close(w_gc[k], w_plain[k], atol=1e-6, rtol=1e-5)
+
+
+def test_non_finite_gradient_skips_the_update():
+    engine = FSDPEngine.from_pretrained(tiny_model_dir("llama"), EngineConfig(param_dtype="fp32"), OptimConfig(lr=1e-2))
+    before = engine.full_state_dict()
+    data = make_batch(2, 6, 4, seed=6)
+    metrics = engine.train_step([data], lambda out, micro: (out["log_probs"].sum() * float("nan"), {}))
+    assert metrics["update_skipped"] == 1.0 and not math.isfinite(metrics["grad_norm"])
+    after = engine.full_state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    metrics = engine.train_step([data], lambda out, micro: (-out["log_probs"].sum(), {}))
+    assert metrics["update_skipped"] == 0.0
+    assert any(not torch.equal(before[k], engine.full_state_dict()[k]) for k in before)
