@@ -1,0 +1,138 @@
+"""Load typed config dataclasses from YAML plus verl-style `a.b.c=value` overrides.
+
+`load_config(RunConfig, "run.yaml", ["data.train_batch_size=64"])` merges,
+in order, the dataclass defaults, the YAML file and the overrides (OmegaConf
+structured configs check the types), then builds the dataclasses bottom-up so
+that every nested `__post_init__` runs on the merged values. Every problem
+becomes one `ConfigError` naming the key:
+
+- an unknown key names the closest known keys;
+- a value of the wrong type names the key and the source (file or override);
+- a failed `__post_init__` check is prefixed with the section's key path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import types
+import typing
+from pathlib import Path
+from typing import Any, Sequence, TypeVar
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+
+T = TypeVar("T")
+_OVERRIDE = re.compile(r"^[A-Za-z_][\w\-]*(\.[A-Za-z_][\w\-]*)*=")
+
+
+class ConfigError(ValueError):
+    """A config value or key is wrong; the message names the key and the fix."""
+
+
+def load_config(cls: type[T], yaml_path: str | Path | None = None, overrides: Sequence[str] = ()) -> T:
+    """An instance of dataclass `cls` from defaults, the YAML file and `key=value` overrides."""
+    layers = []
+    if yaml_path is not None:
+        layers.append((f"config file {str(yaml_path)!r}", _read_yaml(Path(yaml_path))))
+    if overrides:
+        layers.append(("command-line overrides", _parse_overrides(overrides)))
+    merged = OmegaConf.structured(cls)
+    for source, layer in layers:
+        check_keys(cls, OmegaConf.to_container(layer), source=source)
+        try:
+            merged = OmegaConf.merge(merged, layer)
+        except OmegaConfBaseException as err:
+            key = getattr(err, "full_key", None) or "?"
+            raise ConfigError(f"{source}: bad value for config key {key!r}: {_first_line(err)}") from None
+    return build(cls, merged)
+
+
+def build(cls: type[T], node: DictConfig, prefix: str = "") -> T:
+    """Instantiate dataclass `cls` from `node`, nested sections first."""
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        key = prefix + f.name
+        try:
+            value = node[f.name]
+        except MissingMandatoryValue:
+            raise ConfigError(f"config key {key!r} has no value; set it in the YAML file or with {key}=...") from None
+        sub = _dataclass_type(hints[f.name])
+        if sub is not None and isinstance(value, DictConfig):
+            kwargs[f.name] = build(sub, value, key + ".")
+        elif isinstance(value, (DictConfig, ListConfig)):
+            kwargs[f.name] = OmegaConf.to_container(value, resolve=True)
+        else:
+            kwargs[f.name] = value
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError, KeyError) as err:
+        where = prefix.rstrip(".") or cls.__name__
+        text = err.args[0] if isinstance(err, KeyError) and err.args else err
+        raise ConfigError(f"config section {where!r}: {text}") from None
+
+
+def check_keys(cls: type, data: Any, prefix: str = "", source: str = "config") -> None:
+    """Raise ConfigError for the first key in `data` that dataclass `cls` does not have."""
+    if not isinstance(data, dict):
+        where = prefix.rstrip(".") or "the top level"
+        raise ConfigError(f"{source}: {where} must be a mapping of keys to values, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key, value in data.items():
+        if key not in names:
+            near = difflib.get_close_matches(str(key), names, n=3, cutoff=0.6)
+            hint = f"; did you mean {[prefix + n for n in near]}?" if near else ""
+            raise ConfigError(f"{source}: unknown config key {prefix + str(key)!r}{hint} "
+                              f"Known keys in {prefix.rstrip('.') or cls.__name__}: {names}")
+        sub = _dataclass_type(hints[key])
+        if sub is not None and value is not None:
+            check_keys(sub, value, f"{prefix}{key}.", source)
+
+
+def to_yaml(config: Any) -> str:
+    """The config dataclass instance as YAML (for logging it or saving it with a checkpoint)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(config))
+
+
+def _dataclass_type(hint: Any) -> type | None:
+    """The dataclass in `hint` (also inside Optional[...]), else None."""
+    if dataclasses.is_dataclass(hint):
+        return hint
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1:
+        return _dataclass_type(args[0])
+    return None
+
+
+def _read_yaml(path: Path) -> DictConfig:
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {str(path)!r} does not exist")
+    try:
+        layer = OmegaConf.load(path)
+    except Exception as err:  # yaml.YAMLError and OmegaConf's own errors
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {_first_line(err)}") from None
+    if not isinstance(layer, DictConfig):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping of keys to values at the top level")
+    return layer
+
+
+def _parse_overrides(overrides: Sequence[str]) -> DictConfig:
+    for item in overrides:
+        if not _OVERRIDE.match(item):
+            raise ConfigError(f"override {item!r} is not of the form key.sub=value (e.g. data.train_batch_size=32)")
+    try:
+        return OmegaConf.from_dotlist(list(overrides))
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"cannot parse overrides {list(overrides)}: {_first_line(err)}") from None
+
+
+def _first_line(err: Exception) -> str:
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__

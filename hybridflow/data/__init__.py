@@ -1,0 +1,22 @@
+"""Datasets, data loading and task builders.
+
+- `build_task` / `TASKS`: generate arithmetic, GSM8K-style and countdown
+  problems as verl-format parquet (`tasks.py` and one module per task).
+- `RLDataset`: reads any verl-format parquet, applies the chat template and
+  left-pads prompts (`dataset.py`); `collate` makes a DataProto of its items.
+- `StatefulDataLoader`: seeded, resumable batches of prompts (`loader.py`).
+"""
+
+from hybridflow.data.loader import StatefulDataLoader
+from hybridflow.data.tasks import TASKS, build_task, get_task, register_task
+
+__all__ = ["TASKS", "RLDataset", "StatefulDataLoader", "build_task", "collate", "get_task",
+           "register_task"]
+
+
+def __getattr__(name: str):
+    # dataset.py imports torch and the tokenizer stack; load it on first use.
+    if name in ("RLDataset", "collate"):
+        from hybridflow.data import dataset
+        return getattr(dataset, name)
+    raise AttributeError(f"module 'hybridflow.data' has no attribute {name!r}")

@@ -1,0 +1,99 @@
+"""RewardManager: turn generated responses into token-level scores.
+
+Given a batch with `responses`, `response_mask`, `data_source` and
+`ground_truth`, it decodes each response's valid tokens, scores it with the
+reward function (a rule scorer chosen by `data_source`, or a custom one) and
+writes the score at the response's last valid token of a [B, R] tensor, zero
+elsewhere (`hybridflow.keys.TOKEN_LEVEL_SCORES`). When the batch also holds
+`rm_scores` from a reward-model worker, they are added to the rule scores.
+
+A response with no valid token (empty mask) gets its score at column 0 so
+that it is not lost from sequence-level sums.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections import defaultdict
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from hybridflow import keys
+from hybridflow.protocol import DataProto
+from hybridflow.rewards.registry import default_compute_score
+
+RewardFn = Callable[..., float]
+
+
+@dataclass
+class RewardResult:
+    """What `RewardManager.__call__` returns."""
+
+    token_level_scores: torch.Tensor
+    """[B, R] float32: the score at each response's last valid token, plus rm_scores if present."""
+    scores: list[float]
+    """The rule (or custom) score of each response, in batch order."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Mean score per data_source (`reward/<source>/mean`) and overall (`reward/mean`)."""
+
+
+class RewardManager:
+    """Scores a DataProto of responses with a per-sample reward function."""
+
+    def __init__(self, tokenizer: Any, compute_score: RewardFn | None = None, num_workers: int = 0):
+        """`compute_score(data_source, solution_str, ground_truth, extra_info)` defaults to
+        the rule registry; `num_workers > 0` scores in that many processes (worth it only
+        for slow scorers; the function must be importable by name)."""
+        self.tokenizer = tokenizer
+        self.compute_score = compute_score or default_compute_score
+        self.num_workers = num_workers
+
+    def __call__(self, data: DataProto) -> RewardResult:
+        """Score every row of `data`; see the module docstring for the layout."""
+        responses = data.batch[keys.RESPONSES]
+        lengths = data.batch[keys.RESPONSE_MASK].sum(-1).long()
+        texts = self.tokenizer.batch_decode(
+            [row[:n].tolist() for row, n in zip(responses, lengths)], skip_special_tokens=True)
+        sources = [str(s) for s in data.non_tensor_batch[keys.DATA_SOURCE]]
+        truths = [str(t) for t in data.non_tensor_batch[keys.GROUND_TRUTH]]
+        extras = _column(data, keys.EXTRA_INFO)
+        scores = self._score_all(list(zip(sources, texts, truths, extras)))
+        token_scores = torch.zeros(responses.shape, dtype=torch.float32)
+        last = (lengths - 1).clamp(min=0)
+        token_scores[torch.arange(len(scores)), last] = torch.tensor(scores, dtype=torch.float32)
+        if keys.RM_SCORES in data.batch.keys():
+            token_scores = token_scores + data.batch[keys.RM_SCORES].float()
+        return RewardResult(token_scores, scores, source_metrics(sources, scores))
+
+    def _score_all(self, items: list[tuple[str, str, str, Any]]) -> list[float]:
+        if self.num_workers <= 0 or len(items) < 2:
+            return [float(self.compute_score(*item)) for item in items]
+        chunk = max(1, len(items) // (4 * self.num_workers))
+        # fork: a custom reward module loaded from a file is importable only in a copy of this process.
+        with ProcessPoolExecutor(self.num_workers, mp_context=multiprocessing.get_context("fork")) as pool:
+            return [float(s) for s in pool.map(_score_one, [self.compute_score] * len(items),
+                                               items, chunksize=chunk)]
+
+
+def _score_one(fn: RewardFn, item: tuple[str, str, str, Any]) -> float:
+    return fn(*item)
+
+
+def _column(data: DataProto, key: str) -> list[Any]:
+    if key in data.non_tensor_batch:
+        return list(data.non_tensor_batch[key])
+    return [None] * len(data)
+
+
+def source_metrics(sources: list[str], scores: list[float]) -> dict[str, float]:
+    """Mean score per data source and overall."""
+    by_source: dict[str, list[float]] = defaultdict(list)
+    for source, score in zip(sources, scores):
+        by_source[source].append(score)
+    metrics = {f"reward/{s}/mean": sum(v) / len(v) for s, v in sorted(by_source.items())}
+    if scores:
+        metrics["reward/mean"] = sum(scores) / len(scores)
+    return metrics

@@ -1,0 +1,248 @@
+"""Config sections owned by the trainer: data, reward, algorithm, trainer.
+
+Each section is a dataclass with a default and a docstring per field; bad
+values and bad combinations fail in `__post_init__` with a message naming
+the keys. Load a whole run with `hybridflow.config_utils.load_config`. Batch
+sizes here are global (per run), not per worker.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hybridflow.data.dataset import TRUNCATIONS
+
+KL_PENALTIES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full")
+LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
+
+
+def _one_of(key: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(f"{key} must be one of {list(allowed)}, got {value!r}")
+
+
+def _positive(**values: Any) -> None:
+    for key, value in values.items():
+        if value is not None and value < 1:
+            raise ValueError(f"{key} must be >= 1, got {value}")
+
+
+@dataclass
+class DataConfig:
+    """Where prompts come from and how long prompts and responses may be."""
+
+    train_files: Any = field(default_factory=list)
+    """Training parquet file(s) in verl format: one path or a list. Empty: generate `task`."""
+    val_files: Any = field(default_factory=list)
+    """Validation parquet file(s). Empty: the generated `task`'s test split (or none without a task)."""
+    task: Optional[str] = "arithmetic"
+    """Task builder (hybridflow.data.TASKS) used to generate files when train_files is empty."""
+    task_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Difficulty settings passed to the task builder, e.g. {max_digits: 1}."""
+    task_dir: str = "~/.cache/hybridflow/data"
+    """Directory the generated task files are written to."""
+    gen_train_size: int = 2048
+    """Number of training problems to generate."""
+    gen_val_size: int = 256
+    """Number of validation problems to generate."""
+    train_batch_size: int = 32
+    """Prompts per training step, for the whole run (each is sampled rollout.n times)."""
+    val_batch_size: Optional[int] = None
+    """Prompts per validation generate call; None runs the whole validation set at once."""
+    max_prompt_length: int = 128
+    """Prompt tokens after the chat template; prompts are left-padded to this length."""
+    max_response_length: int = 64
+    """Most tokens generated per response; responses are right-padded to this length."""
+    filter_overlong_prompts: bool = True
+    """Drop prompts longer than max_prompt_length (the count is logged) instead of applying `truncation`."""
+    truncation: str = "error"
+    """For overlong prompts when not filtering: "error", "left" (keep the end) or "right" (keep the start)."""
+    shuffle: bool = True
+    """Shuffle the training prompts every epoch (order derived from seed and epoch)."""
+    seed: int = 0
+    """Seed of the epoch shuffles and of task generation."""
+
+    def __post_init__(self) -> None:
+        self.train_files = _as_list(self.train_files, "data.train_files")
+        self.val_files = _as_list(self.val_files, "data.val_files")
+        if not self.train_files and not self.task:
+            raise ValueError("set data.train_files to parquet file(s) or data.task to a task builder name")
+        if self.task and not self.train_files:
+            from hybridflow.data.tasks import get_task, make_difficulty
+
+            get_task(self.task)
+            make_difficulty(self.task, **self.task_kwargs)
+        _positive(**{"data.train_batch_size": self.train_batch_size, "data.val_batch_size": self.val_batch_size,
+                     "data.max_prompt_length": self.max_prompt_length,
+                     "data.max_response_length": self.max_response_length,
+                     "data.gen_train_size": self.gen_train_size, "data.gen_val_size": self.gen_val_size})
+        _one_of("data.truncation", self.truncation, TRUNCATIONS)
+
+
+def _as_list(value: Any, key: str) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, (str, os.PathLike)):
+        return [str(value)]
+    if isinstance(value, (list, tuple)) and all(isinstance(v, (str, os.PathLike)) for v in value):
+        return [str(v) for v in value]
+    raise ValueError(f"{key} must be a path or a list of paths, got {value!r}")
+
+
+@dataclass
+class CustomRewardFunctionConfig:
+    """A reward function loaded from a user's Python file."""
+
+    path: Optional[str] = None
+    """Python file defining the function; None uses the built-in rule scorers."""
+    name: str = "compute_score"
+    """Function in that file: (data_source, solution_str, ground_truth, extra_info=None) -> float."""
+
+    def __post_init__(self) -> None:
+        if self.path is not None and not os.path.isfile(os.path.expanduser(self.path)):
+            raise ValueError(f"custom_reward_function.path {self.path!r} does not exist")
+        if not self.name.isidentifier():
+            raise ValueError(f"custom_reward_function.name must be a Python identifier, got {self.name!r}")
+
+
+@dataclass
+class RewardConfig:
+    """How responses are scored."""
+
+    custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
+    """User reward function; unset means the rule scorer chosen by each row's data_source."""
+    use_reward_model: bool = False
+    """Also score with a reward-model worker group; its rm_scores are added to the rule scores."""
+    num_workers: int = 0
+    """Processes for rule scoring (0: score in the controller process; worth it only for slow scorers)."""
+
+    def __post_init__(self) -> None:
+        if self.num_workers < 0:
+            raise ValueError(f"reward.num_workers must be >= 0, got {self.num_workers}")
+
+
+@dataclass
+class KLControlConfig:
+    """Controller of the KL-penalty coefficient used when algorithm.use_kl_in_reward is set."""
+
+    type: str = "fixed"
+    """"fixed" keeps kl_coef; "adaptive" moves it toward target_kl (Ziegler et al. 2019)."""
+    kl_coef: float = 0.001
+    """Initial (or fixed) coefficient of the KL penalty."""
+    target_kl: float = 0.1
+    """KL the adaptive controller steers toward."""
+    horizon: int = 10000
+    """Adaptive controller horizon, in samples."""
+
+    def __post_init__(self) -> None:
+        _one_of("algorithm.kl_ctrl.type", self.type, ("fixed", "adaptive"))
+        if self.kl_coef < 0:
+            raise ValueError(f"algorithm.kl_ctrl.kl_coef must be >= 0, got {self.kl_coef}")
+        if self.type == "adaptive" and (self.target_kl <= 0 or self.horizon < 1):
+            raise ValueError("algorithm.kl_ctrl.type=adaptive needs target_kl > 0 and horizon >= 1, "
+                             f"got {self.target_kl}, {self.horizon}")
+
+
+@dataclass
+class AlgorithmConfig:
+    """Advantage estimation and reward shaping."""
+
+    adv_estimator: str = "grpo"
+    """Advantage estimator registered in hybridflow.algos.advantages (gae, grpo, rloo, ...)."""
+    gamma: float = 1.0
+    """Discount factor (GAE and REINFORCE++)."""
+    lam: float = 1.0
+    """GAE lambda."""
+    norm_adv_by_std_in_grpo: bool = True
+    """GRPO: divide by the group's reward std (False is Dr. GRPO's choice)."""
+    use_kl_in_reward: bool = False
+    """Subtract a KL penalty against the reference policy from the token rewards."""
+    kl_penalty: str = "kl"
+    """KL estimator for the in-reward penalty: kl (k1), abs, mse (k2), low_var_kl (k3), full."""
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    """Coefficient control of the in-reward KL penalty."""
+
+    def __post_init__(self) -> None:
+        known = _known_estimators()
+        if known is not None and self.adv_estimator not in known:
+            raise ValueError(f"algorithm.adv_estimator {self.adv_estimator!r} is not registered; known: {known}")
+        if not 0.0 <= self.gamma <= 1.0 or not 0.0 <= self.lam <= 1.0:
+            raise ValueError(f"algorithm.gamma and algorithm.lam must lie in [0, 1], got {self.gamma}, {self.lam}")
+        _one_of("algorithm.kl_penalty", self.kl_penalty, KL_PENALTIES)
+
+
+def _known_estimators() -> list[str] | None:
+    try:
+        from hybridflow.algos.advantages import list_advantage_estimators
+    except ImportError:
+        return None
+    return list_advantage_estimators()
+
+
+@dataclass
+class TrainerConfig:
+    """The run: length, checkpoints, logging and where workers go."""
+
+    project_name: str = "hybridflow"
+    """Project name for loggers (wandb project, mlflow experiment)."""
+    experiment_name: str = "run"
+    """Name of this run for loggers and the checkpoint directory."""
+    total_epochs: int = 1
+    """Passes over the training prompts."""
+    total_training_steps: Optional[int] = None
+    """Stop after this many steps; None: total_epochs * steps per epoch."""
+    n_workers_per_node: int = 2
+    """Worker processes per node (verl: n_gpus_per_node); one per device on GPU machines."""
+    nnodes: int = 1
+    """Nodes in the Ray cluster."""
+    test_freq: int = -1
+    """Validate every this many steps; -1: never during training."""
+    save_freq: int = -1
+    """Checkpoint every this many steps and at the last step; -1: never."""
+    max_ckpt_to_keep: Optional[int] = None
+    """Keep only the newest this many checkpoints; None keeps all."""
+    resume_mode: str = "auto"
+    """"auto": resume from the latest checkpoint in default_local_dir if any; "disable"; "resume_path"."""
+    resume_from_path: Optional[str] = None
+    """Checkpoint directory to resume from when resume_mode is "resume_path"."""
+    default_local_dir: Optional[str] = None
+    """Where checkpoints are written; None: checkpoints/<project_name>/<experiment_name>."""
+    logger: list[str] = field(default_factory=lambda: ["console"])
+    """Metric sinks: any of console, jsonl, tensorboard, wandb, mlflow."""
+    val_before_train: bool = True
+    """Run validation once before the first step."""
+    critic_warmup: int = 0
+    """Steps that update only the critic before the actor starts updating."""
+    device: str = "cpu"
+    """"cpu" (gloo) or "cuda" (nccl)."""
+    backend: str = "ray"
+    """"ray" runs workers as Ray actors; "local" runs them in-process for debugging."""
+    placement: str = "colocate"
+    """"colocate": all roles share every worker; "split": actor/rollout and critic/ref get separate workers."""
+
+    def __post_init__(self) -> None:
+        if self.default_local_dir is None:
+            self.default_local_dir = os.path.join("checkpoints", self.project_name, self.experiment_name)
+        _positive(**{"trainer.total_epochs": self.total_epochs,
+                     "trainer.total_training_steps": self.total_training_steps,
+                     "trainer.n_workers_per_node": self.n_workers_per_node, "trainer.nnodes": self.nnodes,
+                     "trainer.max_ckpt_to_keep": self.max_ckpt_to_keep})
+        for key, freq in (("trainer.test_freq", self.test_freq), ("trainer.save_freq", self.save_freq)):
+            if freq == 0 or freq < -1:
+                raise ValueError(f"{key} must be -1 (off) or >= 1, got {freq}")
+        _one_of("trainer.resume_mode", self.resume_mode, ("auto", "disable", "resume_path"))
+        if self.resume_mode == "resume_path" and not self.resume_from_path:
+            raise ValueError("trainer.resume_mode=resume_path needs trainer.resume_from_path")
+        bad = [name for name in self.logger if name not in LOGGERS]
+        if bad:
+            raise ValueError(f"trainer.logger has unknown sinks {bad}; choose from {list(LOGGERS)}")
+        if self.critic_warmup < 0:
+            raise ValueError(f"trainer.critic_warmup must be >= 0, got {self.critic_warmup}")
+        _one_of("trainer.device", self.device, ("cpu", "cuda"))
+        _one_of("trainer.backend", self.backend, ("ray", "local"))
+        _one_of("trainer.placement", self.placement, ("colocate", "split"))
+        if self.placement == "split" and self.n_workers_per_node * self.nnodes < 2:
+            raise ValueError("trainer.placement=split needs at least 2 workers "
+                             "(trainer.n_workers_per_node * trainer.nnodes)")
