@@ -101,7 +101,7 @@ def test_yaml_errors_name_the_file(tmp_path):
 
 def test_run_sections_load_and_round_trip(tmp_path):
     cfg = load_config(Run, None, ["data.train_batch_size=8", "data.task_kwargs.max_digits=1",
-                                  "algorithm.kl_ctrl.type=adaptive", "trainer.logger=[console,jsonl]",
+                                  "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_penalty=low_var_kl+", "trainer.logger=[console,jsonl]",
                                   "data.train_files=/x/train.parquet"])
     assert cfg.data.train_batch_size == 8 and cfg.data.task_kwargs == {"max_digits": 1}
     assert cfg.data.train_files == ["/x/train.parquet"]
@@ -122,6 +122,7 @@ def test_run_sections_load_and_round_trip(tmp_path):
     (["reward.custom_reward_function.path=/no/such.py"], r"custom_reward_function.path '/no/such.py' does not exist"),
     (["algorithm.adv_estimator=ppo2"], r"algorithm.adv_estimator 'ppo2' is not registered; known: .*grpo"),
     (["algorithm.kl_penalty=l2"], "algorithm.kl_penalty must be one of"),
+    (["algorithm.kl_penalty=full"], "algorithm.kl_penalty must be one of"),
     (["algorithm.kl_ctrl.type=pid"], "algorithm.kl_ctrl.type must be one of"),
     (["algorithm.gamma=1.5"], "algorithm.gamma and algorithm.lam must lie in"),
     (["trainer.resume_mode=resume_path"], "needs trainer.resume_from_path"),

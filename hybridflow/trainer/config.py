@@ -14,7 +14,6 @@ from typing import Any, Optional
 
 from hybridflow.data.dataset import TRUNCATIONS
 
-KL_PENALTIES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full")
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 
 
@@ -160,24 +159,25 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = False
     """Subtract a KL penalty against the reference policy from the token rewards."""
     kl_penalty: str = "kl"
-    """KL estimator for the in-reward penalty: kl (k1), abs, mse (k2), low_var_kl (k3), full."""
+    """KL estimator for the in-reward penalty: kl (k1), abs, mse (k2), low_var_kl (k3); a "+" suffix
+    takes k2's gradient (hybridflow.algos.kl)."""
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     """Coefficient control of the in-reward KL penalty."""
 
     def __post_init__(self) -> None:
         known = _known_estimators()
-        if known is not None and self.adv_estimator not in known:
+        if self.adv_estimator not in known:
             raise ValueError(f"algorithm.adv_estimator {self.adv_estimator!r} is not registered; known: {known}")
         if not 0.0 <= self.gamma <= 1.0 or not 0.0 <= self.lam <= 1.0:
             raise ValueError(f"algorithm.gamma and algorithm.lam must lie in [0, 1], got {self.gamma}, {self.lam}")
-        _one_of("algorithm.kl_penalty", self.kl_penalty, KL_PENALTIES)
+        from hybridflow.algos.kl import KL_TYPES
+
+        _one_of("algorithm.kl_penalty", self.kl_penalty.removesuffix("+"), tuple(KL_TYPES))
 
 
-def _known_estimators() -> list[str] | None:
-    try:
-        from hybridflow.algos.advantages import list_advantage_estimators
-    except ImportError:
-        return None
+def _known_estimators() -> list[str]:
+    from hybridflow.algos.advantages import list_advantage_estimators
+
     return list_advantage_estimators()
 
 
