@@ -109,6 +109,8 @@ def test_overlong_prompts_filter_error_truncate(tmp_path, tokenizer, caplog):
     assert f"dropped {kept.num_filtered} of 20" in caplog.text
     with pytest.raises(ValueError, match=r"gsm8k_train.parquet: row \d+: prompt has \d+ tokens.*max_prompt_length"):
         RLDataset(train, tokenizer, max_prompt_length=limit, filter_overlong_prompts=False)
+    with pytest.raises(ValueError, match="all 20 prompts .* are longer than data.max_prompt_length=5"):
+        RLDataset(train, tokenizer, max_prompt_length=5)
     longest = max(range(20), key=lambda i: lengths[i])
     left = RLDataset(train, tokenizer, limit, filter_overlong_prompts=False, truncation="left")
     right = RLDataset(train, tokenizer, limit, filter_overlong_prompts=False, truncation="right")

@@ -55,11 +55,15 @@ class RLDataset(torch.utils.data.Dataset):
         # The template already holds the special tokens; adding them again would double BOS.
         return self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
 
-    def _fit_length(self, rows, token_ids, filter_overlong: bool, truncation: str):
+    def _fit_length(self, rows: list[dict[str, Any]], token_ids: list[list[int]], filter_overlong: bool,
+                    truncation: str) -> tuple[list[dict[str, Any]], list[list[int]]]:
         limit = self.max_prompt_length
         long_ids = [i for i, ids in enumerate(token_ids) if len(ids) > limit]
         if not long_ids:
             return rows, token_ids
+        if filter_overlong and len(long_ids) == len(rows):
+            raise ValueError(f"all {len(rows)} prompts in {self.files} are longer than "
+                             f"data.max_prompt_length={limit}; raise data.max_prompt_length")
         if filter_overlong:
             logger.warning("RLDataset: dropped %d of %d prompts longer than max_prompt_length=%d",
                            len(long_ids), len(rows), limit)
