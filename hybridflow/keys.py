@@ -39,5 +39,6 @@ EXTRA_INFO = "extra_info"  # [B] dict: the dataset row's extra_info
 META_TEMPERATURE = "temperature"  # float: sampling temperature, also used to scale logits for log-probs
 META_DO_SAMPLE = "do_sample"  # bool: False means greedy (validation)
 META_N = "n"  # int: samples per prompt for this generate call
+META_GLOBAL_STEP = "global_step"  # int: training step; the rollout reseeds from it so resumed runs sample alike
 META_GLOBAL_TOKEN_NUM = "global_token_num"  # list[int]: valid tokens per sample, for throughput metrics
 META_METRICS = "metrics"  # dict[str, float | list[float]]: metrics returned by a worker call

@@ -1,0 +1,154 @@
+"""`ActorRolloutRefWorker`: the policy in all its roles, one class over the `Engine` interface.
+
+`role` is any "_"-joined combination of actor, rollout and ref. In the hybrid
+engine ("actor_rollout" / "actor_rollout_ref", the default) one process holds the
+FSDP-sharded training policy, an unsharded rollout copy in the rollout dtype and,
+when KL is used, the frozen reference policy; after every actor update the rollout
+copy is refreshed from the gathered weights before the next generation.
+
+Every method receives THIS worker's data-parallel shard (Dispatch.DP_COMPUTE_PROTO)
+and returns a DataProto whose tensors are laid out as in hybridflow/keys.py, with
+worker-side metrics under meta_info["metrics"].
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from hybridflow import keys as K
+from hybridflow.algos.core import masked_mean
+from hybridflow.controller.decorator import Dispatch, register
+from hybridflow.controller.worker import Worker
+from hybridflow.engine.config import EngineConfig
+from hybridflow.protocol import DataProto
+from hybridflow.rollout.config import RolloutConfig
+from hybridflow.workers.config import ActorConfig, ModelConfig, RefConfig
+from hybridflow.workers.engines import build_engine
+from hybridflow.workers.losses import actor_loss_builder
+from hybridflow.workers.ppo_update import run_ppo_update
+
+ROLES = ("actor", "rollout", "ref")
+
+
+class ActorRolloutRefWorker(Worker):
+    """The policy: generates (rollout), scores its own tokens (actor / ref) and trains (actor)."""
+
+    def __init__(self, model: ModelConfig, actor: ActorConfig, rollout: RolloutConfig, ref: RefConfig, role: str) -> None:
+        super().__init__()
+        self.roles = set(role.split("_"))
+        if not self.roles or not self.roles <= set(ROLES):
+            raise ValueError(f"ActorRolloutRefWorker role={role!r}: expected a '_'-joined combination of {ROLES}")
+        self.model_cfg, self.actor_cfg, self.rollout_cfg, self.ref_cfg = model, actor, rollout, ref
+        self.actor = self.ref = self.rollout = None
+        self._rollout_stale = False
+        self._update_calls = 0
+
+    # --- setup ----------------------------------------------------------------
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        """Form the process group and load the engines this worker's roles need."""
+        from hybridflow.models import load_tokenizer, resolve_model_path
+        from hybridflow.rollout import build_rollout
+
+        self.init_process_group()
+        path = resolve_model_path(self.model_cfg.path)
+        self.tokenizer = load_tokenizer(self.model_cfg.tokenizer_path or path)
+        if "actor" in self.roles:
+            self.actor = build_engine(path, self.actor_cfg.engine, self.actor_cfg.optim)
+        if "ref" in self.roles:
+            self.ref = build_engine(path, EngineConfig(param_dtype=self.ref_cfg.param_dtype))
+        if "rollout" in self.roles:
+            cfg = self.rollout_cfg
+            self.rollout = build_rollout(replace(cfg, seed=cfg.seed + self.rank), path, self.tokenizer)
+
+    # --- rollout ----------------------------------------------------------------
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """Prompts [b, P] (left-padded) -> b * n rows of prompts, responses, masks, rollout_log_probs."""
+        from hybridflow.rollout.sync import sync_weights
+
+        metrics: dict[str, float] = {}
+        if self._rollout_stale and self.actor is not None:
+            metrics["timing_s/weight_sync"] = sync_weights(self.rollout, self.actor.full_state_dict())
+            self._rollout_stale = False
+        if K.META_GLOBAL_STEP in prompts.meta_info:
+            # Seeded by (seed, step, rank) rather than by call count, so a resumed run samples exactly as an uninterrupted one.
+            step = int(prompts.meta_info[K.META_GLOBAL_STEP])
+            self.rollout.generator.manual_seed(self.rollout_cfg.seed + 1_000_003 * step + self.rank)
+        start = time.perf_counter()
+        out = self.rollout.generate_sequences(prompts)
+        metrics["timing_s/generate_on_worker"] = time.perf_counter() - start
+        out.meta_info[K.META_METRICS] = metrics
+        return out
+
+    # --- log-probs ----------------------------------------------------------------
+    def _temperature(self, data: DataProto) -> float:
+        return float(data.meta_info.get(K.META_TEMPERATURE, self.rollout_cfg.temperature))
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_log_prob(self, data: DataProto) -> DataProto:
+        """Rows with input_ids/attention_mask/position_ids/responses -> old_log_probs [b, R], entropys [b, R]."""
+        log_probs, entropy = self.actor.compute_log_probs(
+            data.batch, self.actor_cfg.log_prob_micro_batch_size_per_device, self._temperature(data), calc_entropy=True
+        )
+        mask = data.batch[K.RESPONSE_MASK]
+        metrics = {"actor/entropy": float(masked_mean(entropy, mask))}
+        return DataProto.from_dict({K.OLD_LOG_PROBS: log_probs, K.ENTROPYS: entropy}, meta_info={K.META_METRICS: metrics})
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
+    def compute_ref_log_prob(self, data: DataProto) -> DataProto:
+        """Rows as for compute_log_prob -> ref_log_prob [b, R] from the frozen reference policy.
+
+        Non-blocking (returns a future) so that with split placement it overlaps the actor.
+        """
+        if self.ref is None:
+            raise RuntimeError(f"compute_ref_log_prob: this worker's role is {sorted(self.roles)}, which has no ref")
+        log_probs, _ = self.ref.compute_log_probs(
+            data.batch, self.ref_cfg.log_prob_micro_batch_size_per_device, self._temperature(data)
+        )
+        return DataProto.from_dict({K.REF_LOG_PROB: log_probs})
+
+    # --- training ----------------------------------------------------------------
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def update_actor(self, data: DataProto) -> DataProto:
+        """PPO epochs over mini-batches over micro-batches; rows need old_log_probs, advantages (+ ref_log_prob).
+
+        Returns no rows, only meta_info["metrics"] (lists with one value per optimizer step).
+        """
+        cfg = self.actor_cfg
+        rows_per_prompt = self.rollout_cfg.n
+        mini_rows = cfg.ppo_mini_batch_size * rows_per_prompt // self.world_size
+        start = time.perf_counter()
+        step_metrics = run_ppo_update(
+            self.actor, data, max(mini_rows, 1), cfg.ppo_micro_batch_size_per_device, cfg.ppo_epochs,
+            actor_loss_builder(cfg), shuffle=cfg.shuffle, seed=self._update_calls,
+            temperature=self._temperature(data), calc_entropy=cfg.entropy_coeff != 0,
+        )
+        self._update_calls += 1
+        lr = self.actor.lr_scheduler_step()
+        self._rollout_stale = True
+        metrics = {f"actor/{k}": v for k, v in step_metrics.items() if k != "lr"}
+        metrics.update({"actor/lr": lr, "timing_s/update_actor_on_worker": time.perf_counter() - start})
+        return DataProto(meta_info={K.META_METRICS: metrics})
+
+    # --- checkpoints ----------------------------------------------------------------
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, path: str) -> None:
+        """Sharded actor checkpoint (model, optimizer, LR schedule, update counter) under `path`/actor."""
+        self.actor.save_checkpoint(Path(path) / "actor", extra={"update_calls": self._update_calls})
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, path: str) -> None:
+        """Restore what `save_checkpoint` wrote; the rollout copy is refreshed before the next generation."""
+        extra = self.actor.load_checkpoint(Path(path) / "actor")
+        self._update_calls = int(extra.get("update_calls", 0))
+        self._rollout_stale = True
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def export_hf(self, out_dir: str) -> None:
+        """Write the current actor as a full Hugging Face directory (collective gather; rank 0 writes)."""
+        from hybridflow.engine import export_hf
+
+        export_hf(self.actor, out_dir, self.tokenizer)

@@ -1,0 +1,128 @@
+"""Typed configs of the role workers: model, actor, reference, critic, reward model.
+
+Batch sizes follow verl's convention: `ppo_mini_batch_size` counts PROMPTS for the
+whole run (all data-parallel ranks together; the worker multiplies by rollout.n and
+divides by its world size), `*_per_device` sizes count rows on one worker.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hybridflow.algos.losses import PolicyLossConfig
+from hybridflow.engine.config import EngineConfig, OptimConfig
+
+_LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+_KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+
+
+@dataclass
+class ModelConfig:
+    """Which model a role loads."""
+
+    path: str = "default"
+    """Local Hugging Face directory, or "default" for the bundled SmolLM2-135M-Instruct."""
+    tokenizer_path: str | None = None
+    """Tokenizer directory when it differs from `path`."""
+
+
+@dataclass
+class ActorConfig:
+    """The policy being trained: PPO update schedule, losses and optimizer."""
+
+    ppo_mini_batch_size: int = 8
+    """Prompts per optimizer step, over all workers (times rollout.n responses)."""
+    ppo_micro_batch_size_per_device: int = 8
+    """Rows per forward/backward on one worker (gradient accumulation inside a mini-batch)."""
+    ppo_epochs: int = 1
+    """Passes over the rollout batch per training step."""
+    shuffle: bool = False
+    """Shuffle rows before splitting into mini-batches (seeded by the step)."""
+    policy_loss_mode: str = "vanilla"
+    """Policy loss by registry name (hybridflow.algos.list_policy_losses())."""
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    """Clip ratios and the parameters of the other policy losses."""
+    loss_agg_mode: str = "token-mean"
+    """How token losses become one number: token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm."""
+    entropy_coeff: float = 0.0
+    """Entropy bonus coefficient (the loss subtracts entropy_coeff * entropy)."""
+    use_kl_loss: bool = False
+    """Add a KL(pi || pi_ref) loss term (GRPO style); needs the reference policy."""
+    kl_loss_coef: float = 0.001
+    """Coefficient of the KL loss."""
+    kl_loss_type: str = "low_var_kl"
+    """KL estimator of the loss: kl (k1), abs, mse (k2), low_var_kl (k3)."""
+    log_prob_micro_batch_size_per_device: int = 16
+    """Rows per forward when computing old log-probs (no grad) on one worker."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6))
+    """AdamW and LR schedule."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """FSDP2 engine settings (dtype, remove padding, checkpointing)."""
+
+    def __post_init__(self) -> None:
+        from hybridflow.algos.losses import list_policy_losses
+
+        for key in ("ppo_mini_batch_size", "ppo_micro_batch_size_per_device", "ppo_epochs", "log_prob_micro_batch_size_per_device"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"actor.{key} must be >= 1, got {getattr(self, key)}")
+        if self.policy_loss_mode not in list_policy_losses():
+            raise ValueError(f"actor.policy_loss_mode={self.policy_loss_mode!r} is unknown; valid: {list_policy_losses()}")
+        if self.loss_agg_mode not in _LOSS_AGG_MODES:
+            raise ValueError(f"actor.loss_agg_mode={self.loss_agg_mode!r} is unknown; valid: {list(_LOSS_AGG_MODES)}")
+        if self.kl_loss_type not in _KL_TYPES:
+            raise ValueError(f"actor.kl_loss_type={self.kl_loss_type!r} is unknown; valid: {list(_KL_TYPES)}")
+
+
+@dataclass
+class RefConfig:
+    """The frozen reference policy (for KL)."""
+
+    log_prob_micro_batch_size_per_device: int = 16
+    """Rows per forward on one worker."""
+    param_dtype: str = "bf16"
+    """Compute dtype of the reference forward ("fp32" | "bf16")."""
+
+
+@dataclass
+class CriticConfig:
+    """The value model of PPO/GAE: a causal-LM backbone with a scalar head."""
+
+    enable: bool | None = None
+    """Build a critic; None = only when the advantage estimator needs values (gae)."""
+    model: ModelConfig | None = None
+    """Critic model; None = initialise from the actor's model."""
+    ppo_mini_batch_size: int = 8
+    """Prompts per critic optimizer step, over all workers (times rollout.n)."""
+    ppo_micro_batch_size_per_device: int = 8
+    """Rows per forward/backward on one worker."""
+    ppo_epochs: int = 1
+    """Passes over the rollout batch per training step."""
+    cliprange_value: float = 0.5
+    """Value clipping range around the old values."""
+    loss_agg_mode: str = "token-mean"
+    """Aggregation of the per-token value loss."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    """AdamW and LR schedule of the critic."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """FSDP2 engine settings of the critic."""
+
+    def __post_init__(self) -> None:
+        for key in ("ppo_mini_batch_size", "ppo_micro_batch_size_per_device", "ppo_epochs"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"critic.{key} must be >= 1, got {getattr(self, key)}")
+        if self.cliprange_value <= 0:
+            raise ValueError(f"critic.cliprange_value must be > 0, got {self.cliprange_value}")
+        if self.loss_agg_mode not in _LOSS_AGG_MODES:
+            raise ValueError(f"critic.loss_agg_mode={self.loss_agg_mode!r} is unknown; valid: {list(_LOSS_AGG_MODES)}")
+
+
+@dataclass
+class RewardModelConfig:
+    """An optional model-based reward: a sequence classifier scored at the last token."""
+
+    enable: bool = False
+    """Score responses with a reward model worker (added to the rule scores)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Reward model: a local HF directory of a causal LM with a 1-label score head, or a value model."""
+    micro_batch_size_per_device: int = 16
+    """Rows per forward on one worker."""

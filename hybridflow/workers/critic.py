@@ -1,0 +1,72 @@
+"""`CriticWorker`: the value model of PPO (GAE), over the same `Engine` interface as the actor."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from hybridflow import keys as K
+from hybridflow.controller.decorator import Dispatch, register
+from hybridflow.controller.worker import Worker
+from hybridflow.protocol import DataProto
+from hybridflow.workers.config import CriticConfig, ModelConfig
+from hybridflow.workers.engines import build_engine
+from hybridflow.workers.losses import critic_loss_builder
+from hybridflow.workers.ppo_update import run_ppo_update
+
+
+class CriticWorker(Worker):
+    """Computes V(s_t) for response tokens and regresses it onto the returns.
+
+    compute_values and update_critic are non-blocking (they return a future; call
+    `.get()`), so with split placement they overlap the actor's calls.
+    """
+
+    def __init__(self, model: ModelConfig, critic: CriticConfig, rollout_n: int) -> None:
+        super().__init__()
+        self.model_cfg = critic.model or model
+        self.cfg = critic
+        self.rollout_n = rollout_n
+        self.engine = None
+        self._update_calls = 0
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        """Form the process group and load backbone + value head (head initialised from the backbone)."""
+        from hybridflow.models import resolve_model_path
+
+        self.init_process_group()
+        path = resolve_model_path(self.model_cfg.path)
+        self.engine = build_engine(path, self.cfg.engine, self.cfg.optim, value_model=True)
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
+    def compute_values(self, data: DataProto) -> DataProto:
+        """Rows with input_ids/attention_mask/position_ids/responses -> values [b, R]."""
+        values = self.engine.compute_values(data.batch, self.cfg.ppo_micro_batch_size_per_device)
+        return DataProto.from_dict({K.VALUES: values})
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
+    def update_critic(self, data: DataProto) -> DataProto:
+        """Clipped value-loss steps over mini/micro-batches; rows need values, returns, response_mask."""
+        mini_rows = self.cfg.ppo_mini_batch_size * self.rollout_n // self.world_size
+        start = time.perf_counter()
+        step_metrics = run_ppo_update(
+            self.engine, data, max(mini_rows, 1), self.cfg.ppo_micro_batch_size_per_device,
+            self.cfg.ppo_epochs, critic_loss_builder(self.cfg), seed=self._update_calls,
+        )
+        self._update_calls += 1
+        lr = self.engine.lr_scheduler_step()
+        metrics = {f"critic/{k}": v for k, v in step_metrics.items() if k != "lr"}
+        metrics.update({"critic/lr": lr, "timing_s/update_critic_on_worker": time.perf_counter() - start})
+        return DataProto(meta_info={K.META_METRICS: metrics})
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, path: str) -> None:
+        """Sharded critic checkpoint under `path`/critic."""
+        self.engine.save_checkpoint(Path(path) / "critic", extra={"update_calls": self._update_calls})
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, path: str) -> None:
+        """Restore what `save_checkpoint` wrote."""
+        extra = self.engine.load_checkpoint(Path(path) / "critic")
+        self._update_calls = int(extra.get("update_calls", 0))

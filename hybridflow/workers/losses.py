@@ -1,0 +1,67 @@
+"""Loss functions of the actor and critic updates, built from the algorithm registries.
+
+Each builder takes the config and returns a `LossBuilder`: given the mini-batch's
+global counts it returns the per-micro-batch `loss_fn(outputs, micro)` that the
+engine calls. Logged values are each micro-batch's own mean (not the globally
+normalised share that is back-propagated).
+"""
+
+from __future__ import annotations
+
+from hybridflow import keys as K
+from hybridflow.algos.core import GlobalNorm, agg_loss
+from hybridflow.algos.kl import kl_loss
+from hybridflow.algos.losses import compute_value_loss, get_policy_loss_fn
+from hybridflow.engine.base import LossFn, MicroBatch
+from hybridflow.workers.config import ActorConfig, CriticConfig
+from hybridflow.workers.ppo_update import LossBuilder, local_mean_factor
+
+
+def actor_loss_builder(cfg: ActorConfig) -> LossBuilder:
+    """PPO-family policy loss (by name) - entropy_coeff * entropy + kl_loss_coef * KL(pi || ref)."""
+    policy_loss = get_policy_loss_fn(cfg.policy_loss_mode)
+    mode = cfg.loss_agg_mode
+
+    def build(gn: GlobalNorm) -> LossFn:
+        def loss_fn(outputs: dict, micro: MicroBatch) -> tuple:
+            mask = micro[K.RESPONSE_MASK]
+            log_prob = outputs["log_probs"]
+            pg_loss, stats = policy_loss(
+                micro[K.OLD_LOG_PROBS], log_prob, micro[K.ADVANTAGES], mask,
+                loss_agg_mode=mode, config=cfg.policy_loss, global_norm=gn,
+                rollout_log_probs=micro.get(K.ROLLOUT_LOG_PROBS),
+            )
+            scale = local_mean_factor(gn, mask, mode)
+            metrics = {"pg_loss": float(pg_loss.detach()) * scale, **{k: float(v) for k, v in stats.items()}}
+            loss = pg_loss
+            if cfg.entropy_coeff != 0:
+                entropy = agg_loss(outputs["entropy"], mask, mode, gn)
+                loss = loss - cfg.entropy_coeff * entropy
+                metrics["entropy_loss"] = float(entropy.detach()) * scale
+            if cfg.use_kl_loss:
+                kl = kl_loss(log_prob, micro[K.REF_LOG_PROB], mask, cfg.kl_loss_type, mode, gn)
+                loss = loss + cfg.kl_loss_coef * kl
+                metrics["kl_loss"] = float(kl.detach()) * scale
+            return loss, metrics
+
+        return loss_fn
+
+    return build
+
+
+def critic_loss_builder(cfg: CriticConfig) -> LossBuilder:
+    """Clipped value loss against the returns (PPO)."""
+
+    def build(gn: GlobalNorm) -> LossFn:
+        def loss_fn(outputs: dict, micro: MicroBatch) -> tuple:
+            mask = micro[K.RESPONSE_MASK]
+            loss, clipfrac = compute_value_loss(
+                outputs["values"], micro[K.RETURNS], micro[K.VALUES], mask,
+                cfg.cliprange_value, cfg.loss_agg_mode, gn,
+            )
+            scale = local_mean_factor(gn, mask, cfg.loss_agg_mode)
+            return loss, {"vf_loss": float(loss.detach()) * scale, "vf_clipfrac": float(clipfrac)}
+
+        return loss_fn
+
+    return build
