@@ -209,6 +209,8 @@ class TrainerConfig:
     """Checkpoint directory to resume from when resume_mode is "resume_path"."""
     default_local_dir: Optional[str] = None
     """Where checkpoints are written; None: checkpoints/<project_name>/<experiment_name>."""
+    log_dir: Optional[str] = None
+    """Where metrics.jsonl, TensorBoard events and the run plot go; None: outputs/<project_name>/<experiment_name>."""
     logger: list[str] = field(default_factory=lambda: ["console"])
     """Metric sinks: any of console, jsonl, tensorboard, wandb, mlflow."""
     val_before_train: bool = True
@@ -225,6 +227,8 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         if self.default_local_dir is None:
             self.default_local_dir = os.path.join("checkpoints", self.project_name, self.experiment_name)
+        if self.log_dir is None:
+            self.log_dir = os.path.join("outputs", self.project_name, self.experiment_name)
         _positive(**{"trainer.total_epochs": self.total_epochs,
                      "trainer.total_training_steps": self.total_training_steps,
                      "trainer.n_workers_per_node": self.n_workers_per_node, "trainer.nnodes": self.nnodes,

@@ -1,0 +1,77 @@
+"""Trainer checkpoints: every worker group's shards plus the controller's own state, atomically.
+
+Layout: <trainer.default_local_dir>/global_step_<N>/{actor,critic}/ (sharded engine
+checkpoints written by the workers) and trainer_state.json (step, dataloader position,
+KL coefficient, the model path for exports). The directory is built under a temporary name and renamed only when
+everything is written and marked COMPLETE, so a crash never leaves a checkpoint that
+a resume would pick up.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from hybridflow.trainer.roles import Roles
+from hybridflow.trainer.run_config import RunConfig
+from hybridflow.utils import checkpoint_dirs as C
+
+log = logging.getLogger(__name__)
+STATE_FILE = "trainer_state.json"
+
+
+class TrainerCheckpointer:
+    """Saves and restores the whole run on the controller's schedule."""
+
+    def __init__(self, cfg: RunConfig, roles: Roles, train_loader: Any) -> None:
+        self.cfg, self.roles, self.loader = cfg, roles, train_loader
+        self.root = Path(cfg.trainer.default_local_dir)
+
+    def _groups(self) -> list[Any]:
+        return [g for g in (self.roles.actor_rollout, self.roles.critic) if g is not None]
+
+    def save(self, step: int, kl_ctrl: Any) -> Path:
+        """Write global_step_<step> atomically, then prune to trainer.max_ckpt_to_keep."""
+        tmp = C.begin_checkpoint(self.root, step)
+        try:
+            for group in self._groups():
+                group.save_checkpoint(str(tmp))
+            state = {"global_step": step, "loader": self.loader.state_dict(), "kl_coef": float(kl_ctrl.value),
+                     "model_path": self.cfg.model.path}
+            C.write_json_atomic(tmp / STATE_FILE, state)
+            final = C.commit_checkpoint(tmp, C.step_dir(self.root, step))
+        except BaseException:
+            C.abort_checkpoint(tmp)
+            raise
+        if self.cfg.trainer.max_ckpt_to_keep:
+            C.prune_checkpoints(self.root, self.cfg.trainer.max_ckpt_to_keep)
+        log.info("saved checkpoint %s", final)
+        return final
+
+    def resume_path(self) -> Path | None:
+        """The checkpoint to resume from under trainer.resume_mode, or None to start fresh."""
+        t = self.cfg.trainer
+        if t.resume_mode == "disable":
+            return None
+        if t.resume_mode == "resume_path":
+            path = Path(t.resume_from_path)
+            if not C.is_complete(path):
+                raise FileNotFoundError(f"trainer.resume_from_path={path} is not a complete checkpoint "
+                                        f"(no {path}/COMPLETE); pick a global_step_<N> directory that finished saving")
+            return path
+        return C.find_latest_complete(self.root) if self.root.exists() else None
+
+    def resume(self, kl_ctrl: Any) -> int:
+        """Restore workers, dataloader and KL coefficient; return the step to continue from (0: fresh)."""
+        path = self.resume_path()
+        if path is None:
+            return 0
+        for group in self._groups():
+            group.load_checkpoint(str(path))
+        state = json.loads((path / STATE_FILE).read_text())
+        self.loader.load_state_dict(state["loader"])
+        kl_ctrl.value = state["kl_coef"]
+        log.info("resumed from %s at step %d", path, state["global_step"])
+        return int(state["global_step"])

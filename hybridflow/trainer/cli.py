@@ -1,0 +1,128 @@
+"""The `hybridflow` command: train, data, export, generate.
+
+    hybridflow train [--config FILE] key=value ...   # PPO / GRPO run (defaults: the main job)
+    hybridflow data TASK --out DIR [--train-size N] [--test-size N] [--seed S] [key=value ...]
+    hybridflow export CKPT_DIR --out HF_DIR [--tokenizer PATH]
+    hybridflow generate --model PATH_OR_CKPT --data FILE.parquet [--n N] [--out FILE.jsonl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from hybridflow.trainer.main import USER_ERRORS
+
+
+def _kv(pairs: Sequence[str]) -> dict[str, object]:
+    import yaml
+
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise ValueError(f"expected key=value, got {pair!r}")
+        out[key] = yaml.safe_load(value)
+    return out
+
+
+def cmd_data(args: argparse.Namespace) -> int:
+    """Generate a task as verl-format parquet (train and test splits)."""
+    from hybridflow.data.tasks import build_task
+
+    train, test = build_task(args.task, args.out, args.train_size, args.test_size, seed=args.seed, **_kv(args.difficulty))
+    print(f"wrote {train}\nwrote {test}")
+    return 0
+
+
+def actor_dir(ckpt: Path) -> Path:
+    """The actor's sharded checkpoint inside a trainer checkpoint (or `ckpt` itself)."""
+    return ckpt / "actor" if (ckpt / "actor").is_dir() else ckpt
+
+
+def tokenizer_of(ckpt: Path, explicit: str | None) -> str | None:
+    """The tokenizer to ship with an export: --tokenizer, else the model path the run trained."""
+    import json
+
+    if explicit:
+        return explicit
+    state = ckpt / "trainer_state.json"
+    if state.exists():
+        from hybridflow.models import resolve_model_path
+
+        return str(resolve_model_path(json.loads(state.read_text()).get("model_path", "default")))
+    return None
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """Write a full Hugging Face directory from a sharded checkpoint."""
+    from hybridflow.engine.checkpoint import export_hf
+
+    ckpt = Path(args.ckpt_dir)
+    if not ckpt.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {ckpt} does not exist")
+    out = export_hf(actor_dir(ckpt), args.out, tokenizer_of(ckpt, args.tokenizer))
+    print(f"exported {out}")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Sample from a model (or checkpoint) on a parquet file, score and report accuracy."""
+    from hybridflow.trainer.generate import generate_and_score
+
+    metrics = generate_and_score(args.model, args.data, n=args.n, out=args.out, max_prompt_length=args.max_prompt_length,
+                                 max_response_length=args.max_response_length, temperature=args.temperature,
+                                 batch_size=args.batch_size)
+    for key, value in metrics.items():
+        print(f"{key}: {value:.4f}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every subcommand except train (which parses its own overrides)."""
+    parser = argparse.ArgumentParser(prog="hybridflow", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("train", help="train (see `hybridflow train --help`)", add_help=False)
+    d = sub.add_parser("data", help="generate a task as parquet")
+    d.add_argument("task")
+    d.add_argument("--out", required=True)
+    d.add_argument("--train-size", type=int, default=2048)
+    d.add_argument("--test-size", type=int, default=256)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("difficulty", nargs="*", help="difficulty knobs, e.g. max_operand=20")
+    e = sub.add_parser("export", help="checkpoint -> Hugging Face directory")
+    e.add_argument("ckpt_dir")
+    e.add_argument("--out", required=True)
+    e.add_argument("--tokenizer", help="tokenizer directory (default: the run's model)")
+    g = sub.add_parser("generate", help="sample and score on a parquet file")
+    g.add_argument("--model", default="default", help="HF directory, 'default', or a checkpoint directory")
+    g.add_argument("--data", required=True)
+    g.add_argument("--n", type=int, default=1, help="samples per prompt (1: greedy)")
+    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--max-prompt-length", type=int, default=128)
+    g.add_argument("--max-response-length", type=int, default=64)
+    g.add_argument("--batch-size", type=int, default=64)
+    g.add_argument("--out", help="write prompts, responses and scores as JSON lines")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Dispatch to the subcommand; user errors print one line and exit 2."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "train":
+        from hybridflow.trainer.main import main as train_main
+
+        return train_main(argv[1:])
+    args = build_parser().parse_args(argv)
+    handler = {"data": cmd_data, "export": cmd_export, "generate": cmd_generate}[args.command]
+    try:
+        return handler(args)
+    except USER_ERRORS as err:
+        print(f"hybridflow {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

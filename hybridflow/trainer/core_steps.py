@@ -1,0 +1,61 @@
+"""Controller-side steps of the algorithm: KL penalty and advantages over a whole batch.
+
+These glue the pure functions of hybridflow.algos to DataProto keys; the trainer
+calls them between worker calls. No worker, no I/O.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from hybridflow import keys as K
+from hybridflow.algos.advantages import get_advantage_estimator
+from hybridflow.algos.kl import apply_kl_penalty, get_kl_controller
+from hybridflow.protocol import DataProto
+from hybridflow.trainer.config import AlgorithmConfig
+
+
+def add_uids(prompts: DataProto, step: int) -> None:
+    """Give every prompt its own group id; the n samples of a prompt inherit it through the rollout."""
+    prompts.non_tensor_batch[K.UID] = np.array([f"{step}-{i}" for i in range(len(prompts))], dtype=object)
+
+
+def make_kl_controller(cfg: AlgorithmConfig):
+    """The KL-in-reward coefficient controller (fixed or adaptive)."""
+    c = cfg.kl_ctrl
+    return get_kl_controller(c.type, c.kl_coef, c.target_kl, c.horizon)
+
+
+def apply_rewards(batch: DataProto, cfg: AlgorithmConfig, kl_ctrl) -> dict[str, float]:
+    """token_level_rewards = scores (- beta * KL(pi_old || pi_ref) when use_kl_in_reward)."""
+    scores = batch.batch[K.TOKEN_LEVEL_SCORES]
+    if not cfg.use_kl_in_reward:
+        batch.batch[K.TOKEN_LEVEL_REWARDS] = scores
+        return {}
+    rewards, metrics = apply_kl_penalty(
+        scores, batch.batch[K.OLD_LOG_PROBS], batch.batch[K.REF_LOG_PROB], batch.batch[K.RESPONSE_MASK],
+        kl_ctrl, cfg.kl_penalty,
+    )
+    batch.batch[K.TOKEN_LEVEL_REWARDS] = rewards
+    return metrics
+
+
+def compute_advantage(batch: DataProto, cfg: AlgorithmConfig) -> None:
+    """Fill `advantages` and `returns` [B, R] with the configured estimator."""
+    estimator = get_advantage_estimator(cfg.adv_estimator)
+    values = batch.batch[K.VALUES] if K.VALUES in batch.batch.keys() else None
+    advantages, returns = estimator(
+        batch.batch[K.TOKEN_LEVEL_REWARDS], batch.batch[K.RESPONSE_MASK].float(), batch.non_tensor_batch[K.UID],
+        values=values, gamma=cfg.gamma, lam=cfg.lam, norm_adv_by_std_in_grpo=cfg.norm_adv_by_std_in_grpo,
+    )
+    batch.batch[K.ADVANTAGES] = advantages.float()
+    batch.batch[K.RETURNS] = returns.float()
+
+
+def pass_at_n(uids: np.ndarray, scores: torch.Tensor) -> float:
+    """Share of prompts with at least one response scoring > 0.5 (pass@n, n = samples per prompt)."""
+    best: dict[str, float] = {}
+    for uid, s in zip(uids, scores.tolist()):
+        best[uid] = max(best.get(uid, float("-inf")), s)
+    return float(np.mean([v > 0.5 for v in best.values()])) if best else 0.0

@@ -1,0 +1,47 @@
+"""Prompts for a run: the configured parquet files, or a task generated once into a cache."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from hybridflow.data.dataset import RLDataset, collate
+from hybridflow.data.loader import StatefulDataLoader
+from hybridflow.trainer.config import DataConfig
+
+
+def task_files(cfg: DataConfig) -> tuple[list[str], list[str]]:
+    """(train files, val files): as configured, or generated from data.task (cached, written atomically)."""
+    if cfg.train_files:
+        return list(cfg.train_files), list(cfg.val_files or cfg.train_files)
+    from hybridflow.data.tasks import build_task
+
+    spec = {"task": cfg.task, "kw": cfg.task_kwargs, "n": [cfg.gen_train_size, cfg.gen_val_size], "seed": cfg.seed}
+    tag = hashlib.sha1(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:10]
+    out = Path(cfg.task_dir).expanduser() / f"{cfg.task}-{tag}"
+    if not out.exists():
+        tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+        build_task(cfg.task, tmp, cfg.gen_train_size, cfg.gen_val_size, seed=cfg.seed, **cfg.task_kwargs)
+        try:
+            os.rename(tmp, out)
+        except OSError:  # another process finished first: keep theirs
+            shutil.rmtree(tmp, ignore_errors=True)
+    train, test = out / f"{cfg.task}_train.parquet", out / f"{cfg.task}_test.parquet"
+    return [str(train)], list(cfg.val_files) or [str(test)]
+
+
+def make_loaders(cfg: DataConfig, tokenizer: Any) -> tuple[StatefulDataLoader, StatefulDataLoader]:
+    """Seeded, resumable train loader and an in-order validation loader, both yielding DataProto."""
+    train_files, val_files = task_files(cfg)
+    kw = dict(max_prompt_length=cfg.max_prompt_length, filter_overlong_prompts=cfg.filter_overlong_prompts,
+              truncation=cfg.truncation)
+    train = RLDataset(train_files, tokenizer, **kw)
+    val = RLDataset(val_files, tokenizer, **kw)
+    train_loader = StatefulDataLoader(train, cfg.train_batch_size, seed=cfg.seed, shuffle=cfg.shuffle, collate_fn=collate)
+    val_bs = min(cfg.val_batch_size or len(val), len(val))
+    val_loader = StatefulDataLoader(val, val_bs, shuffle=False, collate_fn=collate)
+    return train_loader, val_loader

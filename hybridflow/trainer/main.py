@@ -1,0 +1,129 @@
+"""Entry point of a training run: config -> data, reward, workers -> PPOTrainer.fit -> report.
+
+`python -m hybridflow.trainer.main [--config FILE] key=value ...` is the same as
+`hybridflow train ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from hybridflow.config_utils import load_config, to_yaml
+from hybridflow.trainer.run_config import RunConfig
+
+log = logging.getLogger("hybridflow")
+
+USER_ERRORS = (ValueError, KeyError, TypeError, FileNotFoundError, NotADirectoryError)
+"""What bad config, paths or data raise; the CLI prints these as one line instead of a traceback."""
+
+
+def make_reward_fn(cfg: RunConfig, tokenizer: Any):
+    """The reward manager: rule scorers by data_source, or the configured custom function."""
+    from hybridflow.rewards import RewardManager, load_custom_reward_fn
+
+    custom = cfg.reward.custom_reward_function
+    fn = load_custom_reward_fn(custom.path, custom.name) if custom.path else None
+    return RewardManager(tokenizer, fn, num_workers=cfg.reward.num_workers)
+
+
+def _start_backend(cfg: RunConfig) -> None:
+    if cfg.trainer.backend == "ray":
+        from hybridflow.controller.ray import init_local_ray
+
+        init_local_ray(num_cpus=max(os.cpu_count() or 1, cfg.world_size))
+
+
+def prepare_inputs(cfg: RunConfig) -> tuple[Any, Any, Any, Any]:
+    """Tokenizer, train/val loaders and reward function; every input problem surfaces here.
+
+    Runs before any worker starts, so a bad model path, parquet file or batch size fails
+    fast with one message and nothing is written to the checkpoint directory.
+    """
+    from hybridflow.models import load_tokenizer, resolve_model_path
+    from hybridflow.trainer.data_setup import make_loaders
+
+    path = resolve_model_path(cfg.model.path)
+    tokenizer = load_tokenizer(cfg.model.tokenizer_path or path)
+    train_loader, val_loader = make_loaders(cfg.data, tokenizer)
+    _set_total_steps(cfg, len(train_loader))
+    return tokenizer, train_loader, val_loader, make_reward_fn(cfg, tokenizer)
+
+
+def run(cfg: RunConfig, inputs: tuple[Any, Any, Any, Any] | None = None) -> dict[str, dict[str, float]]:
+    """Train as configured; returns {"before": val metrics, "after": val metrics}."""
+    from hybridflow.trainer.ppo_trainer import PPOTrainer
+    from hybridflow.trainer.roles import build_roles
+    from hybridflow.utils.tracking import Tracking
+
+    tokenizer, train_loader, val_loader, reward_fn = inputs or prepare_inputs(cfg)
+    _start_backend(cfg)
+    roles = build_roles(cfg)
+    try:
+        for group in roles.all():
+            group.init_model()
+        log_dir = Path(cfg.trainer.log_dir)
+        with Tracking(cfg.trainer.project_name, cfg.trainer.experiment_name, cfg.trainer.logger, log_dir,
+                      config=_plain(cfg)) as tracker:
+            trainer = PPOTrainer(cfg, roles, tokenizer, train_loader, val_loader, reward_fn, tracker)
+            after = trainer.fit()
+    finally:
+        for group in roles.all():
+            group.shutdown()
+    _report(log_dir, trainer.first_val, after)
+    return {"before": trainer.first_val, "after": after}
+
+
+def _set_total_steps(cfg: RunConfig, steps_per_epoch: int) -> None:
+    t = cfg.trainer
+    total = t.total_training_steps or steps_per_epoch * t.total_epochs
+    for optim in (cfg.actor.optim, cfg.critic.optim):
+        optim.total_training_steps = total
+
+
+def _plain(cfg: RunConfig) -> dict:
+    import yaml
+
+    return yaml.safe_load(to_yaml(cfg))
+
+
+def _report(log_dir: Path, before: dict[str, float], after: dict[str, float]) -> None:
+    from hybridflow.utils.plot import plot_run, summarize_run
+
+    for key in sorted(set(before) | set(after)):
+        print(f"{key}: before {before.get(key, float('nan')):.3f} -> after {after.get(key, float('nan')):.3f}")
+    metrics_file = log_dir / "metrics.jsonl"
+    if metrics_file.exists():
+        print(summarize_run(metrics_file))
+        print(f"plot: {plot_run(metrics_file, log_dir / 'run.png')}")
+
+
+def parse_args(argv: Sequence[str]) -> tuple[str | None, list[str]]:
+    """`[--config FILE] key=value ...` -> (config path, overrides)."""
+    parser = argparse.ArgumentParser(prog="hybridflow train", description="Train with PPO / GRPO / ... (see README).")
+    parser.add_argument("--config", help="YAML file with RunConfig fields; key=value overrides apply on top")
+    parser.add_argument("overrides", nargs="*", help="verl-style overrides, e.g. actor.optim.lr=1e-5")
+    args = parser.parse_args(argv)
+    return args.config, args.overrides
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI entry of `hybridflow train`."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    config_path, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        cfg = load_config(RunConfig, config_path, overrides)
+        inputs = prepare_inputs(cfg)
+    except USER_ERRORS as err:
+        print(f"hybridflow train: error: {err}", file=sys.stderr)
+        return 2
+    run(cfg, inputs)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

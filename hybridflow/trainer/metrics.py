@@ -1,0 +1,60 @@
+"""Per-step metrics under verl's names (critic/score/mean, response_length/mean, perf/throughput, ...)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hybridflow import keys as K
+from hybridflow.protocol import DataProto
+
+
+def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
+    values = values.float()
+    if values.numel() == 0:
+        return {}
+    return {f"{prefix}/mean": float(values.mean()), f"{prefix}/max": float(values.max()), f"{prefix}/min": float(values.min())}
+
+
+def data_metrics(batch: DataProto, response_length: int) -> dict[str, float]:
+    """Scores, rewards, advantages, returns, values and lengths of one training batch."""
+    b = batch.batch
+    mask = b[K.RESPONSE_MASK].bool()
+    resp_len = mask.sum(-1).float()
+    prompt_len = b[K.ATTENTION_MASK][:, : b[K.PROMPTS].shape[1]].sum(-1).float()
+    metrics = {
+        **_stats("critic/score", b[K.TOKEN_LEVEL_SCORES].sum(-1)),
+        **_stats("critic/rewards", b[K.TOKEN_LEVEL_REWARDS].sum(-1)),
+        **_stats("critic/advantages", b[K.ADVANTAGES][mask]),
+        **_stats("critic/returns", b[K.RETURNS][mask]),
+        **_stats("response_length", resp_len),
+        **_stats("prompt_length", prompt_len),
+        "response_length/clip_ratio": float((resp_len >= response_length).float().mean()),
+    }
+    if K.VALUES in b.keys():
+        metrics.update(_stats("critic/values", b[K.VALUES][mask]))
+    return metrics
+
+
+def throughput_metrics(batch: DataProto, timing: dict[str, float], n_workers: int) -> dict[str, float]:
+    """Tokens processed per second per worker over the whole step."""
+    tokens = float(batch.batch[K.ATTENTION_MASK].sum())
+    step = timing.get("step", 0.0)
+    metrics = {"perf/total_num_tokens": tokens, "perf/time_per_step": step}
+    if step > 0:
+        metrics["perf/throughput"] = tokens / (step * n_workers)
+    gen = timing.get("gen", 0.0)
+    if gen > 0:
+        metrics["perf/gen_tokens_per_s"] = float(batch.batch[K.RESPONSE_MASK].sum()) / gen
+    return metrics
+
+
+def worker_metrics(*outputs: DataProto) -> dict[str, Any]:
+    """meta_info["metrics"] of worker outputs, lists averaged into one float each."""
+    merged: dict[str, float] = {}
+    for out in outputs:
+        for key, value in out.meta_info.get(K.META_METRICS, {}).items():
+            values = value if isinstance(value, list) else [value]
+            merged[key] = float(sum(values) / len(values)) if values else 0.0
+    return merged

@@ -1,0 +1,141 @@
+"""`PPOTrainer`: the control flow of PPO / GRPO and relatives, run on the controller.
+
+`fit` reads like a single-process script: every step below is one call on a
+worker group (split over the workers, run SPMD, collected) or a small function
+over tensors on the controller. Which workers exist and where they live is decided
+once in `build_roles`; which estimator and losses run is decided by name in config.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from hybridflow import keys as K
+from hybridflow.protocol import DataProto
+from hybridflow.trainer import core_steps as S
+from hybridflow.trainer.checkpointing import TrainerCheckpointer
+from hybridflow.trainer.metrics import data_metrics, throughput_metrics, worker_metrics
+from hybridflow.trainer.roles import Roles
+from hybridflow.trainer.run_config import RunConfig
+from hybridflow.trainer.validation import validate
+from hybridflow.utils.progress import TrainProgress
+from hybridflow.utils.timing import timer
+from hybridflow.utils.tracking import Tracking
+
+log = logging.getLogger(__name__)
+
+GEN_INPUT_KEYS = [K.INPUT_IDS, K.ATTENTION_MASK, K.POSITION_IDS]
+
+
+def _resolve(x: Any) -> DataProto:
+    """A worker group's result: as is, or the value of a non-blocking call's future."""
+    return x if isinstance(x, DataProto) else x.get()
+
+
+def _take_metrics(data: DataProto, sink: list[DataProto]) -> DataProto:
+    """Move a worker output's meta_info["metrics"] aside (so outputs can be unioned); return the data."""
+    sink.append(DataProto(meta_info={K.META_METRICS: data.meta_info.pop(K.META_METRICS, {})}))
+    return data
+
+
+class PPOTrainer:
+    """Runs the training loop over already-built worker groups."""
+
+    def __init__(self, cfg: RunConfig, roles: Roles, tokenizer: Any, train_loader, val_loader, reward_fn, tracker: Tracking):
+        self.cfg, self.roles, self.tokenizer = cfg, roles, tokenizer
+        self.train_loader, self.val_loader = train_loader, val_loader
+        self.reward_fn = reward_fn
+        self.tracker = tracker
+        self.kl_ctrl = S.make_kl_controller(cfg.algorithm)
+        self.checkpointer = TrainerCheckpointer(cfg, roles, train_loader)
+        self.global_step = 0
+        self.total_steps = self._total_steps()
+        self.last_val: dict[str, float] = {}
+        self.first_val: dict[str, float] = {}
+
+    def _total_steps(self) -> int:
+        t = self.cfg.trainer
+        return t.total_training_steps or len(self.train_loader) * t.total_epochs
+
+    def fit(self) -> dict[str, float]:
+        """Train until total steps; validate, log and checkpoint on the configured schedule."""
+        t = self.cfg.trainer
+        self.global_step = self.checkpointer.resume(self.kl_ctrl)
+        if t.val_before_train and self.global_step == 0:
+            self._validate()
+        with TrainProgress(self.total_steps, initial=self.global_step) as progress:
+            while self.global_step < self.total_steps:
+                for prompts in self.train_loader:
+                    self.global_step += 1
+                    metrics = self.train_step(prompts)
+                    metrics.update(self._maybe_validate_and_save())
+                    self.tracker.log(metrics, step=self.global_step)
+                    progress.update(metrics)
+                    if self.global_step >= self.total_steps:
+                        break
+        return self.last_val
+
+    def train_step(self, prompts: DataProto) -> dict[str, float]:
+        """One PPO/GRPO iteration on a batch of prompts; returns its metrics."""
+        cfg, roles, timing, worker_out = self.cfg, self.roles, {}, []
+        with timer("step", timing):
+            # 1. generate n responses per prompt (the rollout copies refresh their weights first)
+            S.add_uids(prompts, self.global_step)
+            prompts.meta_info[K.META_GLOBAL_STEP] = self.global_step
+            with timer("gen", timing):
+                batch = _take_metrics(roles.actor_rollout.generate_sequences(prompts), worker_out)
+            # 2. score them: rule / custom reward (+ reward model) at the last response token
+            with timer("reward", timing):
+                if roles.reward_model is not None:
+                    batch.union(roles.reward_model.compute_rm_score(batch))
+                reward = self.reward_fn(batch)
+                batch.batch[K.TOKEN_LEVEL_SCORES] = reward.token_level_scores
+            # 3. log-probs of the policy before the update, of the reference, and values
+            #    (ref and critic calls return futures: with split placement they overlap)
+            with timer("old_log_prob_ref_values", timing):
+                ref = roles.ref.compute_ref_log_prob(batch) if roles.ref is not None else None
+                values = roles.critic.compute_values(batch) if roles.critic is not None else None
+                old = roles.actor_rollout.compute_log_prob(batch)
+                for part in (old, ref, values):
+                    if part is not None:
+                        batch.union(_take_metrics(_resolve(part), worker_out))
+            # 4. rewards (KL penalty if in reward) and advantages by the configured estimator
+            with timer("adv", timing):
+                kl_metrics = S.apply_rewards(batch, cfg.algorithm, self.kl_ctrl)
+                S.compute_advantage(batch, cfg.algorithm)
+            # 5. update the critic, then (after warm-up) the actor; with split placement they overlap
+            with timer("update", timing):
+                for out in self._update(batch):
+                    _take_metrics(out, worker_out)
+        return {**kl_metrics, **worker_metrics(*worker_out), **reward.metrics,
+                **data_metrics(batch, cfg.data.max_response_length),
+                **throughput_metrics(batch, timing, cfg.world_size),
+                **{f"timing_s/{k}": v for k, v in timing.items()}, "training/global_step": self.global_step}
+
+    def _update(self, batch: DataProto) -> list[DataProto]:
+        roles = self.roles
+        pending = []
+        if roles.critic is not None:
+            pending.append(roles.critic.update_critic(batch))
+        if self.global_step > self.cfg.trainer.critic_warmup:
+            pending.append(roles.actor_rollout.update_actor(batch))
+        return [_resolve(p) for p in pending]
+
+    def _maybe_validate_and_save(self) -> dict[str, float]:
+        t, step = self.cfg.trainer, self.global_step
+        last = step >= self.total_steps
+        metrics = {}
+        if t.test_freq > 0 and (step % t.test_freq == 0 or last):
+            metrics = self._validate()
+        if t.save_freq > 0 and (step % t.save_freq == 0 or last):
+            self.checkpointer.save(step, self.kl_ctrl)
+        return metrics
+
+    def _validate(self) -> dict[str, float]:
+        metrics = validate(self.roles.actor_rollout, self.val_loader, self.reward_fn, self.cfg.rollout.val_kwargs.n)
+        self.first_val = self.first_val or metrics
+        self.last_val = metrics
+        if self.global_step == 0:
+            self.tracker.log(metrics, step=0)
+        return metrics

@@ -1,0 +1,121 @@
+"""`RunConfig`: the whole run as one nested dataclass, and the checks that span sections.
+
+Loaded with `hybridflow.config_utils.load_config(RunConfig, yaml, ["a.b=c", ...])`.
+The defaults ARE the main job: GRPO on the bundled SmolLM2-135M-Instruct on generated
+arithmetic tasks, 2 CPU workers, colocated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hybridflow.engine.config import OptimConfig
+from hybridflow.rollout.config import RolloutConfig
+from hybridflow.trainer.config import AlgorithmConfig, DataConfig, RewardConfig, TrainerConfig
+from hybridflow.workers.config import (
+    ActorConfig,
+    CriticConfig,
+    ModelConfig,
+    RefConfig,
+    RewardModelConfig,
+)
+
+VALUE_ESTIMATORS = ("gae",)
+"""Advantage estimators that need a critic."""
+GROUP_ESTIMATORS = ("grpo", "grpo_passk", "rloo", "opo", "gpg", "reinforce_plus_plus_baseline")
+"""Advantage estimators whose baseline comes from the other samples of the same prompt."""
+
+
+def _default_actor() -> ActorConfig:
+    return ActorConfig(ppo_mini_batch_size=8, ppo_micro_batch_size_per_device=8, optim=OptimConfig(lr=1e-5))
+
+
+def _default_rollout() -> RolloutConfig:
+    return RolloutConfig(n=4, temperature=1.0, calculate_log_probs=False)
+
+
+@dataclass
+class RunConfig:
+    """Everything one training run needs."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy model (the reference and, by default, the critic start from it)."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompts: files or a generated task, batch sizes, lengths."""
+    actor: ActorConfig = field(default_factory=_default_actor)
+    """The policy update."""
+    rollout: RolloutConfig = field(default_factory=_default_rollout)
+    """Generation. prompt_length/response_length are taken from data.max_*_length."""
+    ref: RefConfig = field(default_factory=RefConfig)
+    """The reference policy (built only when a KL term is used)."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """The value model (built when the estimator needs values, or critic.enable=true)."""
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    """An optional model-based reward."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Rule / custom reward functions."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Advantage estimator, discounting, KL in reward."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Run length, checkpoints, loggers, backend and placement."""
+
+    @property
+    def world_size(self) -> int:
+        """Worker processes in the run."""
+        return self.trainer.n_workers_per_node * self.trainer.nnodes
+
+    @property
+    def use_critic(self) -> bool:
+        """Whether a critic is built."""
+        if self.critic.enable is None:
+            return self.algorithm.adv_estimator in VALUE_ESTIMATORS
+        return self.critic.enable
+
+    @property
+    def use_ref(self) -> bool:
+        """Whether a reference policy is built."""
+        return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
+
+    def __post_init__(self) -> None:
+        self.rollout.prompt_length = self.data.max_prompt_length
+        self.rollout.response_length = self.data.max_response_length
+        self._check_batch_sizes()
+        self._check_algorithm()
+        self._check_placement()
+
+    def _check_batch_sizes(self) -> None:
+        d, a, n, w = self.data, self.actor, self.rollout.n, self.world_size
+        if d.train_batch_size % a.ppo_mini_batch_size:
+            raise ValueError(f"data.train_batch_size ({d.train_batch_size}) must be a multiple of "
+                             f"actor.ppo_mini_batch_size ({a.ppo_mini_batch_size})")
+        for key, prompts in (("actor.ppo_mini_batch_size", a.ppo_mini_batch_size),
+                             ("critic.ppo_mini_batch_size", self.critic.ppo_mini_batch_size)):
+            if (prompts * n) % w:
+                raise ValueError(f"{key} ({prompts}) * rollout.n ({n}) = {prompts * n} responses must divide "
+                                 f"evenly over {w} workers (trainer.n_workers_per_node * trainer.nnodes)")
+        if self.use_critic and d.train_batch_size % self.critic.ppo_mini_batch_size:
+            raise ValueError(f"data.train_batch_size ({d.train_batch_size}) must be a multiple of "
+                             f"critic.ppo_mini_batch_size ({self.critic.ppo_mini_batch_size})")
+
+    def _check_algorithm(self) -> None:
+        est = self.algorithm.adv_estimator
+        if est in VALUE_ESTIMATORS and self.critic.enable is False:
+            raise ValueError(f"algorithm.adv_estimator={est} needs a critic, but critic.enable=false; "
+                             "enable the critic or pick a critic-free estimator (grpo, rloo, reinforce_plus_plus, ...)")
+        if est in GROUP_ESTIMATORS and self.rollout.n < 2:
+            raise ValueError(f"algorithm.adv_estimator={est} compares the samples of one prompt and needs "
+                             f"rollout.n >= 2, got rollout.n={self.rollout.n}")
+        if est == "remax":
+            raise ValueError("algorithm.adv_estimator=remax needs a greedy baseline rollout per prompt, "
+                             "which the trainer does not run yet; use grpo or rloo")
+
+    def _check_placement(self) -> None:
+        t = self.trainer
+        if t.backend == "local" and self.world_size != 1:
+            raise ValueError(f"trainer.backend=local runs one in-process worker; set trainer.n_workers_per_node=1 "
+                             f"and trainer.nnodes=1 (got {self.world_size} workers)")
+        if t.placement == "split" and t.backend == "local":
+            raise ValueError("trainer.placement=split needs trainer.backend=ray")
+        if t.placement == "split" and not (self.use_critic or self.use_ref):
+            raise ValueError("trainer.placement=split puts the critic/ref on their own workers, but this run has "
+                             "neither; use trainer.placement=colocate")

@@ -1,0 +1,40 @@
+"""Validation: generate on the held-out prompts with rollout.val_kwargs and score them.
+
+Reports, per data_source, mean@n (mean score over all n responses of every prompt)
+and pass@n (share of prompts with at least one correct response) as
+`val-core/<data_source>/acc/mean@<n>` and `val-core/<data_source>/acc/pass@<n>`.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+
+from hybridflow import keys as K
+from hybridflow.rollout.config import META_VALIDATE
+from hybridflow.trainer.core_steps import pass_at_n
+
+
+def validate(actor_rollout: Any, val_loader: Any, reward_fn: Any, n: int) -> dict[str, float]:
+    """Generate and score every validation prompt once; returns the val-core metrics."""
+    sources, uids, scores = [], [], []
+    for i, prompts in enumerate(val_loader):
+        prompts.non_tensor_batch[K.UID] = np.array([f"val-{i}-{j}" for j in range(len(prompts))], dtype=object)
+        prompts.meta_info[META_VALIDATE] = True
+        out = actor_rollout.generate_sequences(prompts)
+        out.meta_info.pop(K.META_METRICS, None)
+        result = reward_fn(out)
+        sources += [str(s) for s in out.non_tensor_batch[K.DATA_SOURCE]]
+        uids += list(out.non_tensor_batch[K.UID])
+        scores += result.scores
+    by_source: dict[str, list[int]] = defaultdict(list)
+    for idx, source in enumerate(sources):
+        by_source[source].append(idx)
+    metrics = {}
+    for source, idx in sorted(by_source.items()):
+        s = np.asarray(scores, dtype=np.float64)[idx]
+        metrics[f"val-core/{source}/acc/mean@{n}"] = float(s.mean())
+        metrics[f"val-core/{source}/acc/pass@{n}"] = pass_at_n(np.asarray(uids, dtype=object)[idx], s)
+    return metrics
