@@ -103,7 +103,8 @@ def test_mesh_worker_and_colocated_roles_run_in_process():
     mesh = LocalWorkerGroup(None, ClassWithInitArgs(MeshWorker, tp=1))
     out = mesh.tag(rows(3))
     assert torch.equal(out.batch["x"], rows(3).batch["x"]) and out.batch["rank"].tolist() == [0, 0, 0]
-    fused = LocalWorkerGroup(None, create_colocated_worker_cls({"actor": ClassWithInitArgs(ActorRole, 100), "critic": CriticRole}))
+    roles_cls = {"actor": ClassWithInitArgs(ActorRole, 100), "critic": CriticRole}
+    fused = LocalWorkerGroup(None, create_colocated_worker_cls(roles_cls))
     roles = fused.spawn({"actor", "critic"})
     assert roles["actor"].where() == [(os.getpid(), 0, "actor")]
     assert roles["critic"].where() == [(os.getpid(), 0, "critic")]

@@ -126,7 +126,8 @@ def test_colocated_roles_share_processes_on_split_and_merged_pools(ray_local):
         roles = group.spawn({"actor", "critic"})
         actor, critic = roles["actor"], roles["critic"]
         a, c = actor.where(), critic.where()
-        assert [x[1:] for x in a] == [(0, "actor"), (1, "actor")] and [x[1:] for x in c] == [(0, "critic"), (1, "critic")]
+        assert [x[1:] for x in a] == [(0, "actor"), (1, "actor")]
+        assert [x[1:] for x in c] == [(0, "critic"), (1, "critic")]
         assert [x[0] for x in a] == [x[0] for x in c] and len({x[0] for x in a}) == 2
         out = critic.negate(actor.shift(rows(3)))
         assert torch.equal(out.batch["x"], -(rows(3).batch["x"] + 100))
