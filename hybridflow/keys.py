@@ -25,6 +25,7 @@ VALUES = "values"  # [B, R] float32: critic values V(s_t)
 RM_SCORES = "rm_scores"  # [B, R] float32: reward-model score at the last valid token, 0 elsewhere
 TOKEN_LEVEL_SCORES = "token_level_scores"  # [B, R] float32: task score at the last valid token
 TOKEN_LEVEL_REWARDS = "token_level_rewards"  # [B, R] float32: scores minus KL penalty (if in reward)
+REWARD_BASELINES = "reward_baselines"  # [B] float32: ReMax's greedy-response score of the row's prompt
 ADVANTAGES = "advantages"  # [B, R] float32
 RETURNS = "returns"  # [B, R] float32: value targets
 

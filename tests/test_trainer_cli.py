@@ -67,6 +67,7 @@ def train_ok(tiny_model: str, tmp_path: Path, *extra: str) -> list[dict]:
     ("gae", ["algorithm.adv_estimator=gae"], ["critic/vf_loss", "critic/values/mean"]),
     ("reinforce_pp", ["algorithm.adv_estimator=reinforce_plus_plus"], []),
     ("rloo", ["algorithm.adv_estimator=rloo"], []),
+    ("remax", ["algorithm.adv_estimator=remax"], ["timing_s/reward"]),
     ("kl_loss", ["actor.use_kl_loss=true", "actor.kl_loss_coef=0.1"], ["actor/kl_loss"]),
     ("kl_reward", ["algorithm.use_kl_in_reward=true"], ["actor/reward_kl_penalty"]),
     ("split", ["algorithm.adv_estimator=gae", "trainer.placement=split"], ["critic/vf_loss"]),

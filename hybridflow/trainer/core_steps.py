@@ -44,13 +44,25 @@ def apply_rewards(batch: DataProto, cfg: AlgorithmConfig, kl_ctrl) -> dict[str, 
 def compute_advantage(batch: DataProto, cfg: AlgorithmConfig) -> None:
     """Fill `advantages` and `returns` [B, R] with the configured estimator."""
     estimator = get_advantage_estimator(cfg.adv_estimator)
-    values = batch.batch[K.VALUES] if K.VALUES in batch.batch.keys() else None
+    present = batch.batch.keys()
     advantages, returns = estimator(
         batch.batch[K.TOKEN_LEVEL_REWARDS], batch.batch[K.RESPONSE_MASK].float(), batch.non_tensor_batch[K.UID],
-        values=values, gamma=cfg.gamma, lam=cfg.lam, norm_adv_by_std_in_grpo=cfg.norm_adv_by_std_in_grpo,
+        values=batch.batch[K.VALUES] if K.VALUES in present else None,
+        reward_baselines=batch.batch[K.REWARD_BASELINES] if K.REWARD_BASELINES in present else None,
+        gamma=cfg.gamma, lam=cfg.lam, norm_adv_by_std_in_grpo=cfg.norm_adv_by_std_in_grpo,
     )
     batch.batch[K.ADVANTAGES] = advantages.float()
     batch.batch[K.RETURNS] = returns.float()
+
+
+def remax_baselines(actor_rollout, prompts: DataProto, reward_fn, n: int) -> torch.Tensor:
+    """ReMax (Li et al. 2023): the score of one greedy response per prompt, repeated for its n samples."""
+    greedy = DataProto(batch=prompts.batch, non_tensor_batch=dict(prompts.non_tensor_batch),
+                       meta_info={**prompts.meta_info, K.META_DO_SAMPLE: False, K.META_N: 1})
+    out = actor_rollout.generate_sequences(greedy)
+    out.meta_info.pop(K.META_METRICS, None)
+    scores = torch.tensor(reward_fn(out).scores, dtype=torch.float32)
+    return scores.repeat_interleave(n)
 
 
 def pass_at_n(uids: np.ndarray, scores: torch.Tensor) -> float:

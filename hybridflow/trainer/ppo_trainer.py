@@ -91,6 +91,8 @@ class PPOTrainer:
                     batch.union(roles.reward_model.compute_rm_score(batch))
                 reward = self.reward_fn(batch)
                 batch.batch[K.TOKEN_LEVEL_SCORES] = reward.token_level_scores
+                if cfg.algorithm.adv_estimator == "remax":
+                    batch.batch[K.REWARD_BASELINES] = S.remax_baselines(roles.actor_rollout, prompts, self.reward_fn, cfg.rollout.n)
             # 3. log-probs of the policy before the update, of the reference, and values
             #    (ref and critic calls return futures: with split placement they overlap)
             with timer("old_log_prob_ref_values", timing):

@@ -105,9 +105,6 @@ class RunConfig:
         if est in GROUP_ESTIMATORS and self.rollout.n < 2:
             raise ValueError(f"algorithm.adv_estimator={est} compares the samples of one prompt and needs "
                              f"rollout.n >= 2, got rollout.n={self.rollout.n}")
-        if est == "remax":
-            raise ValueError("algorithm.adv_estimator=remax needs a greedy baseline rollout per prompt, "
-                             "which the trainer does not run yet; use grpo or rloo")
 
     def _check_placement(self) -> None:
         t = self.trainer

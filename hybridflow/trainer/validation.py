@@ -29,12 +29,17 @@ def validate(actor_rollout: Any, val_loader: Any, reward_fn: Any, n: int) -> dic
         sources += [str(s) for s in out.non_tensor_batch[K.DATA_SOURCE]]
         uids += list(out.non_tensor_batch[K.UID])
         scores += result.scores
+    return summarize_scores(sources, uids, scores, n)
+
+
+def summarize_scores(sources: list[str], uids: list, scores: list[float], n: int, prefix: str = "val-core") -> dict[str, float]:
+    """`<prefix>/<data_source>/acc/mean@n` and `.../pass@n` from per-response scores."""
     by_source: dict[str, list[int]] = defaultdict(list)
     for idx, source in enumerate(sources):
         by_source[source].append(idx)
     metrics = {}
     for source, idx in sorted(by_source.items()):
         s = np.asarray(scores, dtype=np.float64)[idx]
-        metrics[f"val-core/{source}/acc/mean@{n}"] = float(s.mean())
-        metrics[f"val-core/{source}/acc/pass@{n}"] = pass_at_n(np.asarray(uids, dtype=object)[idx], s)
+        metrics[f"{prefix}/{source}/acc/mean@{n}"] = float(s.mean())
+        metrics[f"{prefix}/{source}/acc/pass@{n}"] = pass_at_n(np.asarray(uids, dtype=object)[idx], s)
     return metrics
