@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 import pandas as pd
 import pytest
@@ -56,12 +57,15 @@ def test_generated_reference_answers_score_one(tmp_path):
             assert default_compute_score(row["data_source"], solution(row["extra_info"]), truth) == 1.0
 
 
-def test_difficulty_knobs_and_errors(tmp_path):
+def test_difficulty_knobs_and_errors(tmp_path, caplog):
     train, _ = build_task("arithmetic", tmp_path, 50, 5, seed=0, num_operands=3, min_digits=3, max_digits=3,
                           operators="+-*")
     exprs = pd.read_parquet(train)["extra_info"].map(lambda e: e["expression"].split())
     assert all(len(e) == 5 and all(len(n) == 3 for n in e[::2]) for e in exprs)
     assert {op for e in exprs for op in e[1::2]} == {"+", "-", "*"}
+    with caplog.at_level(logging.WARNING):
+        build_task("arithmetic", tmp_path, 200, 20, max_digits=1)  # only 100 distinct problems
+    assert re.search(r"[1-9]\d* of 20 test problems also occur in the train split", caplog.text)
     with pytest.raises(TypeError, match="max_digit.*did you mean.*max_digits"):
         build_task("arithmetic", tmp_path, 5, 5, max_digit=2)
     with pytest.raises(ValueError, match="operators"):

@@ -2,8 +2,12 @@
 
 The difficulty knobs (`ArithmeticDifficulty`) set the number of operands, the
 digits per operand and the operators. The default — two operands of 1 to 2
-digits, addition only — is calibrated for SmolLM2-135M-Instruct, which gets
-some but far from all of them right, so GRPO groups see reward variance.
+digits, addition only — is calibrated for SmolLM2-135M-Instruct so that GRPO
+groups see reward variance: on 48 test prompts it answered 17% right when
+sampling at temperature 1 and 33% greedily (with an instruction asking for
+`####`, sampling fell to 6%, hence the plain "Answer with just the number.").
+Single-digit operands are easier (23% sampled, 77% greedy with the `####`
+instruction) but allow only 100 distinct problems, too few for a held-out split.
 Answers follow Python precedence (`*` before `+`/`-`) and may be negative.
 """
 
@@ -15,8 +19,8 @@ import numpy as np
 
 from hybridflow.data.tasks import Problem, register_task
 
-INSTRUCTION = "Give only the final answer, after \"####\"."
-"""The one answer-format instruction of the task; the scorer also accepts a bare last number."""
+INSTRUCTION = "Answer with just the number."
+"""The one answer-format instruction; the scorer reads the last number (or the number after `####`)."""
 
 _OPERATORS = ("+", "-", "*")
 

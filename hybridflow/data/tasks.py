@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -28,6 +29,7 @@ from typing import Any, Callable
 import numpy as np
 import pandas as pd
 
+logger = logging.getLogger(__name__)
 _REDRAW_TRIES = 20
 
 
@@ -123,6 +125,11 @@ def build_task(name: str, out_dir: str | Path, train_size: int, test_size: int,
     train = make_rows(name, train_size, "train", seed, level)
     seen = {row["prompt"][0]["content"] for row in train}
     test = make_rows(name, test_size, "test", seed, level, exclude=seen)
+    overlap = sum(row["prompt"][0]["content"] in seen for row in test)
+    if overlap:
+        logger.warning("build_task(%s): %d of %d test problems also occur in the train split; the "
+                       "difficulty settings allow too few distinct problems for a clean held-out split",
+                       name, overlap, test_size)
     out = Path(out_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     paths = []
