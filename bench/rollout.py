@@ -1,0 +1,105 @@
+"""Native rollout vs transformers `generate` on SmolLM2-135M: generated tokens per second.
+
+Run: .venv/bin/python bench/rollout.py [--batch 64] [--new-tokens 64] [--dtypes bf16 fp32] [--repeats 2]
+
+Both sample at temperature 1, top_p 1, no top-k, and both generate exactly
+`new-tokens` tokens per sequence: EOS stopping is off for both (generate gets a
+generation config without eos_token_id, the native rollout `ignore_eos=True`), so
+they do the same work. The native time is the whole `generate_sequences` call
+(DataProto in, DataProto out); transformers' is the bare `generate` call. Runs
+alternate between the two, after one short warm-up each; best of `repeats`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+
+import torch
+
+from hybridflow.keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, RESPONSES
+from hybridflow.models import default_model_dir, load_causal_lm, load_tokenizer
+from hybridflow.protocol import DataProto
+from hybridflow.rollout import RolloutConfig, build_rollout
+
+QUESTIONS = [
+    "What is 12 plus 7?", "Write a haiku about autumn.", "Explain what a prime number is.",
+    "Name three colours of the rainbow.", "How many legs does a spider have?",
+    "Give me a short greeting in French.", "What is the capital of Japan?", "Count from one to five.",
+]
+
+
+def make_prompts(tokenizer, batch: int) -> DataProto:
+    """`batch` chat-templated questions, left-padded."""
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
+                                           tokenize=False, add_generation_prompt=True) for i in range(batch)]
+    enc = tokenizer(texts, padding=True, return_tensors="pt")
+    pos = (enc["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    return DataProto.from_dict({INPUT_IDS: enc["input_ids"], ATTENTION_MASK: enc["attention_mask"],
+                                POSITION_IDS: pos})
+
+
+def hf_generate(model, prompts: DataProto, new_tokens: int, pad_id: int) -> int:
+    """Sample with transformers generate; returns the number of generated tokens."""
+    gc = copy.deepcopy(model.generation_config)
+    gc.update(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=new_tokens,
+              eos_token_id=None, pad_token_id=pad_id)
+    ids = prompts.batch[INPUT_IDS]
+    with torch.inference_mode():
+        seqs = model.generate(ids, attention_mask=prompts.batch[ATTENTION_MASK], generation_config=gc)
+    return (seqs.shape[1] - ids.shape[1]) * seqs.shape[0]
+
+
+def native_generate(rollout, prompts: DataProto) -> int:
+    """Sample with the native rollout; returns the number of generated tokens."""
+    return rollout.generate_sequences(prompts).batch[RESPONSES].numel()
+
+
+def timed(fn) -> tuple[float, int]:
+    """(seconds, tokens) of one call of fn."""
+    start = time.perf_counter()
+    tokens = fn()
+    return time.perf_counter() - start, tokens
+
+
+def bench_dtype(dtype: str, args, tokenizer) -> tuple[float, float]:
+    """Best tokens/s of (transformers generate, native rollout) in one dtype."""
+    cfg = RolloutConfig(name="native", dtype=dtype, response_length=args.new_tokens, ignore_eos=True,
+                        max_batch_size=args.batch, prompt_length=256)
+    model = load_causal_lm(default_model_dir(), dtype=cfg.torch_dtype).eval()
+    rollout = build_rollout(cfg, model, tokenizer)
+    warm = RolloutConfig(name="native", dtype=dtype, response_length=4, ignore_eos=True, prompt_length=256)
+    prompts = make_prompts(tokenizer, args.batch)
+    hf_generate(model, prompts, 4, tokenizer.pad_token_id)
+    build_rollout(warm, model, tokenizer).generate_sequences(prompts)
+    best = {"hf": 0.0, "native": 0.0}
+    for rep in range(args.repeats):
+        for name, fn in [("hf", lambda: hf_generate(model, prompts, args.new_tokens, tokenizer.pad_token_id)),
+                         ("native", lambda: native_generate(rollout, prompts))]:
+            seconds, tokens = timed(fn)
+            assert tokens == args.batch * args.new_tokens, (name, tokens)
+            best[name] = max(best[name], tokens / seconds)
+            print(f"  {dtype} rep {rep} {name:>6}: {seconds:6.2f} s, {tokens / seconds:7.1f} tokens/s", flush=True)
+    return best["hf"], best["native"]
+
+
+def main() -> None:
+    """Print tokens/s of both and their ratio for each dtype."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=["bf16", "fp32"])
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+    tokenizer = load_tokenizer(default_model_dir())
+    print(f"SmolLM2-135M, batch {args.batch}, {args.new_tokens} new tokens, sampling T=1, "
+          f"torch threads {torch.get_num_threads()}", flush=True)
+    rows = [(dtype, *bench_dtype(dtype, args, tokenizer)) for dtype in args.dtypes]
+    print(f"{'dtype':>6} {'generate tok/s':>15} {'native tok/s':>13} {'ratio':>6}")
+    for dtype, hf, nat in rows:
+        print(f"{dtype:>6} {hf:15.1f} {nat:13.1f} {nat / hf:6.2f}")
+
+
+if __name__ == "__main__":
+    main()

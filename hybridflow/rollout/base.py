@@ -1,0 +1,136 @@
+"""The rollout interface, the shared in-process implementation, and `build_rollout`.
+
+Input of `generate_sequences`: a DataProto with `input_ids` [B, P] (left-padded),
+`attention_mask` and `position_ids`; meta_info may override the sampling params
+(see `RolloutConfig.sampling_params`). Output: B*n rows, the n samples of a prompt
+adjacent, with the keys of hybridflow/keys.py (see `layout.build_output`).
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+
+import torch
+from torch import Tensor, nn
+
+from hybridflow.keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS
+from hybridflow.protocol import DataProto
+from hybridflow.rollout.config import ROLLOUT_NAMES, RolloutConfig, SamplingParams
+from hybridflow.rollout.layout import build_output
+from hybridflow.rollout.sync import load_state_dict_into
+
+
+class Rollout(ABC):
+    """A sequence-generation backend: prompts in, sampled responses out."""
+
+    @abstractmethod
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """Sample `n` responses per prompt row; returns B*n rows in the layout of hybridflow/keys.py."""
+
+    @abstractmethod
+    def load_weights(self, state_dict: dict[str, Tensor]) -> None:
+        """Replace the generating model's weights with a full state dict (any float dtype)."""
+
+
+def eos_token_ids(tokenizer, model: nn.Module | None = None) -> list[int]:
+    """Every id that ends a response: the tokenizer's EOS and the generation config's EOS ids."""
+    ids = [tokenizer.eos_token_id]
+    gen_cfg = getattr(model, "generation_config", None)
+    extra = getattr(gen_cfg, "eos_token_id", None)
+    ids += extra if isinstance(extra, (list, tuple)) else [extra]
+    ids = sorted({int(i) for i in ids if i is not None})
+    if not ids:
+        raise ValueError("the tokenizer has no eos_token_id and the model's generation_config none either; "
+                         "set tokenizer.eos_token")
+    return ids
+
+
+def load_rollout_model(model_path_or_module: str | os.PathLike | nn.Module, dtype: torch.dtype) -> nn.Module:
+    """The model to generate with: loaded from a local HF dir in `dtype`, or a given module.
+
+    A given module is used as is (it may be shared with a trainer), so its dtype must
+    already be `dtype`.
+    """
+    if isinstance(model_path_or_module, nn.Module):
+        have = next(model_path_or_module.parameters()).dtype
+        if have != dtype:
+            raise ValueError(f"the rollout model is {have} but rollout.dtype asks for {dtype}; "
+                             "pass a model path (loaded in rollout.dtype) or set rollout.dtype to match")
+        return model_path_or_module.eval()
+    from hybridflow.models import load_causal_lm
+
+    return load_causal_lm(model_path_or_module, dtype=dtype).eval()
+
+
+class ModuleRollout(Rollout):
+    """Shared logic of the in-process backends (native, hf) over an HF causal-LM module.
+
+    Handles sampling-param resolution, input checks, chunking by `max_batch_size`,
+    the output layout and weight loading; subclasses implement `_generate`.
+    """
+
+    def __init__(self, config: RolloutConfig, model: nn.Module, tokenizer) -> None:
+        self.config = config
+        self.model = model
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_token_ids(tokenizer, model)
+        pad = tokenizer.pad_token_id
+        self.pad_id = int(pad) if pad is not None else self.eos_ids[0]
+        self.generator = torch.Generator().manual_seed(config.seed)
+
+    def load_weights(self, state_dict: dict[str, Tensor]) -> None:
+        """Copy the state dict into the model in place (cast to rollout dtype, tied weights once)."""
+        load_state_dict_into(self.model, state_dict)
+
+    @torch.inference_mode()
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """See `Rollout.generate_sequences`."""
+        params = self.config.sampling_params(prompts.meta_info)
+        ids, mask, pos = self._prompt_tensors(prompts)
+        per_chunk = max(1, self.config.max_batch_size // params.n)
+        parts = [self._generate(ids[i : i + per_chunk], mask[i : i + per_chunk], pos[i : i + per_chunk], params)
+                 for i in range(0, len(ids), per_chunk)]
+        responses, resp_mask, log_probs = (torch.cat([p[j] for p in parts]) for j in range(3))
+        if not self.config.calculate_log_probs:
+            log_probs = None
+        return build_output(prompts, ids, mask, pos, responses, resp_mask, params.n, log_probs)
+
+    def _prompt_tensors(self, prompts: DataProto) -> tuple[Tensor, Tensor, Tensor]:
+        missing = [k for k in (INPUT_IDS, ATTENTION_MASK, POSITION_IDS) if k not in prompts.batch.keys()]
+        if missing:
+            raise KeyError(f"generate_sequences: prompts lack {missing}; expected input_ids, attention_mask "
+                           "and position_ids (left-padded) as produced by the dataset collate")
+        ids = prompts.batch[INPUT_IDS]
+        if ids.shape[1] > self.config.prompt_length:
+            raise ValueError(f"prompts are {ids.shape[1]} tokens wide, more than rollout.prompt_length="
+                             f"{self.config.prompt_length}; raise rollout.prompt_length or shorten the prompts")
+        mask = prompts.batch[ATTENTION_MASK]
+        if bool((mask[:, -1] == 0).any()):
+            raise ValueError("generate_sequences: prompts must be LEFT-padded (attention_mask[:, -1] is 0 "
+                             "for some rows); set tokenizer.padding_side='left'")
+        return ids, mask, prompts.batch[POSITION_IDS]
+
+    @abstractmethod
+    def _generate(self, ids: Tensor, mask: Tensor, pos: Tensor, params: SamplingParams
+                  ) -> tuple[Tensor, Tensor, Tensor]:
+        """Generate for one chunk; returns (responses, response_mask, log_probs), each [b*n, R],
+        responses already pad-filled outside the mask."""
+
+
+def build_rollout(config: RolloutConfig, model_path_or_module: str | os.PathLike | nn.Module,
+                  tokenizer) -> Rollout:
+    """The rollout backend named by `config.name` ("native", "hf" or "vllm")."""
+    if config.name == "native":
+        from hybridflow.rollout.native import NativeRollout
+
+        return NativeRollout(config, load_rollout_model(model_path_or_module, config.torch_dtype), tokenizer)
+    if config.name == "hf":
+        from hybridflow.rollout.hf import HFRollout
+
+        return HFRollout(config, load_rollout_model(model_path_or_module, config.torch_dtype), tokenizer)
+    if config.name == "vllm":
+        from hybridflow.rollout.vllm_rollout import VLLMRollout
+
+        return VLLMRollout(config, model_path_or_module, tokenizer)
+    raise ValueError(f"unknown rollout name {config.name!r}; choose one of {ROLLOUT_NAMES}")

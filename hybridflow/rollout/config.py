@@ -1,0 +1,146 @@
+"""Typed configuration of the rollout (sequence generation) component."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hybridflow.keys import META_DO_SAMPLE, META_N, META_TEMPERATURE
+
+ROLLOUT_NAMES = ("native", "hf", "vllm")
+"""Names accepted by `RolloutConfig.name` and `build_rollout`."""
+
+META_TOP_P = "top_p"
+"""meta_info key (float) overriding `top_p` for one generate call."""
+META_TOP_K = "top_k"
+"""meta_info key (int, -1 = off) overriding `top_k` for one generate call."""
+META_VALIDATE = "validate"
+"""meta_info key (bool): True makes the call use `val_kwargs` instead of the training params."""
+
+_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """The sampling parameters in effect for one generate call."""
+
+    temperature: float = 1.0
+    """Softmax temperature; logits are divided by it before sampling (ignored when greedy)."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of top tokens whose probability mass reaches top_p."""
+    top_k: int = -1
+    """Keep only the k most likely tokens; -1 disables."""
+    do_sample: bool = True
+    """False means greedy decoding (argmax)."""
+    n: int = 1
+    """Responses sampled per prompt."""
+
+    def __post_init__(self) -> None:
+        check_sampling(self.temperature, self.top_p, self.top_k, self.do_sample, self.n, "sampling")
+
+    @property
+    def filters(self) -> bool:
+        """True when top-k or top-p removes part of the distribution."""
+        return self.top_k > 0 or self.top_p < 1.0
+
+    def override(self, meta_info: dict[str, Any]) -> SamplingParams:
+        """These params with any of temperature/top_p/top_k/do_sample/n replaced from meta_info."""
+        keys = {META_TEMPERATURE: "temperature", META_TOP_P: "top_p", META_TOP_K: "top_k",
+                META_DO_SAMPLE: "do_sample", META_N: "n"}
+        values = {f: meta_info[k] for k, f in keys.items() if k in meta_info}
+        return SamplingParams(**{**self.__dict__, **values}) if values else self
+
+
+def check_sampling(temperature: float, top_p: float, top_k: int, do_sample: bool, n: int, where: str) -> None:
+    """Raise ValueError naming the key when a sampling setting is out of range or contradictory."""
+    if do_sample and temperature <= 0:
+        raise ValueError(f"{where}.temperature must be > 0 when do_sample=True (got {temperature}); "
+                         "use do_sample=False for greedy decoding")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"{where}.top_p must be in (0, 1], got {top_p}")
+    if top_k != -1 and top_k < 1:
+        raise ValueError(f"{where}.top_k must be -1 (off) or >= 1, got {top_k}")
+    if n < 1:
+        raise ValueError(f"{where}.n must be >= 1, got {n}")
+    if n > 1 and not do_sample:
+        raise ValueError(f"{where}.n={n} with {where}.do_sample=False would give {n} identical "
+                         "greedy responses per prompt; set n=1 or do_sample=True")
+
+
+@dataclass
+class ValKwargs:
+    """Sampling parameters for validation calls (meta_info[validate]=True)."""
+
+    temperature: float = 1.0
+    """Softmax temperature for validation (ignored when do_sample=False)."""
+    top_p: float = 1.0
+    """Nucleus threshold for validation."""
+    top_k: int = -1
+    """Top-k for validation; -1 disables."""
+    do_sample: bool = False
+    """Validation is greedy by default."""
+    n: int = 1
+    """Responses per prompt during validation."""
+
+    def __post_init__(self) -> None:
+        check_sampling(self.temperature, self.top_p, self.top_k, self.do_sample, self.n, "rollout.val_kwargs")
+
+
+@dataclass
+class RolloutConfig:
+    """How sequences are generated: backend, sampling parameters, lengths, dtype."""
+
+    name: str = "native"
+    """Backend: "native" (our batched KV-cache sampler), "hf" (transformers generate), "vllm" (GPU + vllm)."""
+    temperature: float = 1.0
+    """Softmax temperature for training rollouts; also the temperature of `rollout_log_probs`."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold in (0, 1]; 1.0 disables."""
+    top_k: int = -1
+    """Keep only the k most likely tokens; -1 disables."""
+    do_sample: bool = True
+    """False means greedy decoding."""
+    n: int = 1
+    """Responses sampled per prompt (GRPO group size); the n samples of a prompt are adjacent rows."""
+    prompt_length: int = 512
+    """Longest accepted (left-padded) prompt, in tokens; longer input is rejected."""
+    response_length: int = 512
+    """Tokens generated at most per response; responses are always right-padded to exactly this width."""
+    dtype: str = "bf16"
+    """Rollout weights and compute: "bf16" (about 2x faster on CPUs with avx512_bf16) or "fp32"."""
+    calculate_log_probs: bool = False
+    """Return `rollout_log_probs` [B*n, R]: log-probs of the sampled tokens under the sampler."""
+    max_batch_size: int = 256
+    """Most sequences (prompts x n) decoded together per worker; larger inputs are run in chunks."""
+    ignore_eos: bool = False
+    """Keep generating after EOS up to response_length (benchmarks); the mask still covers all tokens."""
+    seed: int = 0
+    """Seed of the sampler's torch.Generator; the same seed and inputs give the same samples."""
+    val_kwargs: ValKwargs = field(default_factory=ValKwargs)
+    """Sampling parameters used when meta_info["validate"] is True."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.val_kwargs, dict):
+            self.val_kwargs = ValKwargs(**self.val_kwargs)
+        if self.name not in ROLLOUT_NAMES:
+            raise ValueError(f"rollout.name must be one of {ROLLOUT_NAMES}, got {self.name!r}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"rollout.dtype must be one of {tuple(_DTYPES)}, got {self.dtype!r}")
+        for key in ("prompt_length", "response_length", "max_batch_size"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"rollout.{key} must be >= 1, got {getattr(self, key)}")
+        check_sampling(self.temperature, self.top_p, self.top_k, self.do_sample, self.n, "rollout")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """`dtype` as a torch dtype."""
+        return _DTYPES[self.dtype]
+
+    def sampling_params(self, meta_info: dict[str, Any] | None = None) -> SamplingParams:
+        """The params for one call: training or validation defaults, then meta_info overrides."""
+        meta_info = meta_info or {}
+        src = self.val_kwargs if meta_info.get(META_VALIDATE, False) else self
+        base = SamplingParams(src.temperature, src.top_p, src.top_k, src.do_sample, src.n)
+        return base.override(meta_info)

@@ -1,0 +1,110 @@
+"""Native rollout: our own batched sampler with a KV cache over an HF causal LM.
+
+One prefill per prompt, then the prompt's cache rows are repeated for its n samples
+(prompts are not re-encoded n times). Each step samples one token per row with
+`sampling.sample_next` (greedy / temperature / top-k / top-p; log-probs as
+documented there) from a seeded torch.Generator, so the same seed, weights and
+inputs give the same samples. A row stops at the first sampled EOS (any id of
+`eos_token_ids`). Finished rows leave the batch: once at least `COMPACT_FRACTION`
+of the rows held are finished, the cache is compacted to the live rows. (Copying
+the cache on every single finish costs more than computing a few dead rows for a
+few steps; until compaction their samples are discarded.)
+
+Llama-style models (Llama, Qwen2) run on `StaticLlamaDecoder`; other architectures
+fall back to `HFDecoder` (the model's own forward with a DynamicCache).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from hybridflow.rollout.base import ModuleRollout
+from hybridflow.rollout.config import RolloutConfig, SamplingParams
+from hybridflow.rollout.decoder import HFDecoder, StaticLlamaDecoder, supports_static_path
+from hybridflow.rollout.sampling import sample_next
+
+COMPACT_FRACTION = 0.125
+"""Compact the batch once this fraction of the held rows has finished."""
+
+
+class NativeRollout(ModuleRollout):
+    """Batched KV-cache sampler (see module docstring)."""
+
+    def __init__(self, config: RolloutConfig, model: nn.Module, tokenizer, use_static: bool | None = None) -> None:
+        super().__init__(config, model, tokenizer)
+        self.use_static = supports_static_path(model) if use_static is None else use_static
+        self._eos = torch.tensor(self.eos_ids)
+
+    def _decoder(self) -> StaticLlamaDecoder | HFDecoder:
+        # built per call: the static decoder's fused weights must follow in-place weight updates
+        return StaticLlamaDecoder(self.model) if self.use_static else HFDecoder(self.model)
+
+    def _generate(self, ids: Tensor, mask: Tensor, pos: Tensor, params: SamplingParams
+                  ) -> tuple[Tensor, Tensor, Tensor]:
+        width = self.config.response_length
+        dec = self._decoder()
+        logits = dec.prefill(ids, mask, pos, width)
+        if params.n > 1:
+            expand = torch.arange(len(ids)).repeat_interleave(params.n)
+            dec.select(expand)
+            logits = logits[expand]
+        rows = len(logits)
+        state = _DecodeState(rows, width, self.pad_id, pos[:, -1].repeat_interleave(params.n) + 1)
+        for t in range(width):
+            tokens, logp = sample_next(logits, params, self.generator)
+            state.record(t, tokens, logp, None if self.config.ignore_eos else self._eos)
+            if t == width - 1 or state.all_finished():
+                break
+            if state.should_compact():
+                dec.select(state.compact())
+                tokens = tokens[state.last_keep]
+            logits = dec.step(tokens, state.positions + t)
+        return state.outputs()
+
+
+class _DecodeState:
+    """Bookkeeping of one decode loop: which output row each held row is, who finished."""
+
+    def __init__(self, rows: int, width: int, pad_id: int, positions: Tensor) -> None:
+        self.responses = torch.full((rows, width), pad_id, dtype=torch.long)
+        self.log_probs = torch.zeros(rows, width, dtype=torch.float32)
+        self.lengths = torch.full((rows,), width, dtype=torch.long)
+        self.out_row = torch.arange(rows)
+        self.finished = torch.zeros(rows, dtype=torch.bool)
+        self.positions = positions
+        self.last_keep = self.out_row
+
+    def record(self, t: int, tokens: Tensor, logp: Tensor, eos: Tensor | None) -> None:
+        """Store step t's samples of the live rows and mark rows that sampled EOS."""
+        live = ~self.finished
+        out = self.out_row[live]
+        self.responses[out, t] = tokens[live]
+        self.log_probs[out, t] = logp[live]
+        if eos is not None:
+            ended = live & torch.isin(tokens, eos)
+            self.lengths[self.out_row[ended]] = t + 1
+            self.finished |= ended
+
+    def all_finished(self) -> bool:
+        """True when every held row has finished."""
+        return bool(self.finished.all())
+
+    def should_compact(self) -> bool:
+        """True when enough held rows are finished to be worth dropping."""
+        done = int(self.finished.sum())
+        return done > 0 and done >= COMPACT_FRACTION * len(self.finished)
+
+    def compact(self) -> Tensor:
+        """Drop finished rows; returns the kept row indices (also in `last_keep`)."""
+        keep = (~self.finished).nonzero().squeeze(1)
+        self.out_row, self.positions = self.out_row[keep], self.positions[keep]
+        self.finished = self.finished[keep]
+        self.last_keep = keep
+        return keep
+
+    def outputs(self) -> tuple[Tensor, Tensor, Tensor]:
+        """(responses, response_mask, log_probs), each [rows, width]."""
+        width = self.responses.shape[1]
+        mask = (torch.arange(width)[None] < self.lengths[:, None]).long()
+        return self.responses, mask, self.log_probs * mask

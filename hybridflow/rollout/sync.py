@@ -1,0 +1,51 @@
+"""Weight sync: load the training engine's full state dict into a rollout in the same process."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from hybridflow.rollout.base import Rollout
+
+
+def load_state_dict_into(model: nn.Module, state_dict: dict[str, Tensor]) -> None:
+    """Copy every tensor of `state_dict` in place into `model`, cast to the model's dtype.
+
+    Keys must be the model's own `state_dict()` keys. Tied parameters (e.g. lm_head and
+    the input embedding) are written once; the state dict may hold either or both names.
+    Raises KeyError for unknown or missing keys and ValueError for a shape mismatch.
+    """
+    targets = model.state_dict(keep_vars=True)
+    unknown = sorted(set(state_dict) - set(targets))
+    if unknown:
+        raise KeyError(f"load_weights: {len(unknown)} keys are not in the rollout model, e.g. {unknown[:3]}; "
+                       f"expected keys like {list(targets)[:3]} (strip wrapper prefixes such as '_orig_mod.')")
+    written: set[int] = set()
+    with torch.no_grad():
+        for key, src in state_dict.items():
+            dst = targets[key]
+            if id(dst) in written:
+                continue
+            if dst.shape != src.shape:
+                raise ValueError(f"load_weights: {key} has shape {tuple(src.shape)}, the rollout model "
+                                 f"expects {tuple(dst.shape)}")
+            dst.copy_(src)
+            written.add(id(dst))
+    missing = [k for k, t in targets.items() if id(t) not in written]
+    if missing:
+        raise KeyError(f"load_weights: the state dict lacks {len(missing)} of the model's keys, e.g. "
+                       f"{missing[:3]}; pass the engine's full state dict")
+
+
+def sync_weights(rollout: Rollout, state_dict: dict[str, Tensor]) -> float:
+    """Load a full (fp32) state dict into `rollout`; returns the seconds it took.
+
+    The caller reports the value as the metric `timing_s/weight_sync`.
+    """
+    start = time.perf_counter()
+    rollout.load_weights(state_dict)
+    return time.perf_counter() - start

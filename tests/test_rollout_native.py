@@ -1,0 +1,159 @@
+"""Native rollout against transformers: greedy equality, sampling filters, n samples, EOS, log-probs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridflow.keys import (
+    ATTENTION_MASK, INPUT_IDS, META_DO_SAMPLE, META_N, META_TEMPERATURE, POSITION_IDS, PROMPTS, RESPONSE_MASK,
+    RESPONSES, ROLLOUT_LOG_PROBS,
+)
+from hybridflow.rollout import RolloutConfig, build_rollout
+from hybridflow.rollout.config import META_TOP_K, META_VALIDATE
+from hybridflow.rollout.layout import pad_responses
+from hybridflow.rollout.native import NativeRollout
+from rollout_helpers import add_eos_bias, full_forward_logits, prompt_batch, recomputed_log_probs, tiny
+
+R = 12
+
+
+def native(model, tok, use_static: bool | None = None, **kw) -> NativeRollout:
+    cfg = RolloutConfig(name="native", dtype="fp32", response_length=kw.pop("response_length", R), **kw)
+    return NativeRollout(cfg, model, tok, use_static=use_static)
+
+
+def hf_greedy(model, tok, batch, width: int = R) -> torch.Tensor:
+    ids, mask = batch.batch[INPUT_IDS], batch.batch[ATTENTION_MASK]
+    with torch.no_grad():
+        seqs = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=width,
+                              pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    return pad_responses(seqs[:, ids.shape[1]:], width, tok.pad_token_id)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny("llama")
+
+
+@pytest.mark.parametrize("arch,use_static", [("llama", True), ("llama", False), ("qwen2", True)])
+def test_greedy_matches_transformers_generate(arch, use_static):
+    model, tok = tiny(arch)
+    batch = prompt_batch(tok)
+    assert batch.batch[ATTENTION_MASK].sum(1).unique().numel() == 3  # three prompt lengths
+    out = native(model, tok, use_static, do_sample=False).generate_sequences(batch)
+    assert torch.equal(out.batch[RESPONSES], hf_greedy(model, tok, batch))
+    assert out.batch[RESPONSE_MASK].all()
+
+
+def test_greedy_with_early_eos_matches_transformers():
+    model, tok = tiny("llama")
+    batch = prompt_batch(tok)
+    free = native(model, tok, do_sample=False).generate_sequences(batch)
+    logits = full_forward_logits(model, free)
+    gaps = logits.max(-1).values - logits[..., tok.eos_token_id]
+    add_eos_bias(model, tok.eos_token_id, float(gaps[0, 3]) + 1e-3)  # row 0 ends by step 3
+    out = native(model, tok, do_sample=False).generate_sequences(batch)
+    lengths = out.batch[RESPONSE_MASK].sum(1)
+    assert lengths[0] <= 4 and lengths.min() < R
+    assert torch.equal(out.batch[RESPONSES], hf_greedy(model, tok, batch))
+
+
+def test_top_k_one_is_greedy_and_meta_overrides(llama):
+    model, tok = llama
+    greedy = native(model, tok, do_sample=False).generate_sequences(prompt_batch(tok))
+    top1 = native(model, tok, top_k=1, temperature=0.7).generate_sequences(prompt_batch(tok))
+    assert torch.equal(top1.batch[RESPONSES], greedy.batch[RESPONSES])
+    meta_greedy = native(model, tok).generate_sequences(prompt_batch(tok, **{META_DO_SAMPLE: False}))
+    assert torch.equal(meta_greedy.batch[RESPONSES], greedy.batch[RESPONSES])
+    meta_k1 = native(model, tok).generate_sequences(prompt_batch(tok, **{META_TOP_K: 1}))
+    assert torch.equal(meta_k1.batch[RESPONSES], greedy.batch[RESPONSES])
+    validate = native(model, tok, n=2).generate_sequences(prompt_batch(tok, **{META_VALIDATE: True}))
+    assert torch.equal(validate.batch[RESPONSES], greedy.batch[RESPONSES])  # val_kwargs: greedy, n=1
+
+
+def test_sampled_tokens_respect_top_k(llama):
+    model, tok = llama
+    out = native(model, tok, top_k=5, temperature=2.0).generate_sequences(prompt_batch(tok))
+    top5 = full_forward_logits(model, out).topk(5, dim=-1).indices
+    assert (top5 == out.batch[RESPONSES][..., None]).any(-1).all()
+
+
+def test_sampled_tokens_respect_top_p(llama):
+    model, tok = llama
+    out = native(model, tok, top_p=0.02).generate_sequences(prompt_batch(tok))
+    probs = full_forward_logits(model, out).softmax(-1)
+    chosen = probs.gather(-1, out.batch[RESPONSES][..., None])
+    mass_above = (probs * (probs > chosen)).sum(-1)  # mass of strictly more likely tokens
+    assert (mass_above < 0.02 + 1e-5).all()
+    assert out.batch[RESPONSES].unique().numel() > 3  # the nucleus is wider than one token here
+
+
+def test_n_samples_layout_and_non_tensor_repeat(llama):
+    model, tok = llama
+    batch = prompt_batch(tok)
+    out = native(model, tok, n=3, calculate_log_probs=True).generate_sequences(batch)
+    b, p = batch.batch[INPUT_IDS].shape
+    assert len(out) == 3 * b
+    assert list(out.non_tensor_batch["uid"]) == [u for u in batch.non_tensor_batch["uid"] for _ in range(3)]
+    assert torch.equal(out.batch[PROMPTS], batch.batch[INPUT_IDS].repeat_interleave(3, 0))
+    assert out.batch[RESPONSES].shape == (3 * b, R) and out.batch[ROLLOUT_LOG_PROBS].shape == (3 * b, R)
+    assert torch.equal(out.batch[INPUT_IDS], torch.cat([out.batch[PROMPTS], out.batch[RESPONSES]], 1))
+    pos = out.batch[POSITION_IDS]
+    assert torch.equal(pos[:, p:], pos[:, p - 1 : p] + torch.arange(1, R + 1))
+    assert not torch.equal(out.batch[RESPONSES][0], out.batch[RESPONSES][1])  # samples of one prompt differ
+    again = native(model, tok, n=3, calculate_log_probs=True).generate_sequences(batch)
+    assert torch.equal(again.batch[RESPONSES], out.batch[RESPONSES])  # same seed, same samples
+
+
+def test_eos_stops_rows_and_pads():
+    model, tok = tiny("llama")
+    eos = tok.eos_token_id
+    add_eos_bias(model, eos, 10.0)  # P(EOS) about 0.3 per step
+    out = native(model, tok, n=4, calculate_log_probs=True).generate_sequences(prompt_batch(tok))
+    resp, mask = out.batch[RESPONSES], out.batch[RESPONSE_MASK]
+    lengths = mask.sum(1)
+    assert lengths.min() < R and lengths.unique().numel() > 2  # rows stop at different steps
+    for row, n in zip(resp, lengths.tolist()):
+        assert eos not in row[: n - 1].tolist()
+        assert n == R or row[n - 1] == eos
+        assert (row[n:] == tok.pad_token_id).all()
+    assert torch.equal(mask.bool(), torch.arange(R)[None] < lengths[:, None])
+    assert torch.equal(out.batch[ATTENTION_MASK][:, -R:], mask)
+    # rows were compacted mid-loop: the log-probs still belong to the right rows
+    torch.testing.assert_close(out.batch[ROLLOUT_LOG_PROBS], recomputed_log_probs(model, out), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_rollout_log_probs_match_full_forward(llama, temperature):
+    model, tok = llama
+    rollout = native(model, tok, calculate_log_probs=True, temperature=temperature, n=2)
+    out = rollout.generate_sequences(prompt_batch(tok))
+    expect = recomputed_log_probs(model, out, temperature)
+    torch.testing.assert_close(out.batch[ROLLOUT_LOG_PROBS], expect, atol=1e-4, rtol=0)
+    hot = rollout.generate_sequences(prompt_batch(tok, **{META_TEMPERATURE: 1.5, META_N: 1}))
+    assert len(hot) == 3
+    torch.testing.assert_close(hot.batch[ROLLOUT_LOG_PROBS], recomputed_log_probs(model, hot, 1.5),
+                               atol=1e-4, rtol=0)
+
+
+def test_chunking_by_max_batch_size_keeps_results(llama):
+    model, tok = llama
+    whole = native(model, tok, do_sample=False).generate_sequences(prompt_batch(tok))
+    chunked = native(model, tok, do_sample=False, max_batch_size=2).generate_sequences(prompt_batch(tok))
+    assert torch.equal(whole.batch[RESPONSES], chunked.batch[RESPONSES])
+
+
+def test_build_rollout_from_path_in_bf16():
+    from hybridflow.models import tiny_model_dir
+
+    model, tok = tiny("llama")
+    cfg = RolloutConfig(name="native", dtype="bf16", response_length=4, n=2)
+    rollout = build_rollout(cfg, tiny_model_dir("llama"), tok)
+    assert next(rollout.model.parameters()).dtype == torch.bfloat16
+    out = rollout.generate_sequences(prompt_batch(tok))
+    assert out.batch[RESPONSES].shape == (6, 4)
+    with pytest.raises(ValueError, match="rollout.dtype"):
+        build_rollout(cfg, model, tok)  # an fp32 module with a bf16 config
+    with pytest.raises(ValueError, match="rollout.prompt_length"):
+        build_rollout(RolloutConfig(prompt_length=2, dtype="fp32"), model, tok).generate_sequences(prompt_batch(tok))

@@ -1,0 +1,52 @@
+"""Weight sync: a full fp32 state dict loaded into a rollout changes its outputs to the new model's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridflow.keys import RESPONSES
+from hybridflow.rollout import RolloutConfig, build_rollout, sync_weights
+from rollout_helpers import prompt_batch, tiny
+
+
+def greedy_cfg(dtype: str = "fp32") -> RolloutConfig:
+    return RolloutConfig(name="native", dtype=dtype, do_sample=False, response_length=8)
+
+
+def test_load_weights_makes_outputs_match_the_new_model():
+    old, tok = tiny("llama", seed=0)
+    new, _ = tiny("llama", seed=1)
+    rollout = build_rollout(greedy_cfg(), old, tok)
+    before = rollout.generate_sequences(prompt_batch(tok)).batch[RESPONSES]
+    expect = build_rollout(greedy_cfg(), new, tok).generate_sequences(prompt_batch(tok)).batch[RESPONSES]
+    assert not torch.equal(before, expect)
+    seconds = sync_weights(rollout, new.state_dict())  # holds both tied names
+    assert seconds >= 0.0
+    assert torch.equal(rollout.generate_sequences(prompt_batch(tok)).batch[RESPONSES], expect)
+    assert rollout.model.lm_head.weight.data_ptr() == rollout.model.model.embed_tokens.weight.data_ptr()
+
+
+def test_fp32_state_dict_is_cast_into_a_bf16_rollout_and_tied_name_may_be_absent():
+    from hybridflow.models import tiny_model_dir
+
+    tok = tiny("llama")[1]
+    rollout = build_rollout(greedy_cfg("bf16"), tiny_model_dir("llama", seed=0), tok)
+    new, _ = tiny("llama", seed=1)
+    state = {k: v for k, v in new.state_dict().items() if k != "lm_head.weight"}
+    rollout.load_weights(state)
+    for key, value in state.items():
+        assert torch.equal(rollout.model.state_dict()[key], value.to(torch.bfloat16)), key
+    assert torch.equal(rollout.model.lm_head.weight, state["model.embed_tokens.weight"].to(torch.bfloat16))
+
+
+def test_bad_state_dicts_are_rejected():
+    model, tok = tiny("llama")
+    rollout = build_rollout(greedy_cfg(), model, tok)
+    state = model.state_dict()
+    with pytest.raises(KeyError, match="not in the rollout model"):
+        rollout.load_weights({"_orig_mod." + k: v for k, v in state.items()})
+    with pytest.raises(KeyError, match="lacks"):
+        rollout.load_weights({k: v for k, v in state.items() if "layers.1." not in k})
+    with pytest.raises(ValueError, match="shape"):
+        rollout.load_weights({**state, "model.norm.weight": torch.ones(3)})
