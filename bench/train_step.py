@@ -1,0 +1,102 @@
+"""Actor update step on SmolLM2-135M: achieved FLOP/s next to a bf16 matmul measured in the same run.
+
+One training step = forward + backward + AdamW step of FSDPEngine.train_step on a
+batch of `--batch` rows x `--seq` tokens (prompt + response, no padding), loss =
+token-mean of -log p(response). Achieved FLOP/s = 6 * params * tokens / step time
+(the usual dense-training count; it includes the LM head on prompt tokens, which the
+engine skips, so it slightly overstates the work done — see the printout).
+
+    .venv/bin/python bench/train_step.py            # defaults: 8 x 256, bf16, 2 threads
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from hybridflow import keys
+from hybridflow.engine import EngineConfig, FSDPEngine, OptimConfig
+from hybridflow.models import default_model_dir
+
+
+def matmul_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 10) -> float:
+    """Best-of-`repeats` FLOP/s of an n x n x n matmul."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def make_batch(rows: int, prompt_len: int, resp_len: int) -> dict[str, torch.Tensor]:
+    """A full (unpadded) batch of random token ids."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 49152, (rows, prompt_len + resp_len), generator=g)
+    mask = torch.ones_like(ids)
+    return {keys.INPUT_IDS: ids, keys.ATTENTION_MASK: mask,
+            keys.POSITION_IDS: mask.cumsum(-1) - 1, keys.RESPONSES: ids[:, prompt_len:]}
+
+
+def token_mean_nll(total_tokens: int):
+    """-sum(log p) / total_tokens per micro-batch (global-token normalisation, one rank)."""
+
+    def loss_fn(out, micro):
+        mask = micro[keys.ATTENTION_MASK][:, -micro[keys.RESPONSES].shape[1]:]
+        return -(out["log_probs"] * mask).sum() / total_tokens, {}
+
+    return loss_fn
+
+
+def main() -> None:
+    """Parse flags, time the steps, print step time, FLOP/s and the ratio to the matmul figure."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--response", type=int, default=128, help="response tokens per row (rest is prompt)")
+    ap.add_argument("--micro", type=int, default=8, help="micro-batch size")
+    ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up step)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--gc", action="store_true", help="gradient checkpointing")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    engine = FSDPEngine.from_pretrained(
+        default_model_dir(),
+        EngineConfig(param_dtype=args.dtype, gradient_checkpointing=args.gc),
+        OptimConfig(lr=1e-5),
+    )
+    params = sum(p.numel() for p in engine.model.parameters())  # global sizes; tied embedding once
+    data = make_batch(args.batch, args.seq - args.response, args.response)
+    micro = [{k: v[i : i + args.micro] for k, v in data.items()} for i in range(0, args.batch, args.micro)]
+    loss_fn = token_mean_nll(args.batch * args.response)
+    engine.train_step(micro, loss_fn)  # warm-up: allocations, oneDNN kernel selection
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        metrics = engine.train_step(micro, loss_fn)
+        times.append(time.perf_counter() - t0)
+    mm = matmul_flops(torch.bfloat16 if args.dtype == "bf16" else torch.float32)
+    _report(args, params, times, mm, metrics)
+
+
+def _report(args, params: int, times: list[float], mm: float, metrics: dict) -> None:
+    tokens = args.batch * args.seq
+    best = min(times)
+    achieved = 6 * params * tokens / best
+    print(f"model params {params:,}  batch {args.batch}x{args.seq} ({args.response} response tokens/row)  "
+          f"micro-batch {args.micro}  compute {args.dtype}  threads {args.threads}  gc {args.gc}")
+    print(f"step time  best {best:.2f} s  mean {sum(times) / len(times):.2f} s  over {len(times)} steps  "
+          f"(loss {metrics['loss']:.3f}, grad_norm {metrics['grad_norm']:.2f})")
+    print(f"achieved   {achieved / 1e9:.0f} GFLOP/s  (6 * params * tokens / best step time)")
+    print(f"matmul     {mm / 1e9:.0f} GFLOP/s  ({args.dtype} 2048^3, best of 10, same run)")
+    print(f"ratio      {achieved / mm:.1%}  (bar: >= 40%)")
+
+
+if __name__ == "__main__":
+    main()
