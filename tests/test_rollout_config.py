@@ -72,3 +72,13 @@ def test_build_rollout_errors():
 def test_vllm_rollout_on_cpu_gives_a_clear_error():
     with pytest.raises(RuntimeError, match="rollout.name='native'"):
         build_rollout(RolloutConfig(name="vllm"), "unused", None)
+
+
+def test_draw_follows_the_distribution_and_skips_zero_probability():
+    from hybridflow.rollout.sampling import draw
+
+    probs = torch.tensor([[0.0, 0.5, 0.3, 0.0, 0.2]]).expand(20000, 5)
+    tokens = draw(probs, torch.Generator().manual_seed(0))
+    freq = torch.bincount(tokens, minlength=5).float() / len(tokens)
+    assert freq[0] == 0 and freq[3] == 0
+    torch.testing.assert_close(freq, probs[0], atol=0.015, rtol=0)

@@ -70,9 +70,9 @@ def _layer_weights(layer: nn.Module) -> _LayerWeights:
     )
 
 
-def _rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def _swap_halves(x: Tensor) -> Tensor:
+    """(x1, x2) -> (x2, x1) on the last dim; with a sign-flipped sin table this is rotate_half."""
+    return x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
 
 
 class StaticLlamaDecoder:
@@ -129,7 +129,8 @@ class StaticLlamaDecoder:
     def _rope_table(self, max_pos: int) -> None:
         pos = torch.arange(max_pos)[None]
         cos, sin = self.model.model.rotary_emb(self.k_cache[0, :1, 0], pos)
-        self.cos, self.sin = cos[0], sin[0]
+        half = sin.shape[-1] // 2
+        self.cos, self.sin = cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
 
     def _forward(self, ids: Tensor, positions: Tensor, mask: Tensor, start: int) -> Tensor:
         emb = self.model.model.embed_tokens.weight
@@ -143,9 +144,7 @@ class StaticLlamaDecoder:
         return F.linear(h, self.model.lm_head.weight, self.model.lm_head.bias).float()
 
     def _norm(self, x: Tensor, weight: Tensor) -> Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return weight * xf.to(x.dtype)
+        return F.rms_norm(x, weight.shape, weight, self.eps)
 
     def _attention(self, i: int, w: _LayerWeights, x: Tensor, cos: Tensor, sin: Tensor,
                    mask: Tensor, start: int) -> Tensor:
@@ -153,7 +152,7 @@ class StaticLlamaDecoder:
         hq, hkv, d = self.heads, self.kv_heads, self.head_dim
         qkv = F.linear(x, w.qkv_w, w.qkv_b).view(b, s, hq + 2 * hkv, d)
         qk = qkv[:, :, : hq + hkv]
-        qk = qk * cos + _rotate_half(qk) * sin
+        qk = qk * cos + _swap_halves(qk) * sin
         end = start + s
         self.k_cache[i, :, :, start:end] = qk[:, :, hq:].transpose(1, 2)
         self.v_cache[i, :, :, start:end] = qkv[:, :, hq + hkv :].transpose(1, 2)

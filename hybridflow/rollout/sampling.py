@@ -46,8 +46,17 @@ def sample_next(
     scaled = logits / params.temperature if params.temperature != 1.0 else logits
     logp = scaled.log_softmax(dim=-1)
     probs = filter_logits(scaled, params.top_k, params.top_p).softmax(dim=-1) if params.filters else logp.exp()
-    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    tokens = draw(probs, generator)
     return tokens, _token_logprob(logp, tokens)
+
+
+def draw(probs: Tensor, generator: torch.Generator | None) -> Tensor:
+    """One token per row of `probs` [B, V] by inverse CDF: B uniforms instead of torch.multinomial's
+    B x V exponentials (the latter was the largest single op of a decode step on CPU)."""
+    cdf = probs.cumsum(dim=-1)
+    u = torch.rand(len(probs), 1, generator=generator, dtype=cdf.dtype) * cdf[:, -1:]
+    # right=True: the first token whose cdf exceeds u, so zero-probability tokens are never drawn
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
 
 
 def _token_logprob(logp: Tensor, tokens: Tensor) -> Tensor:
