@@ -3,11 +3,12 @@
 The difficulty knobs (`ArithmeticDifficulty`) set the number of operands, the
 digits per operand and the operators. The default — two operands of 1 to 2
 digits, addition only — is calibrated for SmolLM2-135M-Instruct so that GRPO
-groups see reward variance: on 48 test prompts it answered 17% right when
-sampling at temperature 1 and 33% greedily (with an instruction asking for
-`####`, sampling fell to 6%, hence the plain "Answer with just the number.").
-Single-digit operands are easier (23% sampled, 77% greedy with the `####`
-instruction) but allow only 100 distinct problems, too few for a held-out split.
+groups see reward variance. Measured on the test split (32-48 new tokens):
+sampling at temperature 1 it answered 9% and 17% right (two runs, 64 and 48
+prompts), greedily 25%; with an instruction asking for `####` instead,
+sampling fell to 6% (greedy 33%), hence "Answer with just the number.".
+Single-digit operands are easier (23% sampled, 77% greedy, `####` instruction)
+but allow only 100 distinct problems, too few for a held-out split.
 Answers follow Python precedence (`*` before `+`/`-`) and may be negative.
 """
 
