@@ -43,5 +43,5 @@ def make_loaders(cfg: DataConfig, tokenizer: Any) -> tuple[StatefulDataLoader, S
     val = RLDataset(val_files, tokenizer, **kw)
     train_loader = StatefulDataLoader(train, cfg.train_batch_size, seed=cfg.seed, shuffle=cfg.shuffle, collate_fn=collate)
     val_bs = min(cfg.val_batch_size or len(val), len(val))
-    val_loader = StatefulDataLoader(val, val_bs, shuffle=False, collate_fn=collate)
+    val_loader = StatefulDataLoader(val, val_bs, shuffle=False, collate_fn=collate, drop_last=False)
     return train_loader, val_loader

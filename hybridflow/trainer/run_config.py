@@ -26,12 +26,27 @@ GROUP_ESTIMATORS = ("grpo", "grpo_passk", "rloo", "opo", "gpg", "reinforce_plus_
 """Advantage estimators whose baseline comes from the other samples of the same prompt."""
 
 
+# The main job's defaults, sized so `hybridflow train` learns within ~30 minutes on 2 CPU cores:
+# 8 prompts x 8 samples per step (groups of 8 keep reward variance at a ~15% base accuracy),
+# two optimizer steps per training step, short answers.
+def _default_data() -> DataConfig:
+    return DataConfig(train_batch_size=8, max_prompt_length=128, max_response_length=32, gen_val_size=128)
+
+
 def _default_actor() -> ActorConfig:
-    return ActorConfig(ppo_mini_batch_size=8, ppo_micro_batch_size_per_device=8, optim=OptimConfig(lr=1e-5))
+    return ActorConfig(ppo_mini_batch_size=4, ppo_micro_batch_size_per_device=16, optim=OptimConfig(lr=2e-5))
 
 
 def _default_rollout() -> RolloutConfig:
-    return RolloutConfig(n=4, temperature=1.0, calculate_log_probs=False)
+    return RolloutConfig(n=8, temperature=1.0)
+
+
+def _default_critic() -> CriticConfig:
+    return CriticConfig(ppo_mini_batch_size=4, ppo_micro_batch_size_per_device=16)
+
+
+def _default_trainer() -> TrainerConfig:
+    return TrainerConfig(total_training_steps=40, test_freq=10, logger=["console", "jsonl", "tensorboard"])
 
 
 @dataclass
@@ -40,7 +55,7 @@ class RunConfig:
 
     model: ModelConfig = field(default_factory=ModelConfig)
     """The policy model (the reference and, by default, the critic start from it)."""
-    data: DataConfig = field(default_factory=DataConfig)
+    data: DataConfig = field(default_factory=_default_data)
     """Prompts: files or a generated task, batch sizes, lengths."""
     actor: ActorConfig = field(default_factory=_default_actor)
     """The policy update."""
@@ -48,7 +63,7 @@ class RunConfig:
     """Generation. prompt_length/response_length are taken from data.max_*_length."""
     ref: RefConfig = field(default_factory=RefConfig)
     """The reference policy (built only when a KL term is used)."""
-    critic: CriticConfig = field(default_factory=CriticConfig)
+    critic: CriticConfig = field(default_factory=_default_critic)
     """The value model (built when the estimator needs values, or critic.enable=true)."""
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     """An optional model-based reward."""
@@ -56,7 +71,7 @@ class RunConfig:
     """Rule / custom reward functions."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     """Advantage estimator, discounting, KL in reward."""
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    trainer: TrainerConfig = field(default_factory=_default_trainer)
     """Run length, checkpoints, loggers, backend and placement."""
 
     @property
