@@ -13,6 +13,7 @@ COMPARED = ("critic/score/mean", "response_length/mean", "actor/pg_loss", "actor
 
 
 def _run(tmp: Path, steps: int, *extra: str) -> list[dict]:
+    tmp.mkdir(parents=True, exist_ok=True)
     args = base_overrides(str(tiny_model_dir("llama")), tmp) + [
         f"trainer.total_training_steps={steps}", "trainer.save_freq=2", "trainer.test_freq=-1",
         "trainer.val_before_train=false", "actor.optim.lr=1e-3", *extra,
