@@ -70,8 +70,15 @@ class EngineConfig:
     """Rows per forward/backward on each rank (per device, not global)."""
     logits_chunk_size: int = 1024
     """Tokens per chunk when turning logits into log-probs/entropy (bounds fp32 memory)."""
-    reshard_after_forward: bool = True
-    """FSDP2: free gathered parameters after forward (saves memory, costs a re-gather)."""
+    reshard_after_forward: bool | None = None
+    """FSDP2: free gathered parameters after forward (saves memory, costs a re-gather in
+    backward). None: False on CPU (gloo gathers are slow, memory is plentiful), True on GPU."""
+
+    def resolve_reshard_after_forward(self, device: torch.device) -> bool:
+        """`reshard_after_forward`, with None resolved for `device`."""
+        if self.reshard_after_forward is None:
+            return device.type != "cpu"
+        return self.reshard_after_forward
 
     def __post_init__(self) -> None:
         for key in ("param_dtype", "reduce_dtype"):

@@ -11,8 +11,13 @@ Departures from a plain training loop, on purpose:
 - Logits are computed only at the response positions (`logits_to_keep`), never
   for the prompt, and stay in `param_dtype`; log-probs and entropy are taken
   chunk-wise in fp32 (hybridflow/algos/logits.py).
-- Gradients are reduce-scattered after every micro-batch (no no-sync
-  accumulation), so accumulation happens in fp32 on the shards.
+- Gradients are reduce-scattered once per optimizer step, after the last
+  micro-batch; the micro-batches before it accumulate unsharded gradients in
+  `reduce_dtype` (FSDP2 upcasts them), trading memory for 1/n of the traffic.
+- On CPU parameters stay gathered from forward to backward
+  (`EngineConfig.reshard_after_forward` resolves to False there), and an
+  inference call gathers each layer once for all its micro-batches and
+  reshards at the end: gloo gathers over loopback cost more than the memory.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -111,13 +116,18 @@ class FSDPEngine(Engine):
         model = load_value_model(path) if value_model else load_causal_lm(path)
         return cls(model, config, optim)
 
+    def _mesh(self) -> DeviceMesh:
+        """The 1-D mesh to shard over: the whole world."""
+        return init_device_mesh(self.device.type, (dist.get_world_size(),))
+
     def _shard(self, model: nn.Module) -> nn.Module:
-        mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
+        mesh = self._mesh()
         policy = MixedPrecisionPolicy(
             param_dtype=dtype_of(self.config.param_dtype), reduce_dtype=dtype_of(self.config.reduce_dtype)
         )
         # With one rank, resharding frees nothing and only costs a second cast in backward.
-        reshard = self.config.reshard_after_forward and dist.get_world_size() > 1
+        reshard = self.config.resolve_reshard_after_forward(self.device) and mesh.size() > 1
+        self._reshard_after_forward = reshard
         kwargs = dict(mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
         for layer in decoder_layers(model):
             fully_shard(layer, **kwargs)
@@ -167,9 +177,15 @@ class FSDPEngine(Engine):
     def _infer(self, data: Mapping[str, torch.Tensor], micro_batch_size: int, **kw) -> dict[str, torch.Tensor]:
         self.model.eval()
         parts: dict[str, list[torch.Tensor]] = defaultdict(list)
-        for micro in B.split_micro_batches(B.select_inputs(data, self.device), micro_batch_size):
-            for k, v in self.forward_micro_batch(micro, **kw).items():
-                parts[k].append(v)
+        # Keep each layer gathered across micro-batches; reshard so no stale copy outlives the call.
+        self.model.set_reshard_after_forward(False)
+        try:
+            for micro in B.split_micro_batches(B.select_inputs(data, self.device), micro_batch_size):
+                for k, v in self.forward_micro_batch(micro, **kw).items():
+                    parts[k].append(v)
+        finally:
+            self.model.reshard()
+            self.model.set_reshard_after_forward(self._reshard_after_forward)
         return {k: torch.cat(v) for k, v in parts.items()}
 
     def compute_log_probs(
@@ -203,7 +219,8 @@ class FSDPEngine(Engine):
         self.model.train()
         collected: dict[str, list[float]] = defaultdict(list)
         total_loss = 0.0
-        for micro in micro_batches:
+        for i, micro in enumerate(micro_batches):
+            self._set_grad_sync(i == len(micro_batches) - 1)
             micro = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in micro.items()}
             outputs = self.forward_micro_batch(micro, temperature=temperature, calc_entropy=calc_entropy)
             loss, stats = loss_fn(outputs, micro)
@@ -214,6 +231,10 @@ class FSDPEngine(Engine):
         metrics = {k: sum(v) / len(v) for k, v in collected.items()}
         metrics.update(self._optimizer_step(), loss=total_loss)
         return metrics
+
+    def _set_grad_sync(self, sync: bool) -> None:
+        """Reduce-scatter gradients in the coming backward (last micro-batch) or accumulate them."""
+        self.model.set_requires_gradient_sync(sync)
 
     def _optimizer_step(self) -> dict[str, float]:
         params = [p for p in self.model.parameters() if p.grad is not None]
