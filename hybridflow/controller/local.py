@@ -57,6 +57,12 @@ def _resolve(value: Any) -> Any:
     return value
 
 
+def _process_group_ready() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
 class LocalWorkerGroup(WorkerGroup):
     """A WorkerGroup of one worker instantiated in the controller process."""
 
@@ -72,8 +78,9 @@ class LocalWorkerGroup(WorkerGroup):
             raise ValueError(f"LocalWorkerGroup runs one worker; got a pool of {resource_pool.world_size}")
         super().__init__(name_prefix or f"{cls_with_init.cls.__name__}_{uuid.uuid4().hex[:6]}", 1)
         os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(find_free_port()))
+        if not _process_group_ready():
+            # A fresh port every time: one inherited from a parent process may still be held by its group.
+            os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(find_free_port())})
         self._worker = cls_with_init()
         self._bind_worker_methods(cls_with_init.cls)
 
