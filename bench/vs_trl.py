@@ -1,0 +1,138 @@
+"""hybridflow vs TRL's GRPOTrainer on the same CPU work, run one after the other.
+
+Same model (SmolLM2-135M-Instruct), same arithmetic prompts in the same order (no
+shuffle), same batches (P prompts x 4 samples), same prompt/response limits (64/32),
+same learning rate and number of steps, GRPO without KL, temperature 1, both on 2
+CPU threads in total (TRL: one process with 2 threads; hybridflow: 2 workers with 1
+thread each). Prints median step time, generated tokens/s, peak memory (RSS summed
+over each run's process tree) and the reward curve of each.
+
+    ./bench/setup_trl_env.sh                       # once: the benchmark-only TRL env
+    .venv/bin/python bench/vs_trl.py --steps 8     # both sizes, ~15 min on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def tree_rss_mb(proc: psutil.Process) -> float:
+    """Resident memory of a process and all its descendants, in MiB."""
+    total = 0
+    for p in [proc, *proc.children(recursive=True)]:
+        try:
+            total += p.memory_info().rss
+        except psutil.Error:
+            pass
+    return total / 2**20
+
+
+def run_measured(cmd: list[str], env: dict[str, str], cwd: Path) -> tuple[float, str]:
+    """Run `cmd`, sampling its process tree's RSS every 0.2 s; returns (peak MiB, output tail)."""
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    peak, done = [0.0], threading.Event()
+
+    def poll() -> None:
+        ps = psutil.Process(proc.pid)
+        while not done.is_set():
+            peak[0] = max(peak[0], tree_rss_mb(ps))
+            time.sleep(0.2)
+
+    threading.Thread(target=poll, daemon=True).start()
+    out, _ = proc.communicate()
+    done.set()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{cmd[:3]} failed ({proc.returncode}):\n{out[-4000:]}")
+    return peak[0], out[-2000:]
+
+
+def trl_side(args, model_dir: str, parquet: str, prompts: int, work: Path) -> dict:
+    out = work / f"trl_{prompts}.json"
+    cmd = [str(ROOT / ".venv-trl/bin/python"), str(ROOT / "bench/trl_side.py"), "--model-dir", model_dir,
+           "--train-parquet", parquet, "--prompts-per-step", str(prompts), "--num-generations", "4",
+           "--max-prompt-length", "64", "--max-completion-length", "32", "--lr", str(args.lr),
+           "--steps", str(args.steps), "--threads", "2", "--seed", "0", "--out", str(out)]
+    peak, _ = run_measured(cmd, dict(os.environ), work)
+    res = json.loads(out.read_text())
+    tokens = sum(res["gen_tokens"])
+    return {"step_times": res["step_times"], "gen_times": res["gen_times"], "gen_tokens": res["gen_tokens"],
+            "rewards": res["rewards"], "peak_mb": peak, "tokens": tokens}
+
+
+def hybridflow_side(args, parquet: str, prompts: int, work: Path) -> dict:
+    run_dir = work / f"hf_{prompts}"
+    overrides = [
+        f"data.train_files=[{parquet}]", f"data.val_files=[{parquet}]", "data.shuffle=false",
+        f"data.train_batch_size={prompts}", "data.max_prompt_length=64", "data.max_response_length=32",
+        "rollout.n=4", f"actor.ppo_mini_batch_size={prompts}", "actor.ppo_micro_batch_size_per_device=16",
+        f"actor.optim.lr={args.lr}", f"trainer.total_training_steps={args.steps}", "trainer.val_before_train=false",
+        "trainer.test_freq=-1", "trainer.logger=[jsonl]", f"trainer.log_dir={run_dir}",
+        f"trainer.default_local_dir={run_dir / 'ckpt'}", "trainer.n_workers_per_node=2",
+    ]
+    env = {**os.environ, "HYBRIDFLOW_NO_PROGRESS": "1"}
+    peak, _ = run_measured([sys.executable, "-m", "hybridflow.trainer.main", *overrides], env, work)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if "timing_s/step" in r]
+    completions = prompts * 4
+    gen_tokens = [r["response_length/mean"] * completions for r in rows]
+    return {"step_times": [r["timing_s/step"] for r in rows], "gen_times": [r["timing_s/gen"] for r in rows],
+            "gen_tokens": gen_tokens, "rewards": [r["critic/score/mean"] for r in rows], "peak_mb": peak,
+            "tokens": sum(gen_tokens), "phases": {k: statistics.median(r[k] for r in rows)
+                                                  for k in rows[0] if k.startswith("timing_s/")}}
+
+
+def summarize(name: str, r: dict) -> dict:
+    return {"median_step_s": statistics.median(r["step_times"]),
+            "gen_tok_per_s": r["tokens"] / sum(r["gen_times"]),
+            "e2e_tok_per_s": r["tokens"] / sum(r["step_times"]),
+            "peak_mb": r["peak_mb"], "mean_reward": statistics.mean(r["rewards"])}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--sizes", default="2,8", help="prompts per step (x4 samples), comma-separated")
+    parser.add_argument("--lr", type=float, default=1e-6)
+    args = parser.parse_args()
+    sys.path.insert(0, str(ROOT))
+    from hybridflow.data.tasks import build_task
+    from hybridflow.models import default_model_dir
+
+    model_dir = str(default_model_dir())
+    work = Path(tempfile.mkdtemp(prefix="vs_trl_"))
+    parquet, _ = build_task("arithmetic", work / "data", 512, 16, seed=0)
+    for prompts in [int(s) for s in args.sizes.split(",")]:
+        trl = trl_side(args, model_dir, parquet, prompts, work)
+        ours = hybridflow_side(args, parquet, prompts, work)
+        a, b = summarize("trl", trl), summarize("hybridflow", ours)
+        print(f"\n== {prompts} prompts x 4 samples = {prompts * 4} completions/step, {args.steps} steps ==")
+        print(f"{'':22}{'TRL':>12}{'hybridflow':>12}{'ratio':>9}")
+        print(f"{'median step (s)':22}{a['median_step_s']:12.2f}{b['median_step_s']:12.2f}"
+              f"{a['median_step_s'] / b['median_step_s']:8.2f}x")
+        print(f"{'gen tokens/s (gen)':22}{a['gen_tok_per_s']:12.1f}{b['gen_tok_per_s']:12.1f}"
+              f"{b['gen_tok_per_s'] / a['gen_tok_per_s']:8.2f}x")
+        print(f"{'gen tokens/s (e2e)':22}{a['e2e_tok_per_s']:12.1f}{b['e2e_tok_per_s']:12.1f}"
+              f"{b['e2e_tok_per_s'] / a['e2e_tok_per_s']:8.2f}x")
+        print(f"{'peak memory (MiB)':22}{a['peak_mb']:12.0f}{b['peak_mb']:12.0f}")
+        print(f"{'mean reward':22}{a['mean_reward']:12.3f}{b['mean_reward']:12.3f}")
+        print("reward per step  TRL:        " + " ".join(f"{x:.2f}" for x in trl["rewards"]))
+        print("reward per step  hybridflow: " + " ".join(f"{x:.2f}" for x in ours["rewards"]))
+        print("hybridflow median phase times (s): " + ", ".join(f"{k.removeprefix('timing_s/')} {v:.2f}"
+                                                          for k, v in ours["phases"].items()))
+
+
+if __name__ == "__main__":
+    main()
