@@ -105,7 +105,9 @@ def compute_policy_loss_kl_cov(
     cov = token_covariance(advantages, log_prob.detach(), response_mask)
     k = _num_selected(config.kl_cov_ratio, response_mask)
     picked = torch.zeros(cov.numel(), dtype=torch.bool, device=cov.device)
-    picked[cov.flatten().topk(k).indices] = True
+    # a stable sort breaks ties by position (topk's order among equal values is unspecified;
+    # with two valid tokens the two covariances are always equal)
+    picked[torch.sort(cov.flatten(), descending=True, stable=True).indices[:k]] = True
     picked = picked.view_as(cov)
     loss_mat = loss_mat + torch.where(picked, config.ppo_kl_coef * log_r.abs(), torch.zeros_like(loss_mat))
     stats: Stats = {"pg_clipfrac": torch.zeros(()), "pg_klcovfrac": masked_fraction(picked, response_mask)}
