@@ -59,6 +59,8 @@ class DataProtoFuture:
     """The refs of the worker outputs, in worker order."""
     dispatch_fn: Callable[[Any], Any] | None = None
     """Applied after collect_fn, e.g. to pick this worker's chunk; None keeps the whole result."""
+    fetch_fn: Callable[[list[Any]], list[Any]] | None = None
+    """Resolves `futures` (None: `ray.get`); the Ray worker group's names the group, rank and method of a failure."""
 
     @staticmethod
     def concat(data: list[ray.ObjectRef]) -> DataProtoFuture:
@@ -73,13 +75,18 @@ class DataProtoFuture:
             raise ValueError(f"DataProtoFuture.chunk: chunks must be >= 1, got {chunks}")
         return [
             DataProtoFuture(self.collect_fn, self.futures,
-                            functools.partial(_select_chunk, index=i, chunks=chunks, before=self.dispatch_fn))
+                            functools.partial(_select_chunk, index=i, chunks=chunks, before=self.dispatch_fn),
+                            self.fetch_fn)
             for i in range(chunks)
         ]
 
     def get(self) -> Any:
         """Wait for the refs, collect them and apply dispatch_fn."""
-        import ray
+        if self.fetch_fn is None:
+            import ray
 
-        output = self.collect_fn(ray.get(self.futures))
+            values = ray.get(self.futures)
+        else:
+            values = self.fetch_fn(self.futures)
+        output = self.collect_fn(values)
         return output if self.dispatch_fn is None else self.dispatch_fn(output)

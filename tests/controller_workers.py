@@ -142,6 +142,13 @@ class Probe(Worker):
         """Raise a ValueError (a user error, not a crash)."""
         raise ValueError(f"bad input on rank {self.rank}")
 
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
+    def fail_async_on_last(self, data: DataProto) -> DataProto:
+        """Non-blocking; the last rank raises a ValueError, the others return their shard."""
+        if self.rank == self.world_size - 1:
+            raise ValueError(f"bad shard on rank {self.rank}")
+        return data
+
 
 class MeshWorker(Worker):
     """Ranks arranged as dp x tp (tp fastest); tp rank 0 of each dp group is collected."""

@@ -93,6 +93,16 @@ def test_user_error_names_group_rank_and_method(probe):
     assert any("group probe rank" in n and "method fail" in n for n in getattr(info.value, "__notes__", []))
 
 
+def test_error_through_a_future_names_group_rank_and_method(probe):
+    future = probe.fail_async_on_last(rows(4))
+    assert isinstance(future, DataProtoFuture)
+    for part in (future, future.chunk(2)[0]):
+        with pytest.raises(ValueError, match="bad shard on rank 1") as info:
+            part.get()
+        notes = getattr(info.value, "__notes__", [])
+        assert any("group probe rank 1 method fail_async_on_last" in n for n in notes), notes
+
+
 def test_same_results_as_the_local_backend(probe):
     local = LocalWorkerGroup(None, ClassWithInitArgs(Probe, offset=5))
     for n in (1, 4, 7):

@@ -99,7 +99,8 @@ class LocalWorkerGroup(WorkerGroup):
     def _wait(self, method_name: str, ranks: list[int], outputs: list) -> list:
         return outputs
 
-    def _make_future(self, outputs: list, collect: Callable, collects_proto: bool) -> Any:
+    def _make_future(self, method_name: str, ranks: list[int], outputs: list, collect: Callable,
+                     collects_proto: bool) -> Any:
         if collects_proto:
             return LocalFuture(outputs, collect)
         return [LocalFuture([o], lambda outs: outs[0]) for o in outputs]

@@ -103,7 +103,8 @@ class WorkerGroup:
         """Turn `_execute`'s handles into values, raising WorkerError on a dead worker."""
         raise NotImplementedError
 
-    def _make_future(self, outputs: list, collect: Callable, collects_proto: bool) -> Any:
+    def _make_future(self, method_name: str, ranks: list[int], outputs: list, collect: Callable,
+                     collects_proto: bool) -> Any:
         """What a non-blocking call returns."""
         raise NotImplementedError
 
@@ -147,7 +148,7 @@ class WorkerGroup:
         if spec.blocking:
             return _collect(mode.collect_fn, self, pad, self._wait(method_name, ranks, outputs))
         collect = functools.partial(_collect, mode.collect_fn, self._snapshot(), pad)
-        return self._make_future(outputs, collect, mode.collects_proto)
+        return self._make_future(method_name, ranks, outputs, collect, mode.collects_proto)
 
     def _per_rank(self, name: str, d_args: tuple, d_kwargs: dict, ranks: list[int]) -> list[tuple[tuple, dict]]:
         n, ws = len(ranks), self._world_size

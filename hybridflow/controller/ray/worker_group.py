@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import uuid
 from typing import Any, Callable
 
@@ -47,6 +48,33 @@ def _local_layout(slots: list[Slot]) -> list[tuple[int, int]]:
         layout.append((seen.get(s.node_id, 0), counts[s.node_id]))
         seen[s.node_id] = seen.get(s.node_id, 0) + 1
     return layout
+
+
+def fetch_named(group: str, method_name: str, ranks: list[int], refs: list) -> list:
+    """`ray.get(refs)` (refs[i] from rank ranks[i]); a failure names the group, rank and method.
+
+    A module-level function, so a future carrying it can be sent to and resolved on other workers.
+    """
+    try:
+        return ray.get(refs)
+    except _DEATH + (RayTaskError,) as err:
+        rank = _failed_rank(ranks, refs)
+        if isinstance(err, RayTaskError):
+            err.add_note(f"hybridflow: raised in group {group} rank {rank} method {method_name}")
+            raise
+        raise WorkerError(
+            f"worker of group {group} rank {rank} method {method_name} died: {type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''}"
+        ) from err
+
+
+def _failed_rank(ranks: list[int], refs: list) -> int | None:
+    for rank, ref in zip(ranks, refs):
+        try:
+            ray.get(ref)
+        except Exception:
+            return rank
+    return None
 
 
 class RayWorkerGroup(WorkerGroup):
@@ -122,33 +150,16 @@ class RayWorkerGroup(WorkerGroup):
         return [values[ref] for ref in outputs]
 
     def _get(self, method_name: str, ranks: list[int], outputs: list, ready: list) -> list:
-        try:
-            return ray.get(ready)
-        except _DEATH + (RayTaskError,) as err:
-            rank = self._failed_rank(ranks, outputs, ready)
-            if isinstance(err, RayTaskError):
-                err.add_note(f"hybridflow: raised in group {self._name} rank {rank} method {method_name}")
-                raise
-            raise WorkerError(
-                f"worker of group {self._name} rank {rank} method {method_name} died: {type(err).__name__}: "
-                f"{str(err).splitlines()[0] if str(err) else ''}"
-            ) from err
+        return fetch_named(self._name, method_name, [ranks[outputs.index(ref)] for ref in ready], ready)
 
-    @staticmethod
-    def _failed_rank(ranks: list[int], outputs: list, ready: list) -> int | None:
-        for ref in ready:
-            try:
-                ray.get(ref)
-            except Exception:
-                return ranks[outputs.index(ref)]
-        return None
-
-    def _make_future(self, outputs: list, collect: Callable, collects_proto: bool) -> Any:
+    def _make_future(self, method_name: str, ranks: list[int], outputs: list, collect: Callable,
+                     collects_proto: bool) -> Any:
         if not collects_proto:
             return outputs
         from hybridflow.protocol import DataProtoFuture
 
-        return DataProtoFuture(collect_fn=collect, futures=outputs)
+        fetch = functools.partial(fetch_named, self._name, method_name, ranks)
+        return DataProtoFuture(collect_fn=collect, futures=outputs, fetch_fn=fetch)
 
     # --- raw calls and lifetime ---------------------------------------------
     def execute_all_sync(self, method_name: str, *args: Any, **kwargs: Any) -> list:
