@@ -17,6 +17,7 @@ from hybridflow.algos import (
     masked_var,
     masked_whiten,
 )
+from hybridflow.algos.logits import _row_blocks
 
 NAN = float("nan")
 # valid entries 1, 2, 3 | 4, 5 ; padding holds NaN to prove it never leaks
@@ -133,6 +134,26 @@ def test_entropy_matches_categorical_values_and_grads(chunk):
         torch.testing.assert_close(entropy_from_logits(logits, chunk_size=chunk), ref)
     # uniform over 13 classes: entropy log 13
     assert entropy_from_logits(torch.zeros(1, 13)).item() == pytest.approx(math.log(13))
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 1000])
+def test_sliced_logits_are_read_in_place_with_the_same_results(chunk):
+    """The engine passes logits[:, :-1]: a non-contiguous view that must not be copied whole."""
+    gen = torch.Generator().manual_seed(2)
+    full = (3 * torch.randn(3, 6, 11, generator=gen)).requires_grad_()
+    sliced = full[:, :-1]
+    labels = torch.randint(0, 11, (3, 5), generator=gen)
+    blocks = _row_blocks(sliced)
+    assert all(b.untyped_storage().data_ptr() == full.untyped_storage().data_ptr() for b in blocks)
+    assert sum(len(b) for b in blocks) == 15
+    dense = sliced.detach().clone().requires_grad_()
+    for fn, args in ((logprobs_from_logits, (labels,)), (entropy_from_logits, ())):
+        out, ref = fn(sliced, *args, chunk_size=chunk), fn(dense, *args, chunk_size=chunk)
+        torch.testing.assert_close(out, ref)
+        (grad,) = torch.autograd.grad(out.sum(), full)
+        (ref_grad,) = torch.autograd.grad(ref.sum(), dense)
+        torch.testing.assert_close(grad[:, :-1], ref_grad)
+        assert not grad[:, -1].any()
 
 
 def test_logits_helpers_reject_bad_input():

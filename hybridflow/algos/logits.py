@@ -2,7 +2,8 @@
 
 A [B, R, V] logits tensor for a 50k vocabulary is large; a full
 `log_softmax` or `softmax` doubles it. These functions walk the flattened
-rows in chunks of `chunk_size`, so the extra memory is one chunk
+rows in chunks of `chunk_size` (as views: a sliced input such as
+`logits[:, :-1]` is not copied), so the extra memory is one chunk
 (chunk_size x V floats), and compute in float32 whatever the logits dtype.
 
 Departures: none in the math. Under autograd, `entropy_from_logits` (and
@@ -29,15 +30,34 @@ def _check_chunk(chunk_size: int) -> None:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
 
 
-def _map_chunks(fn: Callable[..., Tensor], inputs: tuple[Tensor, ...], chunk_size: int, recompute: bool) -> Tensor:
-    """Apply `fn` to row chunks of `inputs` and concatenate; checkpoint chunks if asked and grads flow."""
+def _row_blocks(t: Tensor) -> list[Tensor]:
+    """2-D views [rows, V] of `t` [..., V] whose concatenation is `t.reshape(-1, V)`, never copying.
+
+    A sliced input (e.g. `logits[:, :-1]`) cannot be flattened as one view; it is split
+    along its leading dims until each part can.
+    """
+    try:
+        return [t.view(-1, t.shape[-1])]
+    except RuntimeError:
+        return [block for sub in t.unbind(0) for block in _row_blocks(sub)]
+
+
+def _map_chunks(fn: Callable[..., Tensor], logits: Tensor, labels: Tensor | None, chunk_size: int,
+                recompute: bool) -> Tensor:
+    """fn(logit rows[, their labels]) over chunks of at most `chunk_size` rows of `logits` [..., V],
+    concatenated in flattened order; chunks are checkpointed if asked and grads flow."""
     _check_chunk(chunk_size)
-    use_ckpt = recompute and torch.is_grad_enabled() and inputs[0].requires_grad
-    parts = []
-    for i in range(0, inputs[0].shape[0], chunk_size):
-        chunk = tuple(t[i : i + chunk_size] for t in inputs)
-        parts.append(checkpoint(fn, *chunk, use_reentrant=False) if use_ckpt else fn(*chunk))
-    return torch.cat(parts) if parts else inputs[0].new_zeros(0, dtype=torch.float32)
+    use_ckpt = recompute and torch.is_grad_enabled() and logits.requires_grad
+    flat_labels = labels.reshape(-1) if labels is not None else None
+    parts, offset = [], 0
+    for block in _row_blocks(logits):
+        for i in range(0, block.shape[0], chunk_size):
+            chunk = (block[i : i + chunk_size],)
+            if flat_labels is not None:
+                chunk += (flat_labels[offset + i : offset + i + len(chunk[0])],)
+            parts.append(checkpoint(fn, *chunk, use_reentrant=False) if use_ckpt else fn(*chunk))
+        offset += block.shape[0]
+    return torch.cat(parts) if parts else logits.new_zeros(0, dtype=torch.float32)
 
 
 def _chunk_logprobs(logits: Tensor, labels: Tensor) -> Tensor:
@@ -60,10 +80,7 @@ def logprobs_from_logits(logits: Tensor, labels: Tensor, chunk_size: int = DEFAU
     # fp32 logits: logsumexp keeps only a view of its input for backward; other
     # dtypes would keep a float32 copy per chunk, so recompute it instead.
     recompute = logits.dtype != torch.float32
-    out = _map_chunks(
-        _chunk_logprobs, (logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)), chunk_size, recompute
-    )
-    return out.reshape(labels.shape)
+    return _map_chunks(_chunk_logprobs, logits, labels, chunk_size, recompute).reshape(labels.shape)
 
 
 def _chunk_entropy(logits: Tensor) -> Tensor:
@@ -80,5 +97,4 @@ def entropy_from_logits(logits: Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE) ->
     a time; with gradients enabled each chunk is checkpointed so its softmax
     is not kept for backward.
     """
-    out = _map_chunks(_chunk_entropy, (logits.reshape(-1, logits.shape[-1]),), chunk_size, True)
-    return out.reshape(logits.shape[:-1])
+    return _map_chunks(_chunk_entropy, logits, None, chunk_size, True).reshape(logits.shape[:-1])
