@@ -53,6 +53,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     loss_fn = _loss_fn(global_tokens, engine.world_size)
     _steps(engine, shard, loss_fn, STEPS)
     trained = engine.full_state_dict()
+    trained_bf16 = engine.full_state_dict(dtype=torch.bfloat16)  # cast per shard, then gathered
     engine.save_checkpoint(out / "ckpt" / "global_step_2", extra={"rank": rank})
     _steps(engine, shard, loss_fn, 1)
     continued = engine.full_state_dict()
@@ -61,7 +62,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     _steps(engine, shard, loss_fn, 1)
     continued_after_load = engine.full_state_dict()  # collective: every rank gathers
     if rank == 0:
-        torch.save({"trained": trained, "restored": restored, "continued": continued,
+        torch.save({"trained": trained, "trained_bf16": trained_bf16, "restored": restored, "continued": continued,
                     "continued_after_load": continued_after_load, "extra": extra},
                    out / "result.pt")
     assert extra == {"rank": rank}
@@ -96,6 +97,7 @@ def test_two_rank_fsdp_matches_single_process_and_checkpoint_round_trips(tmp_pat
     for k, v in ref.items():
         torch.testing.assert_close(res["trained"][k], v, atol=5e-6, rtol=1e-4, msg=k)
     for k, v in res["trained"].items():
+        assert torch.equal(res["trained_bf16"][k], v.to(torch.bfloat16)), k
         torch.testing.assert_close(res["restored"][k], v, atol=0, rtol=0, msg=k)
         # the optimizer state came back too: the step after the load repeats the step before it
         torch.testing.assert_close(res["continued_after_load"][k], res["continued"][k], atol=0, rtol=0)

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+
+from hybridflow.engine import EngineConfig, FSDPEngine
 
 from hybridflow.keys import RESPONSES
 from hybridflow.rollout import RolloutConfig, build_rollout, sync_weights
@@ -21,7 +25,8 @@ def test_load_weights_makes_outputs_match_the_new_model():
     before = rollout.generate_sequences(prompt_batch(tok)).batch[RESPONSES]
     expect = build_rollout(greedy_cfg(), new, tok).generate_sequences(prompt_batch(tok)).batch[RESPONSES]
     assert not torch.equal(before, expect)
-    seconds = sync_weights(rollout, new.state_dict())  # holds both tied names
+    engine = FSDPEngine(copy.deepcopy(new), EngineConfig())  # one-rank FSDP2, fp32 master weights
+    seconds = sync_weights(rollout, engine)  # gathers in the rollout's fp32
     assert seconds >= 0.0
     assert torch.equal(rollout.generate_sequences(prompt_batch(tok)).batch[RESPONSES], expect)
     assert rollout.model.lm_head.weight.data_ptr() == rollout.model.model.embed_tokens.weight.data_ptr()
@@ -38,6 +43,26 @@ def test_fp32_state_dict_is_cast_into_a_bf16_rollout_and_tied_name_may_be_absent
     for key, value in state.items():
         assert torch.equal(rollout.model.state_dict()[key], value.to(torch.bfloat16)), key
     assert torch.equal(rollout.model.lm_head.weight, state["model.embed_tokens.weight"].to(torch.bfloat16))
+
+
+def test_engine_gathers_in_the_rollout_dtype():
+    """A bf16 rollout gets a bf16 gather equal to casting the fp32 master weights (half the traffic)."""
+    from hybridflow.models import tiny_model_dir
+
+    tok = tiny("llama")[1]
+    rollout = build_rollout(greedy_cfg("bf16"), tiny_model_dir("llama", seed=0), tok)
+    assert rollout.weight_dtype == torch.bfloat16
+    new, _ = tiny("llama", seed=1)
+    engine = FSDPEngine(copy.deepcopy(new), EngineConfig())
+    gathered = engine.full_state_dict(dtype=torch.bfloat16)
+    master = engine.full_state_dict()
+    assert {v.dtype for v in gathered.values()} == {torch.bfloat16}
+    assert {v.dtype for v in master.values()} == {torch.float32}
+    for key, value in master.items():
+        assert torch.equal(gathered[key], value.to(torch.bfloat16)), key
+    sync_weights(rollout, engine)
+    for key, value in rollout.model.state_dict().items():
+        assert torch.equal(value, master[key].to(torch.bfloat16)), key
 
 
 def test_bad_state_dicts_are_rejected():

@@ -75,8 +75,15 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
-def _detached_full(t: torch.Tensor) -> torch.Tensor:
-    """The full value of a (possibly sharded) tensor, never aliasing the live parameter."""
+def _detached_full(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The full value of a (possibly sharded) tensor in `dtype` (None: its own), never aliasing the live parameter.
+
+    The shard is cast before the gather, so a narrower dtype also narrows the traffic.
+    """
+    t = t.detach()
+    if dtype is not None and t.dtype != dtype:
+        t = t.to(dtype)  # a new tensor (a DTensor keeps its sharding): nothing left to alias
+        return t.full_tensor() if isinstance(t, DTensor) else t
     local = t.to_local() if isinstance(t, DTensor) else t
     full = t.full_tensor() if isinstance(t, DTensor) else t
     if full.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
@@ -260,14 +267,14 @@ class FSDPEngine(Engine):
         return self.lr
 
     # --- weights and checkpoints ---------------------------------------------
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """See `Engine.full_state_dict`; fp32 master weights, value models under their HF names."""
+    def full_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """See `Engine.full_state_dict`; fp32 master weights unless `dtype`, value models under their HF names."""
         gathered: dict[int, torch.Tensor] = {}
         out: dict[str, torch.Tensor] = {}
         prefix = "backbone." if self._value else ""
         for name, t in self.model.state_dict().items():
             if id(t) not in gathered:  # tied weights share one tensor: gather once
-                gathered[id(t)] = _detached_full(t)
+                gathered[id(t)] = _detached_full(t, dtype)
             out[name.removeprefix(prefix)] = gathered[id(t)]
         return out
 

@@ -32,6 +32,11 @@ class Rollout(ABC):
     def load_weights(self, state_dict: dict[str, Tensor]) -> None:
         """Replace the generating model's weights with a full state dict (any float dtype)."""
 
+    @property
+    def weight_dtype(self) -> torch.dtype | None:
+        """The dtype `load_weights` stores (None: unknown); weight sync gathers in it."""
+        return None
+
 
 def eos_token_ids(tokenizer, model: nn.Module | None = None) -> list[int]:
     """Every id that ends a response: the tokenizer's EOS and the generation config's EOS ids."""
@@ -82,6 +87,11 @@ class ModuleRollout(Rollout):
     def load_weights(self, state_dict: dict[str, Tensor]) -> None:
         """Copy the state dict into the model in place (cast to rollout dtype, tied weights once)."""
         load_state_dict_into(self.model, state_dict)
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """The dtype of the generating model's weights."""
+        return next(self.model.parameters()).dtype
 
     @torch.inference_mode()
     def generate_sequences(self, prompts: DataProto) -> DataProto:

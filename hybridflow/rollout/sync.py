@@ -1,4 +1,4 @@
-"""Weight sync: load the training engine's full state dict into a rollout in the same process."""
+"""Weight sync: load the training engine's full weights into a rollout in the same process."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 if TYPE_CHECKING:
+    from hybridflow.engine.base import Engine
     from hybridflow.rollout.base import Rollout
 
 
@@ -41,11 +42,12 @@ def load_state_dict_into(model: nn.Module, state_dict: dict[str, Tensor]) -> Non
                        f"{missing[:3]}; pass the engine's full state dict")
 
 
-def sync_weights(rollout: Rollout, state_dict: dict[str, Tensor]) -> float:
-    """Load a full (fp32) state dict into `rollout`; returns the seconds it took.
+def sync_weights(rollout: Rollout, engine: Engine) -> float:
+    """Gather `engine`'s full weights in the rollout's dtype and load them; returns the seconds
+    of both (the gather is a collective: every rank of the engine must call this).
 
     The caller reports the value as the metric `timing_s/weight_sync`.
     """
     start = time.perf_counter()
-    rollout.load_weights(state_dict)
+    rollout.load_weights(engine.full_state_dict(dtype=rollout.weight_dtype))
     return time.perf_counter() - start

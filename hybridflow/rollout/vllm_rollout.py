@@ -78,6 +78,11 @@ class VLLMRollout(Rollout):
                     [lp[t].logprob for lp, t in zip(s.logprobs, s.token_ids)])
         return build_output(prompts, ids, mask, prompts.batch[POSITION_IDS], responses, resp_mask, params.n, log_probs)
 
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """The dtype vllm runs the model in (rollout.dtype)."""
+        return self.config.torch_dtype
+
     def load_weights(self, state_dict: dict[str, Tensor]) -> None:
         """Load a full state dict into every vllm worker (through a temporary safetensors file)."""
         from safetensors.torch import save_file

@@ -71,7 +71,7 @@ class ActorRolloutRefWorker(Worker):
 
         metrics: dict[str, float] = {}
         if self._rollout_stale and self.actor is not None:
-            metrics["timing_s/weight_sync"] = sync_weights(self.rollout, self.actor.full_state_dict())
+            metrics["timing_s/weight_sync"] = sync_weights(self.rollout, self.actor)
             self._rollout_stale = False
         if K.META_GLOBAL_STEP in prompts.meta_info:
             # Seeded by (seed, step, rank) rather than by call count, so a resumed run samples exactly as an uninterrupted one.
