@@ -1,5 +1,6 @@
 """Engine training: LR schedules, skipped non-finite steps, gradient checkpointing, config checks."""
 
+import contextlib
 import math
 
 import pytest
@@ -54,8 +55,9 @@ def _pg_loss(out, micro):
     return -(out["log_probs"] * mask).sum() / mask.sum() / 2, {"seen": 1.0}
 
 
-def _train_once(gc: bool, data: dict) -> tuple[dict, dict]:
-    engine = FSDPEngine.from_pretrained(tiny_model_dir("qwen2"), EngineConfig(param_dtype="fp32", gradient_checkpointing=gc),
+def _train_once(gc: bool, data: dict, math_max_len: int = 128) -> tuple[dict, dict]:
+    config = EngineConfig(param_dtype="fp32", gradient_checkpointing=gc, cpu_math_attention_max_len=math_max_len)
+    engine = FSDPEngine.from_pretrained(tiny_model_dir("qwen2"), config,
                                         OptimConfig(lr=1e-3, lr_warmup_steps_ratio=0.5, total_training_steps=4))
     metrics = engine.train_step([{k: v[:2] for k, v in data.items()}, {k: v[2:] for k, v in data.items()}],
                                 _pg_loss, calc_entropy=True)
@@ -72,6 +74,25 @@ def test_gradient_checkpointing_gives_the_same_update():
     assert m_gc["grad_norm"] == pytest.approx(m_plain["grad_norm"], rel=1e-5)
     for k in w_plain:
         torch.testing.assert_close(w_gc[k], w_plain[k], atol=1e-6, rtol=1e-5)
+
+
+def test_cpu_math_attention_gives_the_same_update_as_the_default_kernel():
+    data = make_batch(4, 7, 5, seed=5)
+    m_math, w_math = _train_once(True, data, math_max_len=128)
+    m_default, w_default = _train_once(True, data, math_max_len=0)
+    assert m_math["grad_norm"] == pytest.approx(m_default["grad_norm"], rel=1e-5)
+    for k in w_math:
+        # Kernels sum in different orders; Adam's first step (~lr * sign(g)) amplifies that on tiny gradients.
+        torch.testing.assert_close(w_math[k], w_default[k], atol=1e-5, rtol=1e-4)
+
+
+def test_cpu_math_attention_is_chosen_only_for_short_micro_batches():
+    engine = FSDPEngine.from_pretrained(tiny_model_dir("llama"), EngineConfig(cpu_math_attention_max_len=8))
+    short, wide = make_batch(1, 4, 4, seed=1), make_batch(1, 6, 6, seed=1)
+    assert not isinstance(engine._training_attention(short), contextlib.nullcontext)
+    assert isinstance(engine._training_attention(wide), contextlib.nullcontext)
+    with pytest.raises(ValueError, match="cpu_math_attention_max_len"):
+        EngineConfig(cpu_math_attention_max_len=-1)
 
 
 def test_non_finite_gradient_skips_the_update():

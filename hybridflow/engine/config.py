@@ -70,6 +70,9 @@ class EngineConfig:
     """Rows per forward/backward on each rank (per device, not global)."""
     logits_chunk_size: int = 1024
     """Tokens per chunk when turning logits into log-probs/entropy (bounds fp32 memory)."""
+    cpu_math_attention_max_len: int = 128
+    """CPU training: micro-batches at most this many tokens wide run SDPA's math kernel, whose
+    backward is ~3x faster than the CPU flash kernel's at 71 tokens (slower past ~200); 0: never."""
     reshard_after_forward: bool | None = None
     """FSDP2: free gathered parameters after forward (saves memory, costs a re-gather in
     backward). None: False on CPU (gloo gathers are slow, memory is plentiful), True on GPU."""
@@ -91,5 +94,7 @@ class EngineConfig:
                 "engine.micro_batch_size_per_device must be >= 1, "
                 f"got {self.micro_batch_size_per_device}"
             )
+        if self.cpu_math_attention_max_len < 0:
+            raise ValueError(f"engine.cpu_math_attention_max_len must be >= 0, got {self.cpu_math_attention_max_len}")
         if self.logits_chunk_size < 1:
             raise ValueError(f"engine.logits_chunk_size must be >= 1, got {self.logits_chunk_size}")

@@ -22,6 +22,7 @@ Departures from a plain training loop, on purpose:
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections import defaultdict
 from collections.abc import Mapping
@@ -34,6 +35,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from hybridflow import keys
 from hybridflow.algos.logits import entropy_from_logits, logprobs_from_logits
@@ -229,15 +231,24 @@ class FSDPEngine(Engine):
         for i, micro in enumerate(micro_batches):
             self._set_grad_sync(i == len(micro_batches) - 1)
             micro = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in micro.items()}
-            outputs = self.forward_micro_batch(micro, temperature=temperature, calc_entropy=calc_entropy)
-            loss, stats = loss_fn(outputs, micro)
-            loss.backward()
+            # Backward inside the same kernel choice: gradient checkpointing recomputes the forward there.
+            with self._training_attention(micro):
+                outputs = self.forward_micro_batch(micro, temperature=temperature, calc_entropy=calc_entropy)
+                loss, stats = loss_fn(outputs, micro)
+                loss.backward()
             total_loss += float(loss.detach())
             for k, v in stats.items():
                 collected[k].append(float(v))
         metrics = {k: sum(v) / len(v) for k, v in collected.items()}
         metrics.update(self._optimizer_step(), loss=total_loss)
         return metrics
+
+    def _training_attention(self, micro: MicroBatch) -> contextlib.AbstractContextManager:
+        """SDPA's math kernel for short CPU micro-batches (its backward beats the CPU flash kernel's there)."""
+        width = micro[keys.INPUT_IDS].shape[1]
+        if self.device.type == "cpu" and width <= self.config.cpu_math_attention_max_len:
+            return sdpa_kernel([SDPBackend.MATH])
+        return contextlib.nullcontext()
 
     def _set_grad_sync(self, sync: bool) -> None:
         """Reduce-scatter gradients in the coming backward (last micro-batch) or accumulate them."""
