@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -107,6 +108,7 @@ def test_run_sections_load_and_round_trip(tmp_path):
     assert cfg.data.train_files == ["/x/train.parquet"]
     assert cfg.algorithm.kl_ctrl.type == "adaptive" and cfg.trainer.logger == ["console", "jsonl"]
     assert cfg.trainer.default_local_dir == "checkpoints/hybridflow/run"
+    assert cfg.trainer.cpus_per_worker == max(1, (os.cpu_count() or 1) // cfg.trainer.n_workers_per_node)
     saved = tmp_path / "saved.yaml"
     saved.write_text(to_yaml(cfg))
     assert load_config(Run, saved) == cfg
@@ -131,6 +133,7 @@ def test_run_sections_load_and_round_trip(tmp_path):
     (["trainer.test_freq=0"], "trainer.test_freq must be -1"),
     (["trainer.backend=slurm"], "trainer.backend must be one of"),
     (["trainer.total_epochs=two"], "bad value for config key 'trainer.total_epochs'"),
+    (["trainer.cpus_per_worker=0"], "trainer.cpus_per_worker must be >= 1"),
 ])
 def test_run_section_checks(overrides, message):
     with pytest.raises(ConfigError, match=message):

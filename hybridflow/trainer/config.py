@@ -112,8 +112,6 @@ class RewardConfig:
 
     custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
     """User reward function; unset means the rule scorer chosen by each row's data_source."""
-    use_reward_model: bool = False
-    """Also score with a reward-model worker group; its rm_scores are added to the rule scores."""
     num_workers: int = 0
     """Processes for rule scoring (0: score in the controller process; worth it only for slow scorers)."""
 
@@ -197,6 +195,9 @@ class TrainerConfig:
     """Worker processes per node (verl: n_gpus_per_node); one per device on GPU machines."""
     nnodes: int = 1
     """Nodes in the Ray cluster."""
+    cpus_per_worker: Optional[int] = None
+    """CPUs (and torch threads) per Ray worker; None: this machine's CPU count // n_workers_per_node, at least 1.
+    On a 2-core laptop, 1 worker x 2 threads does no gloo traffic; 2 workers x 1 thread split the batch."""
     test_freq: int = -1
     """Validate every this many steps; -1: never during training."""
     save_freq: int = -1
@@ -229,7 +230,9 @@ class TrainerConfig:
             self.default_local_dir = os.path.join("checkpoints", self.project_name, self.experiment_name)
         if self.log_dir is None:
             self.log_dir = os.path.join("outputs", self.project_name, self.experiment_name)
-        _positive(**{"trainer.total_epochs": self.total_epochs,
+        if self.cpus_per_worker is None:
+            self.cpus_per_worker = max(1, (os.cpu_count() or 1) // max(self.n_workers_per_node, 1))
+        _positive(**{"trainer.total_epochs": self.total_epochs, "trainer.cpus_per_worker": self.cpus_per_worker,
                      "trainer.total_training_steps": self.total_training_steps,
                      "trainer.n_workers_per_node": self.n_workers_per_node, "trainer.nnodes": self.nnodes,
                      "trainer.max_ckpt_to_keep": self.max_ckpt_to_keep})

@@ -35,7 +35,7 @@ def _start_backend(cfg: RunConfig) -> None:
     if cfg.trainer.backend == "ray":
         from hybridflow.controller.ray import init_local_ray
 
-        init_local_ray(num_cpus=max(os.cpu_count() or 1, cfg.world_size))
+        init_local_ray(num_cpus=max(os.cpu_count() or 1, cfg.world_size * cfg.trainer.cpus_per_worker))
 
 
 def prepare_inputs(cfg: RunConfig) -> tuple[Any, Any, Any, Any]:

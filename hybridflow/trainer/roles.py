@@ -82,7 +82,8 @@ def _backend(cfg: RunConfig):
         return (lambda pool, cls: LocalWorkerGroup(pool, cls)), [LocalResourcePool()]
     from hybridflow.controller.ray import RayResourcePool, RayWorkerGroup, split_resource_pool
 
-    pool = RayResourcePool([t.n_workers_per_node] * t.nnodes, use_gpu=t.device == "cuda", name_prefix="hf")
+    pool = RayResourcePool([t.n_workers_per_node] * t.nnodes, use_gpu=t.device == "cuda",
+                           num_cpus_per_process=t.cpus_per_worker, name_prefix="hf")
     pools = [pool]
     if t.placement == "split":
         first = cfg.world_size // 2
