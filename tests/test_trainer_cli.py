@@ -81,6 +81,17 @@ def test_train_smoke(tiny_model: str, tmp_path: Path, name: str, extra: list[str
         assert key in steps[-1], (key, sorted(steps[-1]))
 
 
+def test_train_with_a_reward_model(tiny_model: str, tmp_path: Path) -> None:
+    from tests.test_reward_model import _llama_reward_model_dir
+
+    rm_dir = _llama_reward_model_dir(tmp_path / "rm")
+    steps = train_ok(tiny_model, tmp_path, "reward_model.enable=true", f"reward_model.model.path={rm_dir}")
+    for r in steps:  # the seeded head scores far from 0, and its score is part of critic/score
+        assert abs(r["reward_model/score/mean"]) > 1e-3
+        rule_mean = r["critic/score/mean"] - r["reward_model/score/mean"]  # arithmetic scores lie in [0, 1]
+        assert -1e-5 <= rule_mean <= 1 + 1e-5
+
+
 def test_bad_inputs_fail_cleanly(tiny_model: str, tmp_path: Path) -> None:
     bad_parquet = tmp_path / "bad.parquet"
     bad_parquet.write_text("not a parquet file")

@@ -34,6 +34,8 @@ def data_metrics(batch: DataProto, response_length: int) -> dict[str, float]:
     }
     if K.VALUES in b.keys():
         metrics.update(_stats("critic/values", b[K.VALUES][mask]))
+    if K.RM_SCORES in b.keys():  # the reward model's share of critic/score
+        metrics.update(_stats("reward_model/score", b[K.RM_SCORES].sum(-1)))
     return metrics
 
 

@@ -123,6 +123,17 @@ class RewardModelConfig:
     enable: bool = False
     """Score responses with a reward model worker (added to the rule scores)."""
     model: ModelConfig = field(default_factory=ModelConfig)
-    """Reward model: a local HF directory of a causal LM with a 1-label score head, or a value model."""
+    """Reward model: a local HF directory saved from a *ForSequenceClassification (or
+    *ForTokenClassification) model with num_labels=1; a plain causal LM is refused."""
     micro_batch_size_per_device: int = 16
     """Rows per forward on one worker."""
+    param_dtype: str = "bf16"
+    """Compute dtype of the reward-model forward ("fp32" | "bf16")."""
+
+    def __post_init__(self) -> None:
+        if self.micro_batch_size_per_device < 1:
+            raise ValueError(
+                f"reward_model.micro_batch_size_per_device must be >= 1, got {self.micro_batch_size_per_device}"
+            )
+        if self.param_dtype not in ("fp32", "bf16"):
+            raise ValueError(f"reward_model.param_dtype must be 'fp32' or 'bf16', got {self.param_dtype!r}")

@@ -1,11 +1,20 @@
 """`RewardModelWorker`: a model-based reward, scored at each response's last valid token.
 
-The reward model is a value model (causal-LM backbone + scalar head) read from a
-local directory; it must share the policy's tokenizer, since it scores the same
-token ids the policy generated (re-tokenising for another vocabulary is not done).
+The reward model is read from a local directory saved from a one-label
+`*ForSequenceClassification` model (the usual trained reward model) or
+`*ForTokenClassification` model (a value model); see `hybridflow.models.value`. A
+plain causal LM is refused: its score head would be random. The reward model must
+share the policy's tokenizer, since it scores the same token ids the policy
+generated (re-tokenising for another vocabulary is not done).
+
+A row's score is the head's output AT its last valid response token, which is what
+transformers' sequence classifier returns for the unpadded sequence (`score_inputs`
+explains how the critic-aligned engine is made to produce it).
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 
@@ -17,13 +26,59 @@ from hybridflow.protocol import DataProto
 from hybridflow.workers.config import RewardModelConfig
 from hybridflow.workers.engines import build_engine
 
+_FIX = (
+    "point reward_model.model.path at a directory saved (save_pretrained) from a "
+    "*ForSequenceClassification or *ForTokenClassification model with num_labels=1"
+)
+
+
+def check_reward_model_dir(path: Path) -> None:
+    """Raise ValueError unless the HF directory `path` holds a trained one-label scalar head."""
+    from hybridflow.models.loading import load_config
+    from hybridflow.models.value import has_trained_head
+
+    config = load_config(path)
+    if not has_trained_head(config):
+        raise ValueError(
+            f"reward_model.model.path={str(path)!r} holds a {config.architectures or 'model'} "
+            f"checkpoint with no trained score head, so its scores would be random; {_FIX}"
+        )
+    if config.num_labels != 1:
+        raise ValueError(
+            f"reward_model.model.path={str(path)!r} holds a classifier with num_labels="
+            f"{config.num_labels}; {_FIX}"
+        )
+
+
+def score_inputs(batch) -> dict[str, torch.Tensor]:
+    """The model inputs of `batch` plus one column, so that the engine's values reach the last token.
+
+    The engine aligns values like a critic's: response column i gets the output at the
+    token BEFORE response token i, so the output at the last valid token (column L - 1,
+    L = response length) would fall on column L, past the response. One dummy real token
+    is placed right after each row's response (at a new final column when the response
+    fills the row); response column L then holds the output at the last valid token.
+    Causal attention keeps the dummy token from changing any earlier output.
+    """
+    ids, attn, resp = batch[K.INPUT_IDS], batch[K.ATTENTION_MASK], batch[K.RESPONSES]
+    rows, prompt_len = ids.shape[0], ids.shape[1] - resp.shape[1]
+    lengths = batch[K.RESPONSE_MASK].long().sum(-1)
+    ids = torch.cat([ids, ids.new_zeros(rows, 1)], -1)
+    attn = torch.cat([attn, attn.new_zeros(rows, 1)], -1)
+    attn[torch.arange(rows), prompt_len + lengths] = 1
+    out = {K.INPUT_IDS: ids, K.ATTENTION_MASK: attn, K.RESPONSES: ids[:, prompt_len:]}
+    if K.POSITION_IDS in batch.keys():  # the dummy token's position is irrelevant: nothing attends to it
+        pos = batch[K.POSITION_IDS]
+        out[K.POSITION_IDS] = torch.cat([pos, pos[:, -1:] + 1], -1)
+    return out
+
 
 def last_token_scores(values: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """[b, R] per-token values -> [b, R] with the value at each row's last valid token, 0 elsewhere."""
+    """[b, R + 1] values of `score_inputs` -> [b, R]: the output at each row's last valid token, 0 elsewhere."""
     lengths = response_mask.long().sum(-1)
-    out = torch.zeros_like(values)
+    out = values.new_zeros(response_mask.shape, dtype=torch.float32)
     rows = torch.nonzero(lengths > 0).squeeze(-1)
-    out[rows, lengths[rows] - 1] = values[rows, lengths[rows] - 1]
+    out[rows, lengths[rows] - 1] = values[rows, lengths[rows]].float()
     return out
 
 
@@ -37,15 +92,16 @@ class RewardModelWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
-        """Form the process group and load the reward model (inference only)."""
+        """Check the reward-model directory, form the process group and load it (inference only)."""
         from hybridflow.models import resolve_model_path
 
-        self.init_process_group()
         path = resolve_model_path(self.cfg.model.path)
-        self.engine = build_engine(path, EngineConfig(), value_model=True)
+        check_reward_model_dir(path)
+        self.init_process_group()
+        self.engine = build_engine(path, EngineConfig(param_dtype=self.cfg.param_dtype), value_model=True)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_rm_score(self, data: DataProto) -> DataProto:
         """Rows with input_ids/attention_mask/position_ids/responses/response_mask -> rm_scores [b, R]."""
-        values = self.engine.compute_values(data.batch, self.cfg.micro_batch_size_per_device)
+        values = self.engine.compute_values(score_inputs(data.batch), self.cfg.micro_batch_size_per_device)
         return DataProto.from_dict({K.RM_SCORES: last_token_scores(values, data.batch[K.RESPONSE_MASK])})
