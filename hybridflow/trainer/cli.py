@@ -115,7 +115,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         from hybridflow.trainer.main import main as train_main
 
         return train_main(argv[1:])
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "data":  # difficulty knobs may come before or after the options
+        args.difficulty += [a for a in extra if "=" in a and not a.startswith("-")]
+        extra = [a for a in extra if a not in args.difficulty]
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     handler = {"data": cmd_data, "export": cmd_export, "generate": cmd_generate}[args.command]
     try:
         return handler(args)
