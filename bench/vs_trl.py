@@ -90,8 +90,13 @@ def hybridflow_side(args, parquet: str, prompts: int, work: Path) -> dict:
     gen_tokens = [r["response_length/mean"] * completions for r in rows]
     return {"step_times": [r["timing_s/step"] for r in rows], "gen_times": [r["timing_s/gen"] for r in rows],
             "gen_tokens": gen_tokens, "rewards": [r["critic/score/mean"] for r in rows], "peak_mb": peak,
-            "tokens": sum(gen_tokens), "phases": {k: statistics.median(r[k] for r in rows)
-                                                  for k in rows[0] if k.startswith("timing_s/")}}
+            "tokens": sum(gen_tokens), "phases": phase_medians(rows)}
+
+
+def phase_medians(rows: list[dict]) -> dict[str, float]:
+    """Median of every timing_s/ metric over the steps that report it (weight_sync: from step 2 on)."""
+    names = dict.fromkeys(k for r in rows for k in r if k.startswith("timing_s/"))
+    return {k: statistics.median(r[k] for r in rows if k in r) for k in names}
 
 
 def summarize(name: str, r: dict) -> dict:

@@ -6,6 +6,8 @@ calls them between worker calls. No worker, no I/O.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
@@ -14,6 +16,9 @@ from hybridflow.algos.advantages import get_advantage_estimator
 from hybridflow.algos.kl import apply_kl_penalty, get_kl_controller
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.config import AlgorithmConfig
+
+if TYPE_CHECKING:
+    from hybridflow.trainer.run_config import RunConfig
 
 
 def add_uids(prompts: DataProto, step: int) -> None:
@@ -25,6 +30,13 @@ def make_kl_controller(cfg: AlgorithmConfig):
     """The KL-in-reward coefficient controller (fixed or adaptive)."""
     c = cfg.kl_ctrl
     return get_kl_controller(c.type, c.kl_coef, c.target_kl, c.horizon)
+
+
+def needs_old_log_prob(cfg: RunConfig) -> bool:
+    """Whether step 3 computes old log-probs; else the actor update takes its own (ActorConfig.old_log_prob)."""
+    a, rows = cfg.actor, cfg.data.train_batch_size * cfg.rollout.n
+    one_step = a.ppo_epochs == 1 and a.ppo_mini_batch_size >= cfg.data.train_batch_size and rows % cfg.world_size == 0
+    return a.old_log_prob == "recompute" or not one_step or cfg.algorithm.use_kl_in_reward
 
 
 def apply_rewards(batch: DataProto, cfg: AlgorithmConfig, kl_ctrl) -> dict[str, float]:

@@ -94,11 +94,12 @@ class PPOTrainer:
                 if cfg.algorithm.adv_estimator == "remax":
                     batch.batch[K.REWARD_BASELINES] = S.remax_baselines(roles.actor_rollout, prompts, self.reward_fn, cfg.rollout.n)
             # 3. log-probs of the policy before the update, of the reference, and values
-            #    (ref and critic calls return futures: with split placement they overlap)
+            #    (ref and critic calls return futures: with split placement they overlap; old log-probs
+            #    are skipped when the update is one optimizer step, which then uses its own)
             with timer("old_log_prob_ref_values", timing):
                 ref = roles.ref.compute_ref_log_prob(batch) if roles.ref is not None else None
                 values = roles.critic.compute_values(batch) if roles.critic is not None else None
-                old = roles.actor_rollout.compute_log_prob(batch)
+                old = roles.actor_rollout.compute_log_prob(batch) if S.needs_old_log_prob(cfg) else None
                 for part in (old, ref, values):
                     if part is not None:
                         batch.union(_take_metrics(_resolve(part), worker_out))

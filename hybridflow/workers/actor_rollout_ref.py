@@ -113,18 +113,26 @@ class ActorRolloutRefWorker(Worker):
     # --- training ----------------------------------------------------------------
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def update_actor(self, data: DataProto) -> DataProto:
-        """PPO epochs over mini-batches over micro-batches; rows need old_log_probs, advantages (+ ref_log_prob).
+        """PPO epochs over mini-batches over micro-batches; rows need advantages (+ ref_log_prob) and
+        old_log_probs, unless this call is one optimizer step (then they are optional: ActorConfig.old_log_prob).
 
         Returns no rows, only meta_info["metrics"] (lists with one value per optimizer step).
         """
         cfg = self.actor_cfg
         rows_per_prompt = self.rollout_cfg.n
-        mini_rows = cfg.ppo_mini_batch_size * rows_per_prompt // self.world_size
+        mini_rows = max(cfg.ppo_mini_batch_size * rows_per_prompt // self.world_size, 1)
+        on_policy = K.OLD_LOG_PROBS not in data.batch.keys()
+        if on_policy and (cfg.ppo_epochs > 1 or len(data) > mini_rows):
+            raise ValueError(
+                f"update_actor: rows without old_log_probs need exactly one optimizer step, but ppo_epochs="
+                f"{cfg.ppo_epochs} and {len(data)} rows > {mini_rows} rows per mini-batch on this worker; "
+                "call compute_log_prob first"
+            )
         start = time.perf_counter()
         step_metrics = run_ppo_update(
-            self.actor, data, max(mini_rows, 1), cfg.ppo_micro_batch_size_per_device, cfg.ppo_epochs,
+            self.actor, data, mini_rows, cfg.ppo_micro_batch_size_per_device, cfg.ppo_epochs,
             actor_loss_builder(cfg), shuffle=cfg.shuffle, seed=self._update_calls,
-            temperature=self._temperature(data), calc_entropy=cfg.entropy_coeff != 0,
+            temperature=self._temperature(data), calc_entropy=cfg.entropy_coeff != 0 or on_policy,
         )
         self._update_calls += 1
         lr = self.actor.lr_scheduler_step()

@@ -54,6 +54,12 @@ class ActorConfig:
     """KL estimator of the loss: kl (k1), abs, mse (k2), low_var_kl (k3)."""
     log_prob_micro_batch_size_per_device: int = 16
     """Rows per forward when computing old log-probs (no grad) on one worker."""
+    old_log_prob: str = "auto"
+    """"auto": when the update is a single optimizer step per batch (ppo_epochs 1, one
+    mini-batch) and nothing before it needs them (no KL in the reward), old log-probs are
+    the detached log-probs of the update's own forward, which runs on the same weights,
+    saving one forward pass over the batch (TRL does the same with num_iterations=1);
+    actor/entropy then comes from that forward. "recompute": always a separate pass."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6))
     """AdamW and LR schedule."""
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -69,6 +75,8 @@ class ActorConfig:
             raise ValueError(f"actor.policy_loss_mode={self.policy_loss_mode!r} is unknown; valid: {list_policy_losses()}")
         if self.loss_agg_mode not in _LOSS_AGG_MODES:
             raise ValueError(f"actor.loss_agg_mode={self.loss_agg_mode!r} is unknown; valid: {list(_LOSS_AGG_MODES)}")
+        if self.old_log_prob not in ("auto", "recompute"):
+            raise ValueError(f"actor.old_log_prob={self.old_log_prob!r} is unknown; valid: ['auto', 'recompute']")
         if self.kl_loss_type not in _KL_TYPES:
             raise ValueError(f"actor.kl_loss_type={self.kl_loss_type!r} is unknown; valid: {list(_KL_TYPES)}")
 

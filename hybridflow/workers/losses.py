@@ -9,7 +9,7 @@ normalised share that is back-propagated).
 from __future__ import annotations
 
 from hybridflow import keys as K
-from hybridflow.algos.core import GlobalNorm, agg_loss
+from hybridflow.algos.core import GlobalNorm, agg_loss, masked_mean
 from hybridflow.algos.kl import kl_loss
 from hybridflow.algos.losses import compute_value_loss, get_policy_loss_fn
 from hybridflow.engine.base import LossFn, MicroBatch
@@ -18,7 +18,12 @@ from hybridflow.workers.ppo_update import LossBuilder, local_mean_factor
 
 
 def actor_loss_builder(cfg: ActorConfig) -> LossBuilder:
-    """PPO-family policy loss (by name) - entropy_coeff * entropy + kl_loss_coef * KL(pi || ref)."""
+    """PPO-family policy loss (by name) - entropy_coeff * entropy + kl_loss_coef * KL(pi || ref).
+
+    Rows without old_log_probs are on-policy (one optimizer step per batch, see
+    ActorConfig.old_log_prob): the old log-probs are this forward's own, detached, and
+    the entropy of the forward is logged as `entropy`.
+    """
     policy_loss = get_policy_loss_fn(cfg.policy_loss_mode)
     mode = cfg.loss_agg_mode
 
@@ -26,13 +31,17 @@ def actor_loss_builder(cfg: ActorConfig) -> LossBuilder:
         def loss_fn(outputs: dict, micro: MicroBatch) -> tuple:
             mask = micro[K.RESPONSE_MASK]
             log_prob = outputs["log_probs"]
+            on_policy = K.OLD_LOG_PROBS not in micro
+            old_log_prob = log_prob.detach() if on_policy else micro[K.OLD_LOG_PROBS]
             pg_loss, stats = policy_loss(
-                micro[K.OLD_LOG_PROBS], log_prob, micro[K.ADVANTAGES], mask,
+                old_log_prob, log_prob, micro[K.ADVANTAGES], mask,
                 loss_agg_mode=mode, config=cfg.policy_loss, global_norm=gn,
                 rollout_log_probs=micro.get(K.ROLLOUT_LOG_PROBS),
             )
             scale = local_mean_factor(gn, mask, mode)
             metrics = {"pg_loss": float(pg_loss.detach()) * scale, **{k: float(v) for k, v in stats.items()}}
+            if on_policy:
+                metrics["entropy"] = float(masked_mean(outputs["entropy"].detach(), mask))
             loss = pg_loss
             if cfg.entropy_coeff != 0:
                 entropy = agg_loss(outputs["entropy"], mask, mode, gn)

@@ -1,0 +1,80 @@
+"""The actor update of `ActorRolloutRefWorker` (in-process backend): old log-probs recomputed or taken on-policy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridflow import keys as K
+from hybridflow.config_utils import load_config
+from hybridflow.controller.local import LocalWorkerGroup
+from hybridflow.controller.resource_pool import ClassWithInitArgs
+from hybridflow.engine import EngineConfig, OptimConfig
+from hybridflow.models import tiny_model_dir
+from hybridflow.protocol import DataProto
+from hybridflow.rollout import RolloutConfig
+from hybridflow.trainer.core_steps import needs_old_log_prob
+from hybridflow.trainer.run_config import RunConfig
+from hybridflow.workers import ActorConfig, ActorRolloutRefWorker, ModelConfig, RefConfig
+from tests.engine_helpers import make_batch
+
+
+def _actor(**kwargs) -> LocalWorkerGroup:
+    cfg = ActorConfig(ppo_mini_batch_size=4, ppo_micro_batch_size_per_device=2, log_prob_micro_batch_size_per_device=4,
+                      optim=OptimConfig(lr=1e-3), engine=EngineConfig(param_dtype="fp32"), **kwargs)
+    group = LocalWorkerGroup(None, ClassWithInitArgs(ActorRolloutRefWorker, ModelConfig(path=str(tiny_model_dir("llama"))),
+                                                     cfg, RolloutConfig(n=1), RefConfig(), "actor"))
+    group.init_model()
+    return group
+
+
+def _rollout_batch() -> DataProto:
+    data = make_batch(4, 6, 5, seed=11)
+    mask = data[K.ATTENTION_MASK][:, -5:]
+    data[K.RESPONSE_MASK] = mask
+    data[K.ADVANTAGES] = torch.tensor([1.0, -0.5, 0.25, -1.0])[:, None] * mask
+    return DataProto.from_dict(data)
+
+
+def _weights(group: LocalWorkerGroup) -> dict[str, torch.Tensor]:
+    return group._worker.actor.full_state_dict()
+
+
+def test_on_policy_update_equals_the_update_with_recomputed_old_log_probs():
+    recomputed, on_policy = _actor(), _actor()
+    batch = _rollout_batch()
+    old = recomputed.compute_log_prob(batch)
+    m_re = recomputed.update_actor(batch.union(old)).meta_info["metrics"]
+    m_on = on_policy.update_actor(_rollout_batch()).meta_info["metrics"]
+    assert m_on["actor/pg_loss"] == pytest.approx(m_re["actor/pg_loss"], rel=1e-5)
+    assert m_on["actor/ppo_kl"] == pytest.approx(0.0, abs=1e-7) and m_re["actor/ppo_kl"] == pytest.approx(0.0, abs=1e-5)
+    # entropy of the update forward, logged instead of compute_log_prob's (same weights, same rows)
+    assert m_on["actor/entropy"] == pytest.approx(old.meta_info["metrics"]["actor/entropy"], rel=0.05)
+    w_re, w_on = _weights(recomputed), _weights(on_policy)
+    for k in w_re:
+        torch.testing.assert_close(w_on[k], w_re[k], atol=1e-5, rtol=1e-4)
+    fresh = _weights(_actor())
+    assert any(not torch.equal(w_on[k], fresh[k]) for k in fresh)  # the update did change the weights
+
+
+@pytest.mark.parametrize("kwargs", [dict(ppo_epochs=2), dict(ppo_mini_batch_size=2)])
+def test_on_policy_update_refuses_more_than_one_optimizer_step(kwargs):
+    with pytest.raises(ValueError, match="call compute_log_prob first"):
+        _actor(**kwargs).update_actor(_rollout_batch())
+
+
+@pytest.mark.parametrize("overrides, needed", [
+    ([], False),  # the default job: one optimizer step per batch
+    (["actor.old_log_prob=recompute"], True),
+    (["actor.ppo_epochs=2"], True),
+    (["actor.ppo_mini_batch_size=4"], True),  # two mini-batches of the 8 prompts
+    (["algorithm.use_kl_in_reward=true"], True),
+])
+def test_old_log_prob_pass_is_skipped_only_for_one_step_updates(overrides, needed):
+    cfg = load_config(RunConfig, None, ["data.train_batch_size=8", "actor.ppo_mini_batch_size=8", *overrides])
+    assert needs_old_log_prob(cfg) is needed
+
+
+def test_unknown_old_log_prob_mode_is_rejected():
+    with pytest.raises(ValueError, match="actor.old_log_prob"):
+        ActorConfig(old_log_prob="sometimes")
