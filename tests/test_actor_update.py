@@ -20,7 +20,8 @@ from tests.engine_helpers import make_batch
 
 
 def _actor(**kwargs) -> LocalWorkerGroup:
-    cfg = ActorConfig(ppo_mini_batch_size=4, ppo_micro_batch_size_per_device=2, log_prob_micro_batch_size_per_device=4,
+    kwargs = {"ppo_mini_batch_size": 4, **kwargs}
+    cfg = ActorConfig(ppo_micro_batch_size_per_device=2, log_prob_micro_batch_size_per_device=4,
                       optim=OptimConfig(lr=1e-3), engine=EngineConfig(param_dtype="fp32"), **kwargs)
     group = LocalWorkerGroup(None, ClassWithInitArgs(ActorRolloutRefWorker, ModelConfig(path=str(tiny_model_dir("llama"))),
                                                      cfg, RolloutConfig(n=1), RefConfig(), "actor"))
@@ -40,13 +41,18 @@ def _weights(group: LocalWorkerGroup) -> dict[str, torch.Tensor]:
     return group._worker.actor.full_state_dict()
 
 
+def _one_step(metrics: dict) -> dict[str, float]:
+    """Per-optimizer-step lists (one step here) -> floats."""
+    return {k: v[0] if isinstance(v, list) else v for k, v in metrics.items()}
+
+
 def test_on_policy_update_equals_the_update_with_recomputed_old_log_probs():
     recomputed, on_policy = _actor(), _actor()
     batch = _rollout_batch()
     old = recomputed.compute_log_prob(batch)
-    m_re = recomputed.update_actor(batch.union(old)).meta_info["metrics"]
-    m_on = on_policy.update_actor(_rollout_batch()).meta_info["metrics"]
-    assert m_on["actor/pg_loss"] == pytest.approx(m_re["actor/pg_loss"], rel=1e-5)
+    m_re = _one_step(recomputed.update_actor(batch.union(old)).meta_info["metrics"])
+    m_on = _one_step(on_policy.update_actor(_rollout_batch()).meta_info["metrics"])
+    assert m_on["actor/pg_loss"] == pytest.approx(m_re["actor/pg_loss"], rel=1e-4)
     assert m_on["actor/ppo_kl"] == pytest.approx(0.0, abs=1e-7) and m_re["actor/ppo_kl"] == pytest.approx(0.0, abs=1e-5)
     # entropy of the update forward, logged instead of compute_log_prob's (same weights, same rows)
     assert m_on["actor/entropy"] == pytest.approx(old.meta_info["metrics"]["actor/entropy"], rel=0.05)
