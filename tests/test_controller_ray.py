@@ -163,3 +163,16 @@ def test_pool_that_cannot_be_placed_fails_clearly(ray_local):
     pool = RayResourcePool([1], num_cpus_per_process=64, ready_timeout_s=1, name_prefix="huge_")
     with pytest.raises(RuntimeError, match="were not scheduled"):
         pool.slots()
+
+
+def test_max_colocate_count_lets_separate_groups_share_a_pool(ray_local):
+    # Half a CPU per bundle, shared by two groups in their own processes: each actor asks for half of that.
+    pool = RayResourcePool([2], num_cpus_per_process=0.5, max_colocate_count=2, name_prefix="shared_")
+    first = RayWorkerGroup(pool, RayClassWithInitArgs(Probe, offset=1), name_prefix="shared_a")
+    second = RayWorkerGroup(pool, RayClassWithInitArgs(Probe, offset=2), name_prefix="shared_b")
+    a, b = first.info(), second.info()
+    assert [i["offset"] for i in a] == [1, 1] and [i["offset"] for i in b] == [2, 2]
+    assert [i["rank"] for i in b] == [0, 1] and a[0]["master_port"] != b[0]["master_port"]
+    assert not {i["pid"] for i in a} & {i["pid"] for i in b}
+    assert {i["torch_threads"] for i in a + b} == {1}  # a quarter CPU each still gets one thread
+    release(pool, first, second)
