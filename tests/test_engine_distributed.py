@@ -7,9 +7,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from hybridflow import keys
 from hybridflow.engine import EngineConfig, FSDPEngine, OptimConfig
+from hybridflow.engine.gather import broadcastable, gather_full
 from hybridflow.models import load_causal_lm, tiny_model_dir
 from tests.engine_helpers import make_batch
 
@@ -61,12 +64,24 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     restored = engine.full_state_dict()
     _steps(engine, shard, loss_fn, 1)
     continued_after_load = engine.full_state_dict()  # collective: every rank gathers
+    uneven = _gather_uneven_shards()
     if rank == 0:
-        torch.save({"trained": trained, "trained_bf16": trained_bf16, "restored": restored, "continued": continued,
+        torch.save({"uneven": uneven, "trained": trained, "trained_bf16": trained_bf16, "restored": restored, "continued": continued,
                     "continued_after_load": continued_after_load, "extra": extra},
                    out / "result.pt")
     assert extra == {"rank": rank}
     dist.destroy_process_group()
+
+
+UNEVEN = [torch.arange(15.0).view(5, 3), torch.arange(4.0).view(1, 4), torch.arange(7.0), torch.ones(2, 2)]
+
+
+def _gather_uneven_shards() -> list[torch.Tensor]:
+    """Dim-0 shards of 3+2, 1+0 and 4+3 rows, and an unsharded tensor, gathered in one call (bf16)."""
+    mesh = init_device_mesh("cpu", (2,))
+    sharded = [distribute_tensor(t, mesh, [Shard(0)]) for t in UNEVEN[:3]]
+    assert all(broadcastable(t) for t in sharded)  # the broadcast path, not the one-by-one fallback
+    return gather_full([*sharded, UNEVEN[3]], torch.bfloat16)
 
 
 def _reference(data: dict) -> dict[str, torch.Tensor]:
@@ -102,3 +117,5 @@ def test_two_rank_fsdp_matches_single_process_and_checkpoint_round_trips(tmp_pat
         # the optimizer state came back too: the step after the load repeats the step before it
         torch.testing.assert_close(res["continued_after_load"][k], res["continued"][k], atol=0, rtol=0)
     assert (tmp_path / "ckpt" / "global_step_2" / "COMPLETE").is_file()
+    for got, want in zip(res["uneven"], UNEVEN, strict=True):
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want.to(torch.bfloat16))

@@ -42,6 +42,7 @@ from hybridflow.algos.logits import entropy_from_logits, logprobs_from_logits
 from hybridflow.engine import batch as B
 from hybridflow.engine.base import Engine, LossFn, MicroBatch
 from hybridflow.engine.config import EngineConfig, OptimConfig, dtype_of
+from hybridflow.engine.gather import gather_full
 from hybridflow.engine.optim import build_lr_scheduler, build_optimizer
 from hybridflow.models.value import ValueModel
 
@@ -75,22 +76,6 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     if not layers:
         raise ValueError(f"cannot find decoder layers in {type(model).__name__} to shard")
     return layers
-
-
-def _detached_full(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The full value of a (possibly sharded) tensor in `dtype` (None: its own), never aliasing the live parameter.
-
-    The shard is cast before the gather, so a narrower dtype also narrows the traffic.
-    """
-    t = t.detach()
-    if dtype is not None and t.dtype != dtype:
-        t = t.to(dtype)  # a new tensor (a DTensor keeps its sharding): nothing left to alias
-        return t.full_tensor() if isinstance(t, DTensor) else t
-    local = t.to_local() if isinstance(t, DTensor) else t
-    full = t.full_tensor() if isinstance(t, DTensor) else t
-    if full.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
-        full = full.clone()  # world size 1 gathers nothing and would hand out the parameter itself
-    return full.detach()
 
 
 class FSDPEngine(Engine):
@@ -280,14 +265,11 @@ class FSDPEngine(Engine):
     # --- weights and checkpoints ---------------------------------------------
     def full_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """See `Engine.full_state_dict`; fp32 master weights unless `dtype`, value models under their HF names."""
-        gathered: dict[int, torch.Tensor] = {}
-        out: dict[str, torch.Tensor] = {}
+        state = self.model.state_dict()
+        unique = list({id(t): t for t in state.values()}.values())  # tied weights share one tensor: gather once
+        full = dict(zip([id(t) for t in unique], gather_full(unique, dtype)))
         prefix = "backbone." if self._value else ""
-        for name, t in self.model.state_dict().items():
-            if id(t) not in gathered:  # tied weights share one tensor: gather once
-                gathered[id(t)] = _detached_full(t, dtype)
-            out[name.removeprefix(prefix)] = gathered[id(t)]
-        return out
+        return {name.removeprefix(prefix): full[id(t)] for name, t in state.items()}
 
     def hf_config(self) -> Any:
         """The HF config of the model (for exports)."""

@@ -1,0 +1,80 @@
+"""Full tensors from FSDP2 shards, for weight sync and exports.
+
+`DTensor.full_tensor()` gathers with `all_gather_into_tensor`, which on gloo is slow:
+2 x 134 MB took 0.43-0.98 s on 2 CPU ranks, one `broadcast` per rank 0.11 s. On gloo,
+`gather_full` therefore writes each rank's rows straight into the full tensor with one
+asynchronous broadcast per (tensor, rank): the bf16 weight sync of SmolLM2-135M went
+from ~0.8-1.1 s to ~0.3-0.4 s (2 ranks x 1 thread; measured side by side). On other
+backends (NCCL) it gathers tensor by tensor as before.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+
+
+def detached_full(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The full value of one (possibly sharded) tensor in `dtype` (None: its own), never aliasing the live one.
+
+    The shard is cast before the gather, so a narrower dtype also narrows the traffic.
+    """
+    t = t.detach()
+    if dtype is not None and t.dtype != dtype:
+        t = t.to(dtype)  # a new tensor (a DTensor keeps its sharding): nothing left to alias
+        return t.full_tensor() if isinstance(t, DTensor) else t
+    local = t.to_local() if isinstance(t, DTensor) else t
+    full = t.full_tensor() if isinstance(t, DTensor) else t
+    if full.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
+        full = full.clone()  # world size 1 gathers nothing and would hand out the parameter itself
+    return full.detach()
+
+
+def gather_full(tensors: list[torch.Tensor], dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """`detached_full` of every tensor (a collective: all ranks call it with the same list)."""
+    out: list[torch.Tensor] = []
+    pending: list[dist.Work] = []
+    for t in tensors:
+        if broadcastable(t):
+            full, works = _broadcast_rows(t, dtype or t.dtype)
+            out.append(full)
+            pending += works
+        else:
+            out.append(detached_full(t, dtype))
+    for work in pending:
+        work.wait()
+    return out
+
+
+def broadcastable(t: torch.Tensor) -> bool:
+    """A dim-0-sharded DTensor on a 1-D gloo mesh whose local rows are FSDP2's `rows_per_rank`."""
+    if not isinstance(t, DTensor) or t.device_mesh.ndim != 1 or tuple(t.placements) != (Shard(0),):
+        return False
+    mesh = t.device_mesh
+    if dist.get_backend(mesh.get_group()) != "gloo":
+        return False
+    return t.to_local().shape[0] == rows_per_rank(t.shape[0], mesh.size())[mesh.get_local_rank()]
+
+
+def rows_per_rank(dim0: int, world: int) -> list[int]:
+    """Rows of dim 0 on each rank under FSDP2's sharding: `torch.chunk`, then empty shards."""
+    step = -(-dim0 // world) if dim0 else 0
+    return [max(0, min(step, dim0 - r * step)) for r in range(world)]
+
+
+def _broadcast_rows(t: DTensor, dtype: torch.dtype) -> tuple[torch.Tensor, list[dist.Work]]:
+    """A new full tensor: own rows copied (cast) in, every other rank's rows arriving by broadcast."""
+    mesh = t.device_mesh
+    world, rank, group = mesh.size(), mesh.get_local_rank(), mesh.get_group()
+    full = torch.empty(t.shape, dtype=dtype, device=t.device)
+    bounds = [0]
+    for rows in rows_per_rank(t.shape[0], world):
+        bounds.append(bounds[-1] + rows)
+    full[bounds[rank] : bounds[rank + 1]].copy_(t.to_local().detach())
+    works = [
+        dist.broadcast(full[bounds[k] : bounds[k + 1]], group=group, group_src=k, async_op=True)
+        for k in range(world)
+        if bounds[k + 1] > bounds[k]
+    ]
+    return full, works
