@@ -73,6 +73,9 @@ class EngineConfig:
     cpu_math_attention_max_len: int = 128
     """CPU training: micro-batches at most this many tokens wide run SDPA's math kernel, whose
     backward is ~3x faster than the CPU flash kernel's at 71 tokens (slower past ~200); 0: never."""
+    cpu_keep_freed_memory: bool = True
+    """CPU: set glibc malloc to keep freed blocks for reuse (process-wide; see hybridflow.utils.memory),
+    so the buffers every step reallocates are not page-faulted in again (~12% of a 1-thread update)."""
     reshard_after_forward: bool | None = None
     """FSDP2: free gathered parameters after forward (saves memory, costs a re-gather in
     backward). None: False on CPU (gloo gathers are slow, memory is plentiful), True on GPU."""

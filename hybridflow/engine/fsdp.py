@@ -45,6 +45,7 @@ from hybridflow.engine.config import EngineConfig, OptimConfig, dtype_of
 from hybridflow.engine.gather import gather_full
 from hybridflow.engine.optim import build_lr_scheduler, build_optimizer
 from hybridflow.models.value import ValueModel
+from hybridflow.utils.memory import keep_freed_memory
 
 
 def ensure_process_group() -> None:
@@ -88,6 +89,8 @@ class FSDPEngine(Engine):
         ensure_process_group()
         self.config = config
         self.device = engine_device()
+        if self.device.type == "cpu" and config.cpu_keep_freed_memory:
+            keep_freed_memory()
         self._value = isinstance(model, ValueModel)
         if config.gradient_checkpointing:
             model.activation_checkpointing_enable({"use_reentrant": False})
