@@ -4,6 +4,7 @@ import os
 import socket
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -44,14 +45,14 @@ def _steps(engine: FSDPEngine, shard: dict, loss_fn, n: int) -> None:
         engine.lr_scheduler_step()
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
+def _worker(rank: int, port: int, out_dir: str, fsdp_size: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
     torch.set_num_threads(1)
     out = Path(out_dir)
     data = make_batch(ROWS, P, R, seed=7)
     global_tokens = int(data[keys.ATTENTION_MASK][:, -R:].sum())
     shard = {k: v[rank * ROWS // 2 : (rank + 1) * ROWS // 2] for k, v in data.items()}
-    engine = FSDPEngine.from_pretrained(tiny_model_dir("llama"), EngineConfig(param_dtype="fp32"),
+    engine = FSDPEngine.from_pretrained(tiny_model_dir("llama"), EngineConfig(param_dtype="fp32", fsdp_size=fsdp_size),
                                         OptimConfig(**OPTIM))
     loss_fn = _loss_fn(global_tokens, engine.world_size)
     _steps(engine, shard, loss_fn, STEPS)
@@ -101,9 +102,10 @@ def _reference(data: dict) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in model.state_dict().items()}
 
 
-def test_two_rank_fsdp_matches_single_process_and_checkpoint_round_trips(tmp_path):
+@pytest.mark.parametrize("fsdp_size", [-1, 1], ids=["sharded", "replicated"])
+def test_two_rank_fsdp_matches_single_process_and_checkpoint_round_trips(tmp_path, fsdp_size):
     tiny_model_dir("llama")  # build the cache once, before the workers race for it
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(_free_port(), str(tmp_path), fsdp_size), nprocs=2, join=True)
     res = torch.load(tmp_path / "result.pt")
     ref = _reference(make_batch(ROWS, P, R, seed=7))
     init = load_causal_lm(tiny_model_dir("llama")).state_dict()

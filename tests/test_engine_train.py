@@ -43,6 +43,12 @@ def test_bad_engine_config_names_the_key():
         EngineConfig(param_dtype="fp16")
     with pytest.raises(ValueError, match="micro_batch_size_per_device"):
         EngineConfig(micro_batch_size_per_device=0)
+    with pytest.raises(ValueError, match="fsdp_size"):
+        EngineConfig(fsdp_size=0)
+    with pytest.raises(ValueError, match=r"engine.fsdp_size=3 must divide the number of ranks \(4\)"):
+        EngineConfig(fsdp_size=3).resolve_fsdp_size(torch.device("cpu"), 4)
+    assert EngineConfig().resolve_fsdp_size(torch.device("cpu"), 4) == 1
+    assert EngineConfig().resolve_fsdp_size(torch.device("cuda"), 4) == 4
 
 
 def test_cosine_without_run_length_is_rejected():

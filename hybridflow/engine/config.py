@@ -76,9 +76,23 @@ class EngineConfig:
     cpu_keep_freed_memory: bool = True
     """CPU: set glibc malloc to keep freed blocks for reuse (process-wide; see hybridflow.utils.memory),
     so the buffers every step reallocates are not page-faulted in again (~12% of a 1-thread update)."""
+    fsdp_size: int | None = None
+    """Ranks each parameter is sharded over (verl: fsdp_size); the world is split into
+    world/fsdp_size replicas of that (HSDP: gradients all-reduced across replicas).
+    -1: the whole world (plain FSDP). 1: every rank holds the whole model (DDP-like: no
+    parameter gathers, weight sync is a local copy). None: 1 on CPU (gloo collectives are
+    slow and memory is plentiful), -1 on GPU."""
     reshard_after_forward: bool | None = None
     """FSDP2: free gathered parameters after forward (saves memory, costs a re-gather in
     backward). None: False on CPU (gloo gathers are slow, memory is plentiful), True on GPU."""
+
+    def resolve_fsdp_size(self, device: torch.device, world: int) -> int:
+        """`fsdp_size` for this world, with None and -1 resolved; it must divide the world size."""
+        size = self.fsdp_size if self.fsdp_size is not None else (1 if device.type == "cpu" else -1)
+        size = world if size == -1 else size
+        if world % size:
+            raise ValueError(f"engine.fsdp_size={size} must divide the number of ranks ({world})")
+        return size
 
     def resolve_reshard_after_forward(self, device: torch.device) -> bool:
         """`reshard_after_forward`, with None resolved for `device`."""
@@ -97,6 +111,8 @@ class EngineConfig:
                 "engine.micro_batch_size_per_device must be >= 1, "
                 f"got {self.micro_batch_size_per_device}"
             )
+        if self.fsdp_size is not None and self.fsdp_size != -1 and self.fsdp_size < 1:
+            raise ValueError(f"engine.fsdp_size must be -1, None or >= 1, got {self.fsdp_size}")
         if self.cpu_math_attention_max_len < 0:
             raise ValueError(f"engine.cpu_math_attention_max_len must be >= 0, got {self.cpu_math_attention_max_len}")
         if self.logits_chunk_size < 1:

@@ -114,16 +114,20 @@ class FSDPEngine(Engine):
         return cls(model, config, optim)
 
     def _mesh(self) -> DeviceMesh:
-        """The 1-D mesh to shard over: the whole world."""
-        return init_device_mesh(self.device.type, (dist.get_world_size(),))
+        """1-D (shard over the whole world) or 2-D (replicate x shard, HSDP) by `fsdp_size`."""
+        world = dist.get_world_size()
+        shard = self.config.resolve_fsdp_size(self.device, world)
+        if shard == world:
+            return init_device_mesh(self.device.type, (world,))
+        return init_device_mesh(self.device.type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
 
     def _shard(self, model: nn.Module) -> nn.Module:
         mesh = self._mesh()
         policy = MixedPrecisionPolicy(
             param_dtype=dtype_of(self.config.param_dtype), reduce_dtype=dtype_of(self.config.reduce_dtype)
         )
-        # With one rank, resharding frees nothing and only costs a second cast in backward.
-        reshard = self.config.resolve_reshard_after_forward(self.device) and mesh.size() > 1
+        # With one rank per shard group, resharding frees nothing and only costs a second cast in backward.
+        reshard = self.config.resolve_reshard_after_forward(self.device) and mesh.size(-1) > 1
         self._reshard_after_forward = reshard
         kwargs = dict(mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
         for layer in decoder_layers(model):
