@@ -21,6 +21,8 @@ def detached_full(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Te
     The shard is cast before the gather, so a narrower dtype also narrows the traffic.
     """
     t = t.detach()
+    if isinstance(t, DTensor) and held_whole(t):
+        t = t.to_local()  # no collective needed; the aliasing check below still applies
     if dtype is not None and t.dtype != dtype:
         t = t.to(dtype)  # a new tensor (a DTensor keeps its sharding): nothing left to alias
         return t.full_tensor() if isinstance(t, DTensor) else t
@@ -29,6 +31,11 @@ def detached_full(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Te
     if full.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
         full = full.clone()  # world size 1 gathers nothing and would hand out the parameter itself
     return full.detach()
+
+
+def held_whole(t: DTensor) -> bool:
+    """Every rank holds all of `t`: replicated, or sharded only over mesh dims of size 1 (engine.fsdp_size=1)."""
+    return all(p.is_replicate() or t.device_mesh.size(i) == 1 for i, p in enumerate(t.placements))
 
 
 def gather_full(tensors: list[torch.Tensor], dtype: torch.dtype | None = None) -> list[torch.Tensor]:
