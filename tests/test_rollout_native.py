@@ -157,3 +157,36 @@ def test_build_rollout_from_path_in_bf16():
         build_rollout(cfg, model, tok)  # an fp32 module with a bf16 config
     with pytest.raises(ValueError, match="rollout.prompt_length"):
         build_rollout(RolloutConfig(prompt_length=2, dtype="fp32"), model, tok).generate_sequences(prompt_batch(tok))
+
+
+def test_decode_over_whole_cache_equals_decode_over_filled_slice(monkeypatch):
+    """Decode attends over the whole preallocated cache (unwritten slots masked) or SDPA over the filled
+    slice; with rows ending early (compaction re-allocates the cache) both give the same samples."""
+    import hybridflow.rollout.decoder as decoder
+
+    model, tok = tiny("llama")
+    add_eos_bias(model, tok.eos_token_id, 10.0)
+    runs = []
+    for limit in (decoder.FULL_CACHE_DECODE_MAX_LEN, 0):
+        monkeypatch.setattr(decoder, "FULL_CACHE_DECODE_MAX_LEN", limit)
+        runs.append(native(model, tok, n=4, calculate_log_probs=True).generate_sequences(prompt_batch(tok)))
+    whole, sliced = runs
+    assert whole.batch[RESPONSE_MASK].sum(1).min() < R  # some rows ended early
+    assert torch.equal(whole.batch[RESPONSES], sliced.batch[RESPONSES])
+    torch.testing.assert_close(whole.batch[ROLLOUT_LOG_PROBS], sliced.batch[ROLLOUT_LOG_PROBS], atol=1e-5, rtol=0)
+
+
+def test_bf16_decode_with_onednn_packed_weights_is_bit_identical(monkeypatch):
+    import hybridflow.rollout.decoder as decoder
+
+    model, tok = tiny("llama", dtype=torch.bfloat16)
+    probe = decoder.StaticLlamaDecoder(model)
+    if probe.layers[0].qkv.packed is None:
+        pytest.skip("this torch build has no oneDNN bf16 linear")
+    cfg = RolloutConfig(name="native", dtype="bf16", do_sample=False, response_length=R, calculate_log_probs=True)
+    packed = NativeRollout(cfg, model, tok).generate_sequences(prompt_batch(tok))
+    monkeypatch.setattr(decoder, "_pack_for_onednn", lambda weight, rows_hint: None)
+    plain = NativeRollout(cfg, model, tok).generate_sequences(prompt_batch(tok))
+    assert decoder.StaticLlamaDecoder(model).layers[0].qkv.packed is None
+    assert torch.equal(packed.batch[RESPONSES], plain.batch[RESPONSES])
+    assert torch.equal(packed.batch[ROLLOUT_LOG_PROBS], plain.batch[ROLLOUT_LOG_PROBS])
