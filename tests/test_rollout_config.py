@@ -74,11 +74,12 @@ def test_vllm_rollout_on_cpu_gives_a_clear_error():
         build_rollout(RolloutConfig(name="vllm"), "unused", None)
 
 
-def test_draw_follows_the_distribution_and_skips_zero_probability():
+@pytest.mark.parametrize("block", [1024, 2, 3])  # one padded block; blocks of 2 (a zero-mass block); 3 (padded)
+def test_draw_follows_the_distribution_and_skips_zero_probability(block):
     from hybridflow.rollout.sampling import draw
 
-    probs = torch.tensor([[0.0, 0.5, 0.3, 0.0, 0.2]]).expand(20000, 5)
-    tokens = draw(probs, torch.Generator().manual_seed(0))
-    freq = torch.bincount(tokens, minlength=5).float() / len(tokens)
-    assert freq[0] == 0 and freq[3] == 0
+    probs = torch.tensor([[0.0, 0.5, 0.3, 0.0, 0.0, 0.0, 0.2]]).expand(20000, 7)
+    tokens = draw(probs, torch.Generator().manual_seed(0), block=block)
+    freq = torch.bincount(tokens, minlength=7).float() / len(tokens)
+    assert freq[0] == 0 and freq[3:6].sum() == 0
     torch.testing.assert_close(freq, probs[0], atol=0.015, rtol=0)

@@ -16,6 +16,9 @@ from torch import Tensor
 
 from hybridflow.rollout.config import SamplingParams
 
+DRAW_BLOCK = 1024
+"""Tokens per block of the two-level draw (about sqrt(V) keeps both cumulative sums short)."""
+
 
 def filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:
     """Set logits outside the top-k and outside the top-p nucleus to -inf (order: k, then p).
@@ -44,20 +47,39 @@ def sample_next(
         tokens = logits.argmax(dim=-1)
         return tokens, _token_logprob(logits.log_softmax(dim=-1), tokens)
     scaled = logits / params.temperature if params.temperature != 1.0 else logits
-    logp = scaled.log_softmax(dim=-1)
-    probs = filter_logits(scaled, params.top_k, params.top_p).softmax(dim=-1) if params.filters else logp.exp()
-    tokens = draw(probs, generator)
-    return tokens, _token_logprob(logp, tokens)
+    probs = scaled.softmax(dim=-1)
+    drawn_from = filter_logits(scaled, params.top_k, params.top_p).softmax(dim=-1) if params.filters else probs
+    tokens = draw(drawn_from, generator)
+    # log of the unfiltered probability: a drawn token's probability is > 0, so no -inf; one B x V pass
+    # fewer than log_softmax followed by exp
+    return tokens, _token_logprob(probs, tokens).log()
 
 
-def draw(probs: Tensor, generator: torch.Generator | None) -> Tensor:
-    """One token per row of `probs` [B, V] by inverse CDF: B uniforms instead of torch.multinomial's
-    B x V exponentials (the latter was the largest single op of a decode step on CPU)."""
-    cdf = probs.cumsum(dim=-1)
-    u = torch.rand(len(probs), 1, generator=generator, dtype=cdf.dtype) * cdf[:, -1:]
-    # right=True: the first token whose cdf exceeds u, so zero-probability tokens are never drawn
-    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
+def draw(probs: Tensor, generator: torch.Generator | None, block: int = DRAW_BLOCK) -> Tensor:
+    """One token per row of `probs` [B, V] (unnormalised is fine) by inverse CDF, in two levels:
+    a block of `block` tokens by the blocks' masses, then a token inside it by a second uniform.
+
+    B x 2 uniforms instead of `torch.multinomial`'s B x V exponentials, and a cumulative sum over
+    V / block block masses plus one block instead of over all V tokens (the cumsum over SmolLM2's
+    49k vocabulary was the largest sampling op of a CPU decode step). The chosen block has mass
+    > 0 and so does the chosen token, so zero-probability tokens are never drawn.
+    """
+    rows, vocab = probs.shape
+    if vocab % block:
+        probs = torch.nn.functional.pad(probs, (0, block - vocab % block))
+    blocks = probs.view(rows, -1, block)
+    block_id = _inverse_cdf(blocks.sum(dim=-1), generator)
+    inner = blocks[torch.arange(rows), block_id]
+    return (block_id * block + _inverse_cdf(inner, generator)).clamp_(max=vocab - 1)
 
 
-def _token_logprob(logp: Tensor, tokens: Tensor) -> Tensor:
-    return logp.gather(-1, tokens[:, None]).squeeze(-1)
+def _inverse_cdf(weights: Tensor, generator: torch.Generator | None) -> Tensor:
+    """One index per row of non-negative `weights` [B, N], with probability proportional to its weight."""
+    cdf = weights.cumsum(dim=-1)
+    u = torch.rand(len(weights), 1, generator=generator, dtype=cdf.dtype) * cdf[:, -1:]
+    # right=True: the first index whose cdf exceeds u, so zero-weight indices are never picked
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=weights.shape[-1] - 1)
+
+
+def _token_logprob(values: Tensor, tokens: Tensor) -> Tensor:
+    return values.gather(-1, tokens[:, None]).squeeze(-1)
