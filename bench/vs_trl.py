@@ -3,12 +3,13 @@
 Same model (SmolLM2-135M-Instruct), same arithmetic prompts in the same order (no
 shuffle), same batches (P prompts x 4 samples), same prompt/response limits (64/32),
 same learning rate and number of steps, GRPO without KL, temperature 1, both on 2
-CPU threads in total (TRL: one process with 2 threads; hybridflow: 2 workers with 1
-thread each). Prints median step time, generated tokens/s, peak memory (RSS summed
-over each run's process tree) and the reward curve of each.
+CPU threads in total (TRL: one process with 2 threads; hybridflow in two layouts: one
+worker with 2 threads, "hf 1x2", and two workers with 1 thread each, "hf 2x1"). Prints
+median step time, generated tokens/s, peak memory (RSS summed over each run's process
+tree) and the reward curve of each.
 
     ./bench/setup_trl_env.sh                       # once: the benchmark-only TRL env
-    .venv/bin/python bench/vs_trl.py --steps 8     # both sizes, ~15 min on 2 cores
+    .venv/bin/python bench/vs_trl.py --steps 8     # both sizes, ~11 min on 2 cores
 """
 
 from __future__ import annotations
@@ -72,15 +73,16 @@ def trl_side(args, model_dir: str, parquet: str, prompts: int, work: Path) -> di
             "rewards": res["rewards"], "peak_mb": peak, "tokens": tokens}
 
 
-def hybridflow_side(args, parquet: str, prompts: int, work: Path) -> dict:
-    run_dir = work / f"hf_{prompts}"
+def hybridflow_side(args, parquet: str, prompts: int, work: Path, workers: int) -> dict:
+    run_dir = work / f"hf_{prompts}_{workers}w"
     overrides = [
         f"data.train_files=[{parquet}]", f"data.val_files=[{parquet}]", "data.shuffle=false",
         f"data.train_batch_size={prompts}", "data.max_prompt_length=64", "data.max_response_length=32",
         "rollout.n=4", f"actor.ppo_mini_batch_size={prompts}", "actor.ppo_micro_batch_size_per_device=16",
         f"actor.optim.lr={args.lr}", f"trainer.total_training_steps={args.steps}", "trainer.val_before_train=false",
         "trainer.test_freq=-1", "trainer.logger=[jsonl]", f"trainer.log_dir={run_dir}",
-        f"trainer.default_local_dir={run_dir / 'ckpt'}", "trainer.n_workers_per_node=2",
+        f"trainer.default_local_dir={run_dir / 'ckpt'}", f"trainer.n_workers_per_node={workers}",
+        f"trainer.cpus_per_worker={2 // workers}", *args.overrides,
     ]
     env = {**os.environ, "HYBRIDFLOW_NO_PROGRESS": "1"}
     peak, _ = run_measured([sys.executable, "-m", "hybridflow.trainer.main", *overrides], env, work)
@@ -103,7 +105,9 @@ def summarize(name: str, r: dict) -> dict:
     return {"median_step_s": statistics.median(r["step_times"]),
             "gen_tok_per_s": r["tokens"] / sum(r["gen_times"]),
             "e2e_tok_per_s": r["tokens"] / sum(r["step_times"]),
-            "peak_mb": r["peak_mb"], "mean_reward": statistics.mean(r["rewards"])}
+            "peak_mb": r["peak_mb"], "mean_reward": statistics.mean(r["rewards"]),
+            # standard error of the mean over steps: how far apart two runs' means may be by sampling alone
+            "reward_se": statistics.stdev(r["rewards"]) / len(r["rewards"]) ** 0.5}
 
 
 def main() -> None:
@@ -111,6 +115,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--sizes", default="2,8", help="prompts per step (x4 samples), comma-separated")
     parser.add_argument("--lr", type=float, default=1e-6)
+    parser.add_argument("--workers", default="1,2",
+                        help="hybridflow layouts to run, as workers sharing the 2 threads (1: one worker with "
+                             "2 threads; 2: two workers with 1 thread each), comma-separated")
+    parser.add_argument("--skip-trl", action="store_true", help="run only the hybridflow side (quick checks)")
+    parser.add_argument("overrides", nargs="*", help="extra hybridflow key=value overrides")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
     from hybridflow.data.tasks import build_task
@@ -120,23 +129,34 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="vs_trl_"))
     parquet, _ = build_task("arithmetic", work / "data", 512, 16, seed=0)
     for prompts in [int(s) for s in args.sizes.split(",")]:
-        trl = trl_side(args, model_dir, parquet, prompts, work)
-        ours = hybridflow_side(args, parquet, prompts, work)
-        a, b = summarize("trl", trl), summarize("hybridflow", ours)
+        runs = {} if args.skip_trl else {"TRL": trl_side(args, model_dir, parquet, prompts, work)}
+        for w in [int(x) for x in args.workers.split(",")]:
+            runs[f"hf {w}x{2 // w}"] = hybridflow_side(args, parquet, prompts, work, w)
         print(f"\n== {prompts} prompts x 4 samples = {prompts * 4} completions/step, {args.steps} steps ==")
-        print(f"{'':22}{'TRL':>12}{'hybridflow':>12}{'ratio':>9}")
-        print(f"{'median step (s)':22}{a['median_step_s']:12.2f}{b['median_step_s']:12.2f}"
-              f"{a['median_step_s'] / b['median_step_s']:8.2f}x")
-        print(f"{'gen tokens/s (gen)':22}{a['gen_tok_per_s']:12.1f}{b['gen_tok_per_s']:12.1f}"
-              f"{b['gen_tok_per_s'] / a['gen_tok_per_s']:8.2f}x")
-        print(f"{'gen tokens/s (e2e)':22}{a['e2e_tok_per_s']:12.1f}{b['e2e_tok_per_s']:12.1f}"
-              f"{b['e2e_tok_per_s'] / a['e2e_tok_per_s']:8.2f}x")
-        print(f"{'peak memory (MiB)':22}{a['peak_mb']:12.0f}{b['peak_mb']:12.0f}")
-        print(f"{'mean reward':22}{a['mean_reward']:12.3f}{b['mean_reward']:12.3f}")
-        print("reward per step  TRL:        " + " ".join(f"{x:.2f}" for x in trl["rewards"]))
-        print("reward per step  hybridflow: " + " ".join(f"{x:.2f}" for x in ours["rewards"]))
-        print("hybridflow median phase times (s): " + ", ".join(f"{k.removeprefix('timing_s/')} {v:.2f}"
-                                                          for k, v in ours["phases"].items()))
+        print_table(runs)
+
+
+def print_table(runs: dict[str, dict]) -> None:
+    """One column per run (hf WxT: W workers x T threads); ratios against TRL's column when it ran."""
+    s = {name: summarize(name, r) for name, r in runs.items()}
+    names = list(runs)
+    print(f"{'':22}" + "".join(f"{n:>12}" for n in names))
+    for label, key, fmt in [("median step (s)", "median_step_s", "12.2f"), ("gen tokens/s (gen)", "gen_tok_per_s", "12.1f"),
+                            ("gen tokens/s (e2e)", "e2e_tok_per_s", "12.1f"), ("peak memory (MiB)", "peak_mb", "12.0f"),
+                            ("mean reward", "mean_reward", "12.3f"), ("  s.e. over steps", "reward_se", "12.3f")]:
+        print(f"{label:22}" + "".join(format(s[n][key], fmt) for n in names))
+    if "TRL" in s:
+        t = s["TRL"]
+        for n in names[1:]:
+            print(f"{n}: step {t['median_step_s'] / s[n]['median_step_s']:.2f}x faster than TRL, generated "
+                  f"tokens/s {s[n]['gen_tok_per_s'] / t['gen_tok_per_s']:.2f}x (gen), "
+                  f"{s[n]['e2e_tok_per_s'] / t['e2e_tok_per_s']:.2f}x (e2e)")
+    for n, r in runs.items():
+        print(f"reward per step  {n:>8}: " + " ".join(f"{x:.2f}" for x in r["rewards"]))
+    for n, r in runs.items():
+        if "phases" in r:
+            print(f"{n} median phase times (s): " + ", ".join(
+                f"{k.removeprefix('timing_s/')} {v:.2f}" for k, v in r["phases"].items()))
 
 
 if __name__ == "__main__":
