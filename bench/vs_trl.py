@@ -101,7 +101,7 @@ def phase_medians(rows: list[dict]) -> dict[str, float]:
     return {k: statistics.median(r[k] for r in rows if k in r) for k in names}
 
 
-def summarize(name: str, r: dict) -> dict:
+def summarize(r: dict) -> dict:
     return {"median_step_s": statistics.median(r["step_times"]),
             "gen_tok_per_s": r["tokens"] / sum(r["gen_times"]),
             "e2e_tok_per_s": r["tokens"] / sum(r["step_times"]),
@@ -138,7 +138,7 @@ def main() -> None:
 
 def print_table(runs: dict[str, dict]) -> None:
     """One column per run (hf WxT: W workers x T threads); ratios against TRL's column when it ran."""
-    s = {name: summarize(name, r) for name, r in runs.items()}
+    s = {name: summarize(r) for name, r in runs.items()}
     names = list(runs)
     print(f"{'':22}" + "".join(f"{n:>12}" for n in names))
     for label, key, fmt in [("median step (s)", "median_step_s", "12.2f"), ("gen tokens/s (gen)", "gen_tok_per_s", "12.1f"),
