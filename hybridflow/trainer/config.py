@@ -224,6 +224,8 @@ class TrainerConfig:
     """"ray" runs workers as Ray actors; "local" runs them in-process for debugging."""
     placement: str = "colocate"
     """"colocate": all roles share every worker; "split": actor/rollout and critic/ref get separate workers."""
+    verbose: bool = False
+    """Show the workers' library progress bars and info logs (model loading, ...); off: one line per phase."""
 
     def __post_init__(self) -> None:
         if self.default_local_dir is None:
