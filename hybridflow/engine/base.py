@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 MicroBatch = Mapping[str, torch.Tensor]
 """One micro-batch: at least input_ids, attention_mask, position_ids [b, T] and responses [b, R]."""
@@ -75,8 +76,16 @@ class Engine(ABC):
         """Values V(s_t) [B, R] of a value model, without grad."""
 
     @abstractmethod
-    def train_step(self, micro_batches: list[MicroBatch], loss_fn: LossFn) -> dict[str, float]:
+    def train_step(
+        self,
+        micro_batches: list[MicroBatch],
+        loss_fn: LossFn,
+        temperature: float = 1.0,
+        calc_entropy: bool = False,
+    ) -> dict[str, float]:
         """One optimizer step: forward + `loss_fn` + backward per micro-batch, then clip and step.
+
+        `temperature` and `calc_entropy` go to `forward_micro_batch` (the outputs `loss_fn` sees).
 
         Returns the mean of each `loss_fn` metric over micro-batches, plus "loss" (sum of
         the micro-batch losses), "grad_norm" (before clipping) and "update_skipped" (1.0
@@ -101,6 +110,27 @@ class Engine(ABC):
         model in the same process. `dtype` (None: the master weights' own) is applied
         before gathering, so a bf16 rollout costs half the traffic of an fp32 gather.
         """
+
+    @abstractmethod
+    def hf_config(self) -> Any:
+        """The Hugging Face config of the model (written with checkpoints, used by exports)."""
+
+    # What checkpoints (hybridflow/engine/checkpoint.py, torch.distributed.checkpoint) read and restore:
+    # any engine whose module holds plain tensors or DTensors (FSDP2, tensor parallel) works there.
+    @property
+    @abstractmethod
+    def module(self) -> nn.Module:
+        """The (sharded) model being run, under the names its checkpoints use."""
+
+    @property
+    @abstractmethod
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The optimizer, or None for an inference-only engine."""
+
+    @property
+    @abstractmethod
+    def lr_scheduler(self) -> torch.optim.lr_scheduler.LRScheduler | None:
+        """The LR schedule, or None for an inference-only engine."""
 
     @abstractmethod
     def save_checkpoint(self, path: str | Path, extra: dict[str, Any] | None = None) -> Path:

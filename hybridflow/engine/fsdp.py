@@ -95,8 +95,8 @@ class FSDPEngine(Engine):
         if config.gradient_checkpointing:
             model.activation_checkpointing_enable({"use_reentrant": False})
         self.model = self._shard(model.to(self.device))
-        self.optimizer = build_optimizer(self.model, optim) if optim else None
-        self.lr_scheduler = build_lr_scheduler(self.optimizer, optim) if optim else None
+        self._optimizer = build_optimizer(self.model, optim) if optim else None
+        self._lr_scheduler = build_lr_scheduler(self._optimizer, optim) if optim else None
         self.optim_config = optim
 
     @classmethod
@@ -136,6 +136,18 @@ class FSDPEngine(Engine):
         return model
 
     # --- properties -----------------------------------------------------------
+    @property
+    def module(self) -> nn.Module:
+        return self.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        return self._optimizer
+
+    @property
+    def lr_scheduler(self) -> torch.optim.lr_scheduler.LRScheduler | None:
+        return self._lr_scheduler
+
     @property
     def rank(self) -> int:
         return dist.get_rank()

@@ -32,10 +32,22 @@ class Rollout(ABC):
     def load_weights(self, state_dict: dict[str, Tensor]) -> None:
         """Replace the generating model's weights with a full state dict (any float dtype)."""
 
+    @abstractmethod
+    def reseed(self, step: int) -> None:
+        """Seed the sampler from (config.seed, step), so a resumed run samples as an uninterrupted one.
+
+        The worker calls it before each training step's generation; config.seed already differs per rank.
+        """
+
     @property
     def weight_dtype(self) -> torch.dtype | None:
         """The dtype `load_weights` stores (None: unknown); weight sync gathers in it."""
         return None
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The sampler seed of training step `step` (a large odd stride keeps steps and ranks apart)."""
+    return seed + 1_000_003 * step
 
 
 def eos_token_ids(tokenizer, model: nn.Module | None = None) -> list[int]:
@@ -87,6 +99,10 @@ class ModuleRollout(Rollout):
     def load_weights(self, state_dict: dict[str, Tensor]) -> None:
         """Copy the state dict into the model in place (cast to rollout dtype, tied weights once)."""
         load_state_dict_into(self.model, state_dict)
+
+    def reseed(self, step: int) -> None:
+        """See `Rollout.reseed`."""
+        self.generator.manual_seed(step_seed(self.config.seed, step))
 
     @property
     def weight_dtype(self) -> torch.dtype:

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from hybridflow.keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS
 from hybridflow.protocol import DataProto
-from hybridflow.rollout.base import Rollout, eos_token_ids
+from hybridflow.rollout.base import Rollout, eos_token_ids, step_seed
 from hybridflow.rollout.config import RolloutConfig, SamplingParams
 from hybridflow.rollout.layout import build_output, pad_responses
 
@@ -49,12 +49,17 @@ class VLLMRollout(Rollout):
         self.config, self.tokenizer, self._vllm = config, tokenizer, vllm
         self.eos_ids = eos_token_ids(tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
+        self._seed: int | None = None
         self.llm = vllm.LLM(model=str(model_path), dtype={"bf16": "bfloat16", "fp32": "float32"}[config.dtype],
                             seed=config.seed, max_model_len=config.prompt_length + config.response_length)
 
-    def _sampling(self, params: SamplingParams):
+    def reseed(self, step: int) -> None:
+        """See `Rollout.reseed`: the following requests are seeded from (seed, step), one seed per prompt."""
+        self._seed = step_seed(self.config.seed, step)
+
+    def _sampling(self, params: SamplingParams, row: int):
         return self._vllm.SamplingParams(
-            n=params.n, temperature=params.temperature if params.do_sample else 0.0,
+            n=params.n, seed=None if self._seed is None else self._seed + row, temperature=params.temperature if params.do_sample else 0.0,
             top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else -1,
             max_tokens=self.config.response_length, ignore_eos=self.config.ignore_eos,
             stop_token_ids=self.eos_ids, logprobs=0 if self.config.calculate_log_probs else None,
@@ -65,7 +70,8 @@ class VLLMRollout(Rollout):
         params = self.config.sampling_params(prompts.meta_info)
         ids, mask = prompts.batch[INPUT_IDS], prompts.batch[ATTENTION_MASK]
         requests = [{"prompt_token_ids": row[m.bool()].tolist()} for row, m in zip(ids, mask)]
-        outputs = self.llm.generate(requests, sampling_params=self._sampling(params), use_tqdm=False)
+        sampling = [self._sampling(params, i) for i in range(len(requests))]
+        outputs = self.llm.generate(requests, sampling_params=sampling, use_tqdm=False)
         samples = [s for out in outputs for s in out.outputs]
         width = self.config.response_length
         responses = torch.stack([pad_responses(torch.tensor([s.token_ids]), width, self.pad_id)[0] for s in samples])
