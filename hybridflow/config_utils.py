@@ -9,6 +9,10 @@ becomes one `ConfigError` naming the key:
 - an unknown key names the closest known keys;
 - a value of the wrong type names the key and the source (file or override);
 - a failed `__post_init__` check is prefixed with the section's key path.
+
+Config dataclasses derive from `Section`, so that `freeze` can make a resolved
+config read-only (hybridflow/trainer/resolve.py): a value computed once is never
+overwritten later by code that should have read it.
 """
 
 from __future__ import annotations
@@ -30,6 +34,31 @@ _OVERRIDE = re.compile(r"^[A-Za-z_][\w\-]*(\.[A-Za-z_][\w\-]*)*=")
 
 class ConfigError(ValueError):
     """A config value or key is wrong; the message names the key and the fix."""
+
+
+class FrozenConfigError(AttributeError):
+    """Code tried to change a field of a frozen (resolved) config."""
+
+
+class Section:
+    """Base of every config dataclass: an instance can be frozen (see `freeze`)."""
+
+    _frozen = False  # a class attribute, not a dataclass field: invisible to OmegaConf, ==, repr
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self._frozen:
+            raise FrozenConfigError(f"{type(self).__name__}.{name} is read-only: this config is resolved and "
+                                    "frozen; set the value in the YAML file or a key=value override instead")
+        super().__setattr__(name, value)
+
+
+def freeze(config: Any) -> Any:
+    """Make `config` and every section inside it read-only; returns `config`."""
+    if isinstance(config, Section):
+        for f in dataclasses.fields(config):
+            freeze(getattr(config, f.name))
+        object.__setattr__(config, "_frozen", True)
+    return config
 
 
 def load_config(cls: type[T], yaml_path: str | Path | None = None, overrides: Sequence[str] = ()) -> T:

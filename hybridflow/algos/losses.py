@@ -38,12 +38,13 @@ import torch
 from torch import Tensor
 
 from hybridflow.algos.core import GlobalNorm, agg_loss, masked_mean
+from hybridflow.config_utils import Section
 
 LOG_RATIO_CLAMP = 20.0
 
 
 @dataclass
-class PolicyLossConfig:
+class PolicyLossConfig(Section):
     """Hyper-parameters of all policy losses (each loss reads the fields it needs)."""
 
     clip_ratio: float = 0.2

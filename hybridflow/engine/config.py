@@ -7,16 +7,14 @@ from typing import Literal
 
 import torch
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+from hybridflow.config_utils import Section
+from hybridflow.utils.dtypes import check_dtype, dtype_of
 
-
-def dtype_of(name: str) -> torch.dtype:
-    """torch dtype for a config dtype name ("fp32" | "bf16")."""
-    return _DTYPES[name]
+__all__ = ["EngineConfig", "OptimConfig", "dtype_of"]
 
 
 @dataclass
-class OptimConfig:
+class OptimConfig(Section):
     """AdamW and its learning-rate schedule."""
 
     lr: float = 1e-6
@@ -35,8 +33,9 @@ class OptimConfig:
     """Fraction of `total_training_steps` spent in linear warmup from 0 to `lr`."""
     min_lr_ratio: float = 0.0
     """Final LR of the cosine schedule as a fraction of `lr`."""
-    total_training_steps: int = -1
-    """Number of optimizer steps in the run; set by the trainer. Needed by warmup/cosine."""
+    total_training_steps: int | None = None
+    """Length of the LR schedule in training steps (warmup/cosine); None: the run's total steps
+    (filled in when the run is resolved). Set it to run part of a longer schedule."""
 
     def __post_init__(self) -> None:
         if self.lr < 0:
@@ -55,7 +54,7 @@ class OptimConfig:
 
 
 @dataclass
-class EngineConfig:
+class EngineConfig(Section):
     """How one model runs on its process group (FSDP2)."""
 
     param_dtype: Literal["fp32", "bf16"] = "bf16"
@@ -66,8 +65,6 @@ class EngineConfig:
     """Recompute decoder-layer activations in backward to save memory."""
     use_remove_padding: bool = True
     """Drop the columns that are padding in every row of a micro-batch before the forward."""
-    micro_batch_size_per_device: int = 4
-    """Rows per forward/backward on each rank (per device, not global)."""
     logits_chunk_size: int = 1024
     """Tokens per chunk when turning logits into log-probs/entropy (bounds fp32 memory)."""
     cpu_math_attention_max_len: int = 128
@@ -101,16 +98,8 @@ class EngineConfig:
         return self.reshard_after_forward
 
     def __post_init__(self) -> None:
-        for key in ("param_dtype", "reduce_dtype"):
-            if getattr(self, key) not in _DTYPES:
-                raise ValueError(
-                    f"engine.{key} must be one of {sorted(_DTYPES)}, got {getattr(self, key)!r}"
-                )
-        if self.micro_batch_size_per_device < 1:
-            raise ValueError(
-                "engine.micro_batch_size_per_device must be >= 1, "
-                f"got {self.micro_batch_size_per_device}"
-            )
+        check_dtype("engine.param_dtype", self.param_dtype)
+        check_dtype("engine.reduce_dtype", self.reduce_dtype)
         if self.fsdp_size is not None and self.fsdp_size != -1 and self.fsdp_size < 1:
             raise ValueError(f"engine.fsdp_size must be -1, None or >= 1, got {self.fsdp_size}")
         if self.cpu_math_attention_max_len < 0:

@@ -30,7 +30,7 @@ def lr_factor(step: int, cfg: OptimConfig) -> float:
     first update is not wasted at lr 0). Then 1 ("constant") or a half cosine
     from 1 down to min_lr_ratio at total_training_steps ("cosine").
     """
-    warmup = int(cfg.lr_warmup_steps_ratio * max(cfg.total_training_steps, 0))
+    warmup = int(cfg.lr_warmup_steps_ratio * max(cfg.total_training_steps or 0, 0))
     if step < warmup:
         return (step + 1) / warmup
     if cfg.lr_scheduler == "constant":
@@ -43,9 +43,9 @@ def lr_factor(step: int, cfg: OptimConfig) -> float:
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig) -> LambdaLR:
     """LambdaLR following `lr_factor`; rejects a schedule that needs an unknown run length."""
     needs_total = cfg.lr_scheduler == "cosine" or cfg.lr_warmup_steps_ratio > 0
-    if needs_total and cfg.total_training_steps <= 0:
+    if needs_total and (cfg.total_training_steps or 0) <= 0:
         raise ValueError(
             "optim.total_training_steps must be > 0 when optim.lr_scheduler='cosine' or "
-            f"optim.lr_warmup_steps_ratio > 0 (got {cfg.total_training_steps}); the trainer sets it"
+            f"optim.lr_warmup_steps_ratio > 0 (got {cfg.total_training_steps}); resolving a run fills it in"
         )
     return LambdaLR(optimizer, lambda step: lr_factor(step, cfg))

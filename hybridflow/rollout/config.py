@@ -7,7 +7,9 @@ from typing import Any
 
 import torch
 
+from hybridflow.config_utils import Section
 from hybridflow.keys import META_DO_SAMPLE, META_N, META_TEMPERATURE
+from hybridflow.utils.dtypes import check_dtype, dtype_of
 
 ROLLOUT_NAMES = ("native", "hf", "vllm")
 """Names accepted by `RolloutConfig.name` and `build_rollout`."""
@@ -18,8 +20,6 @@ META_TOP_K = "top_k"
 """meta_info key (int, -1 = off) overriding `top_k` for one generate call."""
 META_VALIDATE = "validate"
 """meta_info key (bool): True makes the call use `val_kwargs` instead of the training params."""
-
-_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ def check_sampling(temperature: float, top_p: float, top_k: int, do_sample: bool
 
 
 @dataclass
-class ValKwargs:
+class ValKwargs(Section):
     """Sampling parameters for validation calls (meta_info[validate]=True)."""
 
     temperature: float = 1.0
@@ -89,7 +89,7 @@ class ValKwargs:
 
 
 @dataclass
-class RolloutConfig:
+class RolloutConfig(Section):
     """How sequences are generated: backend, sampling parameters, lengths, dtype."""
 
     name: str = "native"
@@ -104,10 +104,12 @@ class RolloutConfig:
     """False means greedy decoding."""
     n: int = 1
     """Responses sampled per prompt (GRPO group size); the n samples of a prompt are adjacent rows."""
-    prompt_length: int = 512
-    """Longest accepted (left-padded) prompt, in tokens; longer input is rejected."""
-    response_length: int = 512
-    """Tokens generated at most per response; responses are always right-padded to exactly this width."""
+    prompt_length: int | None = 512
+    """Longest accepted (left-padded) prompt, in tokens; longer input is rejected.
+    In a training run None (the default there) means data.max_prompt_length."""
+    response_length: int | None = 512
+    """Tokens generated at most per response; responses are always right-padded to exactly this width.
+    In a training run None (the default there) means data.max_response_length."""
     dtype: str = "bf16"
     """Rollout weights and compute: "bf16" (about 2x faster on CPUs with avx512_bf16) or "fp32"."""
     calculate_log_probs: bool = False
@@ -127,17 +129,16 @@ class RolloutConfig:
             self.val_kwargs = ValKwargs(**self.val_kwargs)
         if self.name not in ROLLOUT_NAMES:
             raise ValueError(f"rollout.name must be one of {ROLLOUT_NAMES}, got {self.name!r}")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"rollout.dtype must be one of {tuple(_DTYPES)}, got {self.dtype!r}")
+        check_dtype("rollout.dtype", self.dtype)
         for key in ("prompt_length", "response_length", "max_batch_size"):
-            if getattr(self, key) < 1:
+            if getattr(self, key) is not None and getattr(self, key) < 1:
                 raise ValueError(f"rollout.{key} must be >= 1, got {getattr(self, key)}")
         check_sampling(self.temperature, self.top_p, self.top_k, self.do_sample, self.n, "rollout")
 
     @property
     def torch_dtype(self) -> torch.dtype:
         """`dtype` as a torch dtype."""
-        return _DTYPES[self.dtype]
+        return dtype_of(self.dtype)
 
     def sampling_params(self, meta_info: dict[str, Any] | None = None) -> SamplingParams:
         """The params for one call: training or validation defaults, then meta_info overrides."""

@@ -9,15 +9,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hybridflow.algos.core import LOSS_AGG_MODES
+from hybridflow.algos.kl import KL_TYPES
 from hybridflow.algos.losses import PolicyLossConfig
+from hybridflow.config_utils import Section
 from hybridflow.engine.config import EngineConfig, OptimConfig
+from hybridflow.utils.dtypes import check_dtype
 
-_LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-_KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+OLD_LOG_PROB_MODES = ("auto", "recompute")
+"""Values of actor.old_log_prob."""
+
+
+def _one_of(key: str, value: str, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"{key}={value!r} is unknown; valid: {list(allowed)}")
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(Section):
     """Which model a role loads."""
 
     path: str = "default"
@@ -27,7 +36,7 @@ class ModelConfig:
 
 
 @dataclass
-class ActorConfig:
+class ActorConfig(Section):
     """The policy being trained: PPO update schedule, losses and optimizer."""
 
     ppo_mini_batch_size: int = 8
@@ -73,16 +82,13 @@ class ActorConfig:
                 raise ValueError(f"actor.{key} must be >= 1, got {getattr(self, key)}")
         if self.policy_loss_mode not in list_policy_losses():
             raise ValueError(f"actor.policy_loss_mode={self.policy_loss_mode!r} is unknown; valid: {list_policy_losses()}")
-        if self.loss_agg_mode not in _LOSS_AGG_MODES:
-            raise ValueError(f"actor.loss_agg_mode={self.loss_agg_mode!r} is unknown; valid: {list(_LOSS_AGG_MODES)}")
-        if self.old_log_prob not in ("auto", "recompute"):
-            raise ValueError(f"actor.old_log_prob={self.old_log_prob!r} is unknown; valid: ['auto', 'recompute']")
-        if self.kl_loss_type not in _KL_TYPES:
-            raise ValueError(f"actor.kl_loss_type={self.kl_loss_type!r} is unknown; valid: {list(_KL_TYPES)}")
+        _one_of("actor.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+        _one_of("actor.old_log_prob", self.old_log_prob, OLD_LOG_PROB_MODES)
+        _one_of("actor.kl_loss_type", self.kl_loss_type, KL_TYPES)
 
 
 @dataclass
-class RefConfig:
+class RefConfig(Section):
     """The frozen reference policy (for KL)."""
 
     log_prob_micro_batch_size_per_device: int = 16
@@ -90,9 +96,15 @@ class RefConfig:
     param_dtype: str = "bf16"
     """Compute dtype of the reference forward ("fp32" | "bf16")."""
 
+    def __post_init__(self) -> None:
+        if self.log_prob_micro_batch_size_per_device < 1:
+            raise ValueError("ref.log_prob_micro_batch_size_per_device must be >= 1, "
+                             f"got {self.log_prob_micro_batch_size_per_device}")
+        check_dtype("ref.param_dtype", self.param_dtype)
+
 
 @dataclass
-class CriticConfig:
+class CriticConfig(Section):
     """The value model of PPO/GAE: a causal-LM backbone with a scalar head."""
 
     enable: bool | None = None
@@ -120,12 +132,11 @@ class CriticConfig:
                 raise ValueError(f"critic.{key} must be >= 1, got {getattr(self, key)}")
         if self.cliprange_value <= 0:
             raise ValueError(f"critic.cliprange_value must be > 0, got {self.cliprange_value}")
-        if self.loss_agg_mode not in _LOSS_AGG_MODES:
-            raise ValueError(f"critic.loss_agg_mode={self.loss_agg_mode!r} is unknown; valid: {list(_LOSS_AGG_MODES)}")
+        _one_of("critic.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
 
 
 @dataclass
-class RewardModelConfig:
+class RewardModelConfig(Section):
     """An optional model-based reward: a sequence classifier scored at the last token."""
 
     enable: bool = False
@@ -143,5 +154,4 @@ class RewardModelConfig:
             raise ValueError(
                 f"reward_model.micro_batch_size_per_device must be >= 1, got {self.micro_batch_size_per_device}"
             )
-        if self.param_dtype not in ("fp32", "bf16"):
-            raise ValueError(f"reward_model.param_dtype must be 'fp32' or 'bf16', got {self.param_dtype!r}")
+        check_dtype("reward_model.param_dtype", self.param_dtype)
