@@ -13,7 +13,7 @@ from hybridflow.engine import EngineConfig, OptimConfig
 from hybridflow.models import tiny_model_dir
 from hybridflow.protocol import DataProto
 from hybridflow.rollout import RolloutConfig
-from hybridflow.trainer.core_steps import needs_old_log_prob
+from hybridflow.trainer.resolve import resolve
 from hybridflow.trainer.run_config import RunConfig
 from hybridflow.workers import ActorConfig, ActorRolloutRefWorker, ModelConfig, RefConfig
 from tests.engine_helpers import make_batch
@@ -29,12 +29,12 @@ def _actor(**kwargs) -> LocalWorkerGroup:
     return group
 
 
-def _rollout_batch() -> DataProto:
+def _rollout_batch(own_old_log_prob: bool = False) -> DataProto:
     data = make_batch(4, 6, 5, seed=11)
     mask = data[K.ATTENTION_MASK][:, -5:]
     data[K.RESPONSE_MASK] = mask
     data[K.ADVANTAGES] = torch.tensor([1.0, -0.5, 0.25, -1.0])[:, None] * mask
-    return DataProto.from_dict(data)
+    return DataProto.from_dict(data, meta_info={K.META_OWN_OLD_LOG_PROB: own_old_log_prob})
 
 
 def _weights(group: LocalWorkerGroup) -> dict[str, torch.Tensor]:
@@ -51,7 +51,7 @@ def test_on_policy_update_equals_the_update_with_recomputed_old_log_probs():
     batch = _rollout_batch()
     old = recomputed.compute_log_prob(batch)
     m_re = _one_step(recomputed.update_actor(batch.union(old)).meta_info["metrics"])
-    m_on = _one_step(on_policy.update_actor(_rollout_batch()).meta_info["metrics"])
+    m_on = _one_step(on_policy.update_actor(_rollout_batch(own_old_log_prob=True)).meta_info["metrics"])
     assert m_on["actor/pg_loss"] == pytest.approx(m_re["actor/pg_loss"], rel=1e-4)
     assert m_on["actor/ppo_kl"] == pytest.approx(0.0, abs=1e-7) and m_re["actor/ppo_kl"] == pytest.approx(0.0, abs=1e-5)
     # entropy of the update forward, logged instead of compute_log_prob's (same weights, same rows)
@@ -65,8 +65,13 @@ def test_on_policy_update_equals_the_update_with_recomputed_old_log_probs():
 
 @pytest.mark.parametrize("kwargs", [dict(ppo_epochs=2), dict(ppo_mini_batch_size=2)])
 def test_on_policy_update_refuses_more_than_one_optimizer_step(kwargs):
-    with pytest.raises(ValueError, match="call compute_log_prob first"):
-        _actor(**kwargs).update_actor(_rollout_batch())
+    with pytest.raises(ValueError, match="needs exactly one optimizer step.*call compute_log_prob first"):
+        _actor(**kwargs).update_actor(_rollout_batch(own_old_log_prob=True))
+
+
+def test_update_without_old_log_probs_is_refused_unless_the_plan_says_so():
+    with pytest.raises(ValueError, match="rows lack 'old_log_probs'; call compute_log_prob first"):
+        _actor().update_actor(_rollout_batch(own_old_log_prob=False))
 
 
 @pytest.mark.parametrize("overrides, needed", [
@@ -78,7 +83,7 @@ def test_on_policy_update_refuses_more_than_one_optimizer_step(kwargs):
 ])
 def test_old_log_prob_pass_is_skipped_only_for_one_step_updates(overrides, needed):
     cfg = load_config(RunConfig, None, ["data.train_batch_size=8", "actor.ppo_mini_batch_size=8", *overrides])
-    assert needs_old_log_prob(cfg) is needed
+    assert resolve(cfg, steps_per_epoch=4).recompute_old_log_prob is needed
 
 
 def test_unknown_old_log_prob_mode_is_rejected():

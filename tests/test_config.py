@@ -107,8 +107,8 @@ def test_run_sections_load_and_round_trip(tmp_path):
     assert cfg.data.train_batch_size == 8 and cfg.data.task_kwargs == {"max_digits": 1}
     assert cfg.data.train_files == ["/x/train.parquet"]
     assert cfg.algorithm.kl_ctrl.type == "adaptive" and cfg.trainer.logger == ["console", "jsonl"]
-    assert cfg.trainer.default_local_dir == "checkpoints/hybridflow/run"
-    assert cfg.trainer.cpus_per_worker == max(1, (os.cpu_count() or 1) // cfg.trainer.n_workers_per_node)
+    # derived values stay unset until the run is resolved (tests/test_resolve.py)
+    assert cfg.trainer.default_local_dir is None and cfg.trainer.cpus_per_worker is None
     saved = tmp_path / "saved.yaml"
     saved.write_text(to_yaml(cfg))
     assert load_config(Run, saved) == cfg

@@ -168,3 +168,31 @@ def test_gpt2_sequence_classifier_head_moves_to_the_token_classifier(tmp_path):
     with torch.no_grad():  # the value at position t is the score of the prefix ending at t
         for t in (2, 5):
             torch.testing.assert_close(values[:, t], rm(input_ids=ids[:, : t + 1]).logits[:, 0])
+
+
+def test_remax_baseline_includes_the_reward_model_score():
+    """ReMax's greedy baseline is scored like the samples: rule score + reward-model score."""
+    from types import SimpleNamespace
+
+    from hybridflow.trainer.core_steps import remax_baselines
+
+    calls = []
+
+    class Policy:
+        def generate_sequences(self, prompts):
+            calls.append(dict(prompts.meta_info))
+            return DataProto.from_dict({"responses": torch.zeros(len(prompts), 3, dtype=torch.long)})
+
+    class RM:
+        def compute_rm_score(self, data):
+            return DataProto.from_dict({K.RM_SCORES: torch.tensor([[0.0, 0.0, 2.0], [0.0, -1.0, 0.0]])})
+
+    def reward_fn(data):  # rule score 0.5 at the last token, plus rm_scores as the RewardManager adds them
+        rule = torch.zeros(len(data), 3)
+        rule[:, -1] = 0.5
+        return SimpleNamespace(token_level_scores=rule + data.batch[K.RM_SCORES])
+
+    prompts = DataProto.from_dict({"input_ids": torch.ones(2, 4, dtype=torch.long)})
+    base = remax_baselines(SimpleNamespace(actor_rollout=Policy(), reward_model=RM()), prompts, reward_fn, n=3)
+    assert base.tolist() == [2.5, 2.5, 2.5, -0.5, -0.5, -0.5]
+    assert calls == [{K.META_DO_SAMPLE: False, K.META_N: 1}]

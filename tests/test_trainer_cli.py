@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from hybridflow.models import tiny_model_dir
 
@@ -108,3 +109,24 @@ def test_bad_inputs_fail_cleanly(tiny_model: str, tmp_path: Path) -> None:
         assert err and err[-1].startswith("hybridflow train: error:"), (what, proc.stderr[-2000:])
         assert "Traceback" not in proc.stderr, (what, proc.stderr[-2000:])
         assert not (tmp_path / "ckpt").exists(), what
+
+
+def test_print_config_shows_the_resolved_run_and_starts_nothing(tiny_model: str, tmp_path: Path) -> None:
+    args = [a for a in base_overrides(tiny_model, tmp_path) if not a.startswith(("trainer.default_local_dir",
+                                                                                 "trainer.log_dir"))]
+    proc = run_cli(["--print-config", *args, "trainer.experiment_name=b", "trainer.n_workers_per_node=1",
+                    "trainer.total_training_steps=null", "trainer.total_epochs=2"], tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    printed = yaml.safe_load(proc.stdout)
+    t = printed["trainer"]
+    assert t["default_local_dir"] == "checkpoints/hybridflow/b" and t["log_dir"] == "outputs/hybridflow/b"
+    assert t["cpus_per_worker"] == (os.cpu_count() or 1)
+    assert t["total_training_steps"] == 2 * 16 // 4 and printed["actor"]["optim"]["total_training_steps"] == 8
+    assert printed["rollout"]["response_length"] == 8
+    assert "# resolved plan:" in proc.stdout and "steps_per_epoch: 4" in proc.stdout
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "outputs").exists()
+    saved = tmp_path / "resolved.yaml"
+    saved.write_text(proc.stdout)
+    again = run_cli(["--print-config", "--config", str(saved)], tmp_path, timeout=120)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout == proc.stdout  # the printed run loads back as the same run

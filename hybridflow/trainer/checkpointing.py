@@ -39,7 +39,7 @@ class TrainerCheckpointer:
             for group in self._groups():
                 group.save_checkpoint(str(tmp))
             state = {"global_step": step, "loader": self.loader.state_dict(), "kl_coef": float(kl_ctrl.value),
-                     "model_path": self.cfg.model.path}
+                     "model_path": self.cfg.model.path, "run": run_name(self.cfg)}
             C.write_json_atomic(tmp / STATE_FILE, state)
             final = C.commit_checkpoint(tmp, C.step_dir(self.root, step))
         except BaseException:
@@ -50,28 +50,48 @@ class TrainerCheckpointer:
         log.info("saved checkpoint %s", final)
         return final
 
-    def resume_path(self) -> Path | None:
-        """The checkpoint to resume from under trainer.resume_mode, or None to start fresh."""
-        t = self.cfg.trainer
-        if t.resume_mode == "disable":
-            return None
-        if t.resume_mode == "resume_path":
-            path = Path(t.resume_from_path)
-            if not C.is_complete(path):
-                raise FileNotFoundError(f"trainer.resume_from_path={path} is not a complete checkpoint "
-                                        f"(no {path}/COMPLETE); pick a global_step_<N> directory that finished saving")
-            return path
-        return C.find_latest_complete(self.root) if self.root.exists() else None
-
     def resume(self, kl_ctrl: Any) -> int:
         """Restore workers, dataloader and KL coefficient; return the step to continue from (0: fresh)."""
-        path = self.resume_path()
+        path = resume_path(self.cfg)
         if path is None:
             return 0
+        state = json.loads((path / STATE_FILE).read_text())
         for group in self._groups():
             group.load_checkpoint(str(path))
-        state = json.loads((path / STATE_FILE).read_text())
         self.loader.load_state_dict(state["loader"])
         kl_ctrl.value = state["kl_coef"]
         log.info("resumed from %s at step %d", path, state["global_step"])
         return int(state["global_step"])
+
+
+def run_name(cfg: RunConfig) -> str:
+    """"<project_name>/<experiment_name>": recorded in every checkpoint of the run."""
+    return f"{cfg.trainer.project_name}/{cfg.trainer.experiment_name}"
+
+
+def resume_path(cfg: RunConfig) -> Path | None:
+    """The checkpoint to resume from under trainer.resume_mode, or None to start fresh.
+
+    Called once before any worker starts (a wrong path fails fast) and again by `resume`.
+    resume_mode=auto continues this run only: a checkpoint another run wrote into the same
+    directory is refused rather than silently continued.
+    """
+    t = cfg.trainer
+    if t.resume_mode == "disable":
+        return None
+    if t.resume_mode == "resume_path":
+        path = Path(t.resume_from_path)
+        if not C.is_complete(path):
+            raise FileNotFoundError(f"trainer.resume_from_path={path} is not a complete checkpoint "
+                                    f"(no {path}/COMPLETE); pick a global_step_<N> directory that finished saving")
+        return path
+    root = Path(t.default_local_dir)
+    path = C.find_latest_complete(root) if root.exists() else None
+    theirs = json.loads((path / STATE_FILE).read_text()).get("run") if path is not None else None
+    if theirs is not None and theirs != run_name(cfg):  # None: written before runs were named in checkpoints
+        raise ValueError(
+            f"trainer.default_local_dir={root} holds checkpoints of run {theirs!r}, but this run is "
+            f"{run_name(cfg)!r} (trainer.project_name/experiment_name); give this run its own "
+            "trainer.default_local_dir, or continue that checkpoint with trainer.resume_mode=resume_path"
+        )
+    return path

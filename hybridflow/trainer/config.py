@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from hybridflow.config_utils import Section
 from hybridflow.data.dataset import TRUNCATIONS
 
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
@@ -29,7 +30,7 @@ def _positive(**values: Any) -> None:
 
 
 @dataclass
-class DataConfig:
+class DataConfig(Section):
     """Where prompts come from and how long prompts and responses may be."""
 
     train_files: Any = field(default_factory=list)
@@ -91,7 +92,7 @@ def _as_list(value: Any, key: str) -> list[str]:
 
 
 @dataclass
-class CustomRewardFunctionConfig:
+class CustomRewardFunctionConfig(Section):
     """A reward function loaded from a user's Python file."""
 
     path: Optional[str] = None
@@ -107,7 +108,7 @@ class CustomRewardFunctionConfig:
 
 
 @dataclass
-class RewardConfig:
+class RewardConfig(Section):
     """How responses are scored."""
 
     custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
@@ -121,7 +122,7 @@ class RewardConfig:
 
 
 @dataclass
-class KLControlConfig:
+class KLControlConfig(Section):
     """Controller of the KL-penalty coefficient used when algorithm.use_kl_in_reward is set."""
 
     type: str = "fixed"
@@ -143,7 +144,7 @@ class KLControlConfig:
 
 
 @dataclass
-class AlgorithmConfig:
+class AlgorithmConfig(Section):
     """Advantage estimation and reward shaping."""
 
     adv_estimator: str = "grpo"
@@ -180,23 +181,24 @@ def _known_estimators() -> list[str]:
 
 
 @dataclass
-class TrainerConfig:
+class TrainerConfig(Section):
     """The run: length, checkpoints, logging and where workers go."""
 
     project_name: str = "hybridflow"
     """Project name for loggers (wandb project, mlflow experiment)."""
     experiment_name: str = "run"
     """Name of this run for loggers and the checkpoint directory."""
-    total_epochs: int = 1
-    """Passes over the training prompts."""
+    total_epochs: Optional[int] = None
+    """Passes over the training prompts; None: 1, or as many as total_training_steps needs."""
     total_training_steps: Optional[int] = None
-    """Stop after this many steps; None: total_epochs * steps per epoch."""
+    """Stop after this many steps; None: total_epochs * steps per epoch. With both set, the
+    steps must fit in the epochs."""
     n_workers_per_node: int = 2
     """Worker processes per node (verl: n_gpus_per_node); one per device on GPU machines."""
     nnodes: int = 1
     """Nodes in the Ray cluster."""
     cpus_per_worker: Optional[int] = None
-    """CPUs (and torch threads) per Ray worker; None: this machine's CPU count // n_workers_per_node, at least 1.
+    """CPUs (and torch threads) per worker; None: this machine's CPU count // n_workers_per_node, at least 1.
     On a 2-core laptop, 1 worker x 2 threads does no gloo traffic; 2 workers x 1 thread split the batch."""
     test_freq: int = -1
     """Validate every this many steps; -1: never during training."""
@@ -228,12 +230,11 @@ class TrainerConfig:
     """Show the workers' library progress bars and info logs (model loading, ...); off: one line per phase."""
 
     def __post_init__(self) -> None:
-        if self.default_local_dir is None:
-            self.default_local_dir = os.path.join("checkpoints", self.project_name, self.experiment_name)
-        if self.log_dir is None:
-            self.log_dir = os.path.join("outputs", self.project_name, self.experiment_name)
-        if self.cpus_per_worker is None:
-            self.cpus_per_worker = max(1, (os.cpu_count() or 1) // max(self.n_workers_per_node, 1))
+        # Derived values (directories, threads, run length) stay None here: hybridflow.trainer.resolve
+        # fills them from the final merged values, after every override.
+        for key, name in (("trainer.project_name", self.project_name), ("trainer.experiment_name", self.experiment_name)):
+            if not name or name in (".", "..") or "/" in name or os.sep in name:
+                raise ValueError(f"{key} names a directory level, so it must be a non-empty name without '/', got {name!r}")
         _positive(**{"trainer.total_epochs": self.total_epochs, "trainer.cpus_per_worker": self.cpus_per_worker,
                      "trainer.total_training_steps": self.total_training_steps,
                      "trainer.n_workers_per_node": self.n_workers_per_node, "trainer.nnodes": self.nnodes,

@@ -6,8 +6,6 @@ calls them between worker calls. No worker, no I/O.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 
@@ -16,9 +14,6 @@ from hybridflow.algos.advantages import get_advantage_estimator
 from hybridflow.algos.kl import apply_kl_penalty, get_kl_controller
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.config import AlgorithmConfig
-
-if TYPE_CHECKING:
-    from hybridflow.trainer.run_config import RunConfig
 
 
 def add_uids(prompts: DataProto, step: int) -> None:
@@ -30,13 +25,6 @@ def make_kl_controller(cfg: AlgorithmConfig):
     """The KL-in-reward coefficient controller (fixed or adaptive)."""
     c = cfg.kl_ctrl
     return get_kl_controller(c.type, c.kl_coef, c.target_kl, c.horizon)
-
-
-def needs_old_log_prob(cfg: RunConfig) -> bool:
-    """Whether step 3 computes old log-probs; else the actor update takes its own (ActorConfig.old_log_prob)."""
-    a, rows = cfg.actor, cfg.data.train_batch_size * cfg.rollout.n
-    one_step = a.ppo_epochs == 1 and a.ppo_mini_batch_size >= cfg.data.train_batch_size and rows % cfg.world_size == 0
-    return a.old_log_prob == "recompute" or not one_step or cfg.algorithm.use_kl_in_reward
 
 
 def apply_rewards(batch: DataProto, cfg: AlgorithmConfig, kl_ctrl) -> dict[str, float]:
@@ -67,15 +55,19 @@ def compute_advantage(batch: DataProto, cfg: AlgorithmConfig) -> None:
     batch.batch[K.RETURNS] = returns.float()
 
 
-def remax_baselines(actor_rollout, prompts: DataProto, reward_fn, n: int) -> torch.Tensor:
-    """ReMax (Li et al. 2023): the score of one greedy response per prompt, repeated for its n samples."""
+def remax_baselines(roles, prompts: DataProto, reward_fn, n: int) -> torch.Tensor:
+    """ReMax (Li et al. 2023): the reward of one greedy response per prompt, repeated for its n samples.
+
+    The greedy response is scored like the samples: rule score plus the reward model's, if the run has one.
+    """
     greedy = DataProto(batch=prompts.batch, non_tensor_batch=dict(prompts.non_tensor_batch),
                        meta_info={**prompts.meta_info, K.META_DO_SAMPLE: False, K.META_N: 1})
-    out = actor_rollout.generate_sequences(greedy)
+    out = roles.actor_rollout.generate_sequences(greedy)
     out.meta_info.pop(K.META_METRICS, None)
-    scores = torch.tensor(reward_fn(out).scores, dtype=torch.float32)
+    if roles.reward_model is not None:
+        out.union(roles.reward_model.compute_rm_score(out))
+    scores = reward_fn(out).token_level_scores.sum(-1).float()
     return scores.repeat_interleave(n)
-
 
 def pass_at_n(uids: np.ndarray, scores: torch.Tensor) -> float:
     """Share of prompts with at least one response scoring > 0.5 (pass@n, n = samples per prompt)."""

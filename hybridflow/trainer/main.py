@@ -1,7 +1,8 @@
-"""Entry point of a training run: config -> data, reward, workers -> PPOTrainer.fit -> report.
+"""Entry point of a training run: config -> inputs -> resolved run -> workers -> PPOTrainer.fit -> report.
 
-`python -m hybridflow.trainer.main [--config FILE] key=value ...` is the same as
-`hybridflow train ...`.
+`python -m hybridflow.trainer.main [--config FILE] [--print-config] key=value ...` is the
+same as `hybridflow train ...`. `--print-config` prints the resolved run (every derived
+value filled in) as YAML and exits before any worker starts.
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 from hybridflow.config_utils import load_config, to_yaml
+from hybridflow.trainer.resolve import ResolvedRun, resolve
 from hybridflow.trainer.run_config import RunConfig
 
 log = logging.getLogger("hybridflow")
@@ -31,6 +33,15 @@ def make_reward_fn(cfg: RunConfig, tokenizer: Any):
     return RewardManager(tokenizer, fn, num_workers=cfg.reward.num_workers)
 
 
+class RunInputs(NamedTuple):
+    """What the controller reads before any worker starts."""
+
+    tokenizer: Any
+    train_loader: Any
+    val_loader: Any
+    reward_fn: Any
+
+
 def _start_backend(cfg: RunConfig) -> None:
     if cfg.trainer.backend == "ray":
         from hybridflow.controller.ray import init_local_ray
@@ -38,7 +49,7 @@ def _start_backend(cfg: RunConfig) -> None:
         init_local_ray(num_cpus=max(os.cpu_count() or 1, cfg.world_size * cfg.trainer.cpus_per_worker))
 
 
-def prepare_inputs(cfg: RunConfig) -> tuple[Any, Any, Any, Any]:
+def prepare_inputs(cfg: RunConfig) -> RunInputs:
     """Tokenizer, train/val loaders and reward function; every input problem surfaces here.
 
     Runs before any worker starts, so a bad model path, parquet file or batch size fails
@@ -50,39 +61,42 @@ def prepare_inputs(cfg: RunConfig) -> tuple[Any, Any, Any, Any]:
     path = resolve_model_path(cfg.model.path)
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or path)
     train_loader, val_loader = make_loaders(cfg.data, tokenizer)
-    _set_total_steps(cfg, len(train_loader))
-    return tokenizer, train_loader, val_loader, make_reward_fn(cfg, tokenizer)
+    return RunInputs(tokenizer, train_loader, val_loader, make_reward_fn(cfg, tokenizer))
 
 
-def run(cfg: RunConfig, inputs: tuple[Any, Any, Any, Any] | None = None) -> dict[str, dict[str, float]]:
-    """Train as configured; returns {"before": val metrics, "after": val metrics}."""
+def load_run(config_path: str | None, overrides: Sequence[str]) -> tuple[ResolvedRun, RunInputs]:
+    """Load, check and resolve a run and read its inputs; starts no worker."""
+    from hybridflow.trainer.checkpointing import resume_path
+
+    cfg = load_config(RunConfig, config_path, overrides)
+    inputs = prepare_inputs(cfg)
+    resolved = resolve(cfg, len(inputs.train_loader))
+    resume_path(resolved.config)  # a checkpoint that cannot be resumed fails here, before workers start
+    return resolved, inputs
+
+
+def run(resolved: ResolvedRun, inputs: RunInputs) -> dict[str, dict[str, float]]:
+    """Train as resolved; returns {"before": val metrics, "after": val metrics}."""
     from hybridflow.trainer.ppo_trainer import PPOTrainer
     from hybridflow.trainer.roles import build_roles
     from hybridflow.utils.tracking import Tracking
 
-    tokenizer, train_loader, val_loader, reward_fn = inputs or prepare_inputs(cfg)
+    cfg = resolved.config
     _start_backend(cfg)
-    roles = build_roles(cfg)
+    roles = build_roles(resolved)
     try:
         for group in roles.all():
             group.init_model()
         log_dir = Path(cfg.trainer.log_dir)
         with Tracking(cfg.trainer.project_name, cfg.trainer.experiment_name, cfg.trainer.logger, log_dir,
                       config=_plain(cfg)) as tracker:
-            trainer = PPOTrainer(cfg, roles, tokenizer, train_loader, val_loader, reward_fn, tracker)
+            trainer = PPOTrainer(resolved, roles, inputs, tracker)
             after = trainer.fit()
     finally:
         for group in roles.all():
             group.shutdown()
     _report(log_dir, trainer.first_val, after)
     return {"before": trainer.first_val, "after": after}
-
-
-def _set_total_steps(cfg: RunConfig, steps_per_epoch: int) -> None:
-    t = cfg.trainer
-    total = t.total_training_steps or steps_per_epoch * t.total_epochs
-    for optim in (cfg.actor.optim, cfg.critic.optim):
-        optim.total_training_steps = total
 
 
 def _plain(cfg: RunConfig) -> dict:
@@ -102,26 +116,29 @@ def _report(log_dir: Path, before: dict[str, float], after: dict[str, float]) ->
         print(f"plot: {plot_run(metrics_file, log_dir / 'run.png')}")
 
 
-def parse_args(argv: Sequence[str]) -> tuple[str | None, list[str]]:
-    """`[--config FILE] key=value ...` -> (config path, overrides)."""
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """`[--config FILE] [--print-config] key=value ...`."""
     parser = argparse.ArgumentParser(prog="hybridflow train", description="Train with PPO / GRPO / ... (see README).")
     parser.add_argument("--config", help="YAML file with RunConfig fields; key=value overrides apply on top")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved run (every derived value filled in) as YAML and exit")
     parser.add_argument("overrides", nargs="*", help="verl-style overrides, e.g. actor.optim.lr=1e-5")
-    args = parser.parse_args(argv)
-    return args.config, args.overrides
+    return parser.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry of `hybridflow train`."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    config_path, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        cfg = load_config(RunConfig, config_path, overrides)
-        inputs = prepare_inputs(cfg)
+        resolved, inputs = load_run(args.config, args.overrides)
     except USER_ERRORS as err:
         print(f"hybridflow train: error: {err}", file=sys.stderr)
         return 2
-    run(cfg, inputs)
+    if args.print_config:
+        print(resolved.to_yaml(), end="")
+        return 0
+    run(resolved, inputs)
     return 0
 
 

@@ -3,7 +3,8 @@
 `fit` reads like a single-process script: every step below is one call on a
 worker group (split over the workers, run SPMD, collected) or a small function
 over tensors on the controller. Which workers exist and where they live is decided
-once in `build_roles`; which estimator and losses run is decided by name in config.
+once when the run is resolved (hybridflow/trainer/resolve.py); what each step runs is
+its `StepPlan`; which estimator and losses run is decided by name in config.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from hybridflow.protocol import DataProto
 from hybridflow.trainer import core_steps as S
 from hybridflow.trainer.checkpointing import TrainerCheckpointer
 from hybridflow.trainer.metrics import data_metrics, throughput_metrics, worker_metrics
+from hybridflow.trainer.resolve import ResolvedRun, StepPlan, plan_step
 from hybridflow.trainer.roles import Roles
-from hybridflow.trainer.run_config import RunConfig
 from hybridflow.trainer.validation import validate
 from hybridflow.utils.progress import TrainProgress
 from hybridflow.utils.timing import timer
@@ -42,21 +43,18 @@ def _take_metrics(data: DataProto, sink: list[DataProto]) -> DataProto:
 class PPOTrainer:
     """Runs the training loop over already-built worker groups."""
 
-    def __init__(self, cfg: RunConfig, roles: Roles, tokenizer: Any, train_loader, val_loader, reward_fn, tracker: Tracking):
-        self.cfg, self.roles, self.tokenizer = cfg, roles, tokenizer
-        self.train_loader, self.val_loader = train_loader, val_loader
-        self.reward_fn = reward_fn
+    def __init__(self, run: ResolvedRun, roles: Roles, inputs: Any, tracker: Tracking):
+        """`inputs`: tokenizer, train_loader, val_loader and reward_fn (hybridflow.trainer.main.RunInputs)."""
+        self.run, self.cfg, self.roles = run, run.config, roles
+        self.train_loader, self.val_loader = inputs.train_loader, inputs.val_loader
+        self.reward_fn = inputs.reward_fn
         self.tracker = tracker
-        self.kl_ctrl = S.make_kl_controller(cfg.algorithm)
-        self.checkpointer = TrainerCheckpointer(cfg, roles, train_loader)
+        self.kl_ctrl = S.make_kl_controller(self.cfg.algorithm)
+        self.checkpointer = TrainerCheckpointer(self.cfg, roles, inputs.train_loader)
         self.global_step = 0
-        self.total_steps = self._total_steps()
+        self.total_steps = run.total_steps
         self.last_val: dict[str, float] = {}
         self.first_val: dict[str, float] = {}
-
-    def _total_steps(self) -> int:
-        t = self.cfg.trainer
-        return t.total_training_steps or len(self.train_loader) * t.total_epochs
 
     def fit(self) -> dict[str, float]:
         """Train until total steps; validate, log and checkpoint on the configured schedule."""
@@ -68,16 +66,17 @@ class PPOTrainer:
             while self.global_step < self.total_steps:
                 for prompts in self.train_loader:
                     self.global_step += 1
-                    metrics = self.train_step(prompts)
-                    metrics.update(self._maybe_validate_and_save())
+                    plan = plan_step(self.run, self.global_step)
+                    metrics = self.train_step(prompts, plan)
+                    metrics.update(self._validate_and_save(plan))
                     self.tracker.log(metrics, step=self.global_step)
                     progress.update(metrics)
                     if self.global_step >= self.total_steps:
                         break
         return self.last_val
 
-    def train_step(self, prompts: DataProto) -> dict[str, float]:
-        """One PPO/GRPO iteration on a batch of prompts; returns its metrics."""
+    def train_step(self, prompts: DataProto, plan: StepPlan) -> dict[str, float]:
+        """One PPO/GRPO iteration on a batch of prompts, as `plan` says; returns its metrics."""
         cfg, roles, timing, worker_out = self.cfg, self.roles, {}, []
         with timer("step", timing):
             # 1. generate n responses per prompt (the rollout copies refresh their weights first)
@@ -92,14 +91,14 @@ class PPOTrainer:
                 reward = self.reward_fn(batch)
                 batch.batch[K.TOKEN_LEVEL_SCORES] = reward.token_level_scores
                 if cfg.algorithm.adv_estimator == "remax":
-                    batch.batch[K.REWARD_BASELINES] = S.remax_baselines(roles.actor_rollout, prompts, self.reward_fn, cfg.rollout.n)
+                    batch.batch[K.REWARD_BASELINES] = S.remax_baselines(roles, prompts, self.reward_fn, cfg.rollout.n)
             # 3. log-probs of the policy before the update, of the reference, and values
             #    (ref and critic calls return futures: with split placement they overlap; old log-probs
             #    are skipped when the update is one optimizer step, which then uses its own)
             with timer("old_log_prob_ref_values", timing):
-                ref = roles.ref.compute_ref_log_prob(batch) if roles.ref is not None else None
-                values = roles.critic.compute_values(batch) if roles.critic is not None else None
-                old = roles.actor_rollout.compute_log_prob(batch) if S.needs_old_log_prob(cfg) else None
+                ref = roles.ref.compute_ref_log_prob(batch) if plan.ref_log_prob else None
+                values = roles.critic.compute_values(batch) if plan.values else None
+                old = roles.actor_rollout.compute_log_prob(batch) if plan.old_log_prob else None
                 for part in (old, ref, values):
                     if part is not None:
                         batch.union(_take_metrics(_resolve(part), worker_out))
@@ -109,30 +108,26 @@ class PPOTrainer:
                 S.compute_advantage(batch, cfg.algorithm)
             # 5. update the critic, then (after warm-up) the actor; with split placement they overlap
             with timer("update", timing):
-                for out in self._update(batch):
+                batch.meta_info[K.META_OWN_OLD_LOG_PROB] = not plan.old_log_prob
+                for out in self._update(batch, plan):
                     _take_metrics(out, worker_out)
         return {**kl_metrics, **worker_metrics(*worker_out), **reward.metrics,
                 **data_metrics(batch, cfg.data.max_response_length),
                 **throughput_metrics(batch, timing, cfg.world_size),
                 **{f"timing_s/{k}": v for k, v in timing.items()}, "training/global_step": self.global_step}
 
-    def _update(self, batch: DataProto) -> list[DataProto]:
-        roles = self.roles
+    def _update(self, batch: DataProto, plan: StepPlan) -> list[DataProto]:
         pending = []
-        if roles.critic is not None:
-            pending.append(roles.critic.update_critic(batch))
-        if self.global_step > self.cfg.trainer.critic_warmup:
-            pending.append(roles.actor_rollout.update_actor(batch))
+        if plan.update_critic:
+            pending.append(self.roles.critic.update_critic(batch))
+        if plan.update_actor:
+            pending.append(self.roles.actor_rollout.update_actor(batch))
         return [_resolve(p) for p in pending]
 
-    def _maybe_validate_and_save(self) -> dict[str, float]:
-        t, step = self.cfg.trainer, self.global_step
-        last = step >= self.total_steps
-        metrics = {}
-        if t.test_freq > 0 and (step % t.test_freq == 0 or last):
-            metrics = self._validate()
-        if t.save_freq > 0 and (step % t.save_freq == 0 or last):
-            self.checkpointer.save(step, self.kl_ctrl)
+    def _validate_and_save(self, plan: StepPlan) -> dict[str, float]:
+        metrics = self._validate() if plan.validate else {}
+        if plan.save:
+            self.checkpointer.save(plan.step, self.kl_ctrl)
         return metrics
 
     def _validate(self) -> dict[str, float]:

@@ -1,11 +1,13 @@
-"""Roles -> resource pools -> worker groups, as the config's placement says.
+"""Worker sets of a resolved run -> resource pools -> worker groups.
 
+The resolved run says which roles live together (`ResolvedRun.worker_sets`):
 - colocate (default): every role lives in every worker process (one process per
   device); the actor/rollout/ref, critic and reward model share memory and the
   process group, and run one after another.
 - split: the policy (actor + rollout) gets the first half of the workers, the
   critic, reference and reward model the second half, so their calls overlap
   (the trainer issues them non-blocking).
+Each set gets its own pool; the roles of a set are fused into one worker process.
 
 The same code builds Ray worker groups or, with trainer.backend=local, one
 in-process worker for debugging.
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 from hybridflow.controller.colocate import create_colocated_worker_cls
 from hybridflow.controller.resource_pool import ClassWithInitArgs
 from hybridflow.controller.worker_group import WorkerGroup
+from hybridflow.trainer.resolve import POLICY_ROLES, ResolvedRun, WorkerSet
 from hybridflow.trainer.run_config import RunConfig
 from hybridflow.workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
 
@@ -41,41 +44,46 @@ class Roles:
         return list({id(g): g for g in groups if g is not None}.values())
 
 
-def _role_classes(cfg: RunConfig, policy_role: str) -> dict[str, ClassWithInitArgs]:
-    classes = {"policy": ClassWithInitArgs(ActorRolloutRefWorker, cfg.model, cfg.actor, cfg.rollout, cfg.ref, policy_role)}
-    if cfg.use_critic:
+_CLASS_OF_ROLE = {"actor": "policy", "rollout": "policy", "ref": "policy", "critic": "critic",
+                  "reward_model": "reward_model"}
+"""Which worker class of a set hosts each role."""
+
+
+def _set_classes(cfg: RunConfig, worker_set: WorkerSet) -> dict[str, ClassWithInitArgs]:
+    """The worker classes of one set: the policy worker (with its roles joined), critic, reward model."""
+    classes = {}
+    policy_roles = [r for r in POLICY_ROLES if r in worker_set.roles]
+    if policy_roles:
+        classes["policy"] = ClassWithInitArgs(ActorRolloutRefWorker, cfg.model, cfg.actor, cfg.rollout, cfg.ref,
+                                              "_".join(policy_roles))
+    if "critic" in worker_set.roles:
         classes["critic"] = ClassWithInitArgs(CriticWorker, cfg.model, cfg.critic, cfg.rollout.n)
-    if cfg.reward_model.enable:
-        classes["rm"] = ClassWithInitArgs(RewardModelWorker, cfg.reward_model)
+    if "reward_model" in worker_set.roles:
+        classes["reward_model"] = ClassWithInitArgs(RewardModelWorker, cfg.reward_model)
     return classes
 
 
 def _spawn(make_group, classes: dict[str, ClassWithInitArgs], pool) -> dict[str, WorkerGroup]:
     if len(classes) == 1:
-        (role, cls), = classes.items()
-        return {role: make_group(pool, cls)}
+        (name, cls), = classes.items()
+        return {name: make_group(pool, cls)}
     return make_group(pool, create_colocated_worker_cls(classes)).spawn(classes)
 
 
-def build_roles(cfg: RunConfig) -> Roles:
-    """Create the resource pools and worker groups; workers are constructed, models not yet loaded."""
-    make_group, pools = _backend(cfg)
-    if cfg.trainer.placement == "colocate":
-        role = "actor_rollout_ref" if cfg.use_ref else "actor_rollout"
-        groups = _spawn(make_group, _role_classes(cfg, role), pools[0])
-        policy = groups["policy"]
-        return Roles(policy, policy if cfg.use_ref else None, groups.get("critic"), groups.get("rm"))
-    policy = make_group(pools[0], ClassWithInitArgs(ActorRolloutRefWorker, cfg.model, cfg.actor, cfg.rollout, cfg.ref, "actor_rollout"))
-    others = _role_classes(cfg, "ref")
-    if not cfg.use_ref:
-        others.pop("policy")
-    groups = _spawn(make_group, others, pools[1])
-    return Roles(policy, groups.get("policy"), groups.get("critic"), groups.get("rm"))
+def build_roles(run: ResolvedRun) -> Roles:
+    """Create the resource pools and one worker group per worker set (colocated roles fused into one
+    process); workers are constructed, models not yet loaded."""
+    make_group, pools = _backend(run)
+    groups = {}
+    for worker_set in run.worker_sets:
+        spawned = _spawn(make_group, _set_classes(run.config, worker_set), pools[worker_set.pool])
+        groups.update({role: spawned[_CLASS_OF_ROLE[role]] for role in worker_set.roles})
+    return Roles(groups["actor"], groups.get("ref"), groups.get("critic"), groups.get("reward_model"))
 
 
-def _backend(cfg: RunConfig):
-    """(make_group(pool, cls_with_init), [pools]) for the configured backend and placement."""
-    t = cfg.trainer
+def _backend(run: ResolvedRun):
+    """(make_group(pool, cls_with_init), [pools]) for the configured backend, one pool per worker set."""
+    t = run.config.trainer
     if t.backend == "local":
         from hybridflow.controller.local import LocalResourcePool, LocalWorkerGroup
 
@@ -85,7 +93,6 @@ def _backend(cfg: RunConfig):
     pool = RayResourcePool([t.n_workers_per_node] * t.nnodes, use_gpu=t.device == "cuda",
                            num_cpus_per_process=t.cpus_per_worker, name_prefix="hf")
     pools = [pool]
-    if t.placement == "split":
-        first = cfg.world_size // 2
-        pools = split_resource_pool(pool, [first, cfg.world_size - first])
+    if len(run.worker_sets) > 1:
+        pools = split_resource_pool(pool, [s.world_size for s in run.worker_sets])
     return (lambda p, cls: RayWorkerGroup(p, cls)), pools

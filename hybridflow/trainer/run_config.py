@@ -1,14 +1,19 @@
 """`RunConfig`: the whole run as one nested dataclass, and the checks that span sections.
 
-Loaded with `hybridflow.config_utils.load_config(RunConfig, yaml, ["a.b=c", ...])`.
+Loaded with `hybridflow.config_utils.load_config(RunConfig, yaml, ["a.b=c", ...])`, it
+holds the user's values only: a None means "derive it". `hybridflow.trainer.resolve`
+computes every derived value from the final merged values and freezes the result.
+Every check that spans sections runs here, at load, never inside a worker.
 The defaults ARE the main job: GRPO on the bundled SmolLM2-135M-Instruct on generated
 arithmetic tasks, 2 CPU workers, colocated.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 
+from hybridflow.config_utils import Section
 from hybridflow.engine.config import OptimConfig
 from hybridflow.rollout.config import RolloutConfig
 from hybridflow.trainer.config import AlgorithmConfig, DataConfig, RewardConfig, TrainerConfig
@@ -38,7 +43,7 @@ def _default_actor() -> ActorConfig:
 
 
 def _default_rollout() -> RolloutConfig:
-    return RolloutConfig(n=8, temperature=1.0)
+    return RolloutConfig(n=8, temperature=1.0, prompt_length=None, response_length=None)
 
 
 def _default_critic() -> CriticConfig:
@@ -50,7 +55,7 @@ def _default_trainer() -> TrainerConfig:
 
 
 @dataclass
-class RunConfig:
+class RunConfig(Section):
     """Everything one training run needs."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -60,7 +65,7 @@ class RunConfig:
     actor: ActorConfig = field(default_factory=_default_actor)
     """The policy update."""
     rollout: RolloutConfig = field(default_factory=_default_rollout)
-    """Generation. prompt_length/response_length are taken from data.max_*_length."""
+    """Generation. prompt_length/response_length default to data.max_prompt_length/max_response_length."""
     ref: RefConfig = field(default_factory=RefConfig)
     """The reference policy (built only when a KL term is used)."""
     critic: CriticConfig = field(default_factory=_default_critic)
@@ -92,11 +97,11 @@ class RunConfig:
         return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
 
     def __post_init__(self) -> None:
-        self.rollout.prompt_length = self.data.max_prompt_length
-        self.rollout.response_length = self.data.max_response_length
         self._check_batch_sizes()
+        self._check_lengths()
         self._check_algorithm()
         self._check_placement()
+        self._check_backends()
 
     def _check_batch_sizes(self) -> None:
         d, a, n, w = self.data, self.actor, self.rollout.n, self.world_size
@@ -112,6 +117,13 @@ class RunConfig:
             raise ValueError(f"data.train_batch_size ({d.train_batch_size}) must be a multiple of "
                              f"critic.ppo_mini_batch_size ({self.critic.ppo_mini_batch_size})")
 
+    def _check_lengths(self) -> None:
+        for name in ("prompt_length", "response_length"):
+            mine, data = getattr(self.rollout, name), getattr(self.data, f"max_{name}")
+            if mine is not None and mine != data:
+                raise ValueError(f"rollout.{name}={mine} conflicts with data.max_{name}={data}: the rollout's "
+                                 f"length is derived from the data's; set only data.max_{name}")
+
     def _check_algorithm(self) -> None:
         est = self.algorithm.adv_estimator
         if est in VALUE_ESTIMATORS and self.critic.enable is False:
@@ -120,6 +132,10 @@ class RunConfig:
         if est in GROUP_ESTIMATORS and self.rollout.n < 2:
             raise ValueError(f"algorithm.adv_estimator={est} compares the samples of one prompt and needs "
                              f"rollout.n >= 2, got rollout.n={self.rollout.n}")
+        cap = self.actor.policy_loss.tis_imp_ratio_cap
+        if cap is not None and not self.rollout.calculate_log_probs:
+            raise ValueError(f"actor.policy_loss.tis_imp_ratio_cap={cap} corrects with the rollout's own log-probs, "
+                             "but rollout.calculate_log_probs=false; set it to true or drop the cap")
 
     def _check_placement(self) -> None:
         t = self.trainer
@@ -131,3 +147,22 @@ class RunConfig:
         if t.placement == "split" and not (self.use_critic or self.use_ref):
             raise ValueError("trainer.placement=split puts the critic/ref on their own workers, but this run has "
                              "neither; use trainer.placement=colocate")
+
+    def _check_backends(self) -> None:
+        """Packages and devices the configured backends need, checked here rather than in a worker."""
+        device = self.trainer.device
+        if device == "cuda" and not _cuda_available():
+            raise ValueError("trainer.device=cuda but torch sees no CUDA device here; use trainer.device=cpu")
+        if self.rollout.name == "vllm":
+            if importlib.util.find_spec("vllm") is None:
+                raise ValueError("rollout.name=vllm needs the vllm package, which is not installed; install it "
+                                 "(pip install 'hybridflow[vllm]' on a CUDA machine) or use rollout.name=native")
+            if device != "cuda":
+                raise ValueError("rollout.name=vllm runs on a CUDA device only for now (trainer.device=cuda); "
+                                 "on CPU use rollout.name=native")
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

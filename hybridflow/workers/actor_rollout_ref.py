@@ -75,8 +75,7 @@ class ActorRolloutRefWorker(Worker):
             self._rollout_stale = False
         if K.META_GLOBAL_STEP in prompts.meta_info:
             # Seeded by (seed, step, rank) rather than by call count, so a resumed run samples exactly as an uninterrupted one.
-            step = int(prompts.meta_info[K.META_GLOBAL_STEP])
-            self.rollout.generator.manual_seed(self.rollout_cfg.seed + 1_000_003 * step + self.rank)
+            self.rollout.reseed(int(prompts.meta_info[K.META_GLOBAL_STEP]))
         start = time.perf_counter()
         out = self.rollout.generate_sequences(prompts)
         metrics["timing_s/generate_on_worker"] = time.perf_counter() - start
@@ -114,25 +113,21 @@ class ActorRolloutRefWorker(Worker):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def update_actor(self, data: DataProto) -> DataProto:
         """PPO epochs over mini-batches over micro-batches; rows need advantages (+ ref_log_prob) and
-        old_log_probs, unless this call is one optimizer step (then they are optional: ActorConfig.old_log_prob).
+        old_log_probs. With meta_info["own_old_log_prob"]=True (the trainer's step plan, see
+        ActorConfig.old_log_prob) the update must be one optimizer step, and takes the old log-probs
+        from its own forward instead.
 
         Returns no rows, only meta_info["metrics"] (lists with one value per optimizer step).
         """
         cfg = self.actor_cfg
-        rows_per_prompt = self.rollout_cfg.n
-        mini_rows = max(cfg.ppo_mini_batch_size * rows_per_prompt // self.world_size, 1)
-        on_policy = K.OLD_LOG_PROBS not in data.batch.keys()
-        if on_policy and (cfg.ppo_epochs > 1 or len(data) > mini_rows):
-            raise ValueError(
-                f"update_actor: rows without old_log_probs need exactly one optimizer step, but ppo_epochs="
-                f"{cfg.ppo_epochs} and {len(data)} rows > {mini_rows} rows per mini-batch on this worker; "
-                "call compute_log_prob first"
-            )
+        mini_rows = max(cfg.ppo_mini_batch_size * self.rollout_cfg.n // self.world_size, 1)
+        own = bool(data.meta_info.get(K.META_OWN_OLD_LOG_PROB, False))
+        _check_old_log_probs(data, own, cfg.ppo_epochs, mini_rows)
         start = time.perf_counter()
         step_metrics = run_ppo_update(
             self.actor, data, mini_rows, cfg.ppo_micro_batch_size_per_device, cfg.ppo_epochs,
-            actor_loss_builder(cfg), shuffle=cfg.shuffle, seed=self._update_calls,
-            temperature=self._temperature(data), calc_entropy=cfg.entropy_coeff != 0 or on_policy,
+            actor_loss_builder(cfg, own), shuffle=cfg.shuffle, seed=self._update_calls,
+            temperature=self._temperature(data), calc_entropy=cfg.entropy_coeff != 0 or own,
         )
         self._update_calls += 1
         lr = self.actor.lr_scheduler_step()
@@ -160,3 +155,16 @@ class ActorRolloutRefWorker(Worker):
         from hybridflow.engine import export_hf
 
         export_hf(self.actor, out_dir, self.tokenizer)
+
+
+def _check_old_log_probs(data: DataProto, own: bool, epochs: int, mini_rows: int) -> None:
+    """Refuse an update whose old log-probs are missing or cannot be its own."""
+    if own and (epochs > 1 or len(data) > mini_rows):
+        raise ValueError(
+            f"update_actor: meta_info[{K.META_OWN_OLD_LOG_PROB!r}]=True needs exactly one optimizer step, but "
+            f"ppo_epochs={epochs} and {len(data)} rows > {mini_rows} rows per mini-batch on this worker; "
+            "call compute_log_prob first"
+        )
+    if not own and K.OLD_LOG_PROBS not in data.batch.keys():
+        raise ValueError(f"update_actor: rows lack {K.OLD_LOG_PROBS!r}; call compute_log_prob first, or set "
+                         f"meta_info[{K.META_OWN_OLD_LOG_PROB!r}]=True for a single-step update")

@@ -17,12 +17,12 @@ from hybridflow.workers.config import ActorConfig, CriticConfig
 from hybridflow.workers.ppo_update import LossBuilder, local_mean_factor
 
 
-def actor_loss_builder(cfg: ActorConfig) -> LossBuilder:
+def actor_loss_builder(cfg: ActorConfig, own_old_log_prob: bool = False) -> LossBuilder:
     """PPO-family policy loss (by name) - entropy_coeff * entropy + kl_loss_coef * KL(pi || ref).
 
-    Rows without old_log_probs are on-policy (one optimizer step per batch, see
-    ActorConfig.old_log_prob): the old log-probs are this forward's own, detached, and
-    the entropy of the forward is logged as `entropy`.
+    `own_old_log_prob`: the update is one optimizer step on the weights that generated
+    (ActorConfig.old_log_prob), so the old log-probs are this forward's own, detached, and
+    the entropy of the forward is logged as `entropy`. Else rows carry old_log_probs.
     """
     policy_loss = get_policy_loss_fn(cfg.policy_loss_mode)
     mode = cfg.loss_agg_mode
@@ -31,8 +31,7 @@ def actor_loss_builder(cfg: ActorConfig) -> LossBuilder:
         def loss_fn(outputs: dict, micro: MicroBatch) -> tuple:
             mask = micro[K.RESPONSE_MASK]
             log_prob = outputs["log_probs"]
-            on_policy = K.OLD_LOG_PROBS not in micro
-            old_log_prob = log_prob.detach() if on_policy else micro[K.OLD_LOG_PROBS]
+            old_log_prob = log_prob.detach() if own_old_log_prob else micro[K.OLD_LOG_PROBS]
             pg_loss, stats = policy_loss(
                 old_log_prob, log_prob, micro[K.ADVANTAGES], mask,
                 loss_agg_mode=mode, config=cfg.policy_loss, global_norm=gn,
@@ -40,7 +39,7 @@ def actor_loss_builder(cfg: ActorConfig) -> LossBuilder:
             )
             scale = local_mean_factor(gn, mask, mode)
             metrics = {"pg_loss": float(pg_loss.detach()) * scale, **{k: float(v) for k, v in stats.items()}}
-            if on_policy:
+            if own_old_log_prob:
                 metrics["entropy"] = float(masked_mean(outputs["entropy"].detach(), mask))
             loss = pg_loss
             if cfg.entropy_coeff != 0:

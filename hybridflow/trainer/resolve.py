@@ -1,0 +1,201 @@
+"""The resolve stage: the user's config -> one frozen run with every derived value filled in.
+
+    cfg = load_config(RunConfig, yaml, overrides)   # user values (None = derive), checked at load
+    run = resolve(cfg, steps_per_epoch)             # every derived value, computed once, then frozen
+
+Derived here and nowhere else, always from the final merged values:
+- trainer.default_local_dir / log_dir from project_name and experiment_name;
+- trainer.cpus_per_worker (CPUs and torch threads per worker) from the machine and workers per node;
+- trainer.total_training_steps / total_epochs from each other and the steps per epoch, and the
+  LR-schedule length of every optimizer (actor.optim / critic.optim .total_training_steps);
+- rollout.prompt_length / response_length from data.max_prompt_length / max_response_length;
+- critic.enable and critic.model from the estimator and the policy model;
+- each trained role's engine.fsdp_size and reshard_after_forward from the device and its group size;
+- the worker sets (which roles live on which pool, how many ranks) and whether old log-probs
+  are recomputed before the update.
+A user value is never overwritten: where it contradicts a derived one, `ConfigError` names both keys.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, replace
+
+from hybridflow.config_utils import ConfigError, freeze, to_yaml
+from hybridflow.engine.config import EngineConfig
+from hybridflow.trainer.run_config import RunConfig
+
+POLICY_ROLES = ("actor", "rollout", "ref")
+"""Roles hosted by ActorRolloutRefWorker."""
+
+
+@dataclass(frozen=True)
+class WorkerSet:
+    """Worker processes on one resource pool and the roles each of them hosts."""
+
+    pool: int
+    """Index of the resource pool (placement) the set lives on."""
+    world_size: int
+    """Processes (ranks) in the set; every role of the set runs SPMD on all of them."""
+    roles: tuple[str, ...]
+    """Roles hosted in every process: actor, rollout, ref, critic, reward_model."""
+
+
+@dataclass(frozen=True)
+class ResolvedRun:
+    """A run with nothing left to derive: what the trainer, the CLI and `--print-config` read."""
+
+    config: RunConfig
+    """The config with every derived value filled in; frozen (assigning a field raises)."""
+    steps_per_epoch: int
+    """Training steps in one pass over the (filtered) training prompts."""
+    worker_sets: tuple[WorkerSet, ...]
+    """Where the roles live; one worker group per set (with colocated roles fused)."""
+    recompute_old_log_prob: bool
+    """True: a separate forward computes old log-probs before the update. False: the update is one
+    optimizer step on the weights that generated, so it uses its own forward's (actor.old_log_prob)."""
+
+    @property
+    def total_steps(self) -> int:
+        """Training steps of the whole run."""
+        return self.config.trainer.total_training_steps
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """Every role of the run."""
+        return tuple(role for s in self.worker_sets for role in s.roles)
+
+    def set_of(self, role: str) -> WorkerSet | None:
+        """The worker set hosting `role`, or None when the run has no such role."""
+        return next((s for s in self.worker_sets if role in s.roles), None)
+
+    def to_yaml(self) -> str:
+        """The resolved config (loadable with --config) followed by the derived plan as comments."""
+        lines = [f"#   steps_per_epoch: {self.steps_per_epoch}",
+                 f"#   recompute_old_log_prob: {str(self.recompute_old_log_prob).lower()}"]
+        lines += [f"#   worker set on pool {s.pool}: {s.world_size} x [{', '.join(s.roles)}]" for s in self.worker_sets]
+        return to_yaml(self.config) + "# resolved plan:\n" + "\n".join(lines) + "\n"
+
+
+def resolve(cfg: RunConfig, steps_per_epoch: int, cpu_count: int | None = None) -> ResolvedRun:
+    """Fill every derived value of `cfg` (left untouched) into a frozen copy; see the module docstring."""
+    if steps_per_epoch < 1:
+        raise ConfigError(f"the training set gives {steps_per_epoch} steps per epoch at data.train_batch_size="
+                          f"{cfg.data.train_batch_size}; add prompts or lower the batch size")
+    sets = worker_sets(cfg)
+    trainer = _resolve_trainer(cfg, steps_per_epoch, cpu_count or os.cpu_count() or 1)
+    total = trainer.total_training_steps
+    device = trainer.device
+    critic = cfg.critic
+    if cfg.use_critic:
+        critic_world = next(s.world_size for s in sets if "critic" in s.roles)
+        critic = replace(critic, enable=True, model=critic.model or cfg.model,
+                         optim=_schedule(critic.optim, total, "critic"),
+                         engine=_engine(critic.engine, device, critic_world, "critic"))
+    resolved = replace(
+        cfg,
+        trainer=trainer,
+        rollout=replace(cfg.rollout, prompt_length=cfg.data.max_prompt_length,
+                        response_length=cfg.data.max_response_length),
+        actor=replace(cfg.actor, optim=_schedule(cfg.actor.optim, total, "actor"),
+                      engine=_engine(cfg.actor.engine, device, sets[0].world_size, "actor")),
+        critic=critic if cfg.use_critic else replace(critic, enable=False),
+    )
+    return ResolvedRun(freeze(resolved), steps_per_epoch, sets, _recompute_old_log_prob(cfg))
+
+
+def worker_sets(cfg: RunConfig) -> tuple[WorkerSet, ...]:
+    """colocate: one set hosting every role; split: the policy (actor + rollout) on the first half of
+    the workers, the reference, critic and reward model on the second."""
+    roles = ["actor", "rollout"] + ["ref"] * cfg.use_ref + ["critic"] * cfg.use_critic
+    roles += ["reward_model"] * cfg.reward_model.enable
+    world = cfg.world_size
+    if cfg.trainer.placement == "colocate":
+        return (WorkerSet(0, world, tuple(roles)),)
+    first = world // 2
+    return WorkerSet(0, first, ("actor", "rollout")), WorkerSet(1, world - first, tuple(roles[2:]))
+
+
+def _resolve_trainer(cfg: RunConfig, steps_per_epoch: int, cpu_count: int):
+    t = cfg.trainer
+    epochs, steps = t.total_epochs, t.total_training_steps
+    if steps is None:
+        epochs = epochs or 1
+        steps = epochs * steps_per_epoch
+    elif epochs is None:
+        epochs = math.ceil(steps / steps_per_epoch)
+    elif steps > epochs * steps_per_epoch:
+        raise ConfigError(f"trainer.total_training_steps={steps} does not fit in trainer.total_epochs={epochs} "
+                          f"({steps_per_epoch} steps per epoch); set only one of them")
+    run_dir = os.path.join(t.project_name, t.experiment_name)
+    return replace(
+        t, total_epochs=epochs, total_training_steps=steps,
+        default_local_dir=t.default_local_dir or os.path.join("checkpoints", run_dir),
+        log_dir=t.log_dir or os.path.join("outputs", run_dir),
+        cpus_per_worker=t.cpus_per_worker or max(1, cpu_count // t.n_workers_per_node),
+    )
+
+
+def _schedule(optim, total: int, role: str):
+    """The optimizer config with its LR-schedule length: the user's, else the run's."""
+    if optim.total_training_steps is not None and optim.total_training_steps < 1:
+        raise ConfigError(f"{role}.optim.total_training_steps must be >= 1 or null (the run's "
+                          f"{total} steps), got {optim.total_training_steps}")
+    return replace(optim, total_training_steps=optim.total_training_steps or total)
+
+
+def _engine(engine: EngineConfig, device: str, world: int, role: str) -> EngineConfig:
+    """The engine config with fsdp_size and reshard_after_forward fixed for `device` and `world` ranks."""
+    import torch
+
+    try:
+        fsdp_size = engine.resolve_fsdp_size(torch.device(device), world)
+    except ValueError as err:
+        raise ConfigError(f"{role}.{err} of its worker set (trainer.n_workers_per_node * trainer.nnodes, "
+                          "halved with trainer.placement=split)") from None
+    return replace(engine, fsdp_size=fsdp_size,
+                   reshard_after_forward=engine.resolve_reshard_after_forward(torch.device(device)))
+
+
+def _recompute_old_log_prob(cfg: RunConfig) -> bool:
+    """Whether old log-probs need their own pass: yes unless the update is a single optimizer step over
+    the whole batch on every rank and nothing before the update needs them (KL in the reward)."""
+    a, rows = cfg.actor, cfg.data.train_batch_size * cfg.rollout.n
+    actor_world = worker_sets(cfg)[0].world_size
+    one_step = a.ppo_epochs == 1 and a.ppo_mini_batch_size >= cfg.data.train_batch_size and rows % actor_world == 0
+    return a.old_log_prob == "recompute" or not one_step or cfg.algorithm.use_kl_in_reward
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What one training step runs: decided on the controller, told to the workers (never inferred there)."""
+
+    step: int
+    """The global step (1-based)."""
+    old_log_prob: bool
+    """Compute old log-probs in their own pass; else the actor update uses its own forward's."""
+    ref_log_prob: bool
+    """Compute reference log-probs (a KL term is used)."""
+    values: bool
+    """Compute critic values (the run has a critic)."""
+    update_critic: bool
+    """Update the critic."""
+    update_actor: bool
+    """Update the actor (False during trainer.critic_warmup)."""
+    validate: bool
+    """Validate after this step (trainer.test_freq, and the last step)."""
+    save: bool
+    """Checkpoint after this step (trainer.save_freq, and the last step)."""
+
+
+def plan_step(run: ResolvedRun, step: int) -> StepPlan:
+    """The plan of training step `step` of `run`."""
+    t, roles = run.config.trainer, run.roles
+    last = step >= run.total_steps
+    return StepPlan(
+        step=step, old_log_prob=run.recompute_old_log_prob, ref_log_prob="ref" in roles,
+        values="critic" in roles, update_critic="critic" in roles, update_actor=step > t.critic_warmup,
+        validate=t.test_freq > 0 and (step % t.test_freq == 0 or last),
+        save=t.save_freq > 0 and (step % t.save_freq == 0 or last),
+    )

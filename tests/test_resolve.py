@@ -1,0 +1,168 @@
+"""The resolve stage: derived values computed once from the final merged config, frozen, never
+overwriting a user value; load-time refusals; the step plan; `hybridflow train --print-config`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hybridflow.config_utils import ConfigError, FrozenConfigError, load_config
+from hybridflow.trainer.checkpointing import STATE_FILE, resume_path
+from hybridflow.trainer.resolve import plan_step, resolve
+from hybridflow.trainer.run_config import RunConfig
+
+
+def _load(tmp_path: Path, source: str, overrides: list[str]) -> RunConfig:
+    """The same settings given as command-line overrides or as a YAML file."""
+    if source == "cli":
+        return load_config(RunConfig, None, overrides)
+    nested: dict = {}
+    for item in overrides:
+        key, value = item.split("=", 1)
+        *parents, leaf = key.split(".")
+        node = nested
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = yaml.safe_load(value)
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(nested))
+    return load_config(RunConfig, path)
+
+
+@pytest.mark.parametrize("source", ["cli", "yaml"])
+def test_names_and_layout_derive_from_the_final_values(tmp_path, source):
+    cfg = _load(tmp_path, source, ["trainer.project_name=p", "trainer.experiment_name=b",
+                                   "trainer.n_workers_per_node=1", "trainer.nnodes=2"])
+    t = resolve(cfg, steps_per_epoch=10, cpu_count=8).config.trainer
+    assert t.default_local_dir == "checkpoints/p/b" and t.log_dir == "outputs/p/b"
+    assert t.cpus_per_worker == 8  # 8 cores / 1 worker per node, not the default 2 workers' 4
+    assert cfg.trainer.default_local_dir is None  # the user's config is left as loaded
+
+
+def test_user_values_are_kept_not_overwritten():
+    cfg = load_config(RunConfig, None, ["trainer.default_local_dir=/ck", "trainer.log_dir=/lg",
+                                        "trainer.cpus_per_worker=3", "actor.optim.total_training_steps=100",
+                                        "trainer.total_training_steps=7"])
+    run = resolve(cfg, steps_per_epoch=10, cpu_count=2)
+    t = run.config.trainer
+    assert (t.default_local_dir, t.log_dir, t.cpus_per_worker) == ("/ck", "/lg", 3)
+    assert run.config.actor.optim.total_training_steps == 100  # part of a longer LR schedule, on purpose
+    assert run.total_steps == 7 and t.total_epochs == 1
+
+
+@pytest.mark.parametrize("overrides, steps, epochs", [
+    ([], 10, 1),
+    (["trainer.total_epochs=3"], 30, 3),
+    (["trainer.total_training_steps=25"], 25, 3),
+    (["trainer.total_training_steps=15", "trainer.total_epochs=2"], 15, 2),
+])
+def test_run_length_and_lr_schedule_derive_from_steps_or_epochs(overrides, steps, epochs):
+    cfg = load_config(RunConfig, None, ["algorithm.adv_estimator=gae", "trainer.total_training_steps=null", *overrides])
+    run = resolve(cfg, steps_per_epoch=10)
+    assert (run.total_steps, run.config.trainer.total_epochs) == (steps, epochs)
+    assert run.config.actor.optim.total_training_steps == steps
+    assert run.config.critic.optim.total_training_steps == steps
+
+
+def test_steps_that_do_not_fit_the_epochs_name_both_keys():
+    cfg = load_config(RunConfig, None, ["trainer.total_training_steps=25", "trainer.total_epochs=2"])
+    with pytest.raises(ConfigError, match=r"trainer.total_training_steps=25 does not fit in trainer.total_epochs=2"):
+        resolve(cfg, steps_per_epoch=10)
+
+
+def test_rollout_lengths_and_critic_derive_and_the_result_is_frozen():
+    cfg = load_config(RunConfig, None, ["data.max_response_length=48", "algorithm.adv_estimator=gae"])
+    run = resolve(cfg, steps_per_epoch=4)
+    c = run.config
+    assert (c.rollout.prompt_length, c.rollout.response_length) == (c.data.max_prompt_length, 48)
+    assert c.critic.enable is True and c.critic.model == c.model
+    assert c.actor.engine.fsdp_size == 1 and c.actor.engine.reshard_after_forward is False  # CPU defaults
+    assert run.roles == ("actor", "rollout", "critic")
+    with pytest.raises(FrozenConfigError, match="read-only"):
+        c.trainer.log_dir = "elsewhere"
+    with pytest.raises(FrozenConfigError):
+        c.actor.optim.lr = 1.0
+    cfg.trainer.log_dir = "still/editable"  # the loaded config is the user's, not frozen
+
+
+def test_worker_sets_follow_the_placement():
+    split = resolve(load_config(RunConfig, None, ["trainer.placement=split", "trainer.n_workers_per_node=4",
+                                                  "algorithm.adv_estimator=gae", "actor.use_kl_loss=true"]), 4)
+    assert [(s.pool, s.world_size, s.roles) for s in split.worker_sets] == [
+        (0, 2, ("actor", "rollout")), (1, 2, ("ref", "critic"))]
+    assert split.set_of("critic").pool == 1 and split.set_of("reward_model") is None
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["rollout.response_length=64", "data.max_response_length=32"],
+     r"rollout.response_length=64 conflicts with data.max_response_length=32"),
+    (["actor.policy_loss.tis_imp_ratio_cap=2.0"],
+     r"tis_imp_ratio_cap=2.0 .*rollout.calculate_log_probs=false"),
+    (["ref.param_dtype=fp16"], r"ref.param_dtype must be one of \['bf16', 'fp32'\]"),
+    (["trainer.experiment_name=a/b"], r"trainer.experiment_name names a directory level"),
+    (["actor.loss_agg_mode=sum"], r"actor.loss_agg_mode='sum' is unknown; valid: \['token-mean'"),
+    (["trainer.device=cuda"], r"trainer.device=cuda but torch sees no CUDA device"),
+    (["rollout.name=vllm"], r"rollout.name=vllm needs the vllm package"),
+])
+def test_cross_section_problems_are_refused_at_load(overrides, message):
+    pytest.importorskip("torch")
+    import importlib.util
+
+    import torch
+
+    if "trainer.device=cuda" in overrides and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    if "rollout.name=vllm" in overrides and importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vllm is installed here")
+    with pytest.raises(ConfigError, match=message):
+        load_config(RunConfig, None, overrides)
+
+
+def test_fsdp_size_that_does_not_divide_the_role_world_is_refused():
+    cfg = load_config(RunConfig, None, ["actor.engine.fsdp_size=3"])
+    with pytest.raises(ConfigError, match=r"actor.engine.fsdp_size=3 must divide the number of ranks \(2\)"):
+        resolve(cfg, steps_per_epoch=4)
+
+
+def test_dead_engine_field_is_gone():
+    with pytest.raises(ConfigError, match="unknown config key 'actor.engine.micro_batch_size_per_device'"):
+        load_config(RunConfig, None, ["actor.engine.micro_batch_size_per_device=4"])
+
+
+def test_step_plan():
+    run = resolve(load_config(RunConfig, None, ["algorithm.adv_estimator=gae", "trainer.critic_warmup=1",
+                                                "trainer.total_training_steps=4", "trainer.test_freq=3",
+                                                "trainer.save_freq=2", "algorithm.use_kl_in_reward=true"]), 10)
+    plans = [plan_step(run, s) for s in range(1, 5)]
+    assert [p.update_actor for p in plans] == [False, True, True, True]
+    assert all(p.update_critic and p.values and p.ref_log_prob and p.old_log_prob for p in plans)
+    assert [p.validate for p in plans] == [False, False, True, True]  # every 3rd and the last
+    assert [p.save for p in plans] == [False, True, False, True]
+    grpo = resolve(load_config(RunConfig, None, ["actor.ppo_mini_batch_size=8"]), 10)  # one optimizer step
+    first = plan_step(grpo, 1)
+    assert not (first.old_log_prob or first.ref_log_prob or first.values or first.update_critic)
+
+
+def _fake_checkpoint(root: Path, run: str) -> Path:
+    path = root / "global_step_2"
+    path.mkdir(parents=True)
+    (path / STATE_FILE).write_text(json.dumps({"global_step": 2, "run": run}))
+    (path / "COMPLETE").write_text("")
+    return path
+
+
+def test_two_experiments_never_share_a_directory_and_auto_resume_never_crosses_runs(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    a = resolve(load_config(RunConfig, None, ["trainer.experiment_name=a"]), 4).config
+    b = resolve(load_config(RunConfig, None, ["trainer.experiment_name=b"]), 4).config
+    assert a.trainer.default_local_dir != b.trainer.default_local_dir and a.trainer.log_dir != b.trainer.log_dir
+    ckpt = _fake_checkpoint(Path(a.trainer.default_local_dir), "hybridflow/a")
+    assert resume_path(a) == ckpt
+    assert resume_path(b) is None  # its own directory is empty
+    shared = resolve(load_config(RunConfig, None, ["trainer.experiment_name=b",
+                                                   f"trainer.default_local_dir={a.trainer.default_local_dir}"]), 4)
+    with pytest.raises(ValueError, match=r"holds checkpoints of run 'hybridflow/a', but this run is 'hybridflow/b'"):
+        resume_path(shared.config)
