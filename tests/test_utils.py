@@ -1,4 +1,5 @@
-"""hybridflow.utils: timing, tracking backends, plots, checkpoint directories, progress bar — on real files."""
+"""hybridflow.utils: timing, tracking backends, plots, checkpoint directories, progress bar, quiet
+libraries — on real files and real processes."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import json
 import math
 import os
 import struct
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -18,6 +21,7 @@ import torch
 from hybridflow.utils import checkpoint_dirs as ckpt
 from hybridflow.utils.plot import plot_run, read_metrics, run_figure, summarize_run
 from hybridflow.utils.progress import TrainProgress
+from hybridflow.utils.quiet import quiet_libraries, worker_env
 from hybridflow.utils.timing import reduce_metrics, timer, to_float
 from hybridflow.utils.tracking import Tracking
 
@@ -286,3 +290,47 @@ def test_progress_on_a_tty_shows_steps_and_key_metrics():
     assert bar.enabled and "ppo" in out and "4/10" in out
     assert "score=0.75" in out and "pg_loss=-0.0123" in out and "resp_len=31.25" in out and "step_s=2" in out
     assert "lr" not in out.split("4/10")[-1]
+
+
+# --- quiet libraries ---------------------------------------------------------------
+
+_LIBRARY_STATE = """
+import io, json, tqdm
+from transformers.utils import logging
+bar = logging.tqdm(range(3), file=io.StringIO())
+print(json.dumps({"transformers_bars": not isinstance(bar, logging.EmptyTqdm) and not bar.disable,
+                  "tqdm_bars": not tqdm.tqdm(range(3), file=io.StringIO()).disable,
+                  "transformers_level": logging.get_verbosity()}))
+"""
+
+
+def _library_state_in_a_fresh_process(env: dict[str, str]) -> dict:
+    base = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_DISABLE_PROGRESS_BARS", "TQDM_DISABLE")}
+    out = subprocess.run([sys.executable, "-c", _LIBRARY_STATE], env={**base, **env}, capture_output=True,
+                         text=True, check=True, timeout=120)
+    return json.loads(out.stdout)
+
+
+def test_worker_env_switches_bars_and_info_logs_off_in_a_new_process_and_verbose_leaves_them():
+    quiet = _library_state_in_a_fresh_process(worker_env(verbose=False))
+    assert quiet == {"transformers_bars": False, "tqdm_bars": False, "transformers_level": 30}
+    assert worker_env(verbose=True) == {}
+    loud = _library_state_in_a_fresh_process(worker_env(verbose=True))
+    assert loud["transformers_bars"] and loud["tqdm_bars"]
+
+
+def test_quiet_libraries_silences_transformers_for_the_block_only():
+    from transformers.utils import logging as tf_logging
+
+    before = tf_logging.get_verbosity()
+    tf_logging.set_verbosity_info()
+    try:
+        with quiet_libraries(verbose=False):
+            assert tf_logging.get_verbosity() == tf_logging.WARNING
+            assert tf_logging.tqdm(range(3), file=io.StringIO()).disable
+        assert tf_logging.get_verbosity() == tf_logging.INFO
+        with quiet_libraries(verbose=True):
+            assert tf_logging.get_verbosity() == tf_logging.INFO
+        assert tf_logging.set_tqdm_hook(None) is None  # the hook it installed is gone again
+    finally:
+        tf_logging.set_verbosity(before)

@@ -35,7 +35,8 @@ def _start_backend(cfg: RunConfig) -> None:
     if cfg.trainer.backend == "ray":
         from hybridflow.controller.ray import init_local_ray
 
-        init_local_ray(num_cpus=max(os.cpu_count() or 1, cfg.world_size * cfg.trainer.cpus_per_worker))
+        init_local_ray(num_cpus=max(os.cpu_count() or 1, cfg.world_size * cfg.trainer.cpus_per_worker),
+                       logging_level=logging.INFO if cfg.trainer.verbose else logging.WARNING)
 
 
 def prepare_inputs(cfg: RunConfig) -> tuple[Any, Any, Any, Any]:
@@ -58,14 +59,16 @@ def run(cfg: RunConfig, inputs: tuple[Any, Any, Any, Any] | None = None) -> dict
     """Train as configured; returns {"before": val metrics, "after": val metrics}."""
     from hybridflow.trainer.ppo_trainer import PPOTrainer
     from hybridflow.trainer.roles import build_roles
+    from hybridflow.utils.quiet import quiet_libraries
     from hybridflow.utils.tracking import Tracking
 
     tokenizer, train_loader, val_loader, reward_fn = inputs or prepare_inputs(cfg)
     _start_backend(cfg)
     roles = build_roles(cfg)
     try:
-        for group in roles.all():
-            group.init_model()
+        with quiet_libraries(cfg.trainer.verbose):
+            for group in roles.all():
+                group.init_model()
         log_dir = Path(cfg.trainer.log_dir)
         with Tracking(cfg.trainer.project_name, cfg.trainer.experiment_name, cfg.trainer.logger, log_dir,
                       config=_plain(cfg)) as tracker:

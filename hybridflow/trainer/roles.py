@@ -19,6 +19,7 @@ from hybridflow.controller.colocate import create_colocated_worker_cls
 from hybridflow.controller.resource_pool import ClassWithInitArgs
 from hybridflow.controller.worker_group import WorkerGroup
 from hybridflow.trainer.run_config import RunConfig
+from hybridflow.utils.quiet import worker_env
 from hybridflow.workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
 
 
@@ -88,4 +89,5 @@ def _backend(cfg: RunConfig):
     if t.placement == "split":
         first = cfg.world_size // 2
         pools = split_resource_pool(pool, [first, cfg.world_size - first])
-    return (lambda p, cls: RayWorkerGroup(p, cls)), pools
+    env = worker_env(t.verbose)
+    return (lambda p, cls: RayWorkerGroup(p, cls, env_vars=env)), pools
