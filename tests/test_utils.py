@@ -1,5 +1,5 @@
-"""hybridflow.utils: timing, tracking backends, plots, checkpoint directories, progress bar, quiet
-libraries — on real files and real processes."""
+"""hybridflow.utils: timing, tracking backends, plots, checkpoint directories, progress bar and phase
+lines, quiet libraries — on real files and real processes."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import torch
 
 from hybridflow.utils import checkpoint_dirs as ckpt
 from hybridflow.utils.plot import plot_run, read_metrics, run_figure, summarize_run
-from hybridflow.utils.progress import TrainProgress
+from hybridflow.utils.progress import TrainProgress, phase
 from hybridflow.utils.quiet import quiet_libraries, worker_env
 from hybridflow.utils.timing import reduce_metrics, timer, to_float
 from hybridflow.utils.tracking import Tracking
@@ -290,6 +290,37 @@ def test_progress_on_a_tty_shows_steps_and_key_metrics():
     assert bar.enabled and "ppo" in out and "4/10" in out
     assert "score=0.75" in out and "pg_loss=-0.0123" in out and "resp_len=31.25" in out and "step_s=2" in out
     assert "lr" not in out.split("4/10")[-1]
+
+
+# --- phase lines -----------------------------------------------------------------
+
+
+def test_phase_in_a_log_is_a_start_line_and_a_result_line():
+    log = io.StringIO()
+    with phase("loading models", stream=log):
+        time.sleep(0.06)
+    start, result = log.getvalue().splitlines()
+    assert start == "loading models ..."
+    assert result.startswith("loading models ... done in ") and result.endswith(" s")
+    assert float(result.split("done in ")[1][:-2]) >= 0.1  # slept 0.06 s, printed to 0.1 s
+    assert "\r" not in log.getvalue()
+
+
+def test_phase_on_a_tty_is_one_line_rewritten_in_place():
+    tty = _FakeTTY()
+    with phase("validating (4 prompts)", stream=tty):
+        tty.write("a worker's warning\n")  # output in between must not split the result line
+    out = tty.getvalue()
+    assert out.startswith("validating (4 prompts) ... a worker's warning\n")
+    last = out.split("\r")[-1]
+    assert last.startswith("validating (4 prompts) ... done in ") and last.endswith("\x1b[K\n")
+
+
+def test_phase_reports_a_failure_and_lets_the_error_through():
+    log = io.StringIO()
+    with pytest.raises(RuntimeError, match="boom"), phase("saving checkpoint global_step_3", stream=log):
+        raise RuntimeError("boom")
+    assert log.getvalue().splitlines()[-1].startswith("saving checkpoint global_step_3 ... failed after ")
 
 
 # --- quiet libraries ---------------------------------------------------------------

@@ -59,14 +59,17 @@ def run(cfg: RunConfig, inputs: tuple[Any, Any, Any, Any] | None = None) -> dict
     """Train as configured; returns {"before": val metrics, "after": val metrics}."""
     from hybridflow.trainer.ppo_trainer import PPOTrainer
     from hybridflow.trainer.roles import build_roles
+    from hybridflow.utils.progress import phase
     from hybridflow.utils.quiet import quiet_libraries
     from hybridflow.utils.tracking import Tracking
 
     tokenizer, train_loader, val_loader, reward_fn = inputs or prepare_inputs(cfg)
-    _start_backend(cfg)
-    roles = build_roles(cfg)
+    n = cfg.world_size
+    with phase(f"starting {n} worker{'s' if n > 1 else ''} ({cfg.trainer.backend})"):
+        _start_backend(cfg)
+        roles = build_roles(cfg)
     try:
-        with quiet_libraries(cfg.trainer.verbose):
+        with phase("loading models"), quiet_libraries(cfg.trainer.verbose):
             for group in roles.all():
                 group.init_model()
         log_dir = Path(cfg.trainer.log_dir)
