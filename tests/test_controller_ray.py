@@ -176,3 +176,16 @@ def test_max_colocate_count_lets_separate_groups_share_a_pool(ray_local):
     assert not {i["pid"] for i in a} & {i["pid"] for i in b}
     assert {i["torch_threads"] for i in a + b} == {1}  # a quarter CPU each still gets one thread
     release(pool, first, second)
+
+
+def _env_of(worker, names: list[str]) -> dict:
+    return ray.get(worker.__ray_call__.remote(lambda self: {n: os.environ.get(n) for n in names}))
+
+
+def test_extra_env_vars_reach_every_worker_and_never_override_the_groups_own(ray_local):
+    pool = RayResourcePool([2], num_cpus_per_process=0.5, name_prefix="env_")
+    extra = {"HYBRIDFLOW_TEST_FLAG": "on", "RANK": "99"}
+    group = RayWorkerGroup(pool, RayClassWithInitArgs(Probe), name_prefix="env", env_vars=extra)
+    envs = [_env_of(w, ["HYBRIDFLOW_TEST_FLAG", "RANK"]) for w in group.workers]
+    assert envs == [{"HYBRIDFLOW_TEST_FLAG": "on", "RANK": "0"}, {"HYBRIDFLOW_TEST_FLAG": "on", "RANK": "1"}]
+    release(pool, group)

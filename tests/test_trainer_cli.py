@@ -2,7 +2,7 @@
 
 Every run is a real subprocess with real Ray workers (or the in-process backend), a
 real gloo process group, real generation, scoring and FSDP2 updates; the assertions
-read the metrics file the run wrote.
+read the metrics file the run wrote and its console (phase lines, no library progress bars).
 """
 
 from __future__ import annotations
@@ -52,9 +52,30 @@ def read_metrics(tmp: Path) -> list[dict]:
     return [json.loads(line) for line in lines if line.strip()]
 
 
+LIBRARY_BARS = ("Loading weights", "it/s]")
+"""What transformers' weight-loading bar prints, and any tqdm bar's rate."""
+
+
+def assert_console(proc: subprocess.CompletedProcess, extra: list[str]) -> None:
+    """One line per phase on stdout; the workers' library bars only with trainer.verbose=true."""
+    if "trainer.verbose=true" in extra:  # forwarded by Ray from the workers; the controller loads no weights
+        assert "Loading weights" in proc.stderr and "ActorRolloutRefWorker pid=" in proc.stderr, proc.stderr[-3000:]
+    else:
+        for bar in LIBRARY_BARS:
+            assert bar not in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    workers = "1 worker (local)" if "trainer.backend=local" in extra else "2 workers (ray)"
+    phases = [f"starting {workers}", "loading models", "validating (4 prompts)"]
+    if "trainer.save_freq=2" in extra:
+        phases.append("saving checkpoint global_step_2 in ")
+    lines = proc.stdout.splitlines()
+    for start in phases:
+        assert any(line.startswith(start) and " ... done in " in line for line in lines), (start, proc.stdout[-3000:])
+
+
 def train_ok(tiny_model: str, tmp_path: Path, *extra: str) -> list[dict]:
     proc = run_cli(base_overrides(tiny_model, tmp_path) + list(extra), tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert_console(proc, list(extra))
     records = read_metrics(tmp_path)
     steps = [r for r in records if r["step"] >= 1 and "actor/pg_loss" in r]
     assert [r["step"] for r in steps] == [1, 2], records
@@ -69,7 +90,7 @@ def train_ok(tiny_model: str, tmp_path: Path, *extra: str) -> list[dict]:
     ("grpo", [], []),
     ("gae", ["algorithm.adv_estimator=gae"], ["critic/vf_loss", "critic/values/mean"]),
     ("reinforce_pp", ["algorithm.adv_estimator=reinforce_plus_plus"], []),
-    ("rloo", ["algorithm.adv_estimator=rloo"], []),
+    ("rloo_verbose_save", ["algorithm.adv_estimator=rloo", "trainer.verbose=true", "trainer.save_freq=2"], []),
     ("remax", ["algorithm.adv_estimator=remax"], ["timing_s/reward"]),
     ("kl_loss", ["actor.use_kl_loss=true", "actor.kl_loss_coef=0.1"], ["actor/kl_loss"]),
     ("kl_reward", ["algorithm.use_kl_in_reward=true"], ["actor/reward_kl_penalty"]),

@@ -1,4 +1,5 @@
-"""hybridflow.utils: timing, tracking backends, plots, checkpoint directories, progress bar — on real files."""
+"""hybridflow.utils: timing, tracking backends, plots, checkpoint directories, progress bar and phase
+lines, quiet libraries — on real files and real processes."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import json
 import math
 import os
 import struct
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -17,7 +20,8 @@ import torch
 
 from hybridflow.utils import checkpoint_dirs as ckpt
 from hybridflow.utils.plot import plot_run, read_metrics, run_figure, summarize_run
-from hybridflow.utils.progress import TrainProgress
+from hybridflow.utils.progress import TrainProgress, phase
+from hybridflow.utils.quiet import quiet_libraries, worker_env
 from hybridflow.utils.timing import reduce_metrics, timer, to_float
 from hybridflow.utils.tracking import Tracking
 
@@ -286,3 +290,78 @@ def test_progress_on_a_tty_shows_steps_and_key_metrics():
     assert bar.enabled and "ppo" in out and "4/10" in out
     assert "score=0.75" in out and "pg_loss=-0.0123" in out and "resp_len=31.25" in out and "step_s=2" in out
     assert "lr" not in out.split("4/10")[-1]
+
+
+# --- phase lines -----------------------------------------------------------------
+
+
+def test_phase_in_a_log_is_a_start_line_and_a_result_line():
+    log = io.StringIO()
+    with phase("loading models", stream=log):
+        time.sleep(0.06)
+    start, result = log.getvalue().splitlines()
+    assert start == "loading models ..."
+    assert result.startswith("loading models ... done in ") and result.endswith(" s")
+    assert float(result.split("done in ")[1][:-2]) >= 0.1  # slept 0.06 s, printed to 0.1 s
+    assert "\r" not in log.getvalue()
+
+
+def test_phase_on_a_tty_is_one_line_rewritten_in_place():
+    tty = _FakeTTY()
+    with phase("validating (4 prompts)", stream=tty):
+        tty.write("a worker's warning\n")  # output in between must not split the result line
+    out = tty.getvalue()
+    assert out.startswith("validating (4 prompts) ... a worker's warning\n")
+    last = out.split("\r")[-1]
+    assert last.startswith("validating (4 prompts) ... done in ") and last.endswith("\x1b[K\n")
+
+
+def test_phase_reports_a_failure_and_lets_the_error_through():
+    log = io.StringIO()
+    with pytest.raises(RuntimeError, match="boom"), phase("saving checkpoint global_step_3", stream=log):
+        raise RuntimeError("boom")
+    assert log.getvalue().splitlines()[-1].startswith("saving checkpoint global_step_3 ... failed after ")
+
+
+# --- quiet libraries ---------------------------------------------------------------
+
+_LIBRARY_STATE = """
+import io, json, tqdm
+from transformers.utils import logging
+bar = logging.tqdm(range(3), file=io.StringIO())
+print(json.dumps({"transformers_bars": not isinstance(bar, logging.EmptyTqdm) and not bar.disable,
+                  "tqdm_bars": not tqdm.tqdm(range(3), file=io.StringIO()).disable,
+                  "transformers_level": logging.get_verbosity()}))
+"""
+
+
+def _library_state_in_a_fresh_process(env: dict[str, str]) -> dict:
+    base = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_DISABLE_PROGRESS_BARS", "TQDM_DISABLE")}
+    out = subprocess.run([sys.executable, "-c", _LIBRARY_STATE], env={**base, **env}, capture_output=True,
+                         text=True, check=True, timeout=120)
+    return json.loads(out.stdout)
+
+
+def test_worker_env_switches_bars_and_info_logs_off_in_a_new_process_and_verbose_leaves_them():
+    quiet = _library_state_in_a_fresh_process(worker_env(verbose=False))
+    assert quiet == {"transformers_bars": False, "tqdm_bars": False, "transformers_level": 30}
+    assert worker_env(verbose=True) == {}
+    loud = _library_state_in_a_fresh_process(worker_env(verbose=True))
+    assert loud["transformers_bars"] and loud["tqdm_bars"]
+
+
+def test_quiet_libraries_silences_transformers_for_the_block_only():
+    from transformers.utils import logging as tf_logging
+
+    before = tf_logging.get_verbosity()
+    tf_logging.set_verbosity_info()
+    try:
+        with quiet_libraries(verbose=False):
+            assert tf_logging.get_verbosity() == tf_logging.WARNING
+            assert tf_logging.tqdm(range(3), file=io.StringIO()).disable
+        assert tf_logging.get_verbosity() == tf_logging.INFO
+        with quiet_libraries(verbose=True):
+            assert tf_logging.get_verbosity() == tf_logging.INFO
+        assert tf_logging.set_tqdm_hook(None) is None  # the hook it installed is gone again
+    finally:
+        tf_logging.set_verbosity(before)

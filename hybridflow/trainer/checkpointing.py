@@ -47,7 +47,7 @@ class TrainerCheckpointer:
             raise
         if self.cfg.trainer.max_ckpt_to_keep:
             C.prune_checkpoints(self.root, self.cfg.trainer.max_ckpt_to_keep)
-        log.info("saved checkpoint %s", final)
+        log.debug("saved checkpoint %s", final)  # the trainer's phase line reports it on the console
         return final
 
     def resume(self, kl_ctrl: Any) -> int:

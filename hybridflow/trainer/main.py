@@ -46,7 +46,8 @@ def _start_backend(cfg: RunConfig) -> None:
     if cfg.trainer.backend == "ray":
         from hybridflow.controller.ray import init_local_ray
 
-        init_local_ray(num_cpus=max(os.cpu_count() or 1, cfg.world_size * cfg.trainer.cpus_per_worker))
+        init_local_ray(num_cpus=max(os.cpu_count() or 1, cfg.world_size * cfg.trainer.cpus_per_worker),
+                       logging_level=logging.INFO if cfg.trainer.verbose else logging.WARNING)
 
 
 def prepare_inputs(cfg: RunConfig) -> RunInputs:
@@ -79,14 +80,19 @@ def run(resolved: ResolvedRun, inputs: RunInputs) -> dict[str, dict[str, float]]
     """Train as resolved; returns {"before": val metrics, "after": val metrics}."""
     from hybridflow.trainer.ppo_trainer import PPOTrainer
     from hybridflow.trainer.roles import build_roles
+    from hybridflow.utils.progress import phase
+    from hybridflow.utils.quiet import quiet_libraries
     from hybridflow.utils.tracking import Tracking
 
     cfg = resolved.config
-    _start_backend(cfg)
-    roles = build_roles(resolved)
+    n = cfg.world_size
+    with phase(f"starting {n} worker{'s' if n > 1 else ''} ({cfg.trainer.backend})"):
+        _start_backend(cfg)
+        roles = build_roles(resolved)
     try:
-        for group in roles.all():
-            group.init_model()
+        with phase("loading models"), quiet_libraries(cfg.trainer.verbose):
+            for group in roles.all():
+                group.init_model()
         log_dir = Path(cfg.trainer.log_dir)
         with Tracking(cfg.trainer.project_name, cfg.trainer.experiment_name, cfg.trainer.logger, log_dir,
                       config=_plain(cfg)) as tracker:
@@ -128,7 +134,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry of `hybridflow train`."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    # Our own info lines on the console; other libraries only warn (matplotlib's font cache, ...).
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("hybridflow").setLevel(logging.INFO)
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         resolved, inputs = load_run(args.config, args.overrides)

@@ -20,7 +20,7 @@ from hybridflow.trainer.metrics import data_metrics, throughput_metrics, worker_
 from hybridflow.trainer.resolve import ResolvedRun, StepPlan, plan_step
 from hybridflow.trainer.roles import Roles
 from hybridflow.trainer.validation import validate
-from hybridflow.utils.progress import TrainProgress
+from hybridflow.utils.progress import TrainProgress, phase
 from hybridflow.utils.timing import timer
 from hybridflow.utils.tracking import Tracking
 
@@ -127,11 +127,13 @@ class PPOTrainer:
     def _validate_and_save(self, plan: StepPlan) -> dict[str, float]:
         metrics = self._validate() if plan.validate else {}
         if plan.save:
-            self.checkpointer.save(plan.step, self.kl_ctrl)
+            with phase(f"saving checkpoint global_step_{plan.step} in {self.checkpointer.root}"):
+                self.checkpointer.save(plan.step, self.kl_ctrl)
         return metrics
 
     def _validate(self) -> dict[str, float]:
-        metrics = validate(self.roles.actor_rollout, self.val_loader, self.reward_fn, self.cfg.rollout.val_kwargs.n)
+        with phase(f"validating ({len(self.val_loader.dataset)} prompts)"):
+            metrics = validate(self.roles.actor_rollout, self.val_loader, self.reward_fn, self.cfg.rollout.val_kwargs.n)
         self.first_val = self.first_val or metrics
         self.last_val = metrics
         if self.global_step == 0:

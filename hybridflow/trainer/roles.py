@@ -22,6 +22,7 @@ from hybridflow.controller.resource_pool import ClassWithInitArgs
 from hybridflow.controller.worker_group import WorkerGroup
 from hybridflow.trainer.resolve import POLICY_ROLES, ResolvedRun, WorkerSet
 from hybridflow.trainer.run_config import RunConfig
+from hybridflow.utils.quiet import worker_env
 from hybridflow.workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
 
 
@@ -95,4 +96,5 @@ def _backend(run: ResolvedRun):
     pools = [pool]
     if len(run.worker_sets) > 1:
         pools = split_resource_pool(pool, [s.world_size for s in run.worker_sets])
-    return (lambda p, cls: RayWorkerGroup(p, cls)), pools
+    env = worker_env(t.verbose)
+    return (lambda p, cls: RayWorkerGroup(p, cls, env_vars=env)), pools

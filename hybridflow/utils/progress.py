@@ -1,15 +1,21 @@
-"""A tqdm progress bar for the training loop, showing a few key metrics as its postfix.
+"""Console progress of a run: one line per phase, and a tqdm bar over training steps.
 
-It switches itself off when its stream is not a terminal (logs, CI, Ray
-drivers piped to files) or when the environment sets HYBRIDFLOW_NO_PROGRESS=1;
-the console logger still prints one line per step then.
+`phase` prints `loading models ... done in 12.3 s`: one line on a terminal, and in
+a log file a start line and that result line, plain text without carriage returns.
+
+`TrainProgress` shows a few key metrics as the bar's postfix. It switches itself
+off when its stream is not a terminal (logs, CI, Ray drivers piped to files) or
+when the environment sets HYBRIDFLOW_NO_PROGRESS=1; the console logger still
+prints one line per step then.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Mapping
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any, TextIO
 
 from tqdm import tqdm
@@ -20,6 +26,38 @@ from hybridflow.utils.tracking import key_metrics
 NO_PROGRESS_ENV = "HYBRIDFLOW_NO_PROGRESS"
 POSTFIX_LABELS = ("score", "pg_loss", "resp_len", "step_s")
 """Short labels (see tracking.KEY_METRICS) shown after the bar, when present."""
+ERASE_TO_END_OF_LINE = "\x1b[K"
+"""ANSI: clear the rest of the terminal line (after rewriting a phase line in place)."""
+
+
+@contextmanager
+def phase(what: str, stream: TextIO | None = None) -> Iterator[None]:
+    """Report a phase of the run on `stream` (default stdout): `what ... done in X s` (or `failed after X s`).
+
+    On a terminal that is one line: `what ... ` while the block runs, rewritten in place
+    when it ends, so output that came in between (a worker's warning) is not cut in two.
+    Elsewhere (a log file) it is two plain lines, `what ...` and the result, with no
+    carriage returns. Exceptions propagate.
+    """
+    out = stream or sys.stdout
+    tty = is_tty(out)
+    out.write(f"{what} ... " if tty else f"{what} ...\n")
+    out.flush()
+    start = time.perf_counter()
+    outcome = "failed after"
+    try:
+        yield
+        outcome = "done in"
+    finally:
+        result = f"{what} ... {outcome} {time.perf_counter() - start:.1f} s"
+        out.write(f"\r{result}{ERASE_TO_END_OF_LINE}\n" if tty else f"{result}\n")
+        out.flush()
+
+
+def is_tty(stream: TextIO) -> bool:
+    """Whether `stream` is a terminal."""
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty())
 
 
 def progress_enabled(stream: TextIO, enable: bool | None = None) -> bool:
@@ -28,8 +66,7 @@ def progress_enabled(stream: TextIO, enable: bool | None = None) -> bool:
         return False
     if enable is not None:
         return enable
-    isatty = getattr(stream, "isatty", None)
-    return bool(isatty and isatty())
+    return is_tty(stream)
 
 
 class TrainProgress:

@@ -81,7 +81,8 @@ class RayWorkerGroup(WorkerGroup):
     """A WorkerGroup whose ranks are Ray actors placed on a RayResourcePool's bundles.
 
     Each actor gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
-    MASTER_PORT and its thread count through `runtime_env` env vars. A call
+    MASTER_PORT and its thread count through `runtime_env` env vars, on top of
+    `env_vars` (extra variables for every worker process). A call
     whose worker died raises `WorkerError` naming the group, rank and method
     (checked every `poll_interval_s` while waiting).
     """
@@ -92,6 +93,7 @@ class RayWorkerGroup(WorkerGroup):
         ray_cls_with_init: ClassWithInitArgs,
         name_prefix: str | None = None,
         poll_interval_s: float = 0.5,
+        env_vars: dict[str, str] | None = None,
     ) -> None:
         if not isinstance(ray_cls_with_init, ClassWithInitArgs):
             raise TypeError("RayWorkerGroup needs a RayClassWithInitArgs(WorkerCls, *args, **kwargs)")
@@ -99,6 +101,7 @@ class RayWorkerGroup(WorkerGroup):
         slots = resource_pool.slots()
         super().__init__(name, len(slots))
         self._poll_interval_s = poll_interval_s
+        self._env_vars = dict(env_vars or {})
         self._workers = self._create_workers(resource_pool, slots, ray_cls_with_init)
         self._method_handles: dict[str, list[Any]] = {}
         self._bind_worker_methods(ray_cls_with_init.cls)
@@ -117,6 +120,7 @@ class RayWorkerGroup(WorkerGroup):
             cpus = slot.num_cpus / pool.max_colocate_count
             threads = str(max(1, int(cpus)))
             env = {
+                **self._env_vars,
                 "RANK": str(rank), "WORLD_SIZE": str(len(slots)),
                 "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(local_ws),
                 "MASTER_ADDR": addr, "MASTER_PORT": str(port),

@@ -1,0 +1,62 @@
+"""Keep libraries' progress bars and info logs off the console unless `trainer.verbose`.
+
+Where the noise comes from: transformers draws a "Loading weights" bar for every
+`from_pretrained` (actor, reference and rollout copies: three per worker) and a
+"Writing model shards" bar for every `save_pretrained`; its GGUF reader draws a
+plain tqdm bar; and Ray forwards each worker's stderr to the controller behind a
+`(WorkerClass pid=...)` prefix, so every bar is repeated once per worker.
+Warnings and errors are left alone: a worker's failure still reaches the console.
+
+Ray workers are fresh processes: `worker_env` gives the env vars that switch the
+bars and info logs off there at import (the worker groups pass them through the
+actors' runtime_env). The controller's own process, which also runs the worker of
+the in-process local backend, is quietened for a block only by `quiet_libraries`,
+which puts back what it changed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+QUIET_WORKER_ENV: dict[str, str] = {
+    # huggingface_hub's bars; transformers reads it at import for its own bars too
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    # every other tqdm bar (tqdm >= 4.66 takes its defaults from TQDM_* env vars)
+    "TQDM_DISABLE": "1",
+    "TRANSFORMERS_VERBOSITY": "warning",
+}
+"""The env vars `worker_env` sets in quiet mode."""
+
+
+def worker_env(verbose: bool) -> dict[str, str]:
+    """Env vars for worker processes: `QUIET_WORKER_ENV`, or none when `verbose` (the libraries' defaults)."""
+    return {} if verbose else dict(QUIET_WORKER_ENV)
+
+
+@contextmanager
+def quiet_libraries(verbose: bool = False) -> Iterator[None]:
+    """For the block, in this process: transformers' progress bars off and its logs at WARNING or above.
+
+    Restores transformers' verbosity and tqdm hook on exit, so the process's logging is
+    as it was afterwards. Does nothing when `verbose`.
+    """
+    if verbose:
+        yield
+        return
+    from transformers.utils import logging as tf_logging
+
+    level = tf_logging.get_verbosity()
+    previous_hook = tf_logging.set_tqdm_hook(_disabled_bar)
+    tf_logging.set_verbosity(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        tf_logging.set_verbosity(level)
+        tf_logging.set_tqdm_hook(previous_hook)
+
+
+def _disabled_bar(factory: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return factory(*args, **{**kwargs, "disable": True})
