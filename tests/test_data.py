@@ -70,7 +70,7 @@ def test_difficulty_knobs_and_errors(tmp_path, caplog):
         build_task("arithmetic", tmp_path, 5, 5, max_digit=2)
     with pytest.raises(ValueError, match="operators"):
         build_task("arithmetic", tmp_path, 5, 5, operators="/")
-    with pytest.raises(KeyError, match="unknown task 'nope'.*arithmetic"):
+    with pytest.raises(KeyError, match="data.task='nope' is not a registered task; known: arithmetic"):
         build_task("nope", tmp_path, 5, 5)
     _, test = build_task("countdown", tmp_path, 5, 5, num_numbers=4)
     truth = json.loads(pd.read_parquet(test)["reward_model"][0]["ground_truth"])

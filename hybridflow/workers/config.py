@@ -13,7 +13,6 @@ from hybridflow.algos.losses import PolicyLossConfig
 from hybridflow.engine.config import EngineConfig, OptimConfig
 
 _LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-_KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 
 
 @dataclass
@@ -66,6 +65,7 @@ class ActorConfig:
     """FSDP2 engine settings (dtype, remove padding, checkpointing)."""
 
     def __post_init__(self) -> None:
+        from hybridflow.algos.kl import KL_ESTIMATORS
         from hybridflow.algos.losses import list_policy_losses
 
         for key in ("ppo_mini_batch_size", "ppo_micro_batch_size_per_device", "ppo_epochs", "log_prob_micro_batch_size_per_device"):
@@ -77,8 +77,8 @@ class ActorConfig:
             raise ValueError(f"actor.loss_agg_mode={self.loss_agg_mode!r} is unknown; valid: {list(_LOSS_AGG_MODES)}")
         if self.old_log_prob not in ("auto", "recompute"):
             raise ValueError(f"actor.old_log_prob={self.old_log_prob!r} is unknown; valid: ['auto', 'recompute']")
-        if self.kl_loss_type not in _KL_TYPES:
-            raise ValueError(f"actor.kl_loss_type={self.kl_loss_type!r} is unknown; valid: {list(_KL_TYPES)}")
+        if self.kl_loss_type not in KL_ESTIMATORS:
+            raise ValueError(f"actor.kl_loss_type={self.kl_loss_type!r} is unknown; valid: {KL_ESTIMATORS.names()}")
 
 
 @dataclass
