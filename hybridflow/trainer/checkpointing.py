@@ -34,17 +34,13 @@ class TrainerCheckpointer:
 
     def save(self, step: int, kl_ctrl: Any) -> Path:
         """Write global_step_<step> atomically, then prune to trainer.max_ckpt_to_keep."""
-        tmp = C.begin_checkpoint(self.root, step)
-        try:
+        final = C.step_dir(self.root, step)
+        with C.atomic_dir(final) as tmp:
             for group in self._groups():
                 group.save_checkpoint(str(tmp))
             state = {"global_step": step, "loader": self.loader.state_dict(), "kl_coef": float(kl_ctrl.value),
                      "model_path": self.cfg.model.path}
             C.write_json_atomic(tmp / STATE_FILE, state)
-            final = C.commit_checkpoint(tmp, C.step_dir(self.root, step))
-        except BaseException:
-            C.abort_checkpoint(tmp)
-            raise
         if self.cfg.trainer.max_ckpt_to_keep:
             C.prune_checkpoints(self.root, self.cfg.trainer.max_ckpt_to_keep)
         log.info("saved checkpoint %s", final)
