@@ -12,14 +12,33 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from hybridflow.trainer.roles import Roles
-from hybridflow.trainer.run_config import RunConfig
 from hybridflow.utils import checkpoint_dirs as C
+
+if TYPE_CHECKING:  # both pull in the worker and engine stack; export and generate read checkpoints without it
+    from hybridflow.trainer.roles import Roles
+    from hybridflow.trainer.run_config import RunConfig
 
 log = logging.getLogger(__name__)
 STATE_FILE = "trainer_state.json"
+
+
+def actor_dir(ckpt: Path) -> Path:
+    """The actor's sharded checkpoint inside a trainer checkpoint (or `ckpt` itself)."""
+    return ckpt / "actor" if (ckpt / "actor").is_dir() else ckpt
+
+
+def tokenizer_of(ckpt: Path, explicit: str | None) -> str | None:
+    """The tokenizer to ship with an export: `explicit` (--tokenizer), else the model path the run trained."""
+    if explicit:
+        return explicit
+    state = ckpt / STATE_FILE
+    if state.exists():
+        from hybridflow.models import resolve_model_path
+
+        return str(resolve_model_path(json.loads(state.read_text()).get("model_path", "default")))
+    return None
 
 
 class TrainerCheckpointer:
