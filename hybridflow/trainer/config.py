@@ -167,7 +167,7 @@ class AlgorithmConfig:
         from hybridflow.algos.advantages import ADV_ESTIMATORS
         from hybridflow.algos.kl import KL_ESTIMATORS
 
-        ADV_ESTIMATORS.get(self.adv_estimator)
+        ADV_ESTIMATORS.get(self.adv_estimator)  # an unknown name fails naming the key and the known ones
         if not 0.0 <= self.gamma <= 1.0 or not 0.0 <= self.lam <= 1.0:
             raise ValueError(f"algorithm.gamma and algorithm.lam must lie in [0, 1], got {self.gamma}, {self.lam}")
         _one_of("algorithm.kl_penalty", self.kl_penalty.removesuffix("+"), tuple(KL_ESTIMATORS.names()))
@@ -239,7 +239,7 @@ class TrainerConfig:
         if self.resume_mode == "resume_path" and not self.resume_from_path:
             raise ValueError("trainer.resume_mode=resume_path needs trainer.resume_from_path")
         for name in self.logger:
-            BACKENDS.get(name)
+            BACKENDS.get(name)  # an unknown name fails naming trainer.logger and the known loggers
         if self.critic_warmup < 0:
             raise ValueError(f"trainer.critic_warmup must be >= 0, got {self.critic_warmup}")
         _one_of("trainer.device", self.device, ("cpu", "cuda"))

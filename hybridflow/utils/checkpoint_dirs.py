@@ -74,7 +74,7 @@ def find_latest_complete(root: str | Path) -> Path | None:
 
 def begin_checkpoint(root: str | Path, step: int) -> Path:
     """Create and return the empty temporary directory to save the checkpoint of `step` into."""
-    return atomic.fresh_dir(_tmp_dir(step_dir(root, step)))
+    return atomic.fresh_dir(atomic.temp_sibling(step_dir(root, step), _tag()))
 
 
 def commit_checkpoint(tmp_path: str | Path, final_path: str | Path) -> Path:
@@ -97,9 +97,9 @@ def abort_checkpoint(tmp_path: str | Path) -> None:
 
 
 def atomic_dir(final_path: str | Path) -> ContextManager[Path]:
-    """Yield a temporary sibling of `final_path`; on success commit it there (with the marker), on exception delete it."""
+    """Yield a temporary sibling of `final_path`; on success commit it (marker included), on exception delete it."""
     final_path = Path(final_path)
-    return atomic.atomic_dir(final_path, tag=str(os.getpid()), seal=_marker_writer(final_path))
+    return atomic.atomic_dir(final_path, tag=_tag(), seal=_marker_writer(final_path))
 
 
 def prune_checkpoints(root: str | Path, keep_last: int) -> list[Path]:
@@ -145,9 +145,9 @@ def write_json_atomic(path: str | Path, obj: Any, default: Callable[[Any], Any] 
     return Path(path)
 
 
-def _tmp_dir(final_path: Path) -> Path:
-    # Tagged with the pid (not a random tag): remove_stale_tmp tells other processes' leftovers by it.
-    return atomic.temp_sibling(final_path, str(os.getpid()))
+def _tag() -> str:
+    # The pid alone (not atomic's random tag): remove_stale_tmp tells other processes' leftovers by it.
+    return str(os.getpid())
 
 
 def _marker_writer(final_path: Path) -> Callable[[Path], None]:
