@@ -18,7 +18,6 @@ import copy
 import os
 import pickle
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
@@ -29,6 +28,7 @@ from tensordict import TensorDict
 from hybridflow.protocol_utils import (
     as_list, check_keys, merge_meta, numpy_to_tensor, object_array, same_value, tensor_to_numpy,
 )
+from hybridflow.utils.atomic import atomic_file
 
 IndexLike = Sequence[int] | Sequence[bool] | np.ndarray | torch.Tensor
 
@@ -265,16 +265,8 @@ class DataProto:
 
     def save_to_disk(self, path: str | os.PathLike) -> None:
         """Write to `path` atomically (temporary file in the same folder, then os.replace)."""
-        folder = os.path.dirname(os.path.abspath(path))
-        os.makedirs(folder, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".dataproto")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                pickle.dump(self, f, protocol=pickle.HIGHEST_PROTOCOL)
-            os.replace(tmp, path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
+        with atomic_file(path, "wb") as f:
+            pickle.dump(self, f, protocol=pickle.HIGHEST_PROTOCOL)
 
     @staticmethod
     def load_from_disk(path: str | os.PathLike) -> DataProto:

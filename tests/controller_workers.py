@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Any, Callable
 
@@ -202,3 +203,27 @@ class CriticRole(Worker):
     def negate(self, data: DataProto) -> DataProto:
         """-x."""
         return DataProto.from_dict({"x": -data.batch["x"]})
+
+
+class Gate(Worker):
+    """Two calls that must overlap: `wait_open` sees `open` only if the actor runs calls concurrently."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._opened = threading.Event()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def wait_open(self, timeout_s: float) -> bool:
+        """Non-blocking: True if `open` ran before `timeout_s` passed."""
+        return self._opened.wait(timeout_s)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def open(self) -> int:
+        """Open the gate; returns the rank."""
+        self._opened.set()
+        return self.rank
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def getenv(self, name: str) -> str | None:
+        """This worker's environment variable `name`."""
+        return os.environ.get(name)

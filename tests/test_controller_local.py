@@ -113,7 +113,7 @@ def test_mesh_worker_and_colocated_roles_run_in_process():
 
 
 def test_bad_declarations_fail_with_a_clear_message():
-    with pytest.raises(ValueError, match="unknown dispatch mode"):
+    with pytest.raises(ValueError, match="dispatch_mode='NO_SUCH_MODE' is not a registered dispatch mode"):
         register(dispatch_mode="NO_SUCH_MODE")
     with pytest.raises(ValueError, match="already registered"):
         register_dispatch_mode(REVERSED, lambda wg: ((), {}), lambda wg, o: o)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -70,7 +71,7 @@ def test_difficulty_knobs_and_errors(tmp_path, caplog):
         build_task("arithmetic", tmp_path, 5, 5, max_digit=2)
     with pytest.raises(ValueError, match="operators"):
         build_task("arithmetic", tmp_path, 5, 5, operators="/")
-    with pytest.raises(KeyError, match="unknown task 'nope'.*arithmetic"):
+    with pytest.raises(KeyError, match="data.task='nope' is not a registered task; known: arithmetic"):
         build_task("nope", tmp_path, 5, 5)
     _, test = build_task("countdown", tmp_path, 5, 5, num_numbers=4)
     truth = json.loads(pd.read_parquet(test)["reward_model"][0]["ground_truth"])
@@ -184,3 +185,27 @@ def test_loader_over_dataset_yields_dataproto(tmp_path, tokenizer):
     assert seen == list(range(8))
     assert batches[0].batch[keys.ATTENTION_MASK].dtype == torch.long
 
+
+
+def test_task_files_generate_once_atomically_into_the_cache(tmp_path, monkeypatch):
+    from hybridflow.data import tasks
+    from hybridflow.trainer.config import DataConfig
+    from hybridflow.trainer.data_setup import task_files
+
+    cfg = DataConfig(task="arithmetic", task_dir=str(tmp_path), gen_train_size=6, gen_val_size=3)
+    real_build = tasks.build_task
+
+    def killed(name, out_dir, *args, **kwargs):
+        real_build(name, out_dir, *args, **kwargs)
+        raise KeyboardInterrupt("killed after writing")
+
+    monkeypatch.setattr(tasks, "build_task", killed)
+    with pytest.raises(KeyboardInterrupt):
+        task_files(cfg)
+    assert list(tmp_path.iterdir()) == []  # nothing a later run could mistake for a finished cache
+    monkeypatch.setattr(tasks, "build_task", real_build)
+    train, val = task_files(cfg)
+    assert len(pd.read_parquet(train[0])) == 6 and len(pd.read_parquet(val[0])) == 3
+    assert [p.name for p in tmp_path.iterdir()] == [Path(train[0]).parent.name]
+    monkeypatch.setattr(tasks, "build_task", killed)  # a second call reuses the cache: no build at all
+    assert task_files(cfg) == (train, val)

@@ -115,7 +115,7 @@ def test_math_last_boxed_nested_braces():
 
 
 def test_unknown_data_source_lists_known():
-    with pytest.raises(KeyError, match="'nope'.*known data sources.*arithmetic.*countdown"):
+    with pytest.raises(KeyError, match="data_source='nope' is not a registered rule scorer; known: .*arithmetic.*countdown"):
         default_compute_score("nope", "1", "1")
 
 

@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 from hybridflow.algos.core import masked_sum, masked_var, masked_whiten
+from hybridflow.utils.registry import Registry
 
 
 class AdvantageEstimatorFn(Protocol):
@@ -51,31 +52,25 @@ class AdvantageEstimatorFn(Protocol):
     ) -> tuple[Tensor, Tensor]: ...
 
 
-_ADV_ESTIMATORS: dict[str, AdvantageEstimatorFn] = {}
+ADV_ESTIMATORS: Registry[AdvantageEstimatorFn] = Registry(
+    "advantage estimator", "algorithm.adv_estimator", "add one with @hybridflow.algos.register_adv_est"
+)
+"""Advantage estimators by name."""
 
 
 def register_adv_est(name: str, *, override: bool = False) -> Callable[[AdvantageEstimatorFn], AdvantageEstimatorFn]:
     """Decorator registering an advantage estimator under `name` (config: algorithm.adv_estimator)."""
-
-    def deco(fn: AdvantageEstimatorFn) -> AdvantageEstimatorFn:
-        if name in _ADV_ESTIMATORS and _ADV_ESTIMATORS[name] is not fn and not override:
-            raise ValueError(f"advantage estimator {name!r} is already registered; pass override=True to replace it")
-        _ADV_ESTIMATORS[name] = fn
-        return fn
-
-    return deco
+    return ADV_ESTIMATORS.register(name, override=override)
 
 
 def get_advantage_estimator(name: str) -> AdvantageEstimatorFn:
     """The estimator registered under `name`; unknown names raise with the valid list."""
-    if name not in _ADV_ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {name!r}; registered: {', '.join(list_advantage_estimators())}")
-    return _ADV_ESTIMATORS[name]
+    return ADV_ESTIMATORS.get(name)
 
 
 def list_advantage_estimators() -> list[str]:
     """Sorted names of all registered estimators."""
-    return sorted(_ADV_ESTIMATORS)
+    return ADV_ESTIMATORS.names()
 
 
 # --- shared pieces -------------------------------------------------------------

@@ -17,40 +17,61 @@ is not offered because only sampled log-probs reach this code.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from hybridflow.algos.core import GlobalNorm, agg_loss, masked_mean
+from hybridflow.utils.registry import Registry
 
-KL_TYPES = {"kl": "k1", "k1": "k1", "abs": "abs", "mse": "k2", "k2": "k2", "low_var_kl": "k3", "k3": "k3"}
+KLEstimatorFn = Callable[[Tensor, Tensor], Tensor]
+"""(logprob, ref_logprob) -> per-token KL estimate, same shape."""
+
+KL_ESTIMATORS: Registry[KLEstimatorFn] = Registry(
+    "KL estimator", "kl_type",
+    "chosen by algorithm.kl_penalty and actor.kl_loss_type, optionally with a '+' suffix; "
+    "add one with KL_ESTIMATORS.register",
+)
+"""Per-token KL estimators by name (aliases share one function)."""
 
 
-def _estimate(logprob: Tensor, ref_logprob: Tensor, kind: str) -> Tensor:
-    diff = logprob - ref_logprob
-    if kind == "k1":
-        return diff
-    if kind == "abs":
-        return diff.abs()
-    if kind == "k2":
-        return 0.5 * diff.square()
-    log_r = (-diff).clamp(-20.0, 20.0)
+@KL_ESTIMATORS.register("kl")
+@KL_ESTIMATORS.register("k1")
+def kl_k1(logprob: Tensor, ref_logprob: Tensor) -> Tensor:
+    """k1 = -log r = logp - ref_logp."""
+    return logprob - ref_logprob
+
+
+@KL_ESTIMATORS.register("abs")
+def kl_abs(logprob: Tensor, ref_logprob: Tensor) -> Tensor:
+    """|logp - ref_logp|."""
+    return (logprob - ref_logprob).abs()
+
+
+@KL_ESTIMATORS.register("mse")
+@KL_ESTIMATORS.register("k2")
+def kl_k2(logprob: Tensor, ref_logprob: Tensor) -> Tensor:
+    """k2 = 0.5 (log r)^2."""
+    return 0.5 * (logprob - ref_logprob).square()
+
+
+@KL_ESTIMATORS.register("low_var_kl")
+@KL_ESTIMATORS.register("k3")
+def kl_k3(logprob: Tensor, ref_logprob: Tensor) -> Tensor:
+    """k3 = r - 1 - log r, with log r and the value clamped (module docstring)."""
+    log_r = (ref_logprob - logprob).clamp(-20.0, 20.0)
     return (torch.exp(log_r) - 1 - log_r).clamp(-10.0, 10.0)
 
 
 def kl_penalty(logprob: Tensor, ref_logprob: Tensor, kl_type: str) -> Tensor:
     """Per-token KL estimate (module docstring) of the named type; same shape as the inputs."""
-    straight_through = kl_type.endswith("+")
-    kind = KL_TYPES.get(kl_type.removesuffix("+"))
-    if kind is None:
-        raise ValueError(
-            f"unknown kl_type {kl_type!r}; choose one of {', '.join(KL_TYPES)} (optionally with a '+' suffix)"
-        )
-    value = _estimate(logprob, ref_logprob, kind)
-    if not straight_through:
+    estimate = KL_ESTIMATORS.get(kl_type.removesuffix("+"))
+    value = estimate(logprob, ref_logprob)
+    if not kl_type.endswith("+"):
         return value
-    k2 = _estimate(logprob, ref_logprob, "k2")
+    k2 = kl_k2(logprob, ref_logprob)
     return k2 + (value - k2).detach()
 
 
@@ -96,17 +117,29 @@ class AdaptiveKLController:
         self.value *= 1.0 + error * n_steps / self.horizon
 
 
+def _fixed(kl_coef: float, target_kl: float | None, horizon: int | None) -> KLController:
+    return FixedKLController(kl_coef)
+
+
+def _adaptive(kl_coef: float, target_kl: float | None, horizon: int | None) -> KLController:
+    if target_kl is None or horizon is None:
+        raise ValueError("kl_ctrl.type='adaptive' needs kl_ctrl.target_kl and kl_ctrl.horizon")
+    return AdaptiveKLController(kl_coef, target_kl, horizon)
+
+
+KL_CONTROLLERS: Registry[Callable[[float, float | None, int | None], KLController]] = Registry(
+    "KL controller", "algorithm.kl_ctrl.type"
+)
+"""Builders (kl_coef, target_kl, horizon) -> KLController by name."""
+KL_CONTROLLERS.register("fixed", _fixed)
+KL_CONTROLLERS.register("adaptive", _adaptive)
+
+
 def get_kl_controller(
     kl_ctrl_type: str, kl_coef: float, target_kl: float | None = None, horizon: int | None = None
 ) -> KLController:
     """Build the controller named by algorithm.kl_ctrl.type ("fixed" or "adaptive")."""
-    if kl_ctrl_type == "fixed":
-        return FixedKLController(kl_coef)
-    if kl_ctrl_type == "adaptive":
-        if target_kl is None or horizon is None:
-            raise ValueError("kl_ctrl.type='adaptive' needs kl_ctrl.target_kl and kl_ctrl.horizon")
-        return AdaptiveKLController(kl_coef, target_kl, horizon)
-    raise ValueError(f"unknown kl_ctrl.type {kl_ctrl_type!r}; choose 'fixed' or 'adaptive'")
+    return KL_CONTROLLERS.get(kl_ctrl_type)(kl_coef, target_kl, horizon)
 
 
 @torch.no_grad()

@@ -1,4 +1,4 @@
-"""Policy losses (registered by name, config: actor.policy_loss.loss_mode) and the value loss.
+"""Policy losses (registered by name, config: actor.policy_loss_mode) and the value loss.
 
 Every policy loss has the signature (see `PolicyLossFn`):
 
@@ -39,6 +39,7 @@ from torch import Tensor
 
 from hybridflow.algos.core import GlobalNorm, agg_loss, masked_mean
 from hybridflow.config_utils import Section
+from hybridflow.utils.registry import Registry
 
 LOG_RATIO_CLAMP = 20.0
 
@@ -126,31 +127,25 @@ class PolicyLossFn(Protocol):
     ) -> tuple[Tensor, Stats]: ...
 
 
-_POLICY_LOSSES: dict[str, PolicyLossFn] = {}
+POLICY_LOSSES: Registry[PolicyLossFn] = Registry(
+    "policy loss", "actor.policy_loss_mode", "add one with @hybridflow.algos.register_policy_loss"
+)
+"""Policy losses by name."""
 
 
 def register_policy_loss(name: str, *, override: bool = False) -> Callable[[PolicyLossFn], PolicyLossFn]:
-    """Decorator registering a policy loss under `name` (config: actor.policy_loss.loss_mode)."""
-
-    def deco(fn: PolicyLossFn) -> PolicyLossFn:
-        if name in _POLICY_LOSSES and _POLICY_LOSSES[name] is not fn and not override:
-            raise ValueError(f"policy loss {name!r} is already registered; pass override=True to replace it")
-        _POLICY_LOSSES[name] = fn
-        return fn
-
-    return deco
+    """Decorator registering a policy loss under `name` (config: actor.policy_loss_mode)."""
+    return POLICY_LOSSES.register(name, override=override)
 
 
 def get_policy_loss_fn(name: str) -> PolicyLossFn:
     """The policy loss registered under `name`; unknown names raise with the valid list."""
-    if name not in _POLICY_LOSSES:
-        raise ValueError(f"unknown policy loss {name!r}; registered: {', '.join(list_policy_losses())}")
-    return _POLICY_LOSSES[name]
+    return POLICY_LOSSES.get(name)
 
 
 def list_policy_losses() -> list[str]:
     """Sorted names of all registered policy losses."""
-    return sorted(_POLICY_LOSSES)
+    return POLICY_LOSSES.names()
 
 
 # --- shared pieces -------------------------------------------------------------

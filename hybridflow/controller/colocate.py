@@ -2,7 +2,8 @@
 
 `create_colocated_worker_cls({"actor": A, "critic": B})` builds a Worker
 class whose instance holds one `A` and one `B` and exposes their registered
-methods as `actor_<name>` / `critic_<name>`. Build ONE worker group from it,
+methods as `actor_<name>` / `critic_<name>`; the roles' Ray actor options
+(`ClassWithInitArgs.ray_options`) become the fused worker's. Build ONE worker group from it,
 then `group.spawn({"actor", "critic"})` gives one group per role; both drive
 the same processes, so the roles share memory, devices and process groups.
 """
@@ -54,5 +55,19 @@ def create_colocated_worker_cls(class_dict: dict[str, type | ClassWithInitArgs])
     for role, cwa in roles.items():
         for name, spec in registered_methods(cwa.cls).items():
             namespace[f"{role}_{name}"] = _forwarder(role, name, spec)
-    fused = type("Colocated_" + "_".join(roles), (Worker,), namespace)
-    return ClassWithInitArgs(fused)
+    fused = ClassWithInitArgs(type("Colocated_" + "_".join(roles), (Worker,), namespace))
+    fused.ray_options = _merged_ray_options(roles)
+    return fused
+
+
+def _merged_ray_options(roles: dict[str, ClassWithInitArgs]) -> dict[str, Any]:
+    """The roles' Ray actor options, for their one shared process; roles may not disagree on a value."""
+    merged: dict[str, Any] = {}
+    for role, cwa in roles.items():
+        for key, value in cwa.ray_options.items():
+            if merged.setdefault(key, value) != value:
+                raise ValueError(
+                    f"colocated roles share one Ray actor but disagree on its option {key!r}: "
+                    f"role {role!r} wants {value!r}, an earlier role {merged[key]!r}"
+                )
+    return merged

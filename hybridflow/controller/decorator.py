@@ -24,6 +24,7 @@ from enum import Enum
 from typing import Any, Callable
 
 from hybridflow.controller import dispatch as _d
+from hybridflow.utils.registry import Registry
 
 DispatchFn = Callable[..., tuple[tuple, dict]]
 CollectFn = Callable[[Any, list], Any]
@@ -73,21 +74,25 @@ class DispatchMode:
     returns a DataProtoFuture; otherwise it returns the raw per-rank refs)."""
 
 
-_REGISTRY: dict[str, DispatchMode] = {
-    Dispatch.ONE_TO_ALL.value: DispatchMode(_d.dispatch_one_to_all, _d.collect_all_to_all),
-    Dispatch.ALL_TO_ALL.value: DispatchMode(_d.dispatch_all_to_all, _d.collect_all_to_all),
-    Dispatch.RANK_ZERO.value: DispatchMode(_d.dispatch_rank_zero, _d.collect_rank_zero),
-    Dispatch.DP_COMPUTE.value: DispatchMode(_d.dispatch_dp_compute, _d.collect_all_to_all),
-    Dispatch.DP_COMPUTE_PROTO.value: DispatchMode(
-        _d.dispatch_dp_compute_data_proto, _d.collect_dp_compute_data_proto, True
-    ),
-    Dispatch.DP_COMPUTE_PROTO_WITH_FUNC.value: DispatchMode(
-        _d.dispatch_dp_compute_data_proto_with_func, _d.collect_dp_compute_data_proto, True
-    ),
-    Dispatch.DP_COMPUTE_METRIC.value: DispatchMode(
-        _d.dispatch_dp_compute_data_proto, _d.collect_all_to_all
-    ),
-}
+DISPATCH_MODES: Registry[DispatchMode] = Registry(
+    "dispatch mode", "dispatch_mode", "add yours with register_dispatch_mode"
+)
+"""Dispatch modes by name (a `Dispatch` member's value for the built-in ones)."""
+DISPATCH_MODES.register(Dispatch.ONE_TO_ALL.value, DispatchMode(_d.dispatch_one_to_all, _d.collect_all_to_all))
+DISPATCH_MODES.register(Dispatch.ALL_TO_ALL.value, DispatchMode(_d.dispatch_all_to_all, _d.collect_all_to_all))
+DISPATCH_MODES.register(Dispatch.RANK_ZERO.value, DispatchMode(_d.dispatch_rank_zero, _d.collect_rank_zero))
+DISPATCH_MODES.register(Dispatch.DP_COMPUTE.value, DispatchMode(_d.dispatch_dp_compute, _d.collect_all_to_all))
+DISPATCH_MODES.register(
+    Dispatch.DP_COMPUTE_PROTO.value,
+    DispatchMode(_d.dispatch_dp_compute_data_proto, _d.collect_dp_compute_data_proto, True),
+)
+DISPATCH_MODES.register(
+    Dispatch.DP_COMPUTE_PROTO_WITH_FUNC.value,
+    DispatchMode(_d.dispatch_dp_compute_data_proto_with_func, _d.collect_dp_compute_data_proto, True),
+)
+DISPATCH_MODES.register(
+    Dispatch.DP_COMPUTE_METRIC.value, DispatchMode(_d.dispatch_dp_compute_data_proto, _d.collect_all_to_all)
+)
 
 
 def register_dispatch_mode(
@@ -101,15 +106,11 @@ def register_dispatch_mode(
     `dispatch_fn(worker_group, *args, **kwargs)` must return `(args, kwargs)`
     whose values are lists with one entry per rank; `collect_fn(worker_group,
     outputs)` gets the per-rank outputs in rank order. `collects_proto`:
-    see `DispatchMode`. Returns `name`.
+    see `DispatchMode`. Returns `name`. A taken name is refused (replace a
+    mode with `update_dispatch_mode`).
     """
     key = name.value if isinstance(name, Enum) else name
-    if key in _REGISTRY:
-        raise ValueError(
-            f"dispatch mode {key!r} is already registered; pick another name "
-            "or call update_dispatch_mode to replace it"
-        )
-    _REGISTRY[key] = DispatchMode(dispatch_fn, collect_fn, collects_proto)
+    DISPATCH_MODES.register(key, DispatchMode(dispatch_fn, collect_fn, collects_proto))
     return key
 
 
@@ -121,9 +122,8 @@ def update_dispatch_mode(
 ) -> None:
     """Replace the functions of an already registered dispatch mode."""
     key = name.value if isinstance(name, Enum) else name
-    if key not in _REGISTRY:
-        raise KeyError(f"dispatch mode {key!r} is not registered; use register_dispatch_mode")
-    _REGISTRY[key] = DispatchMode(dispatch_fn, collect_fn, collects_proto)
+    DISPATCH_MODES.get(key)
+    DISPATCH_MODES.register(key, DispatchMode(dispatch_fn, collect_fn, collects_proto), override=True)
 
 
 def get_dispatch_mode(mode: str | Dispatch | dict | DispatchMode) -> DispatchMode:
@@ -138,13 +138,7 @@ def get_dispatch_mode(mode: str | Dispatch | dict | DispatchMode) -> DispatchMod
         if extra:
             raise ValueError(f"an inline dispatch mode has unknown keys {sorted(extra)}")
         return DispatchMode(**mode)
-    key = mode.value if isinstance(mode, Enum) else mode
-    if key not in _REGISTRY:
-        raise ValueError(
-            f"unknown dispatch mode {key!r}; known: {sorted(_REGISTRY)} "
-            "(add yours with register_dispatch_mode)"
-        )
-    return _REGISTRY[key]
+    return DISPATCH_MODES.get(mode.value if isinstance(mode, Enum) else mode)
 
 
 @dataclass(frozen=True)

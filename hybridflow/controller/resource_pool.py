@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 class ResourcePool:
@@ -52,21 +55,56 @@ class ResourcePool:
         return f"{type(self).__name__}(process_on_nodes={self._store}, use_gpu={self.use_gpu})"
 
 
-class ClassWithInitArgs:
-    """A worker class with its constructor arguments, built later where it runs."""
+POOL_OWNED_OPTIONS = frozenset({
+    "num_cpus", "num_gpus", "resources", "memory", "object_store_memory", "accelerator_type",
+    "label_selector", "fallback_strategy", "scheduling_strategy",
+    "placement_group", "placement_group_bundle_index", "placement_group_capture_child_tasks",
+})
+"""Ray actor options that say where and on what a worker runs: the resource pool decides those."""
 
-    def __init__(self, cls: type, *args: Any, **kwargs: Any) -> None:
+
+def unwrap_remote_class(cls: Any) -> tuple[Any, dict[str, Any]]:
+    """(the user's class, its Ray actor options) for a `ray.remote(...)` class; (cls, {}) for anything else.
+
+    Options in `POOL_OWNED_OPTIONS` are dropped (with a warning): every worker
+    gets its slot's share of the pool's bundle, whatever the decorator asked for.
+    Ray is not imported: an actor class is recognised by its `__ray_metadata__`.
+    """
+    meta = getattr(cls, "__ray_metadata__", None)
+    if meta is None:
+        return cls, {}
+    plain = getattr(meta.modified_class, "__ray_actor_class__", meta.modified_class)
+    # The decorator's options (max_concurrency, ...) are kept only in this private
+    # attribute, not in __ray_metadata__; Ray's own client reads them the same way.
+    options = dict(getattr(cls, "_default_options", None) or {})
+    dropped = sorted(POOL_OWNED_OPTIONS & set(options))
+    if dropped:
+        log.warning("%s: ray.remote options %s are ignored; the resource pool places and sizes the workers",
+                    plain.__name__, dropped)
+    return plain, {k: v for k, v in options.items() if k not in POOL_OWNED_OPTIONS}
+
+
+class ClassWithInitArgs:
+    """A worker class with its constructor arguments, built later where it runs.
+
+    `cls` may also be a `ray.remote(WorkerCls)` class (as verl users write):
+    the plain class is kept in `cls` and the decorator's actor options in
+    `ray_options` (see `unwrap_remote_class`).
+    """
+
+    def __init__(self, cls: Any, *args: Any, **kwargs: Any) -> None:
+        cls, options = unwrap_remote_class(cls)
         if not isinstance(cls, type):
-            raise TypeError(
-                f"ClassWithInitArgs needs a plain class, got {cls!r}; if it is decorated with "
-                "@ray.remote, drop the decorator (the worker group makes it remote)"
-            )
+            raise TypeError(f"ClassWithInitArgs needs a worker class (or a ray.remote class), got {cls!r}")
         self.cls = cls
         """The worker class."""
         self.args = args
         """Positional constructor arguments."""
         self.kwargs = kwargs
         """Keyword constructor arguments."""
+        self.ray_options: dict[str, Any] = options
+        """Extra Ray actor options (e.g. `{"max_concurrency": 2}`) for backends that start Ray actors;
+        the local backend ignores them. Resources and placement are set by the worker group."""
 
     def __call__(self) -> Any:
         """Instantiate the class here, in this process."""

@@ -29,6 +29,8 @@ from typing import Any, Callable
 import numpy as np
 import pandas as pd
 
+from hybridflow.utils.registry import Registry
+
 logger = logging.getLogger(__name__)
 _REDRAW_TRIES = 20
 
@@ -57,16 +59,23 @@ class TaskSpec:
     """Value written to the `data_source` column; selects the reward scorer."""
 
 
-TASKS: dict[str, TaskSpec] = {}
+def _load_builtin_tasks() -> None:
+    # Importing the modules runs their @register_task decorators; they import this
+    # module, so they are loaded on the first lookup instead of at import.
+    from hybridflow.data import arithmetic, countdown, gsm8k  # noqa: F401
 
 
-def register_task(name: str, difficulty_cls: type, data_source: str | None = None):
+TASKS: Registry[TaskSpec] = Registry(
+    "task", "data.task", "add one with @hybridflow.data.register_task", load=_load_builtin_tasks
+)
+"""Task builders by name (the built-in ones load on first lookup)."""
+
+
+def register_task(name: str, difficulty_cls: type, data_source: str | None = None, *, override: bool = False):
     """Decorator registering `make_problem(rng, difficulty) -> Problem` under `name`."""
 
     def wrap(fn: Callable[[np.random.Generator, Any], Problem]):
-        if name in TASKS:
-            raise ValueError(f"task {name!r} is already registered")
-        TASKS[name] = TaskSpec(fn, difficulty_cls, data_source or name)
+        TASKS.register(name, TaskSpec(fn, difficulty_cls, data_source or name), override=override)
         return fn
 
     return wrap
@@ -74,10 +83,7 @@ def register_task(name: str, difficulty_cls: type, data_source: str | None = Non
 
 def get_task(name: str) -> TaskSpec:
     """The registered task `name`; unknown names fail listing the known ones."""
-    _load_builtin_tasks()
-    if name not in TASKS:
-        raise KeyError(f"unknown task {name!r}; known tasks: {sorted(TASKS)}")
-    return TASKS[name]
+    return TASKS.get(name)
 
 
 def make_difficulty(name: str, **difficulty: Any) -> Any:
@@ -155,9 +161,3 @@ def _to_row(data_source: str, problem: Problem, split: str, index: int) -> dict[
 
 def _split_id(split: str) -> int:
     return {"train": 0, "test": 1}[split]
-
-
-def _load_builtin_tasks() -> None:
-    # Importing the modules runs their @register_task decorators.
-    from hybridflow.data import arithmetic, countdown, gsm8k  # noqa: F401
-

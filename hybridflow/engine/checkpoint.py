@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
 from hybridflow.models.value import ValueModel
+from hybridflow.utils.atomic import OLD_INFIX, TMP_INFIX, atomic_dir, fresh_dir, temp_sibling
 from hybridflow.utils.checkpoint_dirs import COMPLETE_MARKER as COMPLETE
 from hybridflow.utils.checkpoint_dirs import commit_checkpoint
 
@@ -57,9 +57,9 @@ def save_checkpoint(engine: "FSDPEngine", path: Path, extra: dict[str, Any] | No
     """Write engine state + per-rank `extra` to `path` atomically (collective: all ranks call it)."""
     rank = engine.rank
     token = _broadcast_token()
-    tmp = path.with_name(f"{path.name}.tmp-{token}")
+    tmp = temp_sibling(path, token)
     if rank == 0:
-        tmp.mkdir(parents=True)
+        fresh_dir(tmp)
     dist.barrier()
     dcp.save(_states(engine), checkpoint_id=tmp)
     sched = engine.lr_scheduler.state_dict() if engine.lr_scheduler else None
@@ -117,7 +117,7 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
     if not root.is_dir():
         return None
     done = [p for p in root.iterdir() if p.is_dir() and (p / COMPLETE).is_file()
-            and ".tmp-" not in p.name and ".old-" not in p.name]
+            and TMP_INFIX not in p.name and OLD_INFIX not in p.name]
     return max(done, key=lambda p: (_step_of(p), p.stat().st_mtime), default=None)
 
 
@@ -165,10 +165,7 @@ def _write_hf(model: torch.nn.Module, out: Path, tokenizer: Any) -> None:
         from hybridflow.models import load_tokenizer
 
         tokenizer = load_tokenizer(tokenizer)
-    tmp = out.with_name(f"{out.name}.tmp-{uuid.uuid4().hex[:8]}")
-    model.save_pretrained(tmp, safe_serialization=True)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
-    if out.exists():
-        shutil.rmtree(out)
-    os.rename(tmp, out)
+    with atomic_dir(out) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)

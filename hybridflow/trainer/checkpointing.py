@@ -12,14 +12,33 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from hybridflow.trainer.roles import Roles
-from hybridflow.trainer.run_config import RunConfig
 from hybridflow.utils import checkpoint_dirs as C
+
+if TYPE_CHECKING:  # both pull in the worker and engine stack; export and generate read checkpoints without it
+    from hybridflow.trainer.roles import Roles
+    from hybridflow.trainer.run_config import RunConfig
 
 log = logging.getLogger(__name__)
 STATE_FILE = "trainer_state.json"
+
+
+def actor_dir(ckpt: Path) -> Path:
+    """The actor's sharded checkpoint inside a trainer checkpoint (or `ckpt` itself)."""
+    return ckpt / "actor" if (ckpt / "actor").is_dir() else ckpt
+
+
+def tokenizer_of(ckpt: Path, explicit: str | None) -> str | None:
+    """The tokenizer to ship with an export: `explicit` (--tokenizer), else the model path the run trained."""
+    if explicit:
+        return explicit
+    state = ckpt / STATE_FILE
+    if state.exists():
+        from hybridflow.models import resolve_model_path
+
+        return str(resolve_model_path(json.loads(state.read_text()).get("model_path", "default")))
+    return None
 
 
 class TrainerCheckpointer:
@@ -34,17 +53,13 @@ class TrainerCheckpointer:
 
     def save(self, step: int, kl_ctrl: Any) -> Path:
         """Write global_step_<step> atomically, then prune to trainer.max_ckpt_to_keep."""
-        tmp = C.begin_checkpoint(self.root, step)
-        try:
+        final = C.step_dir(self.root, step)
+        with C.atomic_dir(final) as tmp:
             for group in self._groups():
                 group.save_checkpoint(str(tmp))
             state = {"global_step": step, "loader": self.loader.state_dict(), "kl_coef": float(kl_ctrl.value),
                      "model_path": self.cfg.model.path, "run": run_name(self.cfg)}
             C.write_json_atomic(tmp / STATE_FILE, state)
-            final = C.commit_checkpoint(tmp, C.step_dir(self.root, step))
-        except BaseException:
-            C.abort_checkpoint(tmp)
-            raise
         if self.cfg.trainer.max_ckpt_to_keep:
             C.prune_checkpoints(self.root, self.cfg.trainer.max_ckpt_to_keep)
         log.debug("saved checkpoint %s", final)  # the trainer's phase line reports it on the console

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from hybridflow.trainer.checkpointing import actor_dir, tokenizer_of
 from hybridflow.trainer.main import USER_ERRORS
 
 
@@ -35,25 +36,6 @@ def cmd_data(args: argparse.Namespace) -> int:
     train, test = build_task(args.task, args.out, args.train_size, args.test_size, seed=args.seed, **_kv(args.difficulty))
     print(f"wrote {train}\nwrote {test}")
     return 0
-
-
-def actor_dir(ckpt: Path) -> Path:
-    """The actor's sharded checkpoint inside a trainer checkpoint (or `ckpt` itself)."""
-    return ckpt / "actor" if (ckpt / "actor").is_dir() else ckpt
-
-
-def tokenizer_of(ckpt: Path, explicit: str | None) -> str | None:
-    """The tokenizer to ship with an export: --tokenizer, else the model path the run trained."""
-    import json
-
-    if explicit:
-        return explicit
-    state = ckpt / "trainer_state.json"
-    if state.exists():
-        from hybridflow.models import resolve_model_path
-
-        return str(resolve_model_path(json.loads(state.read_text()).get("model_path", "default")))
-    return None
 
 
 def cmd_export(args: argparse.Namespace) -> int:

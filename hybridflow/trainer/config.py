@@ -14,8 +14,7 @@ from typing import Any, Optional
 
 from hybridflow.config_utils import Section
 from hybridflow.data.dataset import TRUNCATIONS
-
-LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
+from hybridflow.utils.tracking import BACKENDS
 
 
 def _one_of(key: str, value: Any, allowed: tuple) -> None:
@@ -135,7 +134,9 @@ class KLControlConfig(Section):
     """Adaptive controller horizon, in samples."""
 
     def __post_init__(self) -> None:
-        _one_of("algorithm.kl_ctrl.type", self.type, ("fixed", "adaptive"))
+        from hybridflow.algos.kl import KL_CONTROLLERS
+
+        _one_of("algorithm.kl_ctrl.type", self.type, tuple(KL_CONTROLLERS.names()))
         if self.kl_coef < 0:
             raise ValueError(f"algorithm.kl_ctrl.kl_coef must be >= 0, got {self.kl_coef}")
         if self.type == "adaptive" and (self.target_kl <= 0 or self.horizon < 1):
@@ -164,20 +165,13 @@ class AlgorithmConfig(Section):
     """Coefficient control of the in-reward KL penalty."""
 
     def __post_init__(self) -> None:
-        known = _known_estimators()
-        if self.adv_estimator not in known:
-            raise ValueError(f"algorithm.adv_estimator {self.adv_estimator!r} is not registered; known: {known}")
+        from hybridflow.algos.advantages import ADV_ESTIMATORS
+        from hybridflow.algos.kl import KL_ESTIMATORS
+
+        ADV_ESTIMATORS.get(self.adv_estimator)  # an unknown name fails naming the key and the known ones
         if not 0.0 <= self.gamma <= 1.0 or not 0.0 <= self.lam <= 1.0:
             raise ValueError(f"algorithm.gamma and algorithm.lam must lie in [0, 1], got {self.gamma}, {self.lam}")
-        from hybridflow.algos.kl import KL_TYPES
-
-        _one_of("algorithm.kl_penalty", self.kl_penalty.removesuffix("+"), tuple(KL_TYPES))
-
-
-def _known_estimators() -> list[str]:
-    from hybridflow.algos.advantages import list_advantage_estimators
-
-    return list_advantage_estimators()
+        _one_of("algorithm.kl_penalty", self.kl_penalty.removesuffix("+"), tuple(KL_ESTIMATORS.names()))
 
 
 @dataclass
@@ -245,9 +239,8 @@ class TrainerConfig(Section):
         _one_of("trainer.resume_mode", self.resume_mode, ("auto", "disable", "resume_path"))
         if self.resume_mode == "resume_path" and not self.resume_from_path:
             raise ValueError("trainer.resume_mode=resume_path needs trainer.resume_from_path")
-        bad = [name for name in self.logger if name not in LOGGERS]
-        if bad:
-            raise ValueError(f"trainer.logger has unknown sinks {bad}; choose from {list(LOGGERS)}")
+        for name in self.logger:
+            BACKENDS.get(name)  # an unknown name fails naming trainer.logger and the known loggers
         if self.critic_warmup < 0:
             raise ValueError(f"trainer.critic_warmup must be >= 0, got {self.critic_warmup}")
         _one_of("trainer.device", self.device, ("cpu", "cuda"))

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 from hybridflow.data.dataset import RLDataset, collate
 from hybridflow.data.loader import StatefulDataLoader
 from hybridflow.trainer.config import DataConfig
+from hybridflow.utils.atomic import atomic_dir
 
 
 def task_files(cfg: DataConfig) -> tuple[list[str], list[str]]:
@@ -24,12 +23,8 @@ def task_files(cfg: DataConfig) -> tuple[list[str], list[str]]:
     tag = hashlib.sha1(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:10]
     out = Path(cfg.task_dir).expanduser() / f"{cfg.task}-{tag}"
     if not out.exists():
-        tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
-        build_task(cfg.task, tmp, cfg.gen_train_size, cfg.gen_val_size, seed=cfg.seed, **cfg.task_kwargs)
-        try:
-            os.rename(tmp, out)
-        except OSError:  # another process finished first: keep theirs
-            shutil.rmtree(tmp, ignore_errors=True)
+        with atomic_dir(out, replace=False) as tmp:  # another process that finished first keeps its files
+            build_task(cfg.task, tmp, cfg.gen_train_size, cfg.gen_val_size, seed=cfg.seed, **cfg.task_kwargs)
     train, test = out / f"{cfg.task}_train.parquet", out / f"{cfg.task}_test.parquet"
     return [str(train)], list(cfg.val_files) or [str(test)]
 

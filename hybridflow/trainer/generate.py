@@ -23,7 +23,7 @@ def model_dir(model: str, tmp: Path) -> Path:
     path = Path(model)
     if (path / "actor").is_dir() or (path / ".metadata").exists():
         from hybridflow.engine.checkpoint import export_hf
-        from hybridflow.trainer.cli import actor_dir, tokenizer_of
+        from hybridflow.trainer.checkpointing import actor_dir, tokenizer_of
 
         return Path(export_hf(actor_dir(path), tmp / "hf", tokenizer_of(path, None)))
     return Path(resolve_model_path(model))

@@ -5,7 +5,7 @@ Layout: `<root>/global_step_<N>/` holds everything saved at step N (e.g.
 files). A checkpoint is *complete* only if it contains the marker file
 `COMPLETE`, which is written last, after every other file was fsynced.
 
-Saving goes through a temporary sibling directory:
+Saving goes through a temporary sibling directory (`hybridflow.utils.atomic`):
 
     tmp = begin_checkpoint(root, step)        # <root>/global_step_<N>.tmp-<pid>/
     ... engines save into tmp / "actor", tmp / "critic" (any rank, any process) ...
@@ -26,10 +26,11 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, ContextManager
+
+from hybridflow.utils import atomic
 
 STEP_DIR_PREFIX = "global_step_"
 COMPLETE_MARKER = "COMPLETE"
@@ -73,7 +74,7 @@ def find_latest_complete(root: str | Path) -> Path | None:
 
 def begin_checkpoint(root: str | Path, step: int) -> Path:
     """Create and return the empty temporary directory to save the checkpoint of `step` into."""
-    return _begin(step_dir(root, step))
+    return atomic.fresh_dir(atomic.temp_sibling(step_dir(root, step), _tag()))
 
 
 def commit_checkpoint(tmp_path: str | Path, final_path: str | Path) -> Path:
@@ -87,18 +88,7 @@ def commit_checkpoint(tmp_path: str | Path, final_path: str | Path) -> Path:
     tmp_path, final_path = Path(tmp_path), Path(final_path)
     if not tmp_path.is_dir():
         raise FileNotFoundError(f"checkpoint temp dir {tmp_path} does not exist; create it with begin_checkpoint")
-    for file in sorted(p for p in tmp_path.rglob("*") if p.is_file()):
-        _fsync_file(file)
-    marker = tmp_path / COMPLETE_MARKER
-    marker.write_text(f"{final_path.name}\n")
-    _fsync_file(marker)
-    old = final_path.with_name(f"{final_path.name}.old-{os.getpid()}")
-    if final_path.exists():
-        os.replace(final_path, old)
-    os.replace(tmp_path, final_path)
-    _fsync_dir(final_path.parent)
-    shutil.rmtree(old, ignore_errors=True)
-    return final_path
+    return atomic.commit_dir(tmp_path, final_path, seal=_marker_writer(final_path))
 
 
 def abort_checkpoint(tmp_path: str | Path) -> None:
@@ -106,17 +96,10 @@ def abort_checkpoint(tmp_path: str | Path) -> None:
     shutil.rmtree(tmp_path, ignore_errors=True)
 
 
-@contextmanager
-def atomic_dir(final_path: str | Path) -> Iterator[Path]:
-    """Yield a temporary sibling of `final_path`; on success commit it there, on exception delete it."""
+def atomic_dir(final_path: str | Path) -> ContextManager[Path]:
+    """Yield a temporary sibling of `final_path`; on success commit it (marker included), on exception delete it."""
     final_path = Path(final_path)
-    tmp_path = _begin(final_path)
-    try:
-        yield tmp_path
-    except BaseException:
-        abort_checkpoint(tmp_path)
-        raise
-    commit_checkpoint(tmp_path, final_path)
+    return atomic.atomic_dir(final_path, tag=_tag(), seal=_marker_writer(final_path))
 
 
 def prune_checkpoints(root: str | Path, keep_last: int) -> list[Path]:
@@ -156,48 +139,21 @@ def write_json_atomic(path: str | Path, obj: Any, default: Callable[[Any], Any] 
 
     `default` is passed to `json.dumps` (e.g. `str` to write Paths in a config).
     """
-    path = Path(path)
     text = json.dumps(obj, indent=2, default=default, allow_nan=True) + "\n"
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return path
+    with atomic.atomic_file(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    return Path(path)
 
 
-def _begin(final_path: Path) -> Path:
-    """Create a fresh empty `<final>.tmp-<pid>` sibling directory (and the parents)."""
-    tmp_path = final_path.with_name(f"{final_path.name}.tmp-{os.getpid()}")
-    if tmp_path.exists():  # left by an earlier failed save of this very process
-        shutil.rmtree(tmp_path)
-    tmp_path.mkdir(parents=True)
-    return tmp_path
+def _tag() -> str:
+    # The pid alone (not atomic's random tag): remove_stale_tmp tells other processes' leftovers by it.
+    return str(os.getpid())
 
 
-def _fsync_file(path: Path) -> None:
-    """Flush one file's data to disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _marker_writer(final_path: Path) -> Callable[[Path], None]:
+    def write_marker(tmp_path: Path) -> None:
+        marker = tmp_path / COMPLETE_MARKER
+        marker.write_text(f"{final_path.name}\n")
+        atomic.fsync_file(marker)
 
-
-def _fsync_dir(path: Path) -> None:
-    """Flush a directory entry (the rename) to disk where the platform allows it."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    return write_marker

@@ -23,13 +23,14 @@ import logging
 import math
 import re
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol, TextIO
 
 from hybridflow.utils.checkpoint_dirs import write_json_atomic
+from hybridflow.utils.registry import Registry
 from hybridflow.utils.timing import to_float
 
 _LOG = logging.getLogger("hybridflow.tracking")
@@ -181,14 +182,15 @@ class MlflowBackend:
         self._mlflow.end_run()
 
 
-BACKENDS: dict[str, type] = {
-    "console": ConsoleBackend,
-    "jsonl": JsonlBackend,
-    "tensorboard": TensorboardBackend,
-    "wandb": WandbBackend,
-    "mlflow": MlflowBackend,
-}
+BACKENDS: Registry[Callable[[RunInfo], Backend]] = Registry(
+    "logger", "trainer.logger", "add one with hybridflow.utils.tracking.BACKENDS.register(name, cls)"
+)
 """Logger name (as in the config's `trainer.logger` list) -> backend class."""
+BACKENDS.register("console", ConsoleBackend)
+BACKENDS.register("jsonl", JsonlBackend)
+BACKENDS.register("tensorboard", TensorboardBackend)
+BACKENDS.register("wandb", WandbBackend)
+BACKENDS.register("mlflow", MlflowBackend)
 
 
 class Tracking:
@@ -209,14 +211,12 @@ class Tracking:
         config: dict[str, Any] | None = None,
     ) -> None:
         names = [loggers] if isinstance(loggers, str) else list(dict.fromkeys(loggers))
-        unknown = [n for n in names if n not in BACKENDS]
-        if unknown:
-            raise ValueError(f"unknown logger(s) {unknown} in trainer.logger; valid loggers: {sorted(BACKENDS)}")
+        makers = [BACKENDS.get(name) for name in names]
         self.run = RunInfo(project_name, experiment_name, Path(log_dir), config)
         self.backends: dict[str, Backend] = {}
         try:
-            for name in names:
-                self.backends[name] = BACKENDS[name](self.run)
+            for name, make in zip(names, makers):
+                self.backends[name] = make(self.run)
         except BaseException:
             self.finish()
             raise

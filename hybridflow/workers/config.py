@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hybridflow.algos.core import LOSS_AGG_MODES
-from hybridflow.algos.kl import KL_TYPES
+from hybridflow.algos.kl import KL_ESTIMATORS
 from hybridflow.algos.losses import PolicyLossConfig
 from hybridflow.config_utils import Section
 from hybridflow.engine.config import EngineConfig, OptimConfig
@@ -84,7 +84,7 @@ class ActorConfig(Section):
             raise ValueError(f"actor.policy_loss_mode={self.policy_loss_mode!r} is unknown; valid: {list_policy_losses()}")
         _one_of("actor.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
         _one_of("actor.old_log_prob", self.old_log_prob, OLD_LOG_PROB_MODES)
-        _one_of("actor.kl_loss_type", self.kl_loss_type, KL_TYPES)
+        _one_of("actor.kl_loss_type", self.kl_loss_type, KL_ESTIMATORS.names())
 
 
 @dataclass

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from hybridflow.engine.base import Engine
 from hybridflow.engine.config import EngineConfig, OptimConfig
+from hybridflow.utils.registry import Registry
 
 
 def _fsdp(path: str | Path, cfg: EngineConfig, optim: OptimConfig | None, value_model: bool) -> Engine:
@@ -19,8 +20,11 @@ def _fsdp(path: str | Path, cfg: EngineConfig, optim: OptimConfig | None, value_
     return FSDPEngine.from_pretrained(path, cfg, optim, value_model=value_model)
 
 
-ENGINES: dict[str, Callable[..., Engine]] = {"fsdp": _fsdp}
-"""Engine backends by name."""
+ENGINES: Registry[Callable[[str | Path, EngineConfig, OptimConfig | None, bool], Engine]] = Registry(
+    "engine backend", "backend", "add one with hybridflow.workers.engines.ENGINES.register(name, build_fn)"
+)
+"""Engine backends by name: build_fn(path, cfg, optim, value_model) -> Engine."""
+ENGINES.register("fsdp", _fsdp)
 
 
 def build_engine(
@@ -31,6 +35,4 @@ def build_engine(
     backend: str = "fsdp",
 ) -> Engine:
     """Load the model at `path` into the `backend` engine (optim=None: inference only)."""
-    if backend not in ENGINES:
-        raise ValueError(f"unknown engine backend {backend!r}; valid: {sorted(ENGINES)}")
-    return ENGINES[backend](path, cfg, optim, value_model)
+    return ENGINES.get(backend)(path, cfg, optim, value_model)

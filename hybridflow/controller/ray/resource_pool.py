@@ -26,12 +26,7 @@ class Slot:
 
 
 class RayClassWithInitArgs(ClassWithInitArgs):
-    """ClassWithInitArgs plus extra Ray actor options (e.g. `{"max_concurrency": 2}`)."""
-
-    def __init__(self, cls: type, *args: Any, **kwargs: Any) -> None:
-        super().__init__(cls, *args, **kwargs)
-        self.ray_options: dict[str, Any] = {}
-        """Extra keyword arguments for `ActorClass.options` (resources and placement are set by the group)."""
+    """ClassWithInitArgs whose Ray actor options can be added to (e.g. `{"max_concurrency": 2}`)."""
 
     def update_options(self, options: dict[str, Any]) -> "RayClassWithInitArgs":
         """Merge `options` into the Ray actor options; returns self."""

@@ -50,6 +50,18 @@ def _local_layout(slots: list[Slot]) -> list[tuple[int, int]]:
     return layout
 
 
+def _remote_class(cls: type, options: dict[str, Any]) -> Any:
+    """`ray.remote(cls)`, taking out of `options` those Ray accepts only at decoration."""
+    at_decoration = {key: options.pop(key) for key in ("concurrency_groups",) if key in options}
+    return ray.remote(**at_decoration)(cls) if at_decoration else ray.remote(cls)
+
+
+def _with_env_vars(runtime_env: dict[str, Any] | None, env_vars: dict[str, str]) -> dict[str, Any]:
+    """The user's runtime_env (from ray_options) plus the group's env vars, which win on a clash."""
+    runtime_env = dict(runtime_env or {})
+    return {**runtime_env, "env_vars": {**(runtime_env.get("env_vars") or {}), **env_vars}}
+
+
 def fetch_named(group: str, method_name: str, ranks: list[int], refs: list) -> list:
     """`ray.get(refs)` (refs[i] from rank ranks[i]); a failure names the group, rank and method.
 
@@ -113,8 +125,8 @@ class RayWorkerGroup(WorkerGroup):
 
     def _create_workers(self, pool: RayResourcePool, slots: list[Slot], cwa: ClassWithInitArgs) -> list[Any]:
         addr, port = _rendezvous(slots)
-        remote_cls = ray.remote(cwa.cls)
-        options = dict(getattr(cwa, "ray_options", {}))
+        options = dict(cwa.ray_options)
+        remote_cls = _remote_class(cwa.cls, options)
         workers = []
         for rank, (slot, (local_rank, local_ws)) in enumerate(zip(slots, _local_layout(slots))):
             cpus = slot.num_cpus / pool.max_colocate_count
@@ -132,7 +144,7 @@ class RayWorkerGroup(WorkerGroup):
                 "num_cpus": cpus,
                 "num_gpus": 1 / pool.max_colocate_count if pool.use_gpu else 0,
                 "scheduling_strategy": PlacementGroupSchedulingStrategy(slot.pg, slot.bundle_index),
-                "runtime_env": {"env_vars": env},
+                "runtime_env": _with_env_vars(options.get("runtime_env"), env),
             }
             workers.append(remote_cls.options(**actor_options).remote(*cwa.args, **cwa.kwargs))
         return workers

@@ -1,0 +1,79 @@
+"""The library never imports its command-line entry points."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import hybridflow
+
+PACKAGE = Path(hybridflow.__file__).parent
+CLI_MODULES = {"hybridflow.trainer.cli", "hybridflow.trainer.main"}
+"""`hybridflow` (the console script) and `python -m hybridflow.trainer.main` / `hybridflow train`."""
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(source: str, package: str) -> set[str]:
+    """Every module an `import` / `from ... import` in `source` (a module of `package`) may load."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            anchor = package.rsplit(".", node.level - 1)[0] if node.level else ""
+            base = ".".join(p for p in (anchor, node.module) if p)
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)  # `from pkg import module`
+    return found
+
+
+def test_imported_modules_resolves_absolute_relative_and_from_package_imports():
+    source = (
+        "import os, hybridflow.trainer.cli\n"
+        "from hybridflow.trainer import main\n"
+        "from .checkpointing import actor_dir\n"
+        "from .. import protocol\n"
+        "def f():\n"
+        "    from hybridflow.trainer.cli import cmd_data\n"
+    )
+    found = imported_modules(source, "hybridflow.trainer")
+    assert {"os", "hybridflow.trainer.cli", "hybridflow.trainer.main", "hybridflow.trainer.checkpointing",
+            "hybridflow.protocol", "hybridflow.trainer.cli.cmd_data"} <= found
+
+
+def test_no_library_module_imports_the_cli():
+    offenders = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = module_name(path)
+        if name in CLI_MODULES:
+            continue
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        bad = imported_modules(path.read_text(), package) & CLI_MODULES
+        if bad:
+            offenders[name] = sorted(bad)
+    assert not offenders, f"library modules import the CLI: {offenders}"
+
+
+def test_generate_reads_a_trainer_checkpoint_without_loading_the_cli(tmp_path):
+    ckpt = tmp_path / "global_step_2"
+    (ckpt / "actor").mkdir(parents=True)
+    code = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "import hybridflow.engine.checkpoint as engine_checkpoint\n"
+        "import hybridflow.trainer.generate as generate\n"
+        "calls = []\n"
+        "engine_checkpoint.export_hf = lambda src, out, tok: calls.append((src, tok)) or out\n"
+        f"out = generate.model_dir({str(ckpt)!r}, Path({str(tmp_path)!r}))\n"
+        f"assert calls == [(Path({str(ckpt / 'actor')!r}), None)], calls\n"
+        f"loaded = sorted(set(sys.modules) & set({sorted(CLI_MODULES)!r}))\n"
+        "assert not loaded, loaded\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr
