@@ -34,7 +34,7 @@ from hybridflow.utils.checkpoint_dirs import COMPLETE_MARKER as COMPLETE
 from hybridflow.utils.checkpoint_dirs import commit_checkpoint
 
 if TYPE_CHECKING:
-    from hybridflow.engine.fsdp import FSDPEngine
+    from hybridflow.engine.base import Engine
 
 class CheckpointError(RuntimeError):
     """A checkpoint directory that is missing, incomplete or incompatible."""
@@ -46,14 +46,14 @@ def _broadcast_token() -> str:
     return token[0]
 
 
-def _states(engine: "FSDPEngine") -> dict[str, Any]:
+def _states(engine: "Engine") -> dict[str, Any]:
     if engine.optimizer is None:
-        return {"model": engine.model.state_dict()}
-    model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer)
+        return {"model": engine.module.state_dict()}
+    model_sd, optim_sd = get_state_dict(engine.module, engine.optimizer)
     return {"model": model_sd, "optim": optim_sd}
 
 
-def save_checkpoint(engine: "FSDPEngine", path: Path, extra: dict[str, Any] | None = None) -> Path:
+def save_checkpoint(engine: "Engine", path: Path, extra: dict[str, Any] | None = None) -> Path:
     """Write engine state + per-rank `extra` to `path` atomically (collective: all ranks call it)."""
     rank = engine.rank
     token = _broadcast_token()
@@ -85,7 +85,7 @@ def _check_complete(path: Path) -> dict[str, Any]:
     return json.loads((path / "meta.json").read_text())
 
 
-def load_checkpoint(engine: "FSDPEngine", path: Path) -> dict[str, Any]:
+def load_checkpoint(engine: "Engine", path: Path) -> dict[str, Any]:
     """Restore model, optimizer and LR schedule from `path`; return this rank's `extra`."""
     meta = _check_complete(path)
     if meta["value_model"] != engine.is_value_model:
@@ -95,9 +95,9 @@ def load_checkpoint(engine: "FSDPEngine", path: Path) -> dict[str, Any]:
     state = _states(engine)
     dcp.load(state, checkpoint_id=path)
     if engine.optimizer is None:
-        set_state_dict(engine.model, [], model_state_dict=state["model"], optim_state_dict={})
+        set_state_dict(engine.module, [], model_state_dict=state["model"], optim_state_dict={})
     else:
-        set_state_dict(engine.model, engine.optimizer, model_state_dict=state["model"],
+        set_state_dict(engine.module, engine.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
     own = path / f"extra_rank{engine.rank}.pt"
     blob = torch.load(own if own.exists() else path / "extra_rank0.pt", weights_only=False)
@@ -136,7 +136,7 @@ def _model_from_checkpoint(path: Path) -> torch.nn.Module:
     return model
 
 
-def export_hf(source: "FSDPEngine | str | os.PathLike", out_dir: str | os.PathLike, tokenizer: Any = None) -> Path:
+def export_hf(source: "Engine | str | os.PathLike", out_dir: str | os.PathLike, tokenizer: Any = None) -> Path:
     """Write a full HF directory (safetensors + config + tokenizer) from an engine or a checkpoint.
 
     From an engine this is collective (all ranks call it; rank 0 writes). `tokenizer` is a
