@@ -2,7 +2,7 @@
 
 from hybridflow.engine.base import Engine, LossFn, MicroBatch
 from hybridflow.engine.checkpoint import CheckpointError, export_hf, latest_checkpoint
-from hybridflow.engine.config import EngineConfig, OptimConfig
+from hybridflow.engine.config import EngineConfig, LoraConfig, OptimConfig
 from hybridflow.engine.fsdp import FSDPEngine
 
 __all__ = [
@@ -10,6 +10,7 @@ __all__ = [
     "Engine",
     "EngineConfig",
     "FSDPEngine",
+    "LoraConfig",
     "LossFn",
     "MicroBatch",
     "OptimConfig",

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
 from hybridflow.config_utils import Section
 from hybridflow.utils.dtypes import check_dtype, dtype_of
 
-__all__ = ["EngineConfig", "OptimConfig", "dtype_of"]
+__all__ = ["EngineConfig", "LoraConfig", "OptimConfig", "dtype_of"]
 
 
 @dataclass
@@ -106,3 +106,39 @@ class EngineConfig(Section):
             raise ValueError(f"engine.cpu_math_attention_max_len must be >= 0, got {self.cpu_math_attention_max_len}")
         if self.logits_chunk_size < 1:
             raise ValueError(f"engine.logits_chunk_size must be >= 1, got {self.logits_chunk_size}")
+
+
+@dataclass
+class LoraConfig(Section):
+    """Low-rank adapters (LoRA, Hu et al. 2021, through peft) on the model's linear layers."""
+
+    rank: int = 0
+    """Adapter rank r (verl: lora_rank); 0 disables LoRA, so every weight trains."""
+    alpha: float = 16.0
+    """Adapter updates are scaled by alpha / rank (verl: lora_alpha)."""
+    target_modules: Any = "all-linear"
+    """Linear layers that get adapters: "all-linear" (every projection but the LM head) or a list of
+    module names such as [q_proj, v_proj] (verl: target_modules)."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input."""
+
+    @property
+    def enabled(self) -> bool:
+        """Whether adapters are trained instead of the full weights."""
+        return self.rank > 0
+
+    def __post_init__(self) -> None:
+        if self.rank < 0:
+            raise ValueError(f"lora.rank must be >= 0 (0: off), got {self.rank}")
+        if self.alpha <= 0:
+            raise ValueError(f"lora.alpha must be > 0, got {self.alpha}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout}")
+        ok = self.target_modules == "all-linear" or (
+            isinstance(self.target_modules, (list, tuple)) and self.target_modules
+            and all(isinstance(m, str) and m for m in self.target_modules))
+        if not ok:
+            raise ValueError(f"lora.target_modules must be 'all-linear' or a non-empty list of module names, "
+                             f"got {self.target_modules!r}")
+        if isinstance(self.target_modules, tuple):
+            self.target_modules = list(self.target_modules)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 
 from hybridflow.config_utils import ConfigError, freeze, to_yaml
 from hybridflow.engine.config import EngineConfig
+from hybridflow.trainer.config import TrainerConfig
 from hybridflow.trainer.run_config import RunConfig
 
 POLICY_ROLES = ("actor", "rollout", "ref")
@@ -84,7 +85,7 @@ def resolve(cfg: RunConfig, steps_per_epoch: int, cpu_count: int | None = None) 
         raise ConfigError(f"the training set gives {steps_per_epoch} steps per epoch at data.train_batch_size="
                           f"{cfg.data.train_batch_size}; add prompts or lower the batch size")
     sets = worker_sets(cfg)
-    trainer = _resolve_trainer(cfg, steps_per_epoch, cpu_count or os.cpu_count() or 1)
+    trainer = resolve_trainer(cfg.trainer, steps_per_epoch, cpu_count)
     total = trainer.total_training_steps
     device = trainer.device
     critic = cfg.critic
@@ -117,8 +118,10 @@ def worker_sets(cfg: RunConfig) -> tuple[WorkerSet, ...]:
     return WorkerSet(0, first, ("actor", "rollout")), WorkerSet(1, world - first, tuple(roles[2:]))
 
 
-def _resolve_trainer(cfg: RunConfig, steps_per_epoch: int, cpu_count: int):
-    t = cfg.trainer
+def resolve_trainer(t: TrainerConfig, steps_per_epoch: int, cpu_count: int | None = None) -> TrainerConfig:
+    """The trainer section with run directories, threads per worker and run length filled in
+    (shared by every trainer: PPO, SFT). Not frozen: the caller freezes the whole config."""
+    cpu_count = cpu_count or os.cpu_count() or 1
     epochs, steps = t.total_epochs, t.total_training_steps
     if steps is None:
         epochs = epochs or 1

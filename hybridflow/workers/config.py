@@ -13,7 +13,7 @@ from hybridflow.algos.core import LOSS_AGG_MODES
 from hybridflow.algos.kl import KL_ESTIMATORS
 from hybridflow.algos.losses import PolicyLossConfig
 from hybridflow.config_utils import Section
-from hybridflow.engine.config import EngineConfig, OptimConfig
+from hybridflow.engine.config import EngineConfig, LoraConfig, OptimConfig
 from hybridflow.utils.dtypes import check_dtype
 
 OLD_LOG_PROB_MODES = ("auto", "recompute")
@@ -73,6 +73,9 @@ class ActorConfig(Section):
     """AdamW and LR schedule."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """FSDP2 engine settings (dtype, remove padding, checkpointing)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Low-rank adapters instead of full fine-tuning (rank 0: off). With adapters the reference
+    policy is the same model with its adapters disabled: no second copy of the weights."""
 
     def __post_init__(self) -> None:
         from hybridflow.algos.losses import list_policy_losses
