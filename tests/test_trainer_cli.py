@@ -122,6 +122,7 @@ def test_bad_inputs_fail_cleanly(tiny_model: str, tmp_path: Path) -> None:
         "parquet": [f"data.train_files=[{bad_parquet}]"],
         "batch sizes": ["data.train_batch_size=3"],
         "estimator": ["algorithm.adv_estimator=nope"],
+        "unwritable checkpoints": [f"trainer.default_local_dir={bad_parquet}/ckpt", "trainer.save_freq=1"],
     }
     for what, extra in cases.items():
         proc = run_cli(base_overrides(tiny_model, tmp_path) + extra, tmp_path, timeout=120)

@@ -189,7 +189,7 @@ def _save(root: Path, step: int) -> Path:
 
 def test_atomic_dir_commits_with_marker_and_leaves_no_tmp(tmp_path):
     final = _save(tmp_path, 5)
-    assert sorted(p.name for p in final.iterdir()) == ["COMPLETE", "trainer_state.json"]
+    assert sorted(p.name for p in final.iterdir()) == ["COMPLETE", "MANIFEST.json", "trainer_state.json"]
     assert ckpt.find_latest_complete(tmp_path) == final
     assert [p.name for p in tmp_path.iterdir()] == ["global_step_5"]
 
@@ -233,7 +233,7 @@ def test_commit_replaces_an_existing_checkpoint_of_the_same_step(tmp_path):
     _save(tmp_path, 4)
     with ckpt.atomic_dir(ckpt.step_dir(tmp_path, 4)) as tmp:
         (tmp / "new.txt").write_text("again")
-    assert sorted(p.name for p in ckpt.step_dir(tmp_path, 4).iterdir()) == ["COMPLETE", "new.txt"]
+    assert sorted(p.name for p in ckpt.step_dir(tmp_path, 4).iterdir()) == ["COMPLETE", "MANIFEST.json", "new.txt"]
     assert [p.name for p in tmp_path.iterdir()] == ["global_step_4"]
 
 

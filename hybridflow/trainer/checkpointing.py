@@ -1,19 +1,23 @@
 """Trainer checkpoints: every worker group's shards plus the controller's own state, atomically.
 
 Layout: <trainer.default_local_dir>/global_step_<N>/{actor,critic}/ (sharded engine
-checkpoints written by the workers) and trainer_state.json (step, dataloader position,
-KL coefficient, the model path for exports). The directory is built under a temporary name and renamed only when
-everything is written and marked COMPLETE, so a crash never leaves a checkpoint that
-a resume would pick up.
+checkpoints written by the workers), trainer_state.json (step, dataloader position,
+KL coefficient, the model path for exports, the run's name), config.yaml (the resolved
+config) and MANIFEST.json (every file's size and SHA-256). The directory is built under a
+temporary name and renamed only when everything is written and marked COMPLETE, so a
+crash never leaves a checkpoint that a resume would pick up; a resume verifies the
+manifest and falls back to the previous checkpoint when the newest is damaged.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hybridflow.config_utils import to_yaml
 from hybridflow.utils import checkpoint_dirs as C
 
 if TYPE_CHECKING:  # both pull in the worker and engine stack; export and generate read checkpoints without it
@@ -22,6 +26,8 @@ if TYPE_CHECKING:  # both pull in the worker and engine stack; export and genera
 
 log = logging.getLogger(__name__)
 STATE_FILE = "trainer_state.json"
+CONFIG_FILE = "config.yaml"
+"""The resolved config the checkpoint was written under (loadable with --config)."""
 
 
 def actor_dir(ckpt: Path) -> Path:
@@ -60,14 +66,15 @@ class TrainerCheckpointer:
             state = {"global_step": step, "loader": self.loader.state_dict(), "kl_coef": float(kl_ctrl.value),
                      "model_path": self.cfg.model.path, "run": run_name(self.cfg)}
             C.write_json_atomic(tmp / STATE_FILE, state)
+            (tmp / CONFIG_FILE).write_text(to_yaml(self.cfg))
         if self.cfg.trainer.max_ckpt_to_keep:
             C.prune_checkpoints(self.root, self.cfg.trainer.max_ckpt_to_keep)
         log.debug("saved checkpoint %s", final)  # the trainer's phase line reports it on the console
         return final
 
-    def resume(self, kl_ctrl: Any) -> int:
-        """Restore workers, dataloader and KL coefficient; return the step to continue from (0: fresh)."""
-        path = resume_path(self.cfg)
+    def resume(self, kl_ctrl: Any, path: Path | None) -> int:
+        """Restore workers, dataloader and KL coefficient from `path` (found by `resume_path` before the
+        workers started); return the step to continue from (0: fresh, when `path` is None)."""
         if path is None:
             return 0
         state = json.loads((path / STATE_FILE).read_text())
@@ -77,6 +84,26 @@ class TrainerCheckpointer:
         kl_ctrl.value = state["kl_coef"]
         log.info("resumed from %s at step %d", path, state["global_step"])
         return int(state["global_step"])
+
+
+def _report_damaged(path: Path, problem: str) -> None:
+    log.warning("checkpoint %s is damaged (%s); resuming from the previous complete one", path, problem)
+
+
+def check_writable(cfg: RunConfig) -> None:
+    """Fail before the first step, not at the first save, when checkpoints cannot be written."""
+    t = cfg.trainer
+    if t.save_freq <= 0:
+        return
+    root = Path(t.default_local_dir)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".write-probe-{os.getpid()}"
+        probe.write_bytes(b"x")
+        probe.unlink()
+    except OSError as err:
+        raise ValueError(f"trainer.default_local_dir={root} cannot be written ({err.strerror or err}); "
+                         "fix its permissions or point trainer.default_local_dir elsewhere") from None
 
 
 def run_name(cfg: RunConfig) -> str:
@@ -99,9 +126,12 @@ def resume_path(cfg: RunConfig) -> Path | None:
         if not C.is_complete(path):
             raise FileNotFoundError(f"trainer.resume_from_path={path} is not a complete checkpoint "
                                     f"(no {path}/COMPLETE); pick a global_step_<N> directory that finished saving")
+        problem = C.damage(path)
+        if problem:
+            raise ValueError(f"trainer.resume_from_path={path} is damaged: {problem}; pick an earlier checkpoint")
         return path
     root = Path(t.default_local_dir)
-    path = C.find_latest_complete(root) if root.exists() else None
+    path = C.find_latest_valid(root, _report_damaged) if root.exists() else None
     theirs = json.loads((path / STATE_FILE).read_text()).get("run") if path is not None else None
     if theirs is not None and theirs != run_name(cfg):  # None: written before runs were named in checkpoints
         raise ValueError(

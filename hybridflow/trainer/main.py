@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, NamedTuple, Sequence
 
 from hybridflow.config_utils import load_config, to_yaml
+from hybridflow.trainer.checkpointing import check_writable
 from hybridflow.trainer.resolve import ResolvedRun, resolve
 from hybridflow.trainer.run_config import RunConfig
 
@@ -40,6 +41,8 @@ class RunInputs(NamedTuple):
     train_loader: Any
     val_loader: Any
     reward_fn: Any
+    resume_from: Path | None = None
+    """The checkpoint to continue from (trainer.resume_mode), checked before any worker starts."""
 
 
 def _start_backend(cfg: RunConfig) -> None:
@@ -72,8 +75,7 @@ def load_run(config_path: str | None, overrides: Sequence[str]) -> tuple[Resolve
     cfg = load_config(RunConfig, config_path, overrides)
     inputs = prepare_inputs(cfg)
     resolved = resolve(cfg, len(inputs.train_loader))
-    resume_path(resolved.config)  # a checkpoint that cannot be resumed fails here, before workers start
-    return resolved, inputs
+    return resolved, inputs._replace(resume_from=resume_path(resolved.config))
 
 
 def run(resolved: ResolvedRun, inputs: RunInputs) -> dict[str, dict[str, float]]:
@@ -140,12 +142,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         resolved, inputs = load_run(args.config, args.overrides)
+        if args.print_config:
+            print(resolved.to_yaml(), end="")
+            return 0
+        check_writable(resolved.config)
     except USER_ERRORS as err:
         print(f"hybridflow train: error: {err}", file=sys.stderr)
         return 2
-    if args.print_config:
-        print(resolved.to_yaml(), end="")
-        return 0
     run(resolved, inputs)
     return 0
 

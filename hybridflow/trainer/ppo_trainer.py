@@ -52,6 +52,7 @@ class PPOTrainer:
         self.kl_ctrl = S.make_kl_controller(self.cfg.algorithm)
         self.checkpointer = TrainerCheckpointer(self.cfg, roles, inputs.train_loader)
         self.global_step = 0
+        self.resume_from = inputs.resume_from
         self.total_steps = run.total_steps
         self.last_val: dict[str, float] = {}
         self.first_val: dict[str, float] = {}
@@ -59,7 +60,7 @@ class PPOTrainer:
     def fit(self) -> dict[str, float]:
         """Train until total steps; validate, log and checkpoint on the configured schedule."""
         t = self.cfg.trainer
-        self.global_step = self.checkpointer.resume(self.kl_ctrl)
+        self.global_step = self.checkpointer.resume(self.kl_ctrl, self.resume_from)
         if t.val_before_train and self.global_step == 0:
             self._validate()
         with TrainProgress(self.total_steps, initial=self.global_step) as progress:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, ContextManager
 
 from hybridflow.utils import atomic
+from hybridflow.utils.manifest import find_damage, write_manifest
 
 STEP_DIR_PREFIX = "global_step_"
 COMPLETE_MARKER = "COMPLETE"
@@ -97,9 +98,33 @@ def abort_checkpoint(tmp_path: str | Path) -> None:
 
 
 def atomic_dir(final_path: str | Path) -> ContextManager[Path]:
-    """Yield a temporary sibling of `final_path`; on success commit it (marker included), on exception delete it."""
+    """Yield a temporary sibling of `final_path`; on success commit it (MANIFEST.json, then the marker),
+    on exception delete it."""
     final_path = Path(final_path)
-    return atomic.atomic_dir(final_path, tag=_tag(), seal=_marker_writer(final_path))
+    marker = _marker_writer(final_path)
+
+    def seal(tmp: Path) -> None:
+        write_manifest(tmp, checkpoint_step(final_path))
+        marker(tmp)
+
+    return atomic.atomic_dir(final_path, tag=_tag(), seal=seal)
+
+
+def damage(path: str | Path) -> str | None:
+    """Why the complete checkpoint `path` cannot be trusted (a file missing, truncated or changed against
+    its manifest), or None if it checks out."""
+    return find_damage(Path(path), skip=(COMPLETE_MARKER,))
+
+
+def find_latest_valid(root: str | Path, report: Callable[[Path, str], None]) -> Path | None:
+    """The newest complete checkpoint under `root` whose files match its manifest; each newer damaged
+    one is passed to `report(path, problem)` and skipped."""
+    for path in reversed(list_complete(root)):
+        problem = damage(path)
+        if problem is None:
+            return path
+        report(path, problem)
+    return None
 
 
 def prune_checkpoints(root: str | Path, keep_last: int) -> list[Path]:
