@@ -12,11 +12,12 @@ TRL_VERSION=${TRL_VERSION:-1.16.0}
 .venv-trl/bin/python -m pip install -q --upgrade pip
 .venv-trl/bin/pip install -q torch==2.13.0
 pins=$(mktemp)
-grep -E '^(torch|transformers)==' constraints.txt > "$pins"
-.venv-trl/bin/pip install -q -c "$pins" "trl==${TRL_VERSION}"
+grep -E '^(torch|transformers|peft)==' constraints.txt > "$pins"
+# peft: the LoRA row of bench/vs_trl.py (--lora-rank), at hybridflow's pinned version.
+.venv-trl/bin/pip install -q -c "$pins" "trl==${TRL_VERSION}" peft
 rm -f "$pins"
 .venv-trl/bin/python - <<'EOF'
-import torch, transformers, trl
+import peft, torch, transformers, trl
 assert torch.__version__.endswith("+cpu"), f"expected the CPU torch wheel, got torch {torch.__version__}"
 print(f".venv-trl ready: trl {trl.__version__}, transformers {transformers.__version__}, torch {torch.__version__}")
 EOF

@@ -89,6 +89,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gradient-checkpointing", action="store_true", help="TRL's default; off here (faster)")
     p.add_argument("--omp-wait-policy", choices=["passive", "active", "inherit"], default="passive",
                    help="OMP_WAIT_POLICY; passive is ~10x faster at generation on an oversubscribed machine")
+    p.add_argument("--lora-rank", type=int, default=0, help="train peft LoRA adapters of this rank (0: full)")
+    p.add_argument("--lora-alpha", type=float, default=16.0)
     p.add_argument("--out", required=True, help="where to write the JSON results")
     args = p.parse_args(argv)
     if args.num_generations < 2:
@@ -219,6 +221,16 @@ def grpo_config(args: argparse.Namespace, out_dir: str):
     )
 
 
+def peft_config(args: argparse.Namespace):
+    """peft LoRA on every linear layer but the LM head (hybridflow's actor.lora defaults), or None."""
+    if args.lora_rank <= 0:
+        return None
+    from peft import LoraConfig
+
+    return LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, target_modules="all-linear",
+                      lora_dropout=0.0, task_type="CAUSAL_LM")
+
+
 def summary(rec: Recorder) -> dict[str, float]:
     """Headline numbers; tokens/s divides all generated tokens by all step (or generate) time."""
     total_time, total_tokens = sum(rec.step_times), sum(rec.gen_tokens)
@@ -250,7 +262,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="trl_side_") as out_dir:
         trainer = GRPOTrainer(model=args.model_dir, reward_funcs=rec.reward_func(),
                               args=grpo_config(args, out_dir), train_dataset=dataset,
-                              processing_class=tokenizer, callbacks=[rec.callback()])
+                              processing_class=tokenizer, callbacks=[rec.callback()], peft_config=peft_config(args))
         rec.time_generate(trainer.model)
         init_time, rss_after_init = time.perf_counter() - start, rss_mb()
         trainer.train()

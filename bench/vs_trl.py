@@ -10,6 +10,7 @@ tree) and the reward curve of each.
 
     ./bench/setup_trl_env.sh                       # once: the benchmark-only TRL env
     .venv/bin/python bench/vs_trl.py --steps 8     # both sizes, ~11 min on 2 cores
+    .venv/bin/python bench/vs_trl.py --lora-rank 16   # both sides train LoRA adapters (peft) instead
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ def trl_side(args, model_dir: str, parquet: str, prompts: int, work: Path) -> di
     cmd = [str(ROOT / ".venv-trl/bin/python"), str(ROOT / "bench/trl_side.py"), "--model-dir", model_dir,
            "--train-parquet", parquet, "--prompts-per-step", str(prompts), "--num-generations", "4",
            "--max-prompt-length", "64", "--max-completion-length", "32", "--lr", str(args.lr),
-           "--steps", str(args.steps), "--threads", "2", "--seed", "0", "--out", str(out)]
+           "--steps", str(args.steps), "--threads", "2", "--seed", "0", "--out", str(out),
+           "--lora-rank", str(args.lora_rank), "--lora-alpha", str(args.lora_alpha)]
     peak, _ = run_measured(cmd, dict(os.environ), work)
     res = json.loads(out.read_text())
     tokens = sum(res["gen_tokens"])
@@ -82,7 +84,8 @@ def hybridflow_side(args, parquet: str, prompts: int, work: Path, workers: int) 
         f"actor.optim.lr={args.lr}", f"trainer.total_training_steps={args.steps}", "trainer.val_before_train=false",
         "trainer.test_freq=-1", "trainer.logger=[jsonl]", f"trainer.log_dir={run_dir}",
         f"trainer.default_local_dir={run_dir / 'ckpt'}", f"trainer.n_workers_per_node={workers}",
-        f"trainer.cpus_per_worker={2 // workers}", *args.overrides,
+        f"trainer.cpus_per_worker={2 // workers}", f"actor.lora.rank={args.lora_rank}",
+        f"actor.lora.alpha={args.lora_alpha}", *args.overrides,
     ]
     env = {**os.environ, "HYBRIDFLOW_NO_PROGRESS": "1"}
     peak, _ = run_measured([sys.executable, "-m", "hybridflow.trainer.main", *overrides], env, work)
@@ -119,6 +122,9 @@ def main() -> None:
                         help="hybridflow layouts to run, as workers sharing the 2 threads (1: one worker with "
                              "2 threads; 2: two workers with 1 thread each), comma-separated")
     parser.add_argument("--skip-trl", action="store_true", help="run only the hybridflow side (quick checks)")
+    parser.add_argument("--lora-rank", type=int, default=0,
+                        help="both sides train LoRA adapters of this rank on every linear layer (0: full weights)")
+    parser.add_argument("--lora-alpha", type=float, default=16.0)
     parser.add_argument("overrides", nargs="*", help="extra hybridflow key=value overrides")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
@@ -132,7 +138,8 @@ def main() -> None:
         runs = {} if args.skip_trl else {"TRL": trl_side(args, model_dir, parquet, prompts, work)}
         for w in [int(x) for x in args.workers.split(",")]:
             runs[f"hf {w}x{2 // w}"] = hybridflow_side(args, parquet, prompts, work, w)
-        print(f"\n== {prompts} prompts x 4 samples = {prompts * 4} completions/step, {args.steps} steps ==")
+        lora = f", LoRA rank {args.lora_rank}" if args.lora_rank else ""
+        print(f"\n== {prompts} prompts x 4 samples = {prompts * 4} completions/step, {args.steps} steps{lora} ==")
         print_table(runs)
 
 
