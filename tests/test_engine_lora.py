@@ -1,6 +1,7 @@
 """LoRA on the FSDP2 engine (one gloo rank, tiny Llama): only adapters train, the reference is the base
 model with adapters off, the rollout gets merged weights (later only the adapted layers'), checkpoints
-hold the adapters alone and resume exactly, exports merge them or write a peft adapter directory."""
+hold the adapters alone and resume exactly, exports merge them or write a peft adapter directory.
+The merge on two sharded or replicated ranks is checked in tests/test_engine_distributed.py."""
 
 from __future__ import annotations
 
@@ -23,9 +24,9 @@ LORA = LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj"])
 ADAPTED = {f"model.layers.{i}.self_attn.{m}_proj.weight" for i in range(2) for m in "qv"}
 
 
-def _engine(lora: LoraConfig | None = LORA) -> FSDPEngine:
+def _engine(lora: LoraConfig | None = LORA, dtype: str = "fp32") -> FSDPEngine:
     optim = OptimConfig(lr=1e-2, lr_warmup_steps_ratio=0.5, total_training_steps=4)
-    return FSDPEngine.from_pretrained(tiny_model_dir("llama"), EngineConfig(param_dtype="fp32"), optim, lora=lora)
+    return FSDPEngine.from_pretrained(tiny_model_dir("llama"), EngineConfig(param_dtype=dtype), optim, lora=lora)
 
 
 def _loss(out, micro):
@@ -43,10 +44,14 @@ def _weights(engine: FSDPEngine) -> dict[str, torch.Tensor]:
     return {k: v.full_tensor().clone() for k, v in engine.module.state_dict().items()}
 
 
-def _peft_copy(engine: FSDPEngine) -> peft.PeftModel:
-    """A plain (unsharded) peft model with the engine's adapters: what peft itself would merge."""
+def _adapters(engine: FSDPEngine) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in _weights(engine).items() if is_adapter_key(k)}
+
+
+def _peft_copy(adapters: dict[str, torch.Tensor]) -> peft.PeftModel:
+    """A plain (unsharded) peft model with these adapters: what peft itself would merge."""
     model = apply_lora(load_causal_lm(tiny_model_dir("llama")), LORA)
-    model.load_state_dict({k: v for k, v in _weights(engine).items() if is_adapter_key(k)}, strict=False)
+    model.load_state_dict(adapters, strict=False)
     return model.eval()
 
 
@@ -54,7 +59,7 @@ def _peft_copy(engine: FSDPEngine) -> peft.PeftModel:
 def trained():
     """A LoRA engine after two update steps, its first forward run with adapters off."""
     engine = _engine()
-    with engine.adapters_disabled():  # FSDP2 copies requires_grad at every gather: this must not freeze the adapters
+    with engine.adapters_disabled():  # FSDP2's first forward, with adapters off, must not freeze them
         engine.compute_log_probs(make_batch(4, 6, 5, seed=1), 2)
     before = _weights(engine)
     _step(engine, seed=2)
@@ -71,6 +76,18 @@ def test_only_the_adapters_train(trained):
     in_optimizer = {id(p) for group in engine.optimizer.param_groups for p in group["params"]}
     trainable = {id(p) for n, p in engine.module.named_parameters() if is_adapter_key(n)}
     assert in_optimizer == trainable and all(p.requires_grad for p in engine.module.parameters() if id(p) in trainable)
+    fresh = _adapters(_engine())  # every rank (and every run) starts from the same adapters
+    assert all(torch.equal(fresh[k], before[k]) for k in adapters)
+
+
+def test_bf16_update_after_a_first_forward_without_adapters():
+    """FSDP2 picks the reduce dtype from the parameters trainable at its first forward (fp32 here)."""
+    engine = _engine(dtype="bf16")
+    with engine.adapters_disabled():
+        engine.compute_log_probs(make_batch(4, 6, 5, seed=1), 2)
+    before = _adapters(engine)
+    assert _step(engine, seed=2)["update_skipped"] == 0.0
+    assert any(not torch.equal(v, before[k]) for k, v in _adapters(engine).items())
 
 
 def test_reference_is_the_base_model(trained):
@@ -99,7 +116,7 @@ def test_rollout_gets_the_merged_weights_and_later_only_the_adapted_layers(train
     _step(engine, seed=5)
     sync_weights(rollout, engine, changed_only=True)
     assert len(sent[0]) == len(rollout.model.state_dict()) and sent[1] == ADAPTED
-    merged = _peft_copy(engine).merge_and_unload().state_dict()
+    merged = _peft_copy(_adapters(engine)).merge_and_unload().state_dict()
     for key, value in rollout.model.state_dict().items():
         torch.testing.assert_close(value, merged[key], atol=1e-6, rtol=0, msg=key)
     assert rollout.model.lm_head.weight.data_ptr() == rollout.model.model.embed_tokens.weight.data_ptr()
@@ -137,7 +154,7 @@ def test_merged_and_adapter_exports_give_the_adapted_model(trained, tmp_path):
     assert cli.main(["export", str(step), "--out", str(tmp_path / "merged")]) == 0
     assert cli.main(["export", str(step), "--out", str(tmp_path / "adapter"), "--adapter"]) == 0
     data = make_batch(3, 6, 5, seed=6)
-    expected = _logits(_peft_copy(engine), data)
+    expected = _logits(_peft_copy(_adapters(engine)), data)
     merged = _logits(load_causal_lm(tmp_path / "merged"), data)
     torch.testing.assert_close(merged, expected, atol=1e-5, rtol=1e-5)
     adapter = peft.PeftModel.from_pretrained(load_causal_lm(tiny_model_dir("llama")), tmp_path / "adapter").eval()
@@ -148,3 +165,4 @@ def test_merged_and_adapter_exports_give_the_adapted_model(trained, tmp_path):
     torch.testing.assert_close(lp[mask], ref[mask], atol=2e-5, rtol=1e-5)
     with pytest.raises(CheckpointError, match="base model"):
         export_hf(step / "actor", tmp_path / "nobase")
+

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -196,20 +196,14 @@ class FSDPEngine(Engine):
 
     @contextlib.contextmanager
     def _without_adapters(self):
-        # peft turns requires_grad off and back on on the parameters the modules hold at that moment. FSDP2
-        # copies it from the sharded parameter to the gathered one at every gather, so both toggles must land
-        # on the sharded ones: layers left gathered (inference keeps them) would keep the adapters frozen.
-        self._reshard_layers()
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
         with self.model.disable_adapter():
-            try:
-                yield
-            finally:
-                self._reshard_layers()
-
-    def _reshard_layers(self) -> None:
-        for module in self.model.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
+            # peft also freezes the adapters, but FSDP2 copies requires_grad into each gathered parameter and
+            # picks its gradient reduce dtype from the trainable ones at its first forward (which may be this
+            # one): frozen here, they would stay frozen or reduce in bf16. Switching them off is enough.
+            for p in trainable:
+                p.requires_grad_(True)
+            yield
 
     # --- forward --------------------------------------------------------------
     def forward_micro_batch(

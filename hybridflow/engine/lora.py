@@ -30,6 +30,8 @@ PEFT_PREFIX = "base_model.model."
 """What `get_peft_model` puts in front of every name of the wrapped HF model."""
 ADAPTER = "default"
 """The name of the one adapter peft holds."""
+INIT_SEED = 0
+"""Seed of the adapters' random init (A; B starts at 0)."""
 
 
 def peft_config(cfg: LoraConfig) -> peft.LoraConfig:
@@ -39,9 +41,15 @@ def peft_config(cfg: LoraConfig) -> peft.LoraConfig:
 
 
 def apply_lora(model: nn.Module, cfg: LoraConfig) -> peft.PeftModel:
-    """`model` wrapped with fresh adapters (B = 0: the adapted model starts equal to the base)."""
+    """`model` wrapped with fresh adapters (B = 0: the adapted model starts equal to the base).
+
+    A is drawn from a fixed seed: every rank must start from the same adapters (with fsdp_size=1
+    each holds all of them, and replicas that differ would train different models), and runs repeat.
+    """
     try:
-        wrapped = peft.get_peft_model(model, peft_config(cfg))
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(INIT_SEED)
+            wrapped = peft.get_peft_model(model, peft_config(cfg))
     except ValueError as err:
         raise ValueError(f"lora.target_modules={cfg.target_modules!r} does not fit {type(model).__name__}: {err}"
                          ) from None

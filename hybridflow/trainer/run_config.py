@@ -101,8 +101,8 @@ class RunConfig(Section):
         self._check_lengths()
         self._check_algorithm()
         self._check_placement()
+        self._check_lora()  # before the backend checks: LoRA with vllm is refused whether vllm is installed or not
         self._check_backends()
-        self._check_lora()
 
     def _check_batch_sizes(self) -> None:
         d, a, n, w = self.data, self.actor, self.rollout.n, self.world_size
