@@ -90,6 +90,16 @@ def test_bf16_update_after_a_first_forward_without_adapters():
     assert any(not torch.equal(v, before[k]) for k, v in _adapters(engine).items())
 
 
+@pytest.mark.parametrize("targets, message", [
+    (["embed_tokens"], "embed_tokens is of type Embedding; adapters are supported on linear layers only"),
+    (["lm_head"], "lm_head shares its weight with another layer"),
+    (["q_prj"], r"lora.target_modules=\['q_prj'\] does not fit LlamaForCausalLM"),
+])
+def test_adapters_the_merge_cannot_express_are_refused(targets, message):
+    with pytest.raises(ValueError, match=message):
+        apply_lora(load_causal_lm(tiny_model_dir("llama")), LoraConfig(rank=2, target_modules=targets))
+
+
 def test_reference_is_the_base_model(trained):
     engine, _ = trained
     data = make_batch(5, 6, 5, seed=4)
@@ -165,4 +175,6 @@ def test_merged_and_adapter_exports_give_the_adapted_model(trained, tmp_path):
     torch.testing.assert_close(lp[mask], ref[mask], atol=2e-5, rtol=1e-5)
     with pytest.raises(CheckpointError, match="base model"):
         export_hf(step / "actor", tmp_path / "nobase")
+    export_hf(engine, tmp_path / "from_engine")  # what the worker's export_hf does: merged too
+    torch.testing.assert_close(_logits(load_causal_lm(tmp_path / "from_engine"), data), merged, atol=0, rtol=0)
 

@@ -62,7 +62,7 @@ def _check_adapted(model: nn.Module) -> None:
     uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     for name, layer in adapted_layers(model):
         if not isinstance(layer, LoraLinear):
-            raise ValueError(f"lora.target_modules: {hf_name(name)} is a {type(layer.base_layer).__name__}; "
+            raise ValueError(f"lora.target_modules: {hf_name(name)} is of type {type(layer.base_layer).__name__}; "
                              "adapters are supported on linear layers only")
         if uses[id(layer.base_layer.weight)] > 1:
             raise ValueError(f"lora.target_modules: {hf_name(name)} shares its weight with another layer (tied "
