@@ -5,11 +5,11 @@ Layout of a checkpoint directory (e.g. `ckpts/global_step_20`):
   extra_rank{r}.pt      LR-schedule state and the caller's `extra` (rng, step) of rank r
   hf_config/            the model's HF config, so `export_hf` works from the shards alone
   meta.json             world size, model kind, whether optimizer state is present, LoRA settings
+  COMPLETE              written last, by rank 0, before the directory takes its name
 
 With LoRA adapters (`Engine.has_adapters`) the shards hold the adapters and their
 optimizer state only, never the frozen base weights: the base model comes back from its
 own directory (`base_model` of the exports).
-  COMPLETE              written last, by rank 0, before the directory takes its name
 
 All ranks write into `<dir>.tmp-<token>`; after a barrier rank 0 writes COMPLETE
 and renames it to `<dir>`. A save that dies midway leaves only the tmp directory,

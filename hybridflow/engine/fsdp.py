@@ -127,9 +127,7 @@ class FSDPEngine(Engine):
         with adapters when `lora` has rank > 0."""
         from hybridflow.models import load_causal_lm, load_value_model
 
-        if value_model and lora is not None and lora.enabled:  # refuse before loading any weights
-            raise ValueError("LoRA adapters are supported on the policy (actor.lora) only; a value model (critic) "
-                             "trains all its weights")
+        _refuse_value_lora(value_model, lora)  # before loading any weights
         model = load_value_model(path) if value_model else load_causal_lm(path)
         return cls(model, config, optim, lora)
 

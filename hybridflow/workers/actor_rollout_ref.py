@@ -112,7 +112,7 @@ class ActorRolloutRefWorker(Worker):
         """
         if "ref" not in self.roles:
             raise RuntimeError(f"compute_ref_log_prob: this worker's role is {sorted(self.roles)}, which has no ref")
-        engine = self.ref or self.actor
+        engine = self.ref if self.ref is not None else self.actor
         with self.actor.adapters_disabled() if self.ref is None else contextlib.nullcontext():
             log_probs, _ = engine.compute_log_probs(
                 data.batch, self.ref_cfg.log_prob_micro_batch_size_per_device, self._temperature(data)
