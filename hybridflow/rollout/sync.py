@@ -56,5 +56,5 @@ def sync_weights(rollout: Rollout, engine: Engine, changed_only: bool = False) -
     """
     start = time.perf_counter()
     state = engine.full_state_dict(dtype=rollout.weight_dtype, changed_only=changed_only)
-    rollout.load_weights(state, partial=changed_only)
+    rollout.load_weights(state, partial=changed_only and engine.has_adapters)  # without adapters it is all of them
     return time.perf_counter() - start
