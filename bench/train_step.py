@@ -6,7 +6,11 @@ token-mean of -log p(response). Achieved FLOP/s = 6 * params * tokens / step tim
 (the usual dense-training count; it includes the LM head on prompt tokens, which the
 engine skips, so it slightly overstates the work done — see the printout).
 
+With `--lora-rank R` the same batch is then timed on a LoRA engine (adapters of rank R on
+every linear layer), and the full-update / LoRA-update step-time ratio is printed.
+
     .venv/bin/python bench/train_step.py            # defaults: 8 x 256, bf16, 2 threads
+    .venv/bin/python bench/train_step.py --lora-rank 8 --lora-alpha 16
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import time
 import torch
 
 from hybridflow import keys
-from hybridflow.engine import EngineConfig, FSDPEngine, OptimConfig
+from hybridflow.engine import EngineConfig, FSDPEngine, LoraConfig, OptimConfig
 from hybridflow.models import default_model_dir
 
 
@@ -52,6 +56,29 @@ def token_mean_nll(total_tokens: int):
     return loss_fn
 
 
+def cpu_model() -> str:
+    """The CPU's model name (as lscpu prints it), for every printed figure."""
+    with open("/proc/cpuinfo") as f:
+        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
+
+
+def time_steps(engine: FSDPEngine, micro: list[dict], loss_fn, steps: int) -> tuple[list[float], dict]:
+    """Step times of `steps` train steps after one warm-up step (allocations, oneDNN kernel selection)."""
+    engine.train_step(micro, loss_fn)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        metrics = engine.train_step(micro, loss_fn)
+        times.append(time.perf_counter() - t0)
+    return times, metrics
+
+
+def build_engine(args, lora: LoraConfig | None = None) -> FSDPEngine:
+    """SmolLM2-135M on a one-rank FSDP2 engine with the flags' dtype and checkpointing."""
+    config = EngineConfig(param_dtype=args.dtype, gradient_checkpointing=args.gc)
+    return FSDPEngine.from_pretrained(default_model_dir(), config, OptimConfig(lr=1e-5), lora=lora)
+
+
 def main() -> None:
     """Parse flags, time the steps, print step time, FLOP/s and the ratio to the matmul figure."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -63,26 +90,26 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up step)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--gc", action="store_true", help="gradient checkpointing")
+    ap.add_argument("--lora-rank", type=int, default=0, help="also time a LoRA update of this rank (0: full only)")
+    ap.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA alpha (updates scaled by alpha / rank)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    engine = FSDPEngine.from_pretrained(
-        default_model_dir(),
-        EngineConfig(param_dtype=args.dtype, gradient_checkpointing=args.gc),
-        OptimConfig(lr=1e-5),
-    )
+    engine = build_engine(args)
     params = sum(p.numel() for p in engine.model.parameters())  # global sizes; tied embedding once
     data = make_batch(args.batch, args.seq - args.response, args.response)
     micro = [{k: v[i : i + args.micro] for k, v in data.items()} for i in range(0, args.batch, args.micro)]
     loss_fn = token_mean_nll(args.batch * args.response)
-    engine.train_step(micro, loss_fn)  # warm-up: allocations, oneDNN kernel selection
-    times = []
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
-        metrics = engine.train_step(micro, loss_fn)
-        times.append(time.perf_counter() - t0)
+    times, metrics = time_steps(engine, micro, loss_fn, args.steps)
     mm = matmul_flops(torch.bfloat16 if args.dtype == "bf16" else torch.float32)
+    print(f"cpu        {cpu_model()}")
     _report(args, params, times, mm, metrics)
+    if args.lora_rank > 0:
+        del engine  # one model in memory at a time
+        lora = build_engine(args, LoraConfig(rank=args.lora_rank, alpha=args.lora_alpha))
+        lora_times, lora_metrics = time_steps(lora, micro, loss_fn, args.steps)
+        trainable = sum(p.numel() for p in lora.model.parameters() if p.requires_grad)
+        _report_lora(args, trainable / params, times, lora_times, lora_metrics)
 
 
 def _report(args, params: int, times: list[float], mm: float, metrics: dict) -> None:
@@ -97,6 +124,15 @@ def _report(args, params: int, times: list[float], mm: float, metrics: dict) -> 
     print(f"matmul     {mm / 1e9:.0f} GFLOP/s  ({args.dtype} 2048^3, best of 10, same run)")
     mean_achieved = 6 * params * tokens / (sum(times) / len(times))
     print(f"ratio      {achieved / mm:.1%} at the best step, {mean_achieved / mm:.1%} at the mean step  (bar: >= 40%)")
+
+
+def _report_lora(args, trainable_fraction: float, full: list[float], lora: list[float], metrics: dict) -> None:
+    print(f"lora       rank {args.lora_rank} alpha {args.lora_alpha:g} on all linear layers, "
+          f"{trainable_fraction:.2%} of the params trainable")
+    print(f"lora step  best {min(lora):.2f} s  mean {sum(lora) / len(lora):.2f} s  over {len(lora)} steps  "
+          f"(loss {metrics['loss']:.3f}, grad_norm {metrics['grad_norm']:.2f})")
+    print(f"full/lora  {min(full) / min(lora):.2f}x at the best step, "
+          f"{sum(full) / sum(lora):.2f}x at the mean step (same batch, same run)")
 
 
 if __name__ == "__main__":

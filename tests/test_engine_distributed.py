@@ -1,4 +1,5 @@
-"""Two gloo ranks with FSDP2 train like one process on the whole batch; sharded checkpoints round-trip."""
+"""Two gloo ranks with FSDP2 train like one process on the whole batch; sharded checkpoints round-trip;
+LoRA adapters start equal on both ranks and their merged weights gathered from shards equal peft's merge."""
 
 import os
 import socket
@@ -12,13 +13,16 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from hybridflow import keys
-from hybridflow.engine import EngineConfig, FSDPEngine, OptimConfig
+from hybridflow.engine import EngineConfig, FSDPEngine, LoraConfig, OptimConfig
 from hybridflow.engine.gather import broadcastable, gather_full
+from hybridflow.engine.lora import apply_lora, is_adapter_key
 from hybridflow.models import load_causal_lm, tiny_model_dir
 from tests.engine_helpers import make_batch
 
 ROWS, P, R, STEPS = 8, 8, 6, 2
 OPTIM = dict(lr=1e-3, weight_decay=0.01, grad_clip=0.5)
+LORA = LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj"])
+ADAPTED = {f"model.layers.{i}.self_attn.{m}_proj.weight" for i in range(2) for m in "qv"}
 
 
 def _free_port() -> int:
@@ -66,6 +70,7 @@ def _worker(rank: int, port: int, out_dir: str, fsdp_size: int) -> None:
     _steps(engine, shard, loss_fn, 1)
     continued_after_load = engine.full_state_dict()  # collective: every rank gathers
     uneven = _gather_uneven_shards()
+    torch.save(_lora_update(shard, loss_fn, fsdp_size), out / f"lora_rank{rank}.pt")
     if rank == 0:
         torch.save({"uneven": uneven, "trained": trained, "trained_bf16": trained_bf16, "restored": restored, "continued": continued,
                     "continued_after_load": continued_after_load, "extra": extra},
@@ -76,6 +81,31 @@ def _worker(rank: int, port: int, out_dir: str, fsdp_size: int) -> None:
     # "terminate called without an active exception" once the results were in. hybridflow's
     # own workers never tear their groups down (Ray ends the processes).
     os._exit(0)
+
+
+def _lora_update(shard: dict, loss_fn, fsdp_size: int) -> dict[str, dict[str, torch.Tensor]]:
+    """A LoRA engine on the same ranks after one update: its adapters and its merged weights, gathered 3 ways."""
+    engine = FSDPEngine.from_pretrained(tiny_model_dir("llama"), EngineConfig(param_dtype="fp32", fsdp_size=fsdp_size),
+                                        OptimConfig(**OPTIM), lora=LORA)
+    _steps(engine, shard, loss_fn, 1)
+    adapters = {k: v.full_tensor() for k, v in engine.module.state_dict().items() if is_adapter_key(k)}
+    return {"fp32": engine.full_state_dict(), "bf16": engine.full_state_dict(torch.bfloat16),
+            "changed": engine.full_state_dict(changed_only=True), "adapters": adapters}
+
+
+def _check_lora(out: Path) -> None:
+    """Both ranks hold the same adapters; W + s * B @ A merged per shard and gathered equals peft's merge."""
+    res, other = (torch.load(out / f"lora_rank{r}.pt") for r in (0, 1))
+    assert all(torch.equal(v, other["adapters"][k]) for k, v in res["adapters"].items())
+    assert any(v.abs().max() > 0 for k, v in res["adapters"].items() if "lora_B" in k)  # the adapters trained
+    model = apply_lora(load_causal_lm(tiny_model_dir("llama")), LORA)
+    model.load_state_dict(res["adapters"], strict=False)
+    expected = model.merge_and_unload().state_dict()
+    assert set(res["fp32"]) == set(expected) and set(res["changed"]) == ADAPTED
+    for key, value in expected.items():
+        torch.testing.assert_close(res["fp32"][key], value, atol=1e-6, rtol=0, msg=key)
+        assert torch.equal(res["bf16"][key], res["fp32"][key].to(torch.bfloat16)), key
+    assert all(torch.equal(res["changed"][k], res["fp32"][k]) for k in ADAPTED)
 
 
 UNEVEN = [torch.arange(15.0).view(5, 3), torch.arange(4.0).view(1, 4), torch.arange(7.0), torch.ones(2, 2)]
@@ -125,3 +155,4 @@ def test_two_rank_fsdp_matches_single_process_and_checkpoint_round_trips(tmp_pat
     assert (tmp_path / "ckpt" / "global_step_2" / "COMPLETE").is_file()
     for got, want in zip(res["uneven"], UNEVEN, strict=True):
         assert got.dtype == torch.bfloat16 and torch.equal(got, want.to(torch.bfloat16))
+    _check_lora(tmp_path)

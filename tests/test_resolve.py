@@ -106,6 +106,8 @@ def test_worker_sets_follow_the_placement():
     (["actor.loss_agg_mode=sum"], r"actor.loss_agg_mode='sum' is unknown; valid: \['token-mean'"),
     (["trainer.device=cuda"], r"trainer.device=cuda but torch sees no CUDA device"),
     (["rollout.name=vllm"], r"rollout.name=vllm needs the vllm package"),
+    (["actor.lora.rank=8", "rollout.name=vllm"], r"actor.lora.rank=8 with rollout.name=vllm is not supported"),
+    (["actor.lora.target_modules=q_proj"], r"lora.target_modules must be 'all-linear' or a non-empty list"),
 ])
 def test_cross_section_problems_are_refused_at_load(overrides, message):
     pytest.importorskip("torch")
@@ -119,6 +121,13 @@ def test_cross_section_problems_are_refused_at_load(overrides, message):
         pytest.skip("vllm is installed here")
     with pytest.raises(ConfigError, match=message):
         load_config(RunConfig, None, overrides)
+
+
+def test_lora_settings_load_from_overrides():
+    cfg = load_config(RunConfig, None, ["actor.lora.rank=8", "actor.lora.alpha=16",
+                                        "actor.lora.target_modules=[q_proj,v_proj]"])
+    assert cfg.actor.lora.enabled and cfg.actor.lora.target_modules == ["q_proj", "v_proj"]
+    assert cfg.actor.lora.alpha == 16 and not load_config(RunConfig, None, []).actor.lora.enabled
 
 
 def test_fsdp_size_that_does_not_divide_the_role_world_is_refused():

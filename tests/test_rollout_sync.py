@@ -65,6 +65,20 @@ def test_engine_gathers_in_the_rollout_dtype():
         assert torch.equal(value, master[key].to(torch.bfloat16)), key
 
 
+def test_partial_state_dict_replaces_only_its_weights_and_keeps_the_tied_ones():
+    rollout = build_rollout(greedy_cfg("bf16"), tiny("llama", seed=0)[0].to(torch.bfloat16), tiny("llama")[1])
+    before = {k: v.clone() for k, v in rollout.model.state_dict().items()}
+    new = tiny("llama", seed=1)[0].state_dict()
+    part = {k: v for k, v in new.items() if k.endswith(("q_proj.weight", "v_proj.weight"))}
+    rollout.load_weights(part, partial=True)
+    for key, value in rollout.model.state_dict().items():
+        assert torch.equal(value, part[key].to(torch.bfloat16) if key in part else before[key]), key
+    assert rollout.model.lm_head.weight.data_ptr() == rollout.model.model.embed_tokens.weight.data_ptr()
+    with pytest.raises(KeyError, match="not in the rollout model"):
+        rollout.load_weights({"model.layers.0.q_proj.weight": part["model.layers.0.self_attn.q_proj.weight"]},
+                             partial=True)
+
+
 def test_bad_state_dicts_are_rejected():
     model, tok = tiny("llama")
     rollout = build_rollout(greedy_cfg(), model, tok)

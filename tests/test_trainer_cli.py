@@ -94,6 +94,8 @@ def train_ok(tiny_model: str, tmp_path: Path, *extra: str) -> list[dict]:
     ("remax", ["algorithm.adv_estimator=remax"], ["timing_s/reward"]),
     ("kl_loss", ["actor.use_kl_loss=true", "actor.kl_loss_coef=0.1"], ["actor/kl_loss"]),
     ("kl_reward", ["algorithm.use_kl_in_reward=true"], ["actor/reward_kl_penalty"]),
+    ("lora_kl_save", ["actor.lora.rank=8", "actor.lora.alpha=16", "actor.use_kl_loss=true", "actor.optim.lr=1e-3",
+                      "trainer.save_freq=2"], ["actor/kl_loss", "timing_s/weight_sync"]),
     ("split", ["algorithm.adv_estimator=gae", "trainer.placement=split"], ["critic/vf_loss"]),
     ("local", ["trainer.backend=local", "trainer.n_workers_per_node=1"], []),
 ])

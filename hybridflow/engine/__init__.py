@@ -1,7 +1,7 @@
 """Engines: how one model trains and infers on its process group (FSDP2 today)."""
 
 from hybridflow.engine.base import Engine, LossFn, MicroBatch
-from hybridflow.engine.checkpoint import CheckpointError, export_hf, latest_checkpoint
+from hybridflow.engine.checkpoint import CheckpointError, export_adapter, export_hf, latest_checkpoint
 from hybridflow.engine.config import EngineConfig, LoraConfig, OptimConfig
 from hybridflow.engine.fsdp import FSDPEngine
 
@@ -14,6 +14,7 @@ __all__ = [
     "LossFn",
     "MicroBatch",
     "OptimConfig",
+    "export_adapter",
     "export_hf",
     "latest_checkpoint",
 ]

@@ -17,11 +17,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+
+from hybridflow.engine.config import LoraConfig
 
 MicroBatch = Mapping[str, torch.Tensor]
 """One micro-batch: at least input_ids, attention_mask, position_ids [b, T] and responses [b, R]."""
@@ -103,13 +106,35 @@ class Engine(ABC):
         """Current learning rate."""
 
     @abstractmethod
-    def full_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    def full_state_dict(self, dtype: torch.dtype | None = None, changed_only: bool = False) -> dict[str, torch.Tensor]:
         """Gathered full weights under HF names, on every rank, as plain tensors.
 
         Collective: every rank must call it. Meant for syncing weights into a rollout
         model in the same process. `dtype` (None: the master weights' own) is applied
         before gathering, so a bf16 rollout costs half the traffic of an fp32 gather.
+        With adapters the weights are merged (W + alpha / r * B @ A) under the base names,
+        and `changed_only` keeps only the adapted layers' (the rest never changes); without
+        adapters every weight trains, and `changed_only` changes nothing.
         """
+
+    # --- adapters (LoRA): an engine without them keeps these defaults ---------------------
+    @property
+    def lora(self) -> LoraConfig | None:
+        """The adapters' settings, or None when every weight trains."""
+        return None
+
+    @property
+    def has_adapters(self) -> bool:
+        """Whether only low-rank adapters train on top of frozen base weights."""
+        return self.lora is not None
+
+    def adapters_disabled(self) -> AbstractContextManager[None]:
+        """A context in which the engine computes with its adapters off: the frozen base model.
+
+        This is the reference policy of a LoRA run, without a second copy of the weights.
+        Raises RuntimeError for an engine without adapters.
+        """
+        raise RuntimeError(f"{type(self).__name__} has no adapters to disable (it was built without lora.rank > 0)")
 
     @abstractmethod
     def hf_config(self) -> Any:

@@ -4,8 +4,12 @@ Layout of a checkpoint directory (e.g. `ckpts/global_step_20`):
   *.distcp, .metadata   model + optimizer shards (torch.distributed.checkpoint)
   extra_rank{r}.pt      LR-schedule state and the caller's `extra` (rng, step) of rank r
   hf_config/            the model's HF config, so `export_hf` works from the shards alone
-  meta.json             world size, model kind, whether optimizer state is present
+  meta.json             world size, model kind, whether optimizer state is present, LoRA settings
   COMPLETE              written last, by rank 0, before the directory takes its name
+
+With LoRA adapters (`Engine.has_adapters`) the shards hold the adapters and their
+optimizer state only, never the frozen base weights: the base model comes back from its
+own directory (`base_model` of the exports).
 
 All ranks write into `<dir>.tmp-<token>`; after a barrier rank 0 writes COMPLETE
 and renames it to `<dir>`. A save that dies midway leaves only the tmp directory,
@@ -19,13 +23,14 @@ import json
 import os
 import re
 import uuid
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
 from hybridflow.models.value import ValueModel
@@ -47,10 +52,33 @@ def _broadcast_token() -> str:
 
 
 def _states(engine: "Engine") -> dict[str, Any]:
+    if engine.has_adapters:
+        return _adapter_states(engine)
     if engine.optimizer is None:
         return {"model": engine.module.state_dict()}
     model_sd, optim_sd = get_state_dict(engine.module, engine.optimizer)
     return {"model": model_sd, "optim": optim_sd}
+
+
+# Adapters only: the frozen base is in the model directory already, and saving it would cost its full size per save.
+_ADAPTERS_ONLY = StateDictOptions(ignore_frozen_params=True)
+
+
+def _adapter_states(engine: "Engine") -> dict[str, Any]:
+    if engine.optimizer is None:
+        states = {"model": get_model_state_dict(engine.module, options=_ADAPTERS_ONLY)}
+    else:
+        model_sd, optim_sd = get_state_dict(engine.module, engine.optimizer, options=_ADAPTERS_ONLY)
+        states = {"model": model_sd, "optim": optim_sd}
+    # ignore_frozen_params drops a frozen tied weight under one of its names only (lm_head stays): filter by name.
+    trainable = {name for name, p in engine.module.named_parameters() if p.requires_grad}
+    states["model"] = {k: v for k, v in states["model"].items() if k in trainable}
+    return states
+
+
+def _lora_meta(engine: "Engine") -> dict[str, Any] | None:
+    """The engine's LoRA settings as meta.json holds them (None: no adapters)."""
+    return json.loads(json.dumps(asdict(engine.lora))) if engine.has_adapters else None
 
 
 def save_checkpoint(engine: "Engine", path: Path, extra: dict[str, Any] | None = None) -> Path:
@@ -67,7 +95,7 @@ def save_checkpoint(engine: "Engine", path: Path, extra: dict[str, Any] | None =
     if rank == 0:
         engine.hf_config().save_pretrained(tmp / "hf_config")
         meta = {"world_size": engine.world_size, "value_model": engine.is_value_model,
-                "has_optimizer": engine.optimizer is not None}
+                "has_optimizer": engine.optimizer is not None, "lora": _lora_meta(engine)}
         (tmp / "meta.json").write_text(json.dumps(meta))
     dist.barrier()
     if rank == 0:
@@ -92,13 +120,18 @@ def load_checkpoint(engine: "Engine", path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path} holds a value_model={meta['value_model']} checkpoint; engine differs")
     if engine.optimizer is not None and not meta["has_optimizer"]:
         raise CheckpointError(f"{path} has no optimizer state; load it into an engine built with optim=None")
+    if meta.get("lora") != _lora_meta(engine):
+        raise CheckpointError(f"{path} holds LoRA settings {meta.get('lora')} (None: full weights), the engine "
+                              f"has {_lora_meta(engine)}; build it with the checkpoint's lora settings")
     state = _states(engine)
-    dcp.load(state, checkpoint_id=path)
+    dcp.load(state, checkpoint_id=path)  # refuses a checkpoint that lacks any of these keys
+    # The frozen base weights are absent from an adapter checkpoint on purpose, hence not strict there.
+    options = StateDictOptions(ignore_frozen_params=True, strict=False) if engine.has_adapters else None
     if engine.optimizer is None:
-        set_state_dict(engine.module, [], model_state_dict=state["model"], optim_state_dict={})
+        set_state_dict(engine.module, [], model_state_dict=state["model"], optim_state_dict={}, options=options)
     else:
         set_state_dict(engine.module, engine.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+                       optim_state_dict=state["optim"], options=options)
     own = path / f"extra_rank{engine.rank}.pt"
     blob = torch.load(own if own.exists() else path / "extra_rank0.pt", weights_only=False)
     if engine.lr_scheduler is not None and blob["lr_scheduler"] is not None:
@@ -127,8 +160,10 @@ def _empty_hf_model(config: Any, value_model: bool) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
-def _model_from_checkpoint(path: Path) -> torch.nn.Module:
+def _model_from_checkpoint(path: Path, base_model: str | os.PathLike | None) -> torch.nn.Module:
     meta = _check_complete(path)
+    if meta.get("lora"):
+        return _adapted_model(path, meta, base_model).merge_and_unload()
     config = AutoConfig.from_pretrained(path / "hf_config")
     model = _empty_hf_model(config, meta["value_model"])
     holder = ValueModel(model) if meta["value_model"] else model  # same names as when saved
@@ -136,11 +171,43 @@ def _model_from_checkpoint(path: Path) -> torch.nn.Module:
     return model
 
 
-def export_hf(source: "Engine | str | os.PathLike", out_dir: str | os.PathLike, tokenizer: Any = None) -> Path:
+def _adapted_model(path: Path, meta: dict[str, Any], base_model: str | os.PathLike | None) -> Any:
+    """The base model at `base_model` with the adapters of the LoRA checkpoint at `path` (a peft model)."""
+    from hybridflow.engine.config import LoraConfig
+    from hybridflow.engine.lora import apply_lora
+    from hybridflow.models import load_causal_lm
+
+    if base_model is None:
+        raise CheckpointError(f"{path} holds LoRA adapters, not full weights: pass the base model they were "
+                              "trained on (hybridflow export reads it from the run's trainer_state.json, or "
+                              "takes --base-model)")
+    model = apply_lora(load_causal_lm(base_model), LoraConfig(**meta["lora"]))
+    adapters = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    dcp.load({"model": adapters}, checkpoint_id=path, no_dist=True)  # in place
+    return model
+
+
+def export_adapter(ckpt: str | os.PathLike, out_dir: str | os.PathLike, base_model: str | os.PathLike | None) -> Path:
+    """Write the adapters of a LoRA checkpoint as a peft adapter directory (adapter_config.json +
+    adapter_model.safetensors), loadable with `peft.PeftModel.from_pretrained(base, out_dir)`."""
+    path, out = Path(ckpt), Path(out_dir)
+    meta = _check_complete(path)
+    if not meta.get("lora"):
+        raise CheckpointError(f"{path} holds full weights, no LoRA adapters; export it without --adapter")
+    model = _adapted_model(path, meta, base_model)
+    with atomic_dir(out) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+    return out
+
+
+def export_hf(source: "Engine | str | os.PathLike", out_dir: str | os.PathLike, tokenizer: Any = None,
+              base_model: str | os.PathLike | None = None) -> Path:
     """Write a full HF directory (safetensors + config + tokenizer) from an engine or a checkpoint.
 
     From an engine this is collective (all ranks call it; rank 0 writes). `tokenizer` is a
     tokenizer object or a model path to take it from; None writes weights and config only.
+    A LoRA checkpoint needs `base_model`, the directory of the model its adapters were trained
+    on; the adapters are merged into it (an engine with adapters exports merged weights too).
     """
     from hybridflow.engine.base import Engine
 
@@ -153,7 +220,7 @@ def export_hf(source: "Engine | str | os.PathLike", out_dir: str | os.PathLike, 
         model = _empty_hf_model(source.hf_config(), source.is_value_model)
         model.load_state_dict(state, strict=True)
     else:
-        model = _model_from_checkpoint(Path(source))
+        model = _model_from_checkpoint(Path(source), base_model)
     _write_hf(model, out, tokenizer)
     if isinstance(source, Engine):
         dist.barrier()

@@ -41,8 +41,8 @@ from hybridflow import keys
 from hybridflow.algos.logits import entropy_from_logits, logprobs_from_logits
 from hybridflow.engine import batch as B
 from hybridflow.engine.base import Engine, LossFn, MicroBatch
-from hybridflow.engine.config import EngineConfig, OptimConfig, dtype_of
-from hybridflow.engine.gather import gather_full
+from hybridflow.engine.config import EngineConfig, LoraConfig, OptimConfig, dtype_of
+from hybridflow.engine.gather import gather_named
 from hybridflow.engine.optim import build_lr_scheduler, build_optimizer
 from hybridflow.models.value import ValueModel
 from hybridflow.utils.memory import keep_freed_memory
@@ -79,21 +79,36 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
+def _refuse_value_lora(value_model: bool, lora: LoraConfig | None) -> None:
+    if value_model and lora is not None and lora.enabled:
+        raise ValueError("LoRA adapters are supported on the policy (actor.lora) only; a value model (critic) "
+                         "trains all its weights")
+
+
 class FSDPEngine(Engine):
     """A causal LM or a `ValueModel`, sharded with FSDP2 over the current world.
 
-    Pass `optim=None` for an inference-only engine (reference policy, reward model).
+    Pass `optim=None` for an inference-only engine (reference policy, reward model), and
+    `lora` with rank > 0 to train low-rank adapters on a causal LM instead of its weights
+    (hybridflow/engine/lora.py).
     """
 
-    def __init__(self, model: nn.Module, config: EngineConfig, optim: OptimConfig | None = None) -> None:
+    def __init__(self, model: nn.Module, config: EngineConfig, optim: OptimConfig | None = None,
+                 lora: LoraConfig | None = None) -> None:
         ensure_process_group()
         self.config = config
         self.device = engine_device()
         if self.device.type == "cpu" and config.cpu_keep_freed_memory:
             keep_freed_memory()
         self._value = isinstance(model, ValueModel)
+        self._lora = lora if lora is not None and lora.enabled else None
+        _refuse_value_lora(self._value, self._lora)
         if config.gradient_checkpointing:
             model.activation_checkpointing_enable({"use_reentrant": False})
+        if self._lora:
+            from hybridflow.engine.lora import apply_lora
+
+            model = apply_lora(model, self._lora)
         self.model = self._shard(model.to(self.device))
         self._optimizer = build_optimizer(self.model, optim) if optim else None
         self._lr_scheduler = build_lr_scheduler(self._optimizer, optim) if optim else None
@@ -106,12 +121,15 @@ class FSDPEngine(Engine):
         config: EngineConfig,
         optim: OptimConfig | None = None,
         value_model: bool = False,
+        lora: LoraConfig | None = None,
     ) -> "FSDPEngine":
-        """Load a causal LM (or, with `value_model`, a value model) from a local HF dir and shard it."""
+        """Load a causal LM (or, with `value_model`, a value model) from a local HF dir and shard it,
+        with adapters when `lora` has rank > 0."""
         from hybridflow.models import load_causal_lm, load_value_model
 
+        _refuse_value_lora(value_model, lora)  # before loading any weights
         model = load_value_model(path) if value_model else load_causal_lm(path)
-        return cls(model, config, optim)
+        return cls(model, config, optim, lora)
 
     def _mesh(self) -> DeviceMesh:
         """1-D (shard over the whole world) or 2-D (replicate x shard, HSDP) by `fsdp_size`."""
@@ -163,6 +181,27 @@ class FSDPEngine(Engine):
     @property
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"]) if self.optimizer else 0.0
+
+    @property
+    def lora(self) -> LoraConfig | None:
+        return self._lora
+
+    def adapters_disabled(self) -> contextlib.AbstractContextManager[None]:
+        """See `Engine.adapters_disabled`: peft's `disable_adapter()` on the wrapped model."""
+        if not self.has_adapters:
+            return super().adapters_disabled()
+        return self._without_adapters()
+
+    @contextlib.contextmanager
+    def _without_adapters(self):
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        with self.model.disable_adapter():
+            # peft also freezes the adapters, but FSDP2 copies requires_grad into each gathered parameter and
+            # picks its gradient reduce dtype from the trainable ones at its first forward (which may be this
+            # one): frozen here, they would stay frozen or reduce in bf16. Switching them off is enough.
+            for p in trainable:
+                p.requires_grad_(True)
+            yield
 
     # --- forward --------------------------------------------------------------
     def forward_micro_batch(
@@ -282,13 +321,14 @@ class FSDPEngine(Engine):
         return self.lr
 
     # --- weights and checkpoints ---------------------------------------------
-    def full_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    def full_state_dict(self, dtype: torch.dtype | None = None, changed_only: bool = False) -> dict[str, torch.Tensor]:
         """See `Engine.full_state_dict`; fp32 master weights unless `dtype`, value models under their HF names."""
-        state = self.model.state_dict()
-        unique = list({id(t): t for t in state.values()}.values())  # tied weights share one tensor: gather once
-        full = dict(zip([id(t) for t in unique], gather_full(unique, dtype)))
+        if self._lora:
+            from hybridflow.engine.lora import merged_state_dict
+
+            return merged_state_dict(self.model, dtype, changed_only)
         prefix = "backbone." if self._value else ""
-        return {name.removeprefix(prefix): full[id(t)] for name, t in state.items()}
+        return gather_named({name.removeprefix(prefix): t for name, t in self.model.state_dict().items()}, dtype)
 
     def hf_config(self) -> Any:
         """The HF config of the model (for exports)."""

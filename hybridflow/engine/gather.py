@@ -54,6 +54,13 @@ def gather_full(tensors: list[torch.Tensor], dtype: torch.dtype | None = None) -
     return out
 
 
+def gather_named(named: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """`gather_full` over a name -> tensor dict; a tensor under several names (tied weights) is gathered once."""
+    unique = list({id(t): t for t in named.values()}.values())
+    full = dict(zip([id(t) for t in unique], gather_full(unique, dtype)))
+    return {name: full[id(t)] for name, t in named.items()}
+
+
 def broadcastable(t: torch.Tensor) -> bool:
     """A dim-0-sharded DTensor on a 1-D gloo mesh whose local rows are FSDP2's `rows_per_rank`."""
     if not isinstance(t, DTensor) or t.device_mesh.ndim != 1 or tuple(t.placements) != (Shard(0),):

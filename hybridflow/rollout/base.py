@@ -29,8 +29,9 @@ class Rollout(ABC):
         """Sample `n` responses per prompt row; returns B*n rows in the layout of hybridflow/keys.py."""
 
     @abstractmethod
-    def load_weights(self, state_dict: dict[str, Tensor]) -> None:
-        """Replace the generating model's weights with a full state dict (any float dtype)."""
+    def load_weights(self, state_dict: dict[str, Tensor], partial: bool = False) -> None:
+        """Replace the generating model's weights with a state dict (any float dtype) under HF names:
+        all of them, or with `partial` any subset (the other weights are kept)."""
 
     @abstractmethod
     def reseed(self, step: int) -> None:
@@ -96,9 +97,9 @@ class ModuleRollout(Rollout):
         self.pad_id = int(pad) if pad is not None else self.eos_ids[0]
         self.generator = torch.Generator().manual_seed(config.seed)
 
-    def load_weights(self, state_dict: dict[str, Tensor]) -> None:
+    def load_weights(self, state_dict: dict[str, Tensor], partial: bool = False) -> None:
         """Copy the state dict into the model in place (cast to rollout dtype, tied weights once)."""
-        load_state_dict_into(self.model, state_dict)
+        load_state_dict_into(self.model, state_dict, partial)
 
     def reseed(self, step: int) -> None:
         """See `Rollout.reseed`."""

@@ -1,4 +1,8 @@
-"""Weight sync: load the training engine's full weights into a rollout in the same process."""
+"""Weight sync: load the training engine's weights into a rollout in the same process.
+
+The first sync loads every weight. With LoRA adapters later syncs may send only the
+adapted layers' merged weights (`changed_only`): the frozen rest is already in place.
+"""
 
 from __future__ import annotations
 
@@ -13,12 +17,13 @@ if TYPE_CHECKING:
     from hybridflow.rollout.base import Rollout
 
 
-def load_state_dict_into(model: nn.Module, state_dict: dict[str, Tensor]) -> None:
+def load_state_dict_into(model: nn.Module, state_dict: dict[str, Tensor], partial: bool = False) -> None:
     """Copy every tensor of `state_dict` in place into `model`, cast to the model's dtype.
 
     Keys must be the model's own `state_dict()` keys. Tied parameters (e.g. lm_head and
     the input embedding) are written once; the state dict may hold either or both names.
-    Raises KeyError for unknown or missing keys and ValueError for a shape mismatch.
+    `partial`: the state dict may hold any subset of the weights; the others are kept.
+    Raises KeyError for unknown or (unless `partial`) missing keys, ValueError for a shape mismatch.
     """
     targets = model.state_dict(keep_vars=True)
     unknown = sorted(set(state_dict) - set(targets))
@@ -37,17 +42,19 @@ def load_state_dict_into(model: nn.Module, state_dict: dict[str, Tensor]) -> Non
             dst.copy_(src)
             written.add(id(dst))
     missing = [k for k, t in targets.items() if id(t) not in written]
-    if missing:
+    if missing and not partial:
         raise KeyError(f"load_weights: the state dict lacks {len(missing)} of the model's keys, e.g. "
                        f"{missing[:3]}; pass the engine's full state dict")
 
 
-def sync_weights(rollout: Rollout, engine: Engine) -> float:
+def sync_weights(rollout: Rollout, engine: Engine, changed_only: bool = False) -> float:
     """Gather `engine`'s full weights in the rollout's dtype and load them; returns the seconds
     of both (the gather is a collective: every rank of the engine must call this).
 
-    The caller reports the value as the metric `timing_s/weight_sync`.
+    `changed_only` (once the rollout holds every weight): only those training can have changed,
+    see `Engine.full_state_dict`. The caller reports the value as the metric `timing_s/weight_sync`.
     """
     start = time.perf_counter()
-    rollout.load_weights(engine.full_state_dict(dtype=rollout.weight_dtype))
+    state = engine.full_state_dict(dtype=rollout.weight_dtype, changed_only=changed_only)
+    rollout.load_weights(state, partial=changed_only and engine.has_adapters)  # without adapters it is all of them
     return time.perf_counter() - start

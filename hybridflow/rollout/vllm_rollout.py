@@ -89,8 +89,11 @@ class VLLMRollout(Rollout):
         """The dtype vllm runs the model in (rollout.dtype)."""
         return self.config.torch_dtype
 
-    def load_weights(self, state_dict: dict[str, Tensor]) -> None:
-        """Load a full state dict into every vllm worker (through a temporary safetensors file)."""
+    def load_weights(self, state_dict: dict[str, Tensor], partial: bool = False) -> None:
+        """Load a state dict into every vllm worker (through a temporary safetensors file).
+
+        vllm's `load_weights` loads the tensors it is given, so `partial` needs nothing more
+        (untested: RunConfig refuses LoRA, the only partial sender, with vllm for now)."""
         from safetensors.torch import save_file
 
         with tempfile.TemporaryDirectory() as tmp:

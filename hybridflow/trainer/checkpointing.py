@@ -37,8 +37,11 @@ def actor_dir(ckpt: Path) -> Path:
 
 def tokenizer_of(ckpt: Path, explicit: str | None) -> str | None:
     """The tokenizer to ship with an export: `explicit` (--tokenizer), else the model path the run trained."""
-    if explicit:
-        return explicit
+    return explicit or model_of(ckpt)
+
+
+def model_of(ckpt: Path) -> str | None:
+    """The model directory the run of trainer checkpoint `ckpt` trained (a LoRA run's base model), or None."""
     state = ckpt / STATE_FILE
     if state.exists():
         from hybridflow.models import resolve_model_path

@@ -2,7 +2,7 @@
 
     hybridflow train [--config FILE] key=value ...   # PPO / GRPO run (defaults: the main job)
     hybridflow data TASK --out DIR [--train-size N] [--test-size N] [--seed S] [key=value ...]
-    hybridflow export CKPT_DIR --out HF_DIR [--tokenizer PATH]
+    hybridflow export CKPT_DIR --out HF_DIR [--tokenizer PATH] [--base-model PATH] [--adapter]
     hybridflow generate --model PATH_OR_CKPT --data FILE.parquet [--n N] [--out FILE.jsonl]
 """
 
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from hybridflow.trainer.checkpointing import actor_dir, tokenizer_of
+from hybridflow.trainer.checkpointing import actor_dir, model_of, tokenizer_of
 from hybridflow.trainer.main import USER_ERRORS
 
 
@@ -39,13 +39,18 @@ def cmd_data(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    """Write a full Hugging Face directory from a sharded checkpoint."""
-    from hybridflow.engine.checkpoint import export_hf
+    """Write a full Hugging Face directory (LoRA adapters merged) or, with --adapter, a peft adapter
+    directory from a sharded checkpoint."""
+    from hybridflow.engine.checkpoint import export_adapter, export_hf
 
     ckpt = Path(args.ckpt_dir)
     if not ckpt.is_dir():
         raise FileNotFoundError(f"checkpoint directory {ckpt} does not exist")
-    out = export_hf(actor_dir(ckpt), args.out, tokenizer_of(ckpt, args.tokenizer))
+    base = args.base_model or model_of(ckpt)
+    if args.adapter:
+        out = export_adapter(actor_dir(ckpt), args.out, base)
+    else:
+        out = export_hf(actor_dir(ckpt), args.out, tokenizer_of(ckpt, args.tokenizer), base_model=base)
     print(f"exported {out}")
     return 0
 
@@ -78,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("ckpt_dir")
     e.add_argument("--out", required=True)
     e.add_argument("--tokenizer", help="tokenizer directory (default: the run's model)")
+    e.add_argument("--base-model", help="LoRA checkpoints: the model the adapters were trained on (default: the run's)")
+    e.add_argument("--adapter", action="store_true", help="LoRA checkpoints: write the adapters as a peft directory")
     g = sub.add_parser("generate", help="sample and score on a parquet file")
     g.add_argument("--model", default="default", help="HF directory, 'default', or a checkpoint directory")
     g.add_argument("--data", required=True)

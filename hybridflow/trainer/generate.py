@@ -23,9 +23,10 @@ def model_dir(model: str, tmp: Path) -> Path:
     path = Path(model)
     if (path / "actor").is_dir() or (path / ".metadata").exists():
         from hybridflow.engine.checkpoint import export_hf
-        from hybridflow.trainer.checkpointing import actor_dir, tokenizer_of
+        from hybridflow.trainer.checkpointing import actor_dir, model_of, tokenizer_of
 
-        return Path(export_hf(actor_dir(path), tmp / "hf", tokenizer_of(path, None)))
+        # A LoRA checkpoint is merged into the run's model (full checkpoints ignore base_model).
+        return Path(export_hf(actor_dir(path), tmp / "hf", tokenizer_of(path, None), base_model=model_of(path)))
     return Path(resolve_model_path(model))
 
 

@@ -101,6 +101,7 @@ class RunConfig(Section):
         self._check_lengths()
         self._check_algorithm()
         self._check_placement()
+        self._check_lora()  # before the backend checks: LoRA with vllm is refused whether vllm is installed or not
         self._check_backends()
 
     def _check_batch_sizes(self) -> None:
@@ -160,6 +161,13 @@ class RunConfig(Section):
             if device != "cuda":
                 raise ValueError("rollout.name=vllm runs on a CUDA device only for now (trainer.device=cuda); "
                                  "on CPU use rollout.name=native")
+
+    def _check_lora(self) -> None:
+        lora = self.actor.lora
+        if lora.enabled and self.rollout.name == "vllm":
+            raise ValueError(f"actor.lora.rank={lora.rank} with rollout.name=vllm is not supported yet (the merged-"
+                             "weight sync is tested with the in-process rollouts only); use rollout.name=native "
+                             "or hf, or actor.lora.rank=0")
 
 
 def _cuda_available() -> bool:

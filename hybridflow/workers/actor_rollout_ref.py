@@ -6,6 +6,11 @@ FSDP-sharded training policy, an unsharded rollout copy in the rollout dtype and
 when KL is used, the frozen reference policy; after every actor update the rollout
 copy is refreshed from the gathered weights before the next generation.
 
+With LoRA (actor.lora.rank > 0) a worker hosting both actor and ref builds no second
+model: the reference policy is the actor with its adapters disabled (the frozen base,
+computed in the actor's engine.param_dtype). The rollout generates from the merged
+weights; after the first sync only the adapted layers' merged weights are sent.
+
 Every method receives THIS worker's data-parallel shard (Dispatch.DP_COMPUTE_PROTO)
 and returns a DataProto whose tensors are laid out as in hybridflow/keys.py, with
 worker-side metrics under meta_info["metrics"].
@@ -13,6 +18,7 @@ worker-side metrics under meta_info["metrics"].
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -43,6 +49,7 @@ class ActorRolloutRefWorker(Worker):
         self.model_cfg, self.actor_cfg, self.rollout_cfg, self.ref_cfg = model, actor, rollout, ref
         self.actor = self.ref = self.rollout = None
         self._rollout_stale = False
+        self._rollout_has_all_weights = False
         self._update_calls = 0
 
     # --- setup ----------------------------------------------------------------
@@ -56,8 +63,8 @@ class ActorRolloutRefWorker(Worker):
         path = resolve_model_path(self.model_cfg.path)
         self.tokenizer = load_tokenizer(self.model_cfg.tokenizer_path or path)
         if "actor" in self.roles:
-            self.actor = build_engine(path, self.actor_cfg.engine, self.actor_cfg.optim)
-        if "ref" in self.roles:
+            self.actor = build_engine(path, self.actor_cfg.engine, self.actor_cfg.optim, lora=self.actor_cfg.lora)
+        if "ref" in self.roles and not self._ref_is_actor_base():
             self.ref = build_engine(path, EngineConfig(param_dtype=self.ref_cfg.param_dtype))
         if "rollout" in self.roles:
             cfg = self.rollout_cfg
@@ -71,8 +78,9 @@ class ActorRolloutRefWorker(Worker):
 
         metrics: dict[str, float] = {}
         if self._rollout_stale and self.actor is not None:
-            metrics["timing_s/weight_sync"] = sync_weights(self.rollout, self.actor)
+            metrics["timing_s/weight_sync"] = sync_weights(self.rollout, self.actor, self._rollout_has_all_weights)
             self._rollout_stale = False
+            self._rollout_has_all_weights = True
         if K.META_GLOBAL_STEP in prompts.meta_info:
             # Seeded by (seed, step, rank) rather than by call count, so a resumed run samples exactly as an uninterrupted one.
             self.rollout.reseed(int(prompts.meta_info[K.META_GLOBAL_STEP]))
@@ -102,12 +110,18 @@ class ActorRolloutRefWorker(Worker):
 
         Non-blocking (returns a future) so that with split placement it overlaps the actor.
         """
-        if self.ref is None:
+        if "ref" not in self.roles:
             raise RuntimeError(f"compute_ref_log_prob: this worker's role is {sorted(self.roles)}, which has no ref")
-        log_probs, _ = self.ref.compute_log_probs(
-            data.batch, self.ref_cfg.log_prob_micro_batch_size_per_device, self._temperature(data)
-        )
+        engine = self.ref if self.ref is not None else self.actor
+        with self.actor.adapters_disabled() if self.ref is None else contextlib.nullcontext():
+            log_probs, _ = engine.compute_log_probs(
+                data.batch, self.ref_cfg.log_prob_micro_batch_size_per_device, self._temperature(data)
+            )
         return DataProto.from_dict({K.REF_LOG_PROB: log_probs})
+
+    def _ref_is_actor_base(self) -> bool:
+        """Whether the reference policy is this worker's actor with its adapters disabled (LoRA)."""
+        return self.actor is not None and self.actor.has_adapters
 
     # --- training ----------------------------------------------------------------
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)

@@ -97,7 +97,8 @@ class RefConfig(Section):
     log_prob_micro_batch_size_per_device: int = 16
     """Rows per forward on one worker."""
     param_dtype: str = "bf16"
-    """Compute dtype of the reference forward ("fp32" | "bf16")."""
+    """Compute dtype of the reference forward ("fp32" | "bf16"). Unused when the reference is the
+    actor with its LoRA adapters disabled (colocated, actor.lora.rank > 0): actor.engine.param_dtype."""
 
     def __post_init__(self) -> None:
         if self.log_prob_micro_batch_size_per_device < 1:

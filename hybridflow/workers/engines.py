@@ -10,20 +10,21 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hybridflow.engine.base import Engine
-from hybridflow.engine.config import EngineConfig, OptimConfig
+from hybridflow.engine.config import EngineConfig, LoraConfig, OptimConfig
 from hybridflow.utils.registry import Registry
 
 
-def _fsdp(path: str | Path, cfg: EngineConfig, optim: OptimConfig | None, value_model: bool) -> Engine:
+def _fsdp(path: str | Path, cfg: EngineConfig, optim: OptimConfig | None, value_model: bool,
+          lora: LoraConfig | None) -> Engine:
     from hybridflow.engine.fsdp import FSDPEngine
 
-    return FSDPEngine.from_pretrained(path, cfg, optim, value_model=value_model)
+    return FSDPEngine.from_pretrained(path, cfg, optim, value_model=value_model, lora=lora)
 
 
-ENGINES: Registry[Callable[[str | Path, EngineConfig, OptimConfig | None, bool], Engine]] = Registry(
+ENGINES: Registry[Callable[[str | Path, EngineConfig, OptimConfig | None, bool, LoraConfig | None], Engine]] = Registry(
     "engine backend", "backend", "add one with hybridflow.workers.engines.ENGINES.register(name, build_fn)"
 )
-"""Engine backends by name: build_fn(path, cfg, optim, value_model) -> Engine."""
+"""Engine backends by name: build_fn(path, cfg, optim, value_model, lora) -> Engine."""
 ENGINES.register("fsdp", _fsdp)
 
 
@@ -33,6 +34,8 @@ def build_engine(
     optim: OptimConfig | None = None,
     value_model: bool = False,
     backend: str = "fsdp",
+    lora: LoraConfig | None = None,
 ) -> Engine:
-    """Load the model at `path` into the `backend` engine (optim=None: inference only)."""
-    return ENGINES.get(backend)(path, cfg, optim, value_model)
+    """Load the model at `path` into the `backend` engine (optim=None: inference only; `lora` with
+    rank > 0: train adapters on a causal LM instead of its weights)."""
+    return ENGINES.get(backend)(path, cfg, optim, value_model, lora)
