@@ -41,8 +41,8 @@ from hybridflow.utils.checkpoint_dirs import commit_checkpoint
 if TYPE_CHECKING:
     from hybridflow.engine.base import Engine
 
-class CheckpointError(RuntimeError):
-    """A checkpoint directory that is missing, incomplete or incompatible."""
+class CheckpointError(ValueError):
+    """A checkpoint directory that is missing, incomplete or incompatible (a user error: the CLI prints one line)."""
 
 
 def _broadcast_token() -> str:
