@@ -1,0 +1,165 @@
+"""Entry point of an SFT run: config -> inputs -> resolved run -> workers -> SFTTrainer.fit -> report.
+
+`hybridflow sft [--config FILE] [--print-config] key=value ...` (or `python -m
+hybridflow.trainer.sft_main ...`). `--print-config` prints the resolved run as YAML and
+exits before any worker starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any, NamedTuple, Sequence
+
+from hybridflow.config_utils import load_config
+from hybridflow.trainer.main import USER_ERRORS, _plain, _start_backend
+from hybridflow.trainer.sft_config import ResolvedSFT, SFTConfig, SFTDataConfig, resolve_sft
+
+log = logging.getLogger("hybridflow")
+
+
+class SFTInputs(NamedTuple):
+    """What the controller reads before any worker starts."""
+
+    tokenizer: Any
+    train_loader: Any
+    val_loader: Any
+
+
+def sft_files(cfg: SFTDataConfig) -> tuple[list[str], list[str]]:
+    """(train files, val files): as configured, or the task's SFT set generated once into a cache."""
+    if cfg.train_files:
+        return list(cfg.train_files), list(cfg.val_files or cfg.train_files)
+    from hybridflow.data.sft import build_sft_task
+    from hybridflow.utils.atomic import atomic_dir
+
+    spec = {"task": cfg.task, "kw": cfg.task_kwargs, "n": [cfg.gen_train_size, cfg.gen_val_size], "seed": cfg.seed}
+    tag = hashlib.sha1(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:10]
+    out = Path(cfg.task_dir).expanduser() / f"{cfg.task}-sft-{tag}"
+    if not out.exists():
+        with atomic_dir(out, replace=False) as tmp:
+            build_sft_task(cfg.task, tmp, cfg.gen_train_size, cfg.gen_val_size, seed=cfg.seed, **cfg.task_kwargs)
+    train, test = out / f"{cfg.task}_sft_train.parquet", out / f"{cfg.task}_sft_test.parquet"
+    return [str(train)], list(cfg.val_files) or [str(test)]
+
+
+def prepare_inputs(cfg: SFTConfig) -> SFTInputs:
+    """Tokenizer and train/val loaders; a bad model path, file, column or length fails here."""
+    from functools import partial
+
+    from hybridflow.data.loader import StatefulDataLoader
+    from hybridflow.data.sft import SFTDataset, sft_collate
+    from hybridflow.models import load_tokenizer, resolve_model_path
+
+    d = cfg.data
+    tokenizer = load_tokenizer(cfg.model.tokenizer_path or resolve_model_path(cfg.model.path))
+    kw = dict(max_length=d.max_length, truncation=d.truncation, prompt_key=d.prompt_key,
+              response_key=d.response_key, messages_key=d.messages_key)
+    train_files, val_files = sft_files(d)
+    train, val = SFTDataset(train_files, tokenizer, **kw), SFTDataset(val_files, tokenizer, **kw)
+    collate = partial(sft_collate, pad_token_id=train.pad_token_id)
+    train_loader = StatefulDataLoader(train, d.train_batch_size, seed=d.seed, shuffle=d.shuffle, collate_fn=collate)
+    val_bs = min(d.micro_batch_size_per_device * cfg.world_size * 4, len(val))
+    val_loader = StatefulDataLoader(val, val_bs, shuffle=False, collate_fn=collate, drop_last=False)
+    return SFTInputs(tokenizer, train_loader, val_loader)
+
+
+def load_run(config_path: str | None, overrides: Sequence[str]) -> tuple[ResolvedSFT, SFTInputs]:
+    """Load, check and resolve an SFT run and read its inputs; starts no worker."""
+    from hybridflow.trainer.checkpointing import resume_path
+
+    cfg = load_config(SFTConfig, config_path, overrides)
+    inputs = prepare_inputs(cfg)
+    resolved = resolve_sft(cfg, len(inputs.train_loader))
+    resume_path(resolved.config)  # a checkpoint that cannot be resumed fails before workers start
+    return resolved, inputs
+
+
+def _build_workers(run: ResolvedSFT) -> Any:
+    """One SFTWorker per rank, on Ray or in-process (trainer.backend)."""
+    from hybridflow.controller.resource_pool import ClassWithInitArgs
+    from hybridflow.utils.quiet import worker_env
+    from hybridflow.workers.sft import SFTWorker
+
+    cfg, t = run.config, run.config.trainer
+    cls = ClassWithInitArgs(SFTWorker, cfg.model, cfg.engine, cfg.optim, cfg.data.micro_batch_size_per_device)
+    if t.backend == "local":
+        from hybridflow.controller.local import LocalResourcePool, LocalWorkerGroup
+
+        return LocalWorkerGroup(LocalResourcePool(), cls)
+    from hybridflow.controller.ray import RayResourcePool, RayWorkerGroup
+
+    pool = RayResourcePool([t.n_workers_per_node] * t.nnodes, use_gpu=t.device == "cuda",
+                           num_cpus_per_process=t.cpus_per_worker, name_prefix="sft")
+    return RayWorkerGroup(pool, cls, env_vars=worker_env(t.verbose))
+
+
+def run(resolved: ResolvedSFT, inputs: SFTInputs) -> list[float]:
+    """Train as resolved; returns the validation losses computed, in order."""
+    from hybridflow.trainer.sft_trainer import SFTTrainer
+    from hybridflow.utils.progress import phase
+    from hybridflow.utils.quiet import quiet_libraries
+    from hybridflow.utils.tracking import Tracking
+
+    cfg = resolved.config
+    n = cfg.world_size
+    with phase(f"starting {n} worker{'s' if n > 1 else ''} ({cfg.trainer.backend})"):
+        _start_backend(cfg)
+        workers = _build_workers(resolved)
+    try:
+        with phase("loading model"), quiet_libraries(cfg.trainer.verbose):
+            workers.init_model()
+        log_dir = Path(cfg.trainer.log_dir)
+        with Tracking(cfg.trainer.project_name, cfg.trainer.experiment_name, cfg.trainer.logger, log_dir,
+                      config=_plain(cfg)) as tracker:
+            losses = SFTTrainer(resolved, workers, inputs.train_loader, inputs.val_loader, tracker).fit()
+    finally:
+        workers.shutdown()
+    _report(log_dir, losses)
+    return losses
+
+
+def _report(log_dir: Path, val_losses: list[float]) -> None:
+    from hybridflow.utils.plot import plot_run, summarize_run
+
+    if val_losses:
+        print(f"val/loss: first {val_losses[0]:.4f} -> last {val_losses[-1]:.4f}")
+    metrics_file = log_dir / "metrics.jsonl"
+    if metrics_file.exists():
+        print(summarize_run(metrics_file))
+        print(f"plot: {plot_run(metrics_file, log_dir / 'run.png')}")
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """`[--config FILE] [--print-config] key=value ...`."""
+    parser = argparse.ArgumentParser(prog="hybridflow sft", description="Supervised fine-tuning (see README).")
+    parser.add_argument("--config", help="YAML file with SFTConfig fields; key=value overrides apply on top")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved run (every derived value filled in) as YAML and exit")
+    parser.add_argument("overrides", nargs="*", help="verl-style overrides, e.g. optim.lr=1e-5 data.packing=true")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI entry of `hybridflow sft`; user errors print one line and exit 2."""
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("hybridflow").setLevel(logging.INFO)
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        resolved, inputs = load_run(args.config, args.overrides)
+    except USER_ERRORS as err:
+        print(f"hybridflow sft: error: {err}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(resolved.to_yaml(), end="")
+        return 0
+    run(resolved, inputs)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
