@@ -15,9 +15,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from hybridflow import keys as K
 from hybridflow.protocol import DataProto
 from hybridflow.protocol_future import pad_dataproto_to_divisor, unpad_dataproto
+from hybridflow.trainer.metrics import worker_metrics
 from hybridflow.trainer.checkpointing import STATE_FILE, resume_path, run_name
 from hybridflow.trainer.sft_config import ResolvedSFT, SFTConfig
 from hybridflow.utils import checkpoint_dirs as C
@@ -100,7 +100,7 @@ class SFTTrainer:
         timing: dict[str, float] = {}
         with timer("step", timing):
             out = self.workers.train_batch(batch)
-        metrics = dict(out.meta_info[K.META_METRICS])
+        metrics = worker_metrics(out)  # identical on every rank, except the worker's own timing (averaged)
         step_s = timing["step"]
         metrics.update({"train/tokens_per_s": metrics["train/tokens"] / step_s, "timing_s/step": step_s,
                         "train/epoch": float(self.train_loader.epoch), "training/global_step": self.global_step})

@@ -1,7 +1,8 @@
 """Read a run's `metrics.jsonl` back: a 3-panel PNG and a short text summary.
 
 Which keys are used:
-- reward: `critic/score/mean` (the task score before any KL penalty);
+- reward: `critic/score/mean` (the task score before any KL penalty); an SFT run, which has
+  none, shows `train/loss` in that panel instead;
 - validation: every key starting with "val-core/" or "val/" (e.g.
   `val-core/arithmetic/acc/mean@1`), one line each; "val-aux/" keys are not plotted;
 - response length: `response_length/mean`;
@@ -29,6 +30,7 @@ from hybridflow.utils.tracking import VAL_PREFIXES
 REWARD_KEY = "critic/score/mean"
 LENGTH_KEY = "response_length/mean"
 STEP_TIME_KEY = "timing_s/step"
+TRAIN_LOSS_KEY = "train/loss"
 
 
 def read_metrics(jsonl_path: str | Path) -> list[dict[str, Any]]:
@@ -71,7 +73,7 @@ def run_figure(records: list[dict[str, Any]], title: str = "") -> Figure:
     fig = Figure(figsize=(15, 4.2), layout="constrained")
     FigureCanvasAgg(fig)
     reward_ax, val_ax, length_ax = fig.subplots(1, 3)
-    _panel(reward_ax, records, [REWARD_KEY], "reward", "score")
+    _panel(reward_ax, records, *_first_panel(records))
     _panel(val_ax, records, val_keys(records), "validation", "value")
     _panel(length_ax, records, [LENGTH_KEY], "response length", "tokens")
     fig.suptitle(title)
@@ -94,7 +96,8 @@ def summarize_run(jsonl_path: str | Path) -> str:
         return f"{jsonl_path}: no metrics logged"
     steps = [r["step"] for r in records]
     lines = [f"{jsonl_path}: {len(records)} steps logged (steps {steps[0]}..{steps[-1]})"]
-    lines.append(_first_last(records, REWARD_KEY, "reward"))
+    (key,), label, _ = _first_panel(records)
+    lines.append(_first_last(records, key, label))
     lines.extend(_first_last(records, key, "val") for key in val_keys(records) or ["val-core/*"])
     lines.append(_first_last(records, LENGTH_KEY, "response length"))
     _, times = series(records, STEP_TIME_KEY)
@@ -103,6 +106,13 @@ def summarize_run(jsonl_path: str | Path) -> str:
     else:
         lines.append(f"time: no data ({STEP_TIME_KEY})")
     return "\n".join(lines)
+
+
+def _first_panel(records: list[dict[str, Any]]) -> tuple[list[str], str, str]:
+    """(keys, title, y label) of the first panel: the reward, or the training loss of a run without one."""
+    if series(records, REWARD_KEY)[0] or not series(records, TRAIN_LOSS_KEY)[0]:
+        return [REWARD_KEY], "reward", "score"
+    return [TRAIN_LOSS_KEY], "train loss", "loss"
 
 
 def _panel(ax: Axes, records: list[dict[str, Any]], keys: list[str], title: str, ylabel: str) -> None:
