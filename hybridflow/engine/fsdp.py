@@ -184,13 +184,13 @@ class FSDPEngine(Engine):
 
     def _forward_packed(self, inputs: dict[str, torch.Tensor], temperature: float,
                         calc_entropy: bool) -> dict[str, torch.Tensor]:
-        """The micro-batch as one packed row (engine/batch.py `pack`): no attention mask, so transformers
-        masks attention block-diagonally from the restarting position ids."""
+        """The micro-batch as one packed row (engine/batch.py `pack`): no attention mask and no cache, the
+        case in which transformers masks attention block-diagonally from the restarting position ids."""
         packed = B.pack(inputs)
         row = {"input_ids": packed.input_ids, "position_ids": packed.position_ids}
         place = lambda v: B.unpack_to_response(v, packed)  # noqa: E731
         if self._value:
-            return {"values": place(self.model(**row)[0, packed.predictors])}
+            return {"values": place(self.model(**row, use_cache=False)[0, packed.predictors])}
         out = self.model(**row, logits_to_keep=packed.predictors, use_cache=False)
         return self._token_outputs(out.logits[0], packed.labels, place, temperature, calc_entropy)
 

@@ -98,7 +98,7 @@ def _default_optim() -> OptimConfig:
 
 
 def _default_trainer() -> TrainerConfig:
-    return TrainerConfig(experiment_name="sft", total_epochs=1, test_freq=16,
+    return TrainerConfig(experiment_name="sft", total_epochs=1, test_freq=16, save_freq=32,
                          logger=["console", "jsonl", "tensorboard"])
 
 
