@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import json
 import re
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import yaml
 
+from test_trainer_cli import run_cli as run_trainer_cli
 from hybridflow.models import tiny_model_dir
 from hybridflow.trainer.cli import main as cli_main
 
@@ -37,11 +36,8 @@ def sft_overrides(model: str, tmp: Path) -> list[str]:
 
 
 def run_cli(args: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
-    dist_vars = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
-    env = {k: v for k, v in os.environ.items() if k not in dist_vars}
-    env.update(HYBRIDFLOW_NO_PROGRESS="1", TOKENIZERS_PARALLELISM="false")
-    return subprocess.run([sys.executable, "-m", "hybridflow.trainer.cli", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    """`python -m hybridflow.trainer.cli args...` (the `hybridflow` command)."""
+    return run_trainer_cli(args, cwd, timeout, module="hybridflow.trainer.cli")
 
 
 def _sft(tiny_model: str, tmp: Path, steps: int, *extra: str) -> tuple[subprocess.CompletedProcess, list[dict]]:

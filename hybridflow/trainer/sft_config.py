@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 from hybridflow.config_utils import ConfigError, Section, freeze, to_yaml
 from hybridflow.engine.config import EngineConfig, OptimConfig
-from hybridflow.trainer.config import TrainerConfig, _as_list, _one_of, _positive
+from hybridflow.trainer.config import TaskFilesConfig, TrainerConfig, _one_of, _positive
 from hybridflow.trainer.resolve import _engine, _schedule, resolve_trainer
 from hybridflow.workers.config import ModelConfig
 
@@ -28,18 +28,17 @@ SFT_TRUNCATIONS = ("error", "left", "right")
 
 
 @dataclass
-class SFTDataConfig(Section):
-    """Prompt/response examples: files or a generated task, lengths, batch sizes, packing.
+class SFTDataConfig(TaskFilesConfig):
+    """Prompt/response examples: files (or a generated task's SFT set), lengths, batch sizes, packing.
 
     The loss covers the response tokens only (the answer and its EOS); the prompt — the chat
     template with the generation prompt, and with `messages_key` every turn before the last
-    assistant turn, earlier assistant turns included — is masked out.
+    assistant turn, earlier assistant turns included — is masked out. Generated sets
+    (hybridflow/data/sft.py) hold all three layouts below.
     """
 
-    train_files: Any = field(default_factory=list)
-    """Training parquet file(s): one path or a list. Empty: generate `task`'s SFT set."""
-    val_files: Any = field(default_factory=list)
-    """Validation parquet file(s). Empty: the generated task's test split, else train_files."""
+    gen_val_size: int = 128
+    """Number of validation examples to generate."""
     prompt_key: str = "prompt"
     """Column with the prompt: a string (templated as one user turn) or a chat message list; a dotted
     key reads a field of a dict column (verl's extra_info.question)."""
@@ -48,16 +47,6 @@ class SFTDataConfig(Section):
     messages_key: Optional[str] = None
     """Column with a chat `messages` list; when set, prompt_key/response_key are not read and the
     last assistant turn is the response."""
-    task: Optional[str] = "arithmetic"
-    """Task (hybridflow.data.TASKS) whose SFT set is generated when train_files is empty."""
-    task_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Difficulty settings passed to the task builder, e.g. {max_digits: 1}."""
-    task_dir: str = "~/.cache/hybridflow/data"
-    """Directory the generated SFT files are written to."""
-    gen_train_size: int = 2048
-    """Number of training examples to generate."""
-    gen_val_size: int = 128
-    """Number of validation examples to generate."""
     max_length: int = 256
     """Most tokens of prompt + response per example."""
     truncation: str = "error"
@@ -75,17 +64,13 @@ class SFTDataConfig(Section):
     """Seed of the epoch shuffles and of task generation."""
 
     def __post_init__(self) -> None:
-        self.train_files = _as_list(self.train_files, "data.train_files")
-        self.val_files = _as_list(self.val_files, "data.val_files")
-        if not self.train_files and not self.task:
-            raise ValueError("set data.train_files to parquet file(s) or data.task to a task builder name")
+        super().__post_init__()
         if self.task and not self.train_files:
             from hybridflow.data.sft import check_sft_task
 
-            check_sft_task(self.task, self.task_kwargs)
+            check_sft_task(self.task)
         _positive(**{"data.train_batch_size": self.train_batch_size, "data.max_length": self.max_length,
-                     "data.micro_batch_size_per_device": self.micro_batch_size_per_device,
-                     "data.gen_train_size": self.gen_train_size, "data.gen_val_size": self.gen_val_size})
+                     "data.micro_batch_size_per_device": self.micro_batch_size_per_device})
         _one_of("data.truncation", self.truncation, SFT_TRUNCATIONS)
         for key, value in (("data.prompt_key", self.prompt_key), ("data.response_key", self.response_key),
                            ("data.messages_key", self.messages_key)):
@@ -126,20 +111,12 @@ class SFTConfig(Section):
         t, world = self.trainer, self.world_size
         if t.placement == "split":
             raise ValueError("trainer.placement=split separates RL roles; SFT has one model, use trainer.placement=colocate")
-        if t.backend == "local" and world != 1:
-            raise ValueError(f"trainer.backend=local runs one in-process worker; set trainer.n_workers_per_node=1 "
-                             f"and trainer.nnodes=1 (got {world} workers)")
         if self.data.train_batch_size % world:
             raise ValueError(f"data.train_batch_size ({self.data.train_batch_size}) must divide evenly over {world} "
                              "workers (trainer.n_workers_per_node * trainer.nnodes)")
         if self.engine.packing and not self.data.packing:
             raise ValueError("engine.packing=true conflicts with data.packing=false: engine.packing is derived; "
                              "set only data.packing")
-        if t.device == "cuda":
-            import torch
-
-            if not torch.cuda.is_available():
-                raise ValueError("trainer.device=cuda but torch sees no CUDA device here; use trainer.device=cpu")
 
 
 @dataclass(frozen=True)

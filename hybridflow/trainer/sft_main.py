@@ -7,19 +7,13 @@ exits before any worker starts.
 
 from __future__ import annotations
 
-import argparse
-import hashlib
-import json
-import logging
 import sys
 from pathlib import Path
 from typing import Any, NamedTuple, Sequence
 
 from hybridflow.config_utils import load_config
-from hybridflow.trainer.main import USER_ERRORS, _plain, _start_backend
-from hybridflow.trainer.sft_config import ResolvedSFT, SFTConfig, SFTDataConfig, resolve_sft
-
-log = logging.getLogger("hybridflow")
+from hybridflow.trainer.main import _plain, _start_backend, run_command
+from hybridflow.trainer.sft_config import ResolvedSFT, SFTConfig, resolve_sft
 
 
 class SFTInputs(NamedTuple):
@@ -30,23 +24,6 @@ class SFTInputs(NamedTuple):
     val_loader: Any
 
 
-def sft_files(cfg: SFTDataConfig) -> tuple[list[str], list[str]]:
-    """(train files, val files): as configured, or the task's SFT set generated once into a cache."""
-    if cfg.train_files:
-        return list(cfg.train_files), list(cfg.val_files or cfg.train_files)
-    from hybridflow.data.sft import build_sft_task
-    from hybridflow.utils.atomic import atomic_dir
-
-    spec = {"task": cfg.task, "kw": cfg.task_kwargs, "n": [cfg.gen_train_size, cfg.gen_val_size], "seed": cfg.seed}
-    tag = hashlib.sha1(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:10]
-    out = Path(cfg.task_dir).expanduser() / f"{cfg.task}-sft-{tag}"
-    if not out.exists():
-        with atomic_dir(out, replace=False) as tmp:
-            build_sft_task(cfg.task, tmp, cfg.gen_train_size, cfg.gen_val_size, seed=cfg.seed, **cfg.task_kwargs)
-    train, test = out / f"{cfg.task}_sft_train.parquet", out / f"{cfg.task}_sft_test.parquet"
-    return [str(train)], list(cfg.val_files) or [str(test)]
-
-
 def prepare_inputs(cfg: SFTConfig) -> SFTInputs:
     """Tokenizer and train/val loaders; a bad model path, file, column or length fails here."""
     from functools import partial
@@ -54,12 +31,13 @@ def prepare_inputs(cfg: SFTConfig) -> SFTInputs:
     from hybridflow.data.loader import StatefulDataLoader
     from hybridflow.data.sft import SFTDataset, sft_collate
     from hybridflow.models import load_tokenizer, resolve_model_path
+    from hybridflow.trainer.data_setup import task_files
 
     d = cfg.data
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or resolve_model_path(cfg.model.path))
     kw = dict(max_length=d.max_length, truncation=d.truncation, prompt_key=d.prompt_key,
               response_key=d.response_key, messages_key=d.messages_key)
-    train_files, val_files = sft_files(d)
+    train_files, val_files = task_files(d, sft=True)
     train, val = SFTDataset(train_files, tokenizer, **kw), SFTDataset(val_files, tokenizer, **kw)
     collate = partial(sft_collate, pad_token_id=train.pad_token_id)
     train_loader = StatefulDataLoader(train, d.train_batch_size, seed=d.seed, shuffle=d.shuffle, collate_fn=collate)
@@ -134,31 +112,10 @@ def _report(log_dir: Path, val_losses: list[float]) -> None:
         print(f"plot: {plot_run(metrics_file, log_dir / 'run.png')}")
 
 
-def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    """`[--config FILE] [--print-config] key=value ...`."""
-    parser = argparse.ArgumentParser(prog="hybridflow sft", description="Supervised fine-tuning (see README).")
-    parser.add_argument("--config", help="YAML file with SFTConfig fields; key=value overrides apply on top")
-    parser.add_argument("--print-config", action="store_true",
-                        help="print the resolved run (every derived value filled in) as YAML and exit")
-    parser.add_argument("overrides", nargs="*", help="verl-style overrides, e.g. optim.lr=1e-5 data.packing=true")
-    return parser.parse_args(argv)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry of `hybridflow sft`; user errors print one line and exit 2."""
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
-    logging.getLogger("hybridflow").setLevel(logging.INFO)
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        resolved, inputs = load_run(args.config, args.overrides)
-    except USER_ERRORS as err:
-        print(f"hybridflow sft: error: {err}", file=sys.stderr)
-        return 2
-    if args.print_config:
-        print(resolved.to_yaml(), end="")
-        return 0
-    run(resolved, inputs)
-    return 0
+    return run_command(sys.argv[1:] if argv is None else argv, "hybridflow sft",
+                       "Supervised fine-tuning (see README).", load_run, run)
 
 
 if __name__ == "__main__":
