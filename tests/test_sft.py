@@ -21,6 +21,7 @@ from hybridflow.data.sft import SFTDataset, build_sft_task, sft_collate
 from hybridflow.engine import EngineConfig, OptimConfig
 from hybridflow.models import load_causal_lm, load_tokenizer, tiny_model_dir
 from hybridflow.protocol import DataProto
+from hybridflow.rewards.registry import default_compute_score
 from hybridflow.workers.config import ModelConfig
 from hybridflow.workers.sft import SFTWorker, nll_loss_fn
 
@@ -143,14 +144,35 @@ def test_two_ranks_match_one(model_dir, batch, tmp_path):
         torch.testing.assert_close(two["params"][name], value, atol=5e-6, rtol=1e-4, msg=name)
 
 
-def test_sft_task_files_hold_every_layout(tmp_path):
-    train, test = build_sft_task("arithmetic", tmp_path, 8, 4, seed=0)
+@pytest.mark.parametrize("task", ["arithmetic", "gsm8k"])
+def test_sft_task_files_hold_every_layout_with_responses_the_reward_accepts(tmp_path, task):
+    train, test = build_sft_task(task, tmp_path, 8, 4, seed=0)
     frame = pd.read_parquet(train)
-    row = frame.iloc[0]
     assert {"prompt", "response", "messages", "data_source", "extra_info"} <= set(frame.columns)
-    assert row["messages"][-1]["content"] == row["response"] == row["extra_info"]["answer"]
-    assert row["prompt"].startswith("What is ") and row["response"].lstrip("-").isdigit()
+    for _, row in frame.iterrows():
+        assert row["messages"][-1]["content"] == row["response"] == row["extra_info"]["answer"]
+        assert row["messages"][0]["content"] == row["prompt"] == row["extra_info"]["question"]
+        truth = RL_ROWS[task](row)
+        assert default_compute_score(row["data_source"], row["response"], truth) == 1.0
     assert len(pd.read_parquet(test)) == 4
+
+
+RL_ROWS = {"arithmetic": lambda row: row["response"], "gsm8k": lambda row: row["response"].rsplit("####", 1)[1].strip()}
+"""The ground truth each task's scorer compares against, read back from an SFT row."""
+
+
+def test_multi_turn_chat_trains_on_the_last_assistant_turn_only(model_dir, tmp_path):
+    chat = [{"role": "user", "content": "What is 1 + 1?"}, {"role": "assistant", "content": "2"},
+            {"role": "user", "content": "And 2 + 2?"}, {"role": "assistant", "content": "4"}]
+    path = tmp_path / "chat.parquet"
+    pd.DataFrame([{"conversation": chat}]).to_parquet(path)
+    tok = load_tokenizer(model_dir)
+    prompt, response = SFTDataset(str(path), tok, 128, messages_key="conversation")[0]
+    text = tok.apply_chat_template(chat[:3], add_generation_prompt=True, tokenize=False)
+    assert prompt == tok(text, add_special_tokens=False)["input_ids"]  # earlier turns, "2" included: masked
+    assert response == tok("4", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    left = SFTDataset(str(path), tok, len(prompt), messages_key="conversation", truncation="left")[0]
+    assert left == (prompt[len(response):], response)  # the prompt's start is cut, the response kept whole
 
 
 def test_layouts_give_the_same_examples_and_bad_columns_name_the_fix(model_dir, tmp_path):

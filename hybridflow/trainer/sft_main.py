@@ -41,6 +41,7 @@ def prepare_inputs(cfg: SFTConfig) -> SFTInputs:
     train, val = SFTDataset(train_files, tokenizer, **kw), SFTDataset(val_files, tokenizer, **kw)
     collate = partial(sft_collate, pad_token_id=train.pad_token_id)
     train_loader = StatefulDataLoader(train, d.train_batch_size, seed=d.seed, shuffle=d.shuffle, collate_fn=collate)
+    # A few micro-batches per worker per call: fewer dispatch round trips, bounded memory.
     val_bs = min(d.micro_batch_size_per_device * cfg.world_size * 4, len(val))
     val_loader = StatefulDataLoader(val, val_bs, shuffle=False, collate_fn=collate, drop_last=False)
     return SFTInputs(tokenizer, train_loader, val_loader)
