@@ -96,6 +96,7 @@ def test_print_config_resolves_and_starts_nothing(tiny_model: str, tmp_path: Pat
     (["trainer.placement=split"], "use trainer.placement=colocate"),
     (["data.task=countdown"], "no known correct response"),
     (["data.train_batch_size=7"], "must divide evenly over 2 workers"),
+    (["engine.fsdp_size=3"], r"error: engine.fsdp_size=3 must divide the number of ranks \(2\)"),
 ])
 def test_bad_inputs_fail_with_one_line(tiny_model: str, tmp_path: Path, capsys, extra, message) -> None:
     assert cli_main(["sft", *sft_overrides(tiny_model, tmp_path), *extra]) == 2

@@ -20,7 +20,7 @@ from typing import Any, Optional
 from hybridflow.config_utils import ConfigError, Section, freeze, to_yaml
 from hybridflow.engine.config import EngineConfig, OptimConfig
 from hybridflow.trainer.config import TaskFilesConfig, TrainerConfig, _one_of, _positive
-from hybridflow.trainer.resolve import _engine, _schedule, resolve_trainer
+from hybridflow.trainer.resolve import resolve_engine, resolve_schedule, resolve_trainer
 from hybridflow.workers.config import ModelConfig
 
 SFT_TRUNCATIONS = ("error", "left", "right")
@@ -144,7 +144,7 @@ def resolve_sft(cfg: SFTConfig, steps_per_epoch: int, cpu_count: int | None = No
         raise ConfigError(f"the training set gives {steps_per_epoch} steps per epoch at data.train_batch_size="
                           f"{cfg.data.train_batch_size}; add examples or lower the batch size")
     trainer = resolve_trainer(cfg.trainer, steps_per_epoch, cpu_count)
-    engine = replace(_engine(cfg.engine, trainer.device, cfg.world_size, "sft"), packing=cfg.data.packing)
+    engine = replace(resolve_engine(cfg.engine, trainer.device, cfg.world_size, ""), packing=cfg.data.packing)
     resolved = replace(cfg, trainer=trainer, engine=engine,
-                       optim=_schedule(cfg.optim, trainer.total_training_steps, "sft"))
+                       optim=resolve_schedule(cfg.optim, trainer.total_training_steps, ""))
     return ResolvedSFT(freeze(resolved), steps_per_epoch)
