@@ -82,6 +82,18 @@ def test_first_step_matches_hand_written_loop_and_loss_goes_down(model_dir, batc
     assert first["train/response_tokens"] == float(batch.batch[keys.RESPONSE_MASK].sum())
 
 
+def test_export_hf_writes_the_trained_weights(model_dir, batch, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    group = _worker_group(model_dir)
+    group.train_batch(batch)
+    group.export_hf(str(tmp_path / "hf"), str(model_dir))
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).state_dict()
+    for name, value in group._worker.engine.full_state_dict().items():
+        torch.testing.assert_close(loaded[name], value, msg=name)
+    assert (tmp_path / "hf" / "tokenizer_config.json").is_file()
+
+
 def test_only_response_tokens_carry_loss(batch):
     # Hand-computed: rows of log-probs with 2 + 1 response tokens out of 3 columns; 3 global tokens, 1 rank.
     log_probs = torch.tensor([[-1.0, -2.0, -7.0], [-3.0, -9.0, -9.0]])

@@ -1,8 +1,9 @@
 """Trainer checkpoints: every worker group's shards plus the controller's own state, atomically.
 
 Layout: <trainer.default_local_dir>/global_step_<N>/{actor,critic}/ (sharded engine
-checkpoints written by the workers) and trainer_state.json (step, dataloader position,
-KL coefficient, the model path for exports). The directory is built under a temporary name and renamed only when
+checkpoints written by the workers; SFT writes actor/ only) and trainer_state.json (step,
+dataloader position, the trainer's own state such as PPO's KL coefficient, the model path
+for exports). `RunCheckpointer` does this for any trainer; `TrainerCheckpointer` is PPO's. The directory is built under a temporary name and renamed only when
 everything is written and marked COMPLETE, so a crash never leaves a checkpoint that
 a resume would pick up.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 from hybridflow.utils import checkpoint_dirs as C
 
@@ -41,23 +42,25 @@ def tokenizer_of(ckpt: Path, explicit: str | None) -> str | None:
     return None
 
 
-class TrainerCheckpointer:
-    """Saves and restores the whole run on the controller's schedule."""
+class RunCheckpointer:
+    """Saves and restores worker groups, the dataloader position and the trainer's own state, atomically.
 
-    def __init__(self, cfg: RunConfig, roles: Roles, train_loader: Any) -> None:
-        self.cfg, self.roles, self.loader = cfg, roles, train_loader
+    Every trainer uses it (PPO through `TrainerCheckpointer`, SFT directly); each group's
+    `save_checkpoint(dir)` / `load_checkpoint(dir)` writes / reads its own subdirectory.
+    """
+
+    def __init__(self, cfg: Any, groups: Sequence[Any], train_loader: Any) -> None:
+        """`cfg`: the run config (RunConfig, SFTConfig): trainer.*, model.path."""
+        self.cfg, self.groups, self.loader = cfg, list(groups), train_loader
         self.root = Path(cfg.trainer.default_local_dir)
 
-    def _groups(self) -> list[Any]:
-        return [g for g in (self.roles.actor_rollout, self.roles.critic) if g is not None]
-
-    def save(self, step: int, kl_ctrl: Any) -> Path:
-        """Write global_step_<step> atomically, then prune to trainer.max_ckpt_to_keep."""
+    def save(self, step: int, extra: dict[str, Any] | None = None) -> Path:
+        """Write global_step_<step> with `extra` in its state file, then prune to trainer.max_ckpt_to_keep."""
         final = C.step_dir(self.root, step)
         with C.atomic_dir(final) as tmp:
-            for group in self._groups():
+            for group in self.groups:
                 group.save_checkpoint(str(tmp))
-            state = {"global_step": step, "loader": self.loader.state_dict(), "kl_coef": float(kl_ctrl.value),
+            state = {"global_step": step, "loader": self.loader.state_dict(), **(extra or {}),
                      "model_path": self.cfg.model.path, "run": run_name(self.cfg)}
             C.write_json_atomic(tmp / STATE_FILE, state)
         if self.cfg.trainer.max_ckpt_to_keep:
@@ -65,29 +68,50 @@ class TrainerCheckpointer:
         log.debug("saved checkpoint %s", final)  # the trainer's phase line reports it on the console
         return final
 
-    def resume(self, kl_ctrl: Any) -> int:
-        """Restore workers, dataloader and KL coefficient; return the step to continue from (0: fresh)."""
+    def resume(self) -> tuple[int, dict[str, Any]]:
+        """Restore the groups and the dataloader; return (the step to continue from, the saved state),
+        or (0, {}) for a fresh start."""
         path = resume_path(self.cfg)
         if path is None:
-            return 0
+            return 0, {}
         state = json.loads((path / STATE_FILE).read_text())
-        for group in self._groups():
+        for group in self.groups:
             group.load_checkpoint(str(path))
         self.loader.load_state_dict(state["loader"])
-        kl_ctrl.value = state["kl_coef"]
         log.info("resumed from %s at step %d", path, state["global_step"])
-        return int(state["global_step"])
+        return int(state["global_step"]), state
 
 
-def run_name(cfg: RunConfig) -> str:
+class TrainerCheckpointer:
+    """PPO's checkpoints: the actor and critic groups plus the KL coefficient."""
+
+    def __init__(self, cfg: RunConfig, roles: Roles, train_loader: Any) -> None:
+        groups = [g for g in (roles.actor_rollout, roles.critic) if g is not None]
+        self.checkpointer = RunCheckpointer(cfg, groups, train_loader)
+        self.root = self.checkpointer.root
+
+    def save(self, step: int, kl_ctrl: Any) -> Path:
+        """Write global_step_<step> atomically, then prune to trainer.max_ckpt_to_keep."""
+        return self.checkpointer.save(step, {"kl_coef": float(kl_ctrl.value)})
+
+    def resume(self, kl_ctrl: Any) -> int:
+        """Restore workers, dataloader and KL coefficient; return the step to continue from (0: fresh)."""
+        step, state = self.checkpointer.resume()
+        if step:
+            kl_ctrl.value = state["kl_coef"]
+        return step
+
+
+def run_name(cfg: Any) -> str:
     """"<project_name>/<experiment_name>": recorded in every checkpoint of the run."""
     return f"{cfg.trainer.project_name}/{cfg.trainer.experiment_name}"
 
 
-def resume_path(cfg: RunConfig) -> Path | None:
+def resume_path(cfg: Any) -> Path | None:
     """The checkpoint to resume from under trainer.resume_mode, or None to start fresh.
 
-    Called once before any worker starts (a wrong path fails fast) and again by `resume`.
+    `cfg`: any run config with a `trainer` section (RunConfig, SFTConfig). Called once before any
+    worker starts (a wrong path fails fast) and again by `resume`.
     resume_mode=auto continues this run only: a checkpoint another run wrote into the same
     directory is refused rather than silently continued.
     """

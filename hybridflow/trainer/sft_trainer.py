@@ -4,59 +4,22 @@ Each step hands one batch of examples to the workers (split evenly over them), w
 take one optimizer step on the token-mean response NLL of the whole batch. Validation
 loss runs before training, every trainer.test_freq steps and at the end; checkpoints
 (worker shards + loader position) every trainer.save_freq steps and at the end, with
-the same atomic directory layout as the RL trainer (hybridflow/trainer/checkpointing.py),
+the RL trainer's `RunCheckpointer` (hybridflow/trainer/checkpointing.py),
 so `trainer.resume_mode=auto` continues exactly and `hybridflow export` reads them.
 """
 
 from __future__ import annotations
 
-import json
-import logging
-from pathlib import Path
 from typing import Any
 
 from hybridflow.protocol import DataProto
 from hybridflow.protocol_future import pad_dataproto_to_divisor, unpad_dataproto
+from hybridflow.trainer.checkpointing import RunCheckpointer
 from hybridflow.trainer.metrics import worker_metrics
-from hybridflow.trainer.checkpointing import STATE_FILE, resume_path, run_name
-from hybridflow.trainer.sft_config import ResolvedSFT, SFTConfig
-from hybridflow.utils import checkpoint_dirs as C
+from hybridflow.trainer.sft_config import ResolvedSFT
 from hybridflow.utils.progress import TrainProgress, phase
 from hybridflow.utils.timing import timer
 from hybridflow.utils.tracking import Tracking
-
-log = logging.getLogger(__name__)
-
-
-class SFTCheckpointer:
-    """global_step_<N>/{actor/, trainer_state.json}, written atomically; resumes the run it belongs to."""
-
-    def __init__(self, cfg: SFTConfig, workers: Any, train_loader: Any) -> None:
-        self.cfg, self.workers, self.loader = cfg, workers, train_loader
-        self.root = Path(cfg.trainer.default_local_dir)
-
-    def save(self, step: int) -> Path:
-        """Write global_step_<step> atomically, then prune to trainer.max_ckpt_to_keep."""
-        final = C.step_dir(self.root, step)
-        with C.atomic_dir(final) as tmp:
-            self.workers.save_checkpoint(str(tmp))
-            state = {"global_step": step, "loader": self.loader.state_dict(), "model_path": self.cfg.model.path,
-                     "run": run_name(self.cfg)}
-            C.write_json_atomic(tmp / STATE_FILE, state)
-        if self.cfg.trainer.max_ckpt_to_keep:
-            C.prune_checkpoints(self.root, self.cfg.trainer.max_ckpt_to_keep)
-        return final
-
-    def resume(self) -> int:
-        """Restore the workers and the loader position; return the step to continue from (0: fresh)."""
-        path = resume_path(self.cfg)
-        if path is None:
-            return 0
-        state = json.loads((path / STATE_FILE).read_text())
-        self.workers.load_checkpoint(str(path))
-        self.loader.load_state_dict(state["loader"])
-        log.info("resumed from %s at step %d", path, state["global_step"])
-        return int(state["global_step"])
 
 
 class SFTTrainer:
@@ -65,7 +28,7 @@ class SFTTrainer:
     def __init__(self, run: ResolvedSFT, workers: Any, train_loader: Any, val_loader: Any, tracker: Tracking):
         self.run, self.cfg, self.workers = run, run.config, workers
         self.train_loader, self.val_loader, self.tracker = train_loader, val_loader, tracker
-        self.checkpointer = SFTCheckpointer(self.cfg, workers, train_loader)
+        self.checkpointer = RunCheckpointer(self.cfg, [workers], train_loader)
         self.global_step = 0
         self.val_history: list[float] = []
 
@@ -73,7 +36,7 @@ class SFTTrainer:
         """Train for trainer.total_training_steps; returns every validation loss computed, in order."""
         t, total = self.cfg.trainer, self.run.total_steps
         # 1. continue from the latest checkpoint (workers + loader position), else validate the start
-        self.global_step = self.checkpointer.resume()
+        self.global_step, _ = self.checkpointer.resume()
         if t.val_before_train and self.global_step == 0:
             self.tracker.log(self.validate(), step=0)
         with TrainProgress(total, initial=self.global_step) as progress:
