@@ -10,8 +10,9 @@ from pathlib import Path
 import hybridflow
 
 PACKAGE = Path(hybridflow.__file__).parent
-CLI_MODULES = {"hybridflow.trainer.cli", "hybridflow.trainer.main"}
-"""`hybridflow` (the console script) and `python -m hybridflow.trainer.main` / `hybridflow train`."""
+CLI_MODULES = {"hybridflow.trainer.cli", "hybridflow.trainer.main", "hybridflow.trainer.sft_main"}
+"""`hybridflow` (the console script), `python -m hybridflow.trainer.main` / `hybridflow train`, and
+`hybridflow sft`."""
 
 
 def module_name(path: Path) -> str:

@@ -5,6 +5,8 @@
 - `RLDataset`: reads any verl-format parquet, applies the chat template and
   left-pads prompts (`dataset.py`); `collate` makes a DataProto of its items.
 - `StatefulDataLoader`: seeded, resumable batches of prompts (`loader.py`).
+- SFT: `build_sft_task` (prompt/response/messages sets of tasks with a known answer),
+  `SFTDataset` and `sft_collate` (`sft.py`).
 """
 
 from hybridflow.data.loader import StatefulDataLoader

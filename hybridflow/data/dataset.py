@@ -110,17 +110,22 @@ def read_verl_parquet(path: str) -> list[dict[str, Any]]:
     and the `_file` / `_row` it came from; problems raise one error naming
     the file, the column and the row.
     """
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"dataset file {path!r} does not exist")
-    try:
-        table = pq.read_table(path)
-    except (pa.ArrowException, OSError) as err:
-        raise ValueError(f"{path}: not a readable parquet file ({err})") from None
+    table = read_parquet_table(path)
     for column in REQUIRED_COLUMNS:
         if column not in table.column_names:
             raise ValueError(f"{path}: column {column!r} is missing (row 0 onwards); the file has "
                              f"columns {table.column_names}, a verl-format dataset needs {list(REQUIRED_COLUMNS)}")
     return [_check_row(path, i, row) for i, row in enumerate(table.to_pylist())]
+
+
+def read_parquet_table(path: str) -> pa.Table:
+    """The parquet file at `path`; a missing or unreadable file fails naming it."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"dataset file {path!r} does not exist")
+    try:
+        return pq.read_table(path)
+    except (pa.ArrowException, OSError) as err:
+        raise ValueError(f"{path}: not a readable parquet file ({err})") from None
 
 
 def _check_row(path: str, i: int, row: dict[str, Any]) -> dict[str, Any]:

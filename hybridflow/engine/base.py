@@ -11,6 +11,13 @@ are [B, T] with prompts left-padded and responses right-padded, `responses` is
 [B, R], and per-token outputs (log-probs, entropy, values) are [B, R], aligned with
 `responses`: the logits at columns P-1 .. T-2 (P = T - R) predict the response
 tokens at columns P .. T-1. Entries past a row's last valid token are 0.
+
+How an engine runs a micro-batch is its own business as long as the outputs keep that
+layout: padded as given, trimmed of shared padding columns (`use_remove_padding`), or
+packed (`EngineConfig.packing`): all rows' real tokens concatenated into one row with
+position ids restarting at 0 per example, attention kept inside each example, outputs
+scattered back to [b, R] (hybridflow/engine/batch.py `pack` / `unpack_to_response`).
+Callers never see the difference, except in speed.
 """
 
 from __future__ import annotations

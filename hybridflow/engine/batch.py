@@ -4,8 +4,13 @@ Padding removal here is column trimming: a micro-batch keeps only the columns in
 which at least one row has a real token (prompts are left-padded and responses
 right-padded, so padding shared by all rows sits at both ends). Attention masks
 and position ids are kept, so every attention backend (SDPA, eager) stays exact.
-True varlen packing needs flash-attention kernels, which CPU SDPA lacks; with
-dense block-diagonal masks it would cost more attention FLOPs than it saves.
+
+Packing (`pack`, `EngineConfig.packing`) goes further: the real tokens of all rows
+are concatenated into ONE row with position ids restarting at 0 per example and no
+attention mask; transformers (masking_utils.find_packed_sequence_indices, sdpa and
+eager) then builds a block-diagonal causal mask from the position ids, so no token
+attends across examples and the linear layers see no padding. On CPU the attention
+itself is still a dense [N, N] masked product (no varlen kernel there).
 """
 
 from __future__ import annotations
@@ -115,3 +120,45 @@ def response_mask_of(micro: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """[b, R] mask of real response tokens (the response part of attention_mask)."""
     resp = micro[keys.RESPONSES].shape[1]
     return micro[keys.ATTENTION_MASK][:, -resp:]
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """A micro-batch's real tokens as one row, and where its response predictions go back."""
+
+    input_ids: torch.Tensor
+    """[1, N]: every row's real tokens, back to back, in row order."""
+    position_ids: torch.Tensor
+    """[1, N]: positions restarting at 0 for each example (what marks the example boundaries)."""
+    predictors: torch.Tensor
+    """[n]: columns of the packed row whose next-token prediction is a response token."""
+    labels: torch.Tensor
+    """[n]: the response tokens those columns predict."""
+    response_mask: torch.Tensor
+    """[b, R] bool: where the n predictions sit in the padded layout (row-major order)."""
+
+
+def pack(micro: Mapping[str, torch.Tensor]) -> PackedBatch:
+    """Concatenate the real tokens of every row of `micro` (padded layout) into one row.
+
+    Each row's position ids must start at 0 at its first real token (keys.py: cumsum of the mask).
+    """
+    mask = micro[keys.ATTENTION_MASK].bool()
+    packed_col = mask.flatten().long().cumsum(0).view_as(mask) - 1  # column of each real token in the row
+    rmask = response_mask_of(micro).bool()
+    targets = packed_col[:, -rmask.shape[1]:][rmask]
+    if targets.numel() and int(targets.min()) < 1:
+        raise ValueError("a packed row needs at least one prompt token before each response")
+    return PackedBatch(
+        input_ids=micro[keys.INPUT_IDS][mask].unsqueeze(0),
+        position_ids=micro[keys.POSITION_IDS][mask].unsqueeze(0),
+        predictors=targets - 1,
+        labels=micro[keys.RESPONSES][rmask],
+        response_mask=rmask,
+    )
+
+
+def unpack_to_response(values: torch.Tensor, packed: PackedBatch) -> torch.Tensor:
+    """[n] per-prediction values of a packed row -> [b, R] fp32, zero off the response mask."""
+    out = values.new_zeros(packed.response_mask.shape, dtype=torch.float32)
+    return out.masked_scatter(packed.response_mask, values.float())

@@ -65,6 +65,10 @@ class EngineConfig(Section):
     """Recompute decoder-layer activations in backward to save memory."""
     use_remove_padding: bool = True
     """Drop the columns that are padding in every row of a micro-batch before the forward."""
+    packing: bool = False
+    """Run each micro-batch as one packed row of its real tokens (no padding at all), position ids
+    restarting per example and attention kept inside each example (hybridflow/engine/batch.py `pack`).
+    Supersedes use_remove_padding. Needs an attention backend that masks from position ids (sdpa, eager)."""
     logits_chunk_size: int = 1024
     """Tokens per chunk when turning logits into log-probs/entropy (bounds fp32 memory)."""
     cpu_math_attention_max_len: int = 128

@@ -208,6 +208,8 @@ class FSDPEngine(Engine):
         self, micro: MicroBatch, temperature: float = 1.0, calc_entropy: bool = False
     ) -> dict[str, torch.Tensor]:
         inputs = B.select_inputs(micro, self.device)
+        if self.config.packing:
+            return self._forward_packed(inputs, temperature, calc_entropy)
         win = B.response_window(inputs, self.config.use_remove_padding)
         rmask = B.response_mask_of(inputs)
         if self._value:
@@ -215,14 +217,31 @@ class FSDPEngine(Engine):
             first = win.prompt_len - 1 - win.start
             return {"values": B.pad_to_response(values[:, first : first + win.n_valid], win, rmask)}
         out = self.model(**B.trim(inputs, win), logits_to_keep=win.logits_to_keep, use_cache=False)
-        logits = out.logits[:, :-1]
+        labels = inputs[keys.RESPONSES][:, : win.n_valid]
+        place = lambda v: B.pad_to_response(v, win, rmask)  # noqa: E731
+        return self._token_outputs(out.logits[:, :-1], labels, place, temperature, calc_entropy)
+
+    def _forward_packed(self, inputs: dict[str, torch.Tensor], temperature: float,
+                        calc_entropy: bool) -> dict[str, torch.Tensor]:
+        """The micro-batch as one packed row (engine/batch.py `pack`): no attention mask and no cache, the
+        case in which transformers masks attention block-diagonally from the restarting position ids."""
+        packed = B.pack(inputs)
+        row = {"input_ids": packed.input_ids, "position_ids": packed.position_ids}
+        place = lambda v: B.unpack_to_response(v, packed)  # noqa: E731
+        if self._value:
+            return {"values": place(self.model(**row, use_cache=False)[0, packed.predictors])}
+        out = self.model(**row, logits_to_keep=packed.predictors, use_cache=False)
+        return self._token_outputs(out.logits[0], packed.labels, place, temperature, calc_entropy)
+
+    def _token_outputs(self, logits: torch.Tensor, labels: torch.Tensor, place: Any, temperature: float,
+                       calc_entropy: bool) -> dict[str, torch.Tensor]:
+        """log-probs (and entropy) of `labels` under `logits`, put back in the [b, R] layout by `place`."""
         if temperature != 1.0:
             logits = logits.float() / temperature
-        labels = inputs[keys.RESPONSES][:, : win.n_valid]
         chunk = self.config.logits_chunk_size
-        result = {"log_probs": B.pad_to_response(logprobs_from_logits(logits, labels, chunk), win, rmask)}
+        result = {"log_probs": place(logprobs_from_logits(logits, labels, chunk))}
         if calc_entropy:
-            result["entropy"] = B.pad_to_response(entropy_from_logits(logits, chunk), win, rmask)
+            result["entropy"] = place(entropy_from_logits(logits, chunk))
         return result
 
     @torch.no_grad()

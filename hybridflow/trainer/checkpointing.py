@@ -1,12 +1,14 @@
 """Trainer checkpoints: every worker group's shards plus the controller's own state, atomically.
 
 Layout: <trainer.default_local_dir>/global_step_<N>/{actor,critic}/ (sharded engine
-checkpoints written by the workers), trainer_state.json (step, dataloader position,
-KL coefficient, the model path for exports, the run's name), config.yaml (the resolved
-config) and MANIFEST.json (every file's size and SHA-256). The directory is built under a
-temporary name and renamed only when everything is written and marked COMPLETE, so a
-crash never leaves a checkpoint that a resume would pick up; a resume verifies the
-manifest and falls back to the previous checkpoint when the newest is damaged.
+checkpoints written by the workers; SFT writes actor/ only), trainer_state.json (step,
+dataloader position, the trainer's own state such as PPO's KL coefficient, the model path
+for exports, the run's name), config.yaml (the resolved config) and MANIFEST.json (every
+file's size and SHA-256). `RunCheckpointer` does this for any trainer; `TrainerCheckpointer`
+is PPO's. The directory is built under a temporary name and renamed only when everything
+is written and marked COMPLETE, so a crash never leaves a checkpoint that a resume would
+pick up; a resume verifies the manifest and falls back to the previous checkpoint when the
+newest is damaged.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 from hybridflow.config_utils import to_yaml
 from hybridflow.utils import checkpoint_dirs as C
@@ -50,23 +52,25 @@ def model_of(ckpt: Path) -> str | None:
     return None
 
 
-class TrainerCheckpointer:
-    """Saves and restores the whole run on the controller's schedule."""
+class RunCheckpointer:
+    """Saves and restores worker groups, the dataloader position and the trainer's own state, atomically.
 
-    def __init__(self, cfg: RunConfig, roles: Roles, train_loader: Any) -> None:
-        self.cfg, self.roles, self.loader = cfg, roles, train_loader
+    Every trainer uses it (PPO through `TrainerCheckpointer`, SFT directly); each group's
+    `save_checkpoint(dir)` / `load_checkpoint(dir)` writes / reads its own subdirectory.
+    """
+
+    def __init__(self, cfg: Any, groups: Sequence[Any], train_loader: Any) -> None:
+        """`cfg`: the run config (RunConfig, SFTConfig): trainer.*, model.path."""
+        self.cfg, self.groups, self.loader = cfg, list(groups), train_loader
         self.root = Path(cfg.trainer.default_local_dir)
 
-    def _groups(self) -> list[Any]:
-        return [g for g in (self.roles.actor_rollout, self.roles.critic) if g is not None]
-
-    def save(self, step: int, kl_ctrl: Any) -> Path:
-        """Write global_step_<step> atomically, then prune to trainer.max_ckpt_to_keep."""
+    def save(self, step: int, extra: dict[str, Any] | None = None) -> Path:
+        """Write global_step_<step> with `extra` in its state file, then prune to trainer.max_ckpt_to_keep."""
         final = C.step_dir(self.root, step)
         with C.atomic_dir(final) as tmp:
-            for group in self._groups():
+            for group in self.groups:
                 group.save_checkpoint(str(tmp))
-            state = {"global_step": step, "loader": self.loader.state_dict(), "kl_coef": float(kl_ctrl.value),
+            state = {"global_step": step, "loader": self.loader.state_dict(), **(extra or {}),
                      "model_path": self.cfg.model.path, "run": run_name(self.cfg)}
             C.write_json_atomic(tmp / STATE_FILE, state)
             (tmp / CONFIG_FILE).write_text(to_yaml(self.cfg))
@@ -75,25 +79,44 @@ class TrainerCheckpointer:
         log.debug("saved checkpoint %s", final)  # the trainer's phase line reports it on the console
         return final
 
-    def resume(self, kl_ctrl: Any, path: Path | None) -> int:
-        """Restore workers, dataloader and KL coefficient from `path` (found by `resume_path` before the
-        workers started); return the step to continue from (0: fresh, when `path` is None)."""
+    def resume(self, path: Path | None) -> tuple[int, dict[str, Any]]:
+        """Restore the groups and the dataloader from `path` (found by `resume_path` before the workers
+        started); return (the step to continue from, the saved state), or (0, {}) when `path` is None."""
         if path is None:
-            return 0
+            return 0, {}
         state = json.loads((path / STATE_FILE).read_text())
-        for group in self._groups():
+        for group in self.groups:
             group.load_checkpoint(str(path))
         self.loader.load_state_dict(state["loader"])
-        kl_ctrl.value = state["kl_coef"]
         log.info("resumed from %s at step %d", path, state["global_step"])
-        return int(state["global_step"])
+        return int(state["global_step"]), state
+
+
+class TrainerCheckpointer:
+    """PPO's checkpoints: the actor and critic groups plus the KL coefficient."""
+
+    def __init__(self, cfg: RunConfig, roles: Roles, train_loader: Any) -> None:
+        groups = [g for g in (roles.actor_rollout, roles.critic) if g is not None]
+        self.checkpointer = RunCheckpointer(cfg, groups, train_loader)
+        self.root = self.checkpointer.root
+
+    def save(self, step: int, kl_ctrl: Any) -> Path:
+        """Write global_step_<step> atomically, then prune to trainer.max_ckpt_to_keep."""
+        return self.checkpointer.save(step, {"kl_coef": float(kl_ctrl.value)})
+
+    def resume(self, kl_ctrl: Any, path: Path | None) -> int:
+        """Restore workers, dataloader and KL coefficient from `path`; return the step to continue from."""
+        step, state = self.checkpointer.resume(path)
+        if step:
+            kl_ctrl.value = state["kl_coef"]
+        return step
 
 
 def _report_damaged(path: Path, problem: str) -> None:
     log.warning("checkpoint %s is damaged (%s); resuming from the previous complete one", path, problem)
 
 
-def check_writable(cfg: RunConfig) -> None:
+def check_writable(cfg: Any) -> None:
     """Fail before the first step, not at the first save, when checkpoints cannot be written."""
     t = cfg.trainer
     if t.save_freq <= 0:
@@ -109,15 +132,16 @@ def check_writable(cfg: RunConfig) -> None:
                          "fix its permissions or point trainer.default_local_dir elsewhere") from None
 
 
-def run_name(cfg: RunConfig) -> str:
+def run_name(cfg: Any) -> str:
     """"<project_name>/<experiment_name>": recorded in every checkpoint of the run."""
     return f"{cfg.trainer.project_name}/{cfg.trainer.experiment_name}"
 
 
-def resume_path(cfg: RunConfig) -> Path | None:
+def resume_path(cfg: Any) -> Path | None:
     """The checkpoint to resume from under trainer.resume_mode, or None to start fresh.
 
-    Called once before any worker starts (a wrong path fails fast) and again by `resume`.
+    `cfg`: any run config with a `trainer` section (RunConfig, SFTConfig). Called once before any
+    worker starts (a wrong path fails fast) and again by `resume`.
     resume_mode=auto continues this run only: a checkpoint another run wrote into the same
     directory is refused rather than silently continued.
     """

@@ -1,7 +1,8 @@
-"""The `hybridflow` command: train, data, export, generate.
+"""The `hybridflow` command: train, sft, data, export, generate.
 
     hybridflow train [--config FILE] key=value ...   # PPO / GRPO run (defaults: the main job)
-    hybridflow data TASK --out DIR [--train-size N] [--test-size N] [--seed S] [key=value ...]
+    hybridflow sft [--config FILE] key=value ...     # supervised fine-tuning (hybridflow/trainer/sft_main.py)
+    hybridflow data TASK --out DIR [--sft] [--train-size N] [--test-size N] [--seed S] [key=value ...]
     hybridflow export CKPT_DIR --out HF_DIR [--tokenizer PATH] [--base-model PATH] [--adapter]
     hybridflow generate --model PATH_OR_CKPT --data FILE.parquet [--n N] [--out FILE.jsonl]
 """
@@ -30,10 +31,12 @@ def _kv(pairs: Sequence[str]) -> dict[str, object]:
 
 
 def cmd_data(args: argparse.Namespace) -> int:
-    """Generate a task as verl-format parquet (train and test splits)."""
+    """Generate a task as verl-format parquet (train and test splits); with --sft, as an SFT set."""
+    from hybridflow.data.sft import build_sft_task
     from hybridflow.data.tasks import build_task
 
-    train, test = build_task(args.task, args.out, args.train_size, args.test_size, seed=args.seed, **_kv(args.difficulty))
+    build = build_sft_task if args.sft else build_task
+    train, test = build(args.task, args.out, args.train_size, args.test_size, seed=args.seed, **_kv(args.difficulty))
     print(f"wrote {train}\nwrote {test}")
     return 0
 
@@ -72,9 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridflow", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("train", help="train (see `hybridflow train --help`)", add_help=False)
+    sub.add_parser("sft", help="supervised fine-tuning (see `hybridflow sft --help`)", add_help=False)
     d = sub.add_parser("data", help="generate a task as parquet")
     d.add_argument("task")
     d.add_argument("--out", required=True)
+    d.add_argument("--sft", action="store_true", help="write an SFT set (prompt/response/messages columns)")
     d.add_argument("--train-size", type=int, default=2048)
     d.add_argument("--test-size", type=int, default=256)
     d.add_argument("--seed", type=int, default=0)
@@ -104,6 +109,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from hybridflow.trainer.main import main as train_main
 
         return train_main(argv[1:])
+    if argv and argv[0] == "sft":
+        from hybridflow.trainer.sft_main import main as sft_main
+
+        return sft_main(argv[1:])
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if args.command == "data":  # difficulty knobs may come before or after the options

@@ -29,13 +29,13 @@ def _positive(**values: Any) -> None:
 
 
 @dataclass
-class DataConfig(Section):
-    """Where prompts come from and how long prompts and responses may be."""
+class TaskFilesConfig(Section):
+    """Where a run's examples come from: parquet files, or a task generated once into a cache."""
 
     train_files: Any = field(default_factory=list)
-    """Training parquet file(s) in verl format: one path or a list. Empty: generate `task`."""
+    """Training parquet file(s): one path or a list. Empty: generate `task`."""
     val_files: Any = field(default_factory=list)
-    """Validation parquet file(s). Empty: the generated `task`'s test split (or none without a task)."""
+    """Validation parquet file(s). Empty: the generated `task`'s test split, or train_files when those are given."""
     task: Optional[str] = "arithmetic"
     """Task builder (hybridflow.data.TASKS) used to generate files when train_files is empty."""
     task_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -46,6 +46,24 @@ class DataConfig(Section):
     """Number of training problems to generate."""
     gen_val_size: int = 256
     """Number of validation problems to generate."""
+
+    def __post_init__(self) -> None:
+        self.train_files = _as_list(self.train_files, "data.train_files")
+        self.val_files = _as_list(self.val_files, "data.val_files")
+        if not self.train_files and not self.task:
+            raise ValueError("set data.train_files to parquet file(s) or data.task to a task builder name")
+        if self.task and not self.train_files:
+            from hybridflow.data.tasks import get_task, make_difficulty
+
+            get_task(self.task)
+            make_difficulty(self.task, **self.task_kwargs)
+        _positive(**{"data.gen_train_size": self.gen_train_size, "data.gen_val_size": self.gen_val_size})
+
+
+@dataclass
+class DataConfig(TaskFilesConfig):
+    """Where prompts come from (verl-format parquet) and how long prompts and responses may be."""
+
     train_batch_size: int = 32
     """Prompts per training step, for the whole run (each is sampled rollout.n times)."""
     val_batch_size: Optional[int] = None
@@ -64,19 +82,10 @@ class DataConfig(Section):
     """Seed of the epoch shuffles and of task generation."""
 
     def __post_init__(self) -> None:
-        self.train_files = _as_list(self.train_files, "data.train_files")
-        self.val_files = _as_list(self.val_files, "data.val_files")
-        if not self.train_files and not self.task:
-            raise ValueError("set data.train_files to parquet file(s) or data.task to a task builder name")
-        if self.task and not self.train_files:
-            from hybridflow.data.tasks import get_task, make_difficulty
-
-            get_task(self.task)
-            make_difficulty(self.task, **self.task_kwargs)
+        super().__post_init__()
         _positive(**{"data.train_batch_size": self.train_batch_size, "data.val_batch_size": self.val_batch_size,
                      "data.max_prompt_length": self.max_prompt_length,
-                     "data.max_response_length": self.max_response_length,
-                     "data.gen_train_size": self.gen_train_size, "data.gen_val_size": self.gen_val_size})
+                     "data.max_response_length": self.max_response_length})
         _one_of("data.truncation", self.truncation, TRUNCATIONS)
 
 
@@ -249,3 +258,15 @@ class TrainerConfig(Section):
         if self.placement == "split" and self.n_workers_per_node * self.nnodes < 2:
             raise ValueError("trainer.placement=split needs at least 2 workers "
                              "(trainer.n_workers_per_node * trainer.nnodes)")
+        world = self.n_workers_per_node * self.nnodes
+        if self.backend == "local" and world != 1:
+            raise ValueError(f"trainer.backend=local runs one in-process worker; set trainer.n_workers_per_node=1 "
+                             f"and trainer.nnodes=1 (got {world} workers)")
+        if self.device == "cuda" and not _cuda_available():
+            raise ValueError("trainer.device=cuda but torch sees no CUDA device here; use trainer.device=cpu")
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

@@ -124,33 +124,40 @@ def _report(log_dir: Path, before: dict[str, float], after: dict[str, float]) ->
         print(f"plot: {plot_run(metrics_file, log_dir / 'run.png')}")
 
 
-def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+def parse_args(argv: Sequence[str], prog: str, description: str) -> argparse.Namespace:
     """`[--config FILE] [--print-config] key=value ...`."""
-    parser = argparse.ArgumentParser(prog="hybridflow train", description="Train with PPO / GRPO / ... (see README).")
-    parser.add_argument("--config", help="YAML file with RunConfig fields; key=value overrides apply on top")
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--config", help="YAML file with the run's config fields; key=value overrides apply on top")
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved run (every derived value filled in) as YAML and exit")
     parser.add_argument("overrides", nargs="*", help="verl-style overrides, e.g. actor.optim.lr=1e-5")
     return parser.parse_args(argv)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """CLI entry of `hybridflow train`."""
+def run_command(argv: Sequence[str], prog: str, description: str, load: Any, execute: Any) -> int:
+    """A trainer command: parse, `load(config, overrides)` -> (resolved, inputs), then `--print-config`
+    or `execute(resolved, inputs)`. User errors print one line `<prog>: error: ...` and return 2."""
     # Our own info lines on the console; other libraries only warn (matplotlib's font cache, ...).
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("hybridflow").setLevel(logging.INFO)
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv, prog, description)
     try:
-        resolved, inputs = load_run(args.config, args.overrides)
+        resolved, inputs = load(args.config, args.overrides)
         if args.print_config:
             print(resolved.to_yaml(), end="")
             return 0
         check_writable(resolved.config)
     except USER_ERRORS as err:
-        print(f"hybridflow train: error: {err}", file=sys.stderr)
+        print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
-    run(resolved, inputs)
+    execute(resolved, inputs)
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI entry of `hybridflow train`."""
+    return run_command(sys.argv[1:] if argv is None else argv, "hybridflow train",
+                       "Train with PPO / GRPO / ... (see README).", load_run, run)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import os
 from dataclasses import dataclass, replace
 
 from hybridflow.config_utils import ConfigError, freeze, to_yaml
-from hybridflow.engine.config import EngineConfig
+from hybridflow.engine.config import EngineConfig, OptimConfig
 from hybridflow.trainer.config import TrainerConfig
 from hybridflow.trainer.run_config import RunConfig
 
@@ -92,15 +92,15 @@ def resolve(cfg: RunConfig, steps_per_epoch: int, cpu_count: int | None = None) 
     if cfg.use_critic:
         critic_world = next(s.world_size for s in sets if "critic" in s.roles)
         critic = replace(critic, enable=True, model=critic.model or cfg.model,
-                         optim=_schedule(critic.optim, total, "critic"),
-                         engine=_engine(critic.engine, device, critic_world, "critic"))
+                         optim=resolve_schedule(critic.optim, total, "critic."),
+                         engine=resolve_engine(critic.engine, device, critic_world, "critic."))
     resolved = replace(
         cfg,
         trainer=trainer,
         rollout=replace(cfg.rollout, prompt_length=cfg.data.max_prompt_length,
                         response_length=cfg.data.max_response_length),
-        actor=replace(cfg.actor, optim=_schedule(cfg.actor.optim, total, "actor"),
-                      engine=_engine(cfg.actor.engine, device, sets[0].world_size, "actor")),
+        actor=replace(cfg.actor, optim=resolve_schedule(cfg.actor.optim, total, "actor."),
+                      engine=resolve_engine(cfg.actor.engine, device, sets[0].world_size, "actor.")),
         critic=critic if cfg.use_critic else replace(critic, enable=False),
     )
     return ResolvedRun(freeze(resolved), steps_per_epoch, sets, _recompute_old_log_prob(cfg))
@@ -140,22 +140,24 @@ def resolve_trainer(t: TrainerConfig, steps_per_epoch: int, cpu_count: int | Non
     )
 
 
-def _schedule(optim, total: int, role: str):
-    """The optimizer config with its LR-schedule length: the user's, else the run's."""
+def resolve_schedule(optim: OptimConfig, total: int, section: str) -> OptimConfig:
+    """The optimizer config with its LR-schedule length: the user's, else the run's `total` steps.
+    `section`: the key path in front of `optim.` in messages ("actor.", "critic.", "" for SFT)."""
     if optim.total_training_steps is not None and optim.total_training_steps < 1:
-        raise ConfigError(f"{role}.optim.total_training_steps must be >= 1 or null (the run's "
+        raise ConfigError(f"{section}optim.total_training_steps must be >= 1 or null (the run's "
                           f"{total} steps), got {optim.total_training_steps}")
     return replace(optim, total_training_steps=optim.total_training_steps or total)
 
 
-def _engine(engine: EngineConfig, device: str, world: int, role: str) -> EngineConfig:
-    """The engine config with fsdp_size and reshard_after_forward fixed for `device` and `world` ranks."""
+def resolve_engine(engine: EngineConfig, device: str, world: int, section: str) -> EngineConfig:
+    """The engine config with fsdp_size and reshard_after_forward fixed for `device` and `world` ranks.
+    `section`: the key path in front of `engine.` in messages ("actor.", "critic.", "" for SFT)."""
     import torch
 
     try:
         fsdp_size = engine.resolve_fsdp_size(torch.device(device), world)
     except ValueError as err:
-        raise ConfigError(f"{role}.{err} of its worker set (trainer.n_workers_per_node * trainer.nnodes, "
+        raise ConfigError(f"{section}{err} of its worker set (trainer.n_workers_per_node * trainer.nnodes, "
                           "halved with trainer.placement=split)") from None
     return replace(engine, fsdp_size=fsdp_size,
                    reshard_after_forward=engine.resolve_reshard_after_forward(torch.device(device)))

@@ -140,9 +140,6 @@ class RunConfig(Section):
 
     def _check_placement(self) -> None:
         t = self.trainer
-        if t.backend == "local" and self.world_size != 1:
-            raise ValueError(f"trainer.backend=local runs one in-process worker; set trainer.n_workers_per_node=1 "
-                             f"and trainer.nnodes=1 (got {self.world_size} workers)")
         if t.placement == "split" and t.backend == "local":
             raise ValueError("trainer.placement=split needs trainer.backend=ray")
         if t.placement == "split" and not (self.use_critic or self.use_ref):
@@ -152,8 +149,6 @@ class RunConfig(Section):
     def _check_backends(self) -> None:
         """Packages and devices the configured backends need, checked here rather than in a worker."""
         device = self.trainer.device
-        if device == "cuda" and not _cuda_available():
-            raise ValueError("trainer.device=cuda but torch sees no CUDA device here; use trainer.device=cpu")
         if self.rollout.name == "vllm":
             if importlib.util.find_spec("vllm") is None:
                 raise ValueError("rollout.name=vllm needs the vllm package, which is not installed; install it "
@@ -168,9 +163,3 @@ class RunConfig(Section):
             raise ValueError(f"actor.lora.rank={lora.rank} with rollout.name=vllm is not supported yet (the merged-"
                              "weight sync is tested with the in-process rollouts only); use rollout.name=native "
                              "or hf, or actor.lora.rank=0")
-
-
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()

@@ -1,7 +1,9 @@
 """Read a run's `metrics.jsonl` back: a 3-panel PNG and a short text summary.
 
 Which keys are used:
-- reward: `critic/score/mean` (the task score before any KL penalty);
+- reward: `critic/score/mean` (the task score before any KL penalty); an SFT run, which has
+  none, shows `train/loss` in that panel instead (and `train/tokens_per_s` instead of the
+  response length);
 - validation: every key starting with "val-core/" or "val/" (e.g.
   `val-core/arithmetic/acc/mean@1`), one line each; "val-aux/" keys are not plotted;
 - response length: `response_length/mean`;
@@ -29,6 +31,13 @@ from hybridflow.utils.tracking import VAL_PREFIXES
 REWARD_KEY = "critic/score/mean"
 LENGTH_KEY = "response_length/mean"
 STEP_TIME_KEY = "timing_s/step"
+TRAIN_LOSS_KEY = "train/loss"
+TOKENS_PER_S_KEY = "train/tokens_per_s"
+REWARD_PANEL = ([REWARD_KEY], "reward", "score")
+LENGTH_PANEL = ([LENGTH_KEY], "response length", "tokens")
+SFT_PANELS = {REWARD_KEY: ([TRAIN_LOSS_KEY], "train loss", "loss"),
+              LENGTH_KEY: ([TOKENS_PER_S_KEY], "throughput", "tokens/s")}
+"""What an SFT run (no reward, no generated responses) shows in the RL run's panels."""
 
 
 def read_metrics(jsonl_path: str | Path) -> list[dict[str, Any]]:
@@ -71,9 +80,9 @@ def run_figure(records: list[dict[str, Any]], title: str = "") -> Figure:
     fig = Figure(figsize=(15, 4.2), layout="constrained")
     FigureCanvasAgg(fig)
     reward_ax, val_ax, length_ax = fig.subplots(1, 3)
-    _panel(reward_ax, records, [REWARD_KEY], "reward", "score")
+    _panel(reward_ax, records, *_pick(records, REWARD_PANEL))
     _panel(val_ax, records, val_keys(records), "validation", "value")
-    _panel(length_ax, records, [LENGTH_KEY], "response length", "tokens")
+    _panel(length_ax, records, *_pick(records, LENGTH_PANEL))
     fig.suptitle(title)
     return fig
 
@@ -94,15 +103,25 @@ def summarize_run(jsonl_path: str | Path) -> str:
         return f"{jsonl_path}: no metrics logged"
     steps = [r["step"] for r in records]
     lines = [f"{jsonl_path}: {len(records)} steps logged (steps {steps[0]}..{steps[-1]})"]
-    lines.append(_first_last(records, REWARD_KEY, "reward"))
+    (key,), label, _ = _pick(records, REWARD_PANEL)
+    lines.append(_first_last(records, key, label))
     lines.extend(_first_last(records, key, "val") for key in val_keys(records) or ["val-core/*"])
-    lines.append(_first_last(records, LENGTH_KEY, "response length"))
+    (key,), label, _ = _pick(records, LENGTH_PANEL)
+    lines.append(_first_last(records, key, label))
     _, times = series(records, STEP_TIME_KEY)
     if times:
         lines.append(f"time: {sum(times):.1f} s total over {len(times)} steps ({sum(times) / len(times):.2f} s/step)")
     else:
         lines.append(f"time: no data ({STEP_TIME_KEY})")
     return "\n".join(lines)
+
+
+def _pick(records: list[dict[str, Any]], panel: tuple[list[str], str, str]) -> tuple[list[str], str, str]:
+    """`panel` (keys, title, y label), or its SFT_PANELS stand-in for a run that logged only that one."""
+    sft = SFT_PANELS[panel[0][0]]
+    if series(records, panel[0][0])[0] or not series(records, sft[0][0])[0]:
+        return panel
+    return sft
 
 
 def _panel(ax: Axes, records: list[dict[str, Any]], keys: list[str], title: str, ylabel: str) -> None:

@@ -24,7 +24,7 @@ from hybridflow.utils.timing import to_float
 from hybridflow.utils.tracking import key_metrics
 
 NO_PROGRESS_ENV = "HYBRIDFLOW_NO_PROGRESS"
-POSTFIX_LABELS = ("score", "pg_loss", "resp_len", "step_s")
+POSTFIX_LABELS = ("score", "loss", "pg_loss", "resp_len", "step_s")
 """Short labels (see tracking.KEY_METRICS) shown after the bar, when present."""
 ERASE_TO_END_OF_LINE = "\x1b[K"
 """ANSI: clear the rest of the terminal line (after rewriting a phase line in place)."""

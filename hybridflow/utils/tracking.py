@@ -37,6 +37,7 @@ _LOG = logging.getLogger("hybridflow.tracking")
 
 KEY_METRICS: dict[str, str] = {
     "critic/score/mean": "score",
+    "train/loss": "loss",
     "critic/rewards/mean": "reward",
     "actor/pg_loss": "pg_loss",
     "actor/kl_loss": "kl_loss",
