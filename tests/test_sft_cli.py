@@ -104,3 +104,18 @@ def test_bad_inputs_fail_with_one_line(tiny_model: str, tmp_path: Path, capsys, 
     assert len(err) == 1 and err[0].startswith("hybridflow sft: error:"), err
     assert re.search(message, err[0]), err[0]
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_sft_with_lora_trains_adapters_and_exports_them(tiny_model: str, tmp_path: Path) -> None:
+    local = ("trainer.backend=local", "trainer.n_workers_per_node=1", "lora.rank=4", "lora.alpha=8")
+    _, rows = _sft(tiny_model, tmp_path, 2, *local)
+    losses = [r["train/loss"] for r in rows if "train/loss" in r]
+    assert len(losses) == 2 and losses[1] < losses[0]
+    ckpt = tmp_path / "ckpt" / "global_step_2"
+    meta = json.loads((ckpt / "actor" / "meta.json").read_text())
+    assert meta["lora"]["rank"] == 4
+    for extra, expect in (([], "model.safetensors"), (["--adapter"], "adapter_model.safetensors")):
+        out = tmp_path / f"export{len(extra)}"
+        proc = run_cli(["export", str(ckpt), "--out", str(out), *extra], tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert (out / expect).is_file()

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 from hybridflow.config_utils import ConfigError, Section, freeze, to_yaml
-from hybridflow.engine.config import EngineConfig, OptimConfig
+from hybridflow.engine.config import EngineConfig, LoraConfig, OptimConfig
 from hybridflow.trainer.config import TaskFilesConfig, TrainerConfig, _one_of, _positive
 from hybridflow.trainer.resolve import resolve_engine, resolve_schedule, resolve_trainer
 from hybridflow.workers.config import ModelConfig
@@ -99,6 +99,8 @@ class SFTConfig(Section):
     """AdamW and the LR schedule (its length defaults to the run's steps)."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """How the model trains on each worker (FSDP2); engine.packing follows data.packing."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Low-rank adapters instead of full fine-tuning (rank 0: off); export merges them or writes a peft dir."""
     trainer: TrainerConfig = field(default_factory=_default_trainer)
     """Run length, validation/checkpoint frequency, loggers, backend, workers."""
 

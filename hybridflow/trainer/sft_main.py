@@ -66,7 +66,8 @@ def _build_workers(run: ResolvedSFT) -> Any:
     from hybridflow.workers.sft import SFTWorker
 
     cfg, t = run.config, run.config.trainer
-    cls = ClassWithInitArgs(SFTWorker, cfg.model, cfg.engine, cfg.optim, cfg.data.micro_batch_size_per_device)
+    cls = ClassWithInitArgs(SFTWorker, cfg.model, cfg.engine, cfg.optim, cfg.data.micro_batch_size_per_device,
+                            cfg.lora)
     if t.backend == "local":
         from hybridflow.controller.local import LocalResourcePool, LocalWorkerGroup
 

@@ -21,7 +21,7 @@ from hybridflow.algos.core import GlobalNorm
 from hybridflow.controller.decorator import Dispatch, register
 from hybridflow.controller.worker import Worker
 from hybridflow.engine.base import Engine, LossFn, MicroBatch
-from hybridflow.engine.config import EngineConfig, OptimConfig
+from hybridflow.engine.config import EngineConfig, LoraConfig, OptimConfig
 from hybridflow.protocol import DataProto
 from hybridflow.workers.config import ModelConfig
 from hybridflow.workers.engines import build_engine
@@ -54,9 +54,10 @@ def _micro_batches(data: DataProto, rows: int) -> list[dict[str, torch.Tensor]]:
 class SFTWorker(Worker):
     """One model trained on prompt/response pairs; the controller decides what runs when."""
 
-    def __init__(self, model: ModelConfig, engine: EngineConfig, optim: OptimConfig, micro_batch_size: int) -> None:
+    def __init__(self, model: ModelConfig, engine: EngineConfig, optim: OptimConfig, micro_batch_size: int,
+                 lora: LoraConfig | None = None) -> None:
         super().__init__()
-        self.model_cfg, self.engine_cfg, self.optim_cfg = model, engine, optim
+        self.model_cfg, self.engine_cfg, self.optim_cfg, self.lora_cfg = model, engine, optim, lora
         self.micro_batch_size = micro_batch_size
         self.engine: Engine | None = None
 
@@ -66,7 +67,8 @@ class SFTWorker(Worker):
         from hybridflow.models import resolve_model_path
 
         self.init_process_group()
-        self.engine = build_engine(resolve_model_path(self.model_cfg.path), self.engine_cfg, self.optim_cfg)
+        self.engine = build_engine(resolve_model_path(self.model_cfg.path), self.engine_cfg, self.optim_cfg,
+                                   lora=self.lora_cfg)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def train_batch(self, data: DataProto) -> DataProto:
