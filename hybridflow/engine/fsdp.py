@@ -85,6 +85,16 @@ def _refuse_value_lora(value_model: bool, lora: LoraConfig | None) -> None:
                          "trains all its weights")
 
 
+def _contiguous_lm_head_input(model: nn.Module) -> None:
+    """Hand the LM head a contiguous input. HF models project a strided slice of the hidden states
+    (`logits_to_keep`); when neither the slice nor the weight requires grad (a frozen, tied LM head
+    under LoRA, in a no-grad pass) torch's matmul does not fold [b, t, h] into one GEMM but runs a
+    bmm over the weight expanded b times: a copy of b x 49152 x 576 per call, 2x the whole forward."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None:
+        head.register_forward_pre_hook(lambda _module, args: (args[0].contiguous(), *args[1:]))
+
+
 class FSDPEngine(Engine):
     """A causal LM or a `ValueModel`, sharded with FSDP2 over the current world.
 
@@ -109,6 +119,7 @@ class FSDPEngine(Engine):
             from hybridflow.engine.lora import apply_lora
 
             model = apply_lora(model, self._lora)
+        _contiguous_lm_head_input(model)
         self.model = self._shard(model.to(self.device))
         self._optimizer = build_optimizer(self.model, optim) if optim else None
         self._lr_scheduler = build_lr_scheduler(self._optimizer, optim) if optim else None
