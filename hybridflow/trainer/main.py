@@ -11,8 +11,10 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence, TypeVar
 
 from hybridflow.config_utils import load_config, to_yaml
 from hybridflow.trainer.checkpointing import check_writable
@@ -20,6 +22,7 @@ from hybridflow.trainer.resolve import ResolvedRun, resolve
 from hybridflow.trainer.run_config import RunConfig
 
 log = logging.getLogger("hybridflow")
+T = TypeVar("T")
 
 USER_ERRORS = (ValueError, KeyError, TypeError, FileNotFoundError, NotADirectoryError)
 """What bad config, paths or data raise; the CLI prints these as one line instead of a traceback."""
@@ -78,31 +81,40 @@ def load_run(config_path: str | None, overrides: Sequence[str]) -> tuple[Resolve
     return resolved, inputs._replace(resume_from=resume_path(resolved.config))
 
 
-def run(resolved: ResolvedRun, inputs: RunInputs) -> dict[str, dict[str, float]]:
-    """Train as resolved; returns {"before": val metrics, "after": val metrics}."""
-    from hybridflow.trainer.ppo_trainer import PPOTrainer
-    from hybridflow.trainer.roles import build_roles
+@contextmanager
+def started_workers(cfg: Any, build: Callable[[], T], groups_of: Callable[[T], list], label: str) -> Iterator[T]:
+    """Start the backend and build the worker groups, load their models (one phase line each, libraries
+    quiet unless trainer.verbose), yield what `build` returned, and shut every group down at exit."""
     from hybridflow.utils.progress import phase
     from hybridflow.utils.quiet import quiet_libraries
-    from hybridflow.utils.tracking import Tracking
 
-    cfg = resolved.config
     n = cfg.world_size
     with phase(f"starting {n} worker{'s' if n > 1 else ''} ({cfg.trainer.backend})"):
         _start_backend(cfg)
-        roles = build_roles(resolved)
+        built = build()
     try:
-        with phase("loading models"), quiet_libraries(cfg.trainer.verbose):
-            for group in roles.all():
+        with phase(label), quiet_libraries(cfg.trainer.verbose):
+            for group in groups_of(built):
                 group.init_model()
-        log_dir = Path(cfg.trainer.log_dir)
+        yield built
+    finally:
+        for group in groups_of(built):
+            group.shutdown()
+
+
+def run(resolved: ResolvedRun, inputs: RunInputs) -> dict[str, dict[str, float]]:
+    """Train as resolved; returns {"before": val metrics, "after": val metrics}."""
+    from hybridflow.trainer.ppo_trainer import PPOTrainer
+    from hybridflow.trainer.roles import Roles, build_roles
+    from hybridflow.utils.tracking import Tracking
+
+    cfg = resolved.config
+    log_dir = Path(cfg.trainer.log_dir)
+    with started_workers(cfg, lambda: build_roles(resolved), Roles.all, "loading models") as roles:
         with Tracking(cfg.trainer.project_name, cfg.trainer.experiment_name, cfg.trainer.logger, log_dir,
                       config=_plain(cfg)) as tracker:
             trainer = PPOTrainer(resolved, roles, inputs, tracker)
             after = trainer.fit()
-    finally:
-        for group in roles.all():
-            group.shutdown()
     _report(log_dir, trainer.first_val, after)
     return {"before": trainer.first_val, "after": after}
 

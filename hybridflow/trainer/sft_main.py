@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, NamedTuple, Sequence
 
 from hybridflow.config_utils import load_config
-from hybridflow.trainer.main import _plain, _start_backend, run_command
+from hybridflow.trainer.main import _plain, run_command, started_workers
 from hybridflow.trainer.sft_config import ResolvedSFT, SFTConfig, resolve_sft
 
 
@@ -82,24 +82,14 @@ def _build_workers(run: ResolvedSFT) -> Any:
 def run(resolved: ResolvedSFT, inputs: SFTInputs) -> list[float]:
     """Train as resolved; returns the validation losses computed, in order."""
     from hybridflow.trainer.sft_trainer import SFTTrainer
-    from hybridflow.utils.progress import phase
-    from hybridflow.utils.quiet import quiet_libraries
     from hybridflow.utils.tracking import Tracking
 
     cfg = resolved.config
-    n = cfg.world_size
-    with phase(f"starting {n} worker{'s' if n > 1 else ''} ({cfg.trainer.backend})"):
-        _start_backend(cfg)
-        workers = _build_workers(resolved)
-    try:
-        with phase("loading model"), quiet_libraries(cfg.trainer.verbose):
-            workers.init_model()
-        log_dir = Path(cfg.trainer.log_dir)
+    log_dir = Path(cfg.trainer.log_dir)
+    with started_workers(cfg, lambda: _build_workers(resolved), lambda group: [group], "loading model") as workers:
         with Tracking(cfg.trainer.project_name, cfg.trainer.experiment_name, cfg.trainer.logger, log_dir,
                       config=_plain(cfg)) as tracker:
             losses = SFTTrainer(resolved, workers, inputs, tracker).fit()
-    finally:
-        workers.shutdown()
     _report(log_dir, losses)
     return losses
 
