@@ -230,8 +230,8 @@ class Gate(Worker):
 
 
 class Staller(Worker):
-    """Rank `stuck_rank` stalls in `stall` / `stall_async` (sleeps far past any test timeout) and never
-    joins the collective of `all_reduce_without_stuck`; the other ranks return at once."""
+    """Rank `stuck_rank` stalls in `stall*` (sleeps far past any test timeout) and never joins the
+    collective of `all_reduce_without_stuck`; the other ranks return at once (all of them for -1)."""
 
     def __init__(self, stuck_rank: int = 1) -> None:
         super().__init__()
@@ -255,6 +255,12 @@ class Staller(Worker):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
     def stall_async(self, data: DataProto) -> DataProto:
         """Non-blocking: this rank's shard back; the stuck rank never gets there."""
+        self._stall_if_stuck()
+        return data
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def stall_proto(self, data: DataProto) -> DataProto:
+        """This rank's shard back (a future argument is resolved here first); the stuck rank never gets there."""
         self._stall_if_stuck()
         return data
 

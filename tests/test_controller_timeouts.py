@@ -21,12 +21,12 @@ SETTING = "test.call_timeout_s"
 
 @pytest.fixture
 def make_staller(ray_local):
-    """make(name, call_s, collective_s) -> a started 2-rank Staller group whose rank 1 is the stuck one."""
+    """make(name, call_s, collective_s, stuck_rank) -> a started 2-rank Staller group."""
     made = []
 
-    def make(name: str, call_s: float, collective_s: float = 60.0) -> RayWorkerGroup:
+    def make(name: str, call_s: float, collective_s: float = 60.0, stuck_rank: int = 1) -> RayWorkerGroup:
         pool = RayResourcePool([2], num_cpus_per_process=0.5, name_prefix=f"{name}_")
-        group = RayWorkerGroup(pool, RayClassWithInitArgs(Staller, stuck_rank=1), name_prefix=name,
+        group = RayWorkerGroup(pool, RayClassWithInitArgs(Staller, stuck_rank=stuck_rank), name_prefix=name,
                                timeouts=Timeouts(call_s, collective_s, SETTING))
         made.append((pool, group))
         ray.get([w.__ray_ready__.remote() for w in group.workers], timeout=60)
@@ -61,6 +61,16 @@ def test_a_stuck_rank_behind_a_future_times_out_naming_it(make_staller):
                                                  r"did not return within 3 s .*rank\(s\) \[0\] did"):
         future.chunk(2)[0].get()  # a chunk keeps the call's deadline
     assert 3 <= time.monotonic() - start < 10
+
+
+def test_a_future_resolved_by_another_groups_workers_keeps_its_deadline_there(make_staller):
+    producer, consumer = make_staller("producer", call_s=3), make_staller("consumer", call_s=60, stuck_rank=-1)
+    start = time.monotonic()
+    with pytest.raises(WorkerTimeoutError, match=r"group producer method stall_async: rank\(s\) \[1\]") as info:
+        consumer.stall_proto(producer.stall_async(rows(4)))  # each consumer rank resolves the future itself
+    notes = getattr(info.value, "__notes__", [])
+    assert any("group consumer rank" in n and "method stall_proto" in n for n in notes), notes
+    assert time.monotonic() - start < 10  # the producer's 3 s, not the consumer's 60 s
 
 
 def test_a_collective_one_rank_never_joins_fails_on_the_waiting_rank_naming_it(make_staller):

@@ -47,9 +47,11 @@ class RankCall:
         values: dict[Any, Any] = {}
         pending = list(refs)
         while pending:
-            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=self._next_wait_s())
-            for ref in ready:
-                values[ref] = self._get(ref, refs, pending)
+            # fetch_local=False: the deadline is for the ranks to return, not for their outputs to arrive here
+            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=self._next_wait_s(),
+                                      fetch_local=False)
+            if ready:
+                values.update(zip(ready, self._get(ready, refs, pending)))
             if pending and self._next_wait_s() == 0:
                 self._time_out(refs, pending)
         return [values[ref] for ref in refs]
@@ -63,11 +65,11 @@ class RankCall:
     def _rank_of(self, ref: Any, refs: list) -> int:
         return self.ranks[refs.index(ref)]
 
-    def _get(self, ref: Any, refs: list, pending: list) -> Any:
+    def _get(self, ready: list, refs: list, pending: list) -> list:
         try:
-            return ray.get(ref)
+            return ray.get(ready)  # one get for all: their transfers overlap
         except _DEATH + (RayTaskError,) as err:
-            rank = self._rank_of(ref, refs)
+            rank = self._failed_rank(ready, refs)
             running = f"; rank(s) {[self._rank_of(r, refs) for r in pending]} still running" if pending else ""
             if isinstance(err, RayTaskError):
                 err.add_note(f"hybridflow: raised in group {self.group} rank {rank} method {self.method}{running}")
@@ -76,6 +78,15 @@ class RankCall:
                 f"worker of group {self.group} rank {rank} method {self.method} died: {type(err).__name__}: "
                 f"{str(err).splitlines()[0] if str(err) else ''}{running}"
             ) from err
+
+    def _failed_rank(self, ready: list, refs: list) -> int | None:
+        """The rank of the first of `ready` whose value is an error."""
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except Exception:
+                return self._rank_of(ref, refs)
+        return None
 
     def _time_out(self, refs: list, pending: list) -> None:
         stuck = [self._rank_of(r, refs) for r in pending]
@@ -89,3 +100,4 @@ class RankCall:
             f"({time.time() - self.started:.1f} s since the call; rank(s) {done} did). The stuck rank(s) were "
             f"killed. If the call is only slow, raise {self.timeout_setting}"
         )
+
