@@ -123,7 +123,8 @@ class WorkerGroup:
         raise NotImplementedError
 
     def _wait(self, method_name: str, ranks: list[int], outputs: list) -> list:
-        """Turn `_execute`'s handles into values, raising WorkerError on a dead worker."""
+        """Turn `_execute`'s handles into values, raising WorkerError on a dead worker (WorkerTimeoutError
+        on ranks still running past the backend's call timeout)."""
         raise NotImplementedError
 
     def _make_future(self, method_name: str, ranks: list[int], outputs: list, collect: Callable,

@@ -232,9 +232,9 @@ class TrainerConfig(Section):
     verbose: bool = False
     """Show the workers' library progress bars and info logs (model loading, ...); off: one line per phase."""
     call_timeout_s: Optional[float] = None
-    """Longest wait for every rank of one worker call (from when it is issued); ranks still running then
-    are killed and the run fails naming them. None: 1800 on cpu, 3600 on cuda (a hang surfaces, while
-    the slowest real call -- model load, a long generate, a checkpoint -- stays far below it)."""
+    """Longest wait for every rank of one worker call, from when it is issued (Ray backend); ranks still
+    running then are killed and the run fails naming them. None: 1800 on cpu, 3600 on cuda (a hang
+    surfaces, while the slowest real call -- model load, a long generate, a checkpoint -- stays far below)."""
     collective_timeout_s: Optional[float] = None
     """Longest wait of a rank in a collective for a peer (torch.distributed timeout); then gloo raises and
     NCCL aborts the rank. None: 600 on cpu, 1800 on cuda (above any rank-local phase between two
