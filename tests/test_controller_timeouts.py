@@ -78,7 +78,7 @@ def test_a_collective_one_rank_never_joins_fails_on_the_waiting_rank_naming_it(m
     start = time.monotonic()
     with pytest.raises(RuntimeError) as info:
         group.all_reduce_without_stuck()
-    assert not isinstance(info.value, WorkerTimeoutError)  # gloo's own timeout, well before the call's
+    assert "Timed out" in str(info.value) and not isinstance(info.value, WorkerTimeoutError)  # gloo's, not the call's
     notes = getattr(info.value, "__notes__", [])
     assert any("group collective rank 0 method all_reduce_without_stuck" in n for n in notes), notes
     assert time.monotonic() - start < 20
