@@ -60,7 +60,8 @@ class DataProtoFuture:
     dispatch_fn: Callable[[Any], Any] | None = None
     """Applied after collect_fn, e.g. to pick this worker's chunk; None keeps the whole result."""
     fetch_fn: Callable[[list[Any]], list[Any]] | None = None
-    """Resolves `futures` (None: `ray.get`); the Ray worker group's names the group, rank and method of a failure."""
+    """Resolves `futures` (None: `ray.get`); the Ray worker group's waits at most its call timeout and
+    names the group, rank(s) and method of a failure or a timeout."""
 
     @staticmethod
     def concat(data: list[ray.ObjectRef]) -> DataProtoFuture:

@@ -227,3 +227,49 @@ class Gate(Worker):
     def getenv(self, name: str) -> str | None:
         """This worker's environment variable `name`."""
         return os.environ.get(name)
+
+
+class Staller(Worker):
+    """Rank `stuck_rank` stalls in `stall*` (sleeps far past any test timeout) and never joins the
+    collective of `all_reduce_without_stuck`; the other ranks return at once (all of them for -1)."""
+
+    def __init__(self, stuck_rank: int = 1) -> None:
+        super().__init__()
+        self.stuck_rank = stuck_rank
+
+    def _stall_if_stuck(self) -> None:
+        if self.rank == self.stuck_rank:
+            time.sleep(600)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def rank_of(self) -> int:
+        """This rank, at once on every rank."""
+        return self.rank
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def stall(self) -> int:
+        """This rank; the stuck rank never gets there."""
+        self._stall_if_stuck()
+        return self.rank
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
+    def stall_async(self, data: DataProto) -> DataProto:
+        """Non-blocking: this rank's shard back; the stuck rank never gets there."""
+        self._stall_if_stuck()
+        return data
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def stall_proto(self, data: DataProto) -> DataProto:
+        """This rank's shard back (a future argument is resolved here first); the stuck rank never gets there."""
+        self._stall_if_stuck()
+        return data
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def all_reduce_without_stuck(self) -> float:
+        """Join the gloo group; all ranks but the stuck one all_reduce, so they wait for it (and time out)."""
+        self.init_process_group()
+        if self.rank == self.stuck_rank:
+            return -1.0
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        return float(t.item())

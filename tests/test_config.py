@@ -134,6 +134,8 @@ def test_run_sections_load_and_round_trip(tmp_path):
     (["trainer.backend=slurm"], "trainer.backend must be one of"),
     (["trainer.total_epochs=two"], "bad value for config key 'trainer.total_epochs'"),
     (["trainer.cpus_per_worker=0"], "trainer.cpus_per_worker must be >= 1"),
+    (["trainer.call_timeout_s=0"], r"trainer.call_timeout_s must be > 0 seconds \(null: the device's default\)"),
+    (["trainer.collective_timeout_s=-5"], "trainer.collective_timeout_s must be > 0 seconds"),
 ])
 def test_run_section_checks(overrides, message):
     with pytest.raises(ConfigError, match=message):

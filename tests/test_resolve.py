@@ -39,16 +39,18 @@ def test_names_and_layout_derive_from_the_final_values(tmp_path, source):
     t = resolve(cfg, steps_per_epoch=10, cpu_count=8).config.trainer
     assert t.default_local_dir == "checkpoints/p/b" and t.log_dir == "outputs/p/b"
     assert t.cpus_per_worker == 8  # 8 cores / 1 worker per node, not the default 2 workers' 4
+    assert (t.call_timeout_s, t.collective_timeout_s) == (1800, 600)  # trainer.device=cpu's defaults
     assert cfg.trainer.default_local_dir is None  # the user's config is left as loaded
 
 
 def test_user_values_are_kept_not_overwritten():
     cfg = load_config(RunConfig, None, ["trainer.default_local_dir=/ck", "trainer.log_dir=/lg",
                                         "trainer.cpus_per_worker=3", "actor.optim.total_training_steps=100",
-                                        "trainer.total_training_steps=7"])
+                                        "trainer.total_training_steps=7", "trainer.call_timeout_s=90"])
     run = resolve(cfg, steps_per_epoch=10, cpu_count=2)
     t = run.config.trainer
     assert (t.default_local_dir, t.log_dir, t.cpus_per_worker) == ("/ck", "/lg", 3)
+    assert (t.call_timeout_s, t.collective_timeout_s) == (90, 600)
     assert run.config.actor.optim.total_training_steps == 100  # part of a longer LR schedule, on purpose
     assert run.total_steps == 7 and t.total_epochs == 1
 

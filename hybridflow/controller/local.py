@@ -4,7 +4,8 @@ Use it to debug a worker: `LocalWorkerGroup(None, ClassWithInitArgs(MyWorker))`
 builds `MyWorker` right here (RANK=0, WORLD_SIZE=1), so a breakpoint inside a
 worker method stops in your debugger. The `@register` dispatch and collect
 functions run as with Ray, synchronously; a non-blocking call returns an
-already-computed `LocalFuture` whose `.get()` gives the result.
+already-computed `LocalFuture` whose `.get()` gives the result. No timeout
+applies: calls run synchronously here, and a breakpoint must not trip one.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ and instantiates the worker class there:
     LOCAL_RANK, LOCAL_WORLD_SIZE  rank among, and number of, the group's processes on this node
     MASTER_ADDR, MASTER_PORT      where rank 0 listens for torch.distributed rendezvous
     HYBRIDFLOW_NUM_THREADS        CPU threads this process may use (its CPU share)
+    HYBRIDFLOW_COLLECTIVE_TIMEOUT_S  torch.distributed timeout of `init_process_group` (default 300)
 
 Subclasses call `super().__init__()` first, then build their state; their
 `@register` methods are what the controller calls.
@@ -24,6 +25,8 @@ import torch.distributed as dist
 from hybridflow.controller.decorator import Dispatch, register
 
 NUM_THREADS_ENV = "HYBRIDFLOW_NUM_THREADS"
+COLLECTIVE_TIMEOUT_ENV = "HYBRIDFLOW_COLLECTIVE_TIMEOUT_S"
+DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:
@@ -36,6 +39,11 @@ def find_free_port(host: str = "127.0.0.1") -> int:
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name)
     return default if value in (None, "") else int(value)
+
+
+def _env_float(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    return default if value in (None, "") else float(value)
 
 
 class Worker:
@@ -81,10 +89,12 @@ class Worker:
         """Port of rank 0 for torch.distributed rendezvous."""
         return self._master_port
 
-    def init_process_group(self, backend: str | None = None, timeout_s: float = 300.0) -> None:
+    def init_process_group(self, backend: str | None = None, timeout_s: float | None = None) -> None:
         """Join the default torch.distributed group of all ranks (idempotent).
 
-        `backend` defaults to nccl when CUDA is available, gloo otherwise.
+        `backend` defaults to nccl when CUDA is available, gloo otherwise. `timeout_s` bounds every
+        collective's wait for a peer (gloo raises, NCCL aborts the process); None: the group's
+        HYBRIDFLOW_COLLECTIVE_TIMEOUT_S, else DEFAULT_COLLECTIVE_TIMEOUT_S.
         """
         if dist.is_initialized():
             return
@@ -96,6 +106,7 @@ class Worker:
         if backend is None:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         port = self._master_port or find_free_port()
+        timeout_s = timeout_s or _env_float(COLLECTIVE_TIMEOUT_ENV, DEFAULT_COLLECTIVE_TIMEOUT_S)
         dist.init_process_group(
             backend=backend,
             init_method=f"tcp://{self._master_addr}:{port}",

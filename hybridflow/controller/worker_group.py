@@ -26,6 +26,29 @@ class WorkerError(RuntimeError):
     """A worker process died or could not be reached during a call."""
 
 
+class WorkerTimeoutError(WorkerError):
+    """Some ranks of a call did not return within the group's call timeout (the backend kills them)."""
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """How long a worker group waits, so that a stuck rank becomes an error instead of a hang."""
+
+    call_s: float | None = 3600.0
+    """Longest wait for the ranks of one call, counted from when it is issued (so it includes time
+    queued behind earlier non-blocking calls on the same workers); None waits forever."""
+    collective_s: float = 300.0
+    """The workers' torch.distributed timeout: a rank waiting longer in a collective for a peer raises
+    (gloo) or is aborted (NCCL). Keep it below call_s, so that error reaches the controller first."""
+    call_setting: str = "Timeouts.call_s"
+    """Where call_s comes from, named in the timeout error (a trainer passes its config key)."""
+
+    def __post_init__(self) -> None:
+        for key, value in (("call_s", self.call_s), ("collective_s", self.collective_s)):
+            if value is not None and value <= 0:
+                raise ValueError(f"Timeouts.{key} must be > 0, got {value}")
+
+
 @dataclass
 class GroupInfo:
     """A picklable snapshot of what collect functions may ask of a group."""
@@ -100,7 +123,8 @@ class WorkerGroup:
         raise NotImplementedError
 
     def _wait(self, method_name: str, ranks: list[int], outputs: list) -> list:
-        """Turn `_execute`'s handles into values, raising WorkerError on a dead worker."""
+        """Turn `_execute`'s handles into values, raising WorkerError on a dead worker (WorkerTimeoutError
+        on ranks still running past the backend's call timeout)."""
         raise NotImplementedError
 
     def _make_future(self, method_name: str, ranks: list[int], outputs: list, collect: Callable,

@@ -231,6 +231,15 @@ class TrainerConfig(Section):
     """"colocate": all roles share every worker; "split": actor/rollout and critic/ref get separate workers."""
     verbose: bool = False
     """Show the workers' library progress bars and info logs (model loading, ...); off: one line per phase."""
+    call_timeout_s: Optional[float] = None
+    """Longest wait for every rank of one worker call, from when it is issued (Ray backend); ranks still
+    running then are killed and the run fails naming them. None: 1800 on cpu, 3600 on cuda (a hang
+    surfaces, while the slowest real call -- model load, a long generate, a checkpoint -- stays far below)."""
+    collective_timeout_s: Optional[float] = None
+    """Longest wait of a rank in a collective for a peer (torch.distributed timeout); then gloo raises and
+    NCCL aborts the rank. None: 600 on cpu, 1800 on cuda (above any rank-local phase between two
+    collectives, e.g. rank 0 writing a checkpoint). Keep it below call_timeout_s: the waiting rank's
+    error then reaches the controller first, with the stuck peer named as still running."""
 
     def __post_init__(self) -> None:
         # Derived values (directories, threads, run length) stay None here: hybridflow.trainer.resolve
@@ -252,6 +261,10 @@ class TrainerConfig(Section):
             BACKENDS.get(name)  # an unknown name fails naming trainer.logger and the known loggers
         if self.critic_warmup < 0:
             raise ValueError(f"trainer.critic_warmup must be >= 0, got {self.critic_warmup}")
+        for key, value in (("trainer.call_timeout_s", self.call_timeout_s),
+                           ("trainer.collective_timeout_s", self.collective_timeout_s)):
+            if value is not None and value <= 0:
+                raise ValueError(f"{key} must be > 0 seconds (null: the device's default), got {value}")
         _one_of("trainer.device", self.device, ("cpu", "cuda"))
         _one_of("trainer.backend", self.backend, ("ray", "local"))
         _one_of("trainer.placement", self.placement, ("colocate", "split"))

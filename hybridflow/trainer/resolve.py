@@ -6,6 +6,7 @@
 Derived here and nowhere else, always from the final merged values:
 - trainer.default_local_dir / log_dir from project_name and experiment_name;
 - trainer.cpus_per_worker (CPUs and torch threads per worker) from the machine and workers per node;
+- trainer.call_timeout_s / collective_timeout_s from the device;
 - trainer.total_training_steps / total_epochs from each other and the steps per epoch, and the
   LR-schedule length of every optimizer (actor.optim / critic.optim .total_training_steps);
 - rollout.prompt_length / response_length from data.max_prompt_length / max_response_length;
@@ -29,6 +30,11 @@ from hybridflow.trainer.run_config import RunConfig
 
 POLICY_ROLES = ("actor", "rollout", "ref")
 """Roles hosted by ActorRolloutRefWorker."""
+
+DEVICE_TIMEOUTS_S = {"cpu": (1800.0, 600.0), "cuda": (3600.0, 1800.0)}
+"""trainer.device -> (call_timeout_s, collective_timeout_s) where the config leaves them null.
+CPU runs small models (SmolLM2's slowest call takes ~30 s on 2 cores); GPU runs bigger ones, with
+long generations and checkpoints of many GB; see the TrainerConfig fields."""
 
 
 @dataclass(frozen=True)
@@ -119,7 +125,7 @@ def worker_sets(cfg: RunConfig) -> tuple[WorkerSet, ...]:
 
 
 def resolve_trainer(t: TrainerConfig, steps_per_epoch: int, cpu_count: int | None = None) -> TrainerConfig:
-    """The trainer section with run directories, threads per worker and run length filled in
+    """The trainer section with run directories, threads per worker, run length and timeouts filled in
     (shared by every trainer: PPO, SFT). Not frozen: the caller freezes the whole config."""
     cpu_count = cpu_count or os.cpu_count() or 1
     epochs, steps = t.total_epochs, t.total_training_steps
@@ -132,11 +138,13 @@ def resolve_trainer(t: TrainerConfig, steps_per_epoch: int, cpu_count: int | Non
         raise ConfigError(f"trainer.total_training_steps={steps} does not fit in trainer.total_epochs={epochs} "
                           f"({steps_per_epoch} steps per epoch); set only one of them")
     run_dir = os.path.join(t.project_name, t.experiment_name)
+    call_s, collective_s = DEVICE_TIMEOUTS_S[t.device]
     return replace(
         t, total_epochs=epochs, total_training_steps=steps,
         default_local_dir=t.default_local_dir or os.path.join("checkpoints", run_dir),
         log_dir=t.log_dir or os.path.join("outputs", run_dir),
         cpus_per_worker=t.cpus_per_worker or max(1, cpu_count // t.n_workers_per_node),
+        call_timeout_s=t.call_timeout_s or call_s, collective_timeout_s=t.collective_timeout_s or collective_s,
     )
 
 

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 from hybridflow.controller.colocate import create_colocated_worker_cls
 from hybridflow.controller.resource_pool import ClassWithInitArgs
-from hybridflow.controller.worker_group import WorkerGroup
+from hybridflow.controller.worker_group import Timeouts, WorkerGroup
+from hybridflow.trainer.config import TrainerConfig
 from hybridflow.trainer.resolve import POLICY_ROLES, ResolvedRun, WorkerSet
 from hybridflow.trainer.run_config import RunConfig
 from hybridflow.utils.quiet import worker_env
@@ -82,6 +83,11 @@ def build_roles(run: ResolvedRun) -> Roles:
     return Roles(groups["actor"], groups.get("ref"), groups.get("critic"), groups.get("reward_model"))
 
 
+def worker_timeouts(t: TrainerConfig) -> Timeouts:
+    """The worker groups' timeouts from a resolved trainer section (the Ray backend applies them)."""
+    return Timeouts(t.call_timeout_s, t.collective_timeout_s, "trainer.call_timeout_s")
+
+
 def _backend(run: ResolvedRun):
     """(make_group(pool, cls_with_init), [pools]) for the configured backend, one pool per worker set."""
     t = run.config.trainer
@@ -96,5 +102,5 @@ def _backend(run: ResolvedRun):
     pools = [pool]
     if len(run.worker_sets) > 1:
         pools = split_resource_pool(pool, [s.world_size for s in run.worker_sets])
-    env = worker_env(t.verbose)
-    return (lambda p, cls: RayWorkerGroup(p, cls, env_vars=env)), pools
+    env, timeouts = worker_env(t.verbose), worker_timeouts(t)
+    return (lambda p, cls: RayWorkerGroup(p, cls, env_vars=env, timeouts=timeouts)), pools

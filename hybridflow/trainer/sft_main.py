@@ -62,6 +62,7 @@ def load_run(config_path: str | None, overrides: Sequence[str]) -> tuple[Resolve
 def _build_workers(run: ResolvedSFT) -> Any:
     """One SFTWorker per rank, on Ray or in-process (trainer.backend)."""
     from hybridflow.controller.resource_pool import ClassWithInitArgs
+    from hybridflow.trainer.roles import worker_timeouts
     from hybridflow.utils.quiet import worker_env
     from hybridflow.workers.sft import SFTWorker
 
@@ -76,7 +77,7 @@ def _build_workers(run: ResolvedSFT) -> Any:
 
     pool = RayResourcePool([t.n_workers_per_node] * t.nnodes, use_gpu=t.device == "cuda",
                            num_cpus_per_process=t.cpus_per_worker, name_prefix="sft")
-    return RayWorkerGroup(pool, cls, env_vars=worker_env(t.verbose))
+    return RayWorkerGroup(pool, cls, env_vars=worker_env(t.verbose), timeouts=worker_timeouts(t))
 
 
 def run(resolved: ResolvedSFT, inputs: SFTInputs) -> list[float]:

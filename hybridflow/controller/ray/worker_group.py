@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import functools
+import time
 import uuid
 from typing import Any, Callable
 
 import ray
-from ray.exceptions import ObjectLostError, RayActorError, RayTaskError, WorkerCrashedError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from hybridflow.controller.ray.resource_pool import RayResourcePool, Slot
 from hybridflow.controller.resource_pool import ClassWithInitArgs
-from hybridflow.controller.worker import NUM_THREADS_ENV, find_free_port
-from hybridflow.controller.worker_group import WorkerError, WorkerGroup
-
-_DEATH = (RayActorError, WorkerCrashedError, ObjectLostError)
+from hybridflow.controller.ray.wait import RankCall
+from hybridflow.controller.worker import COLLECTIVE_TIMEOUT_ENV, NUM_THREADS_ENV, find_free_port
+from hybridflow.controller.worker_group import Timeouts, WorkerGroup
 
 
 @ray.remote(num_cpus=0)
@@ -62,33 +60,6 @@ def _with_env_vars(runtime_env: dict[str, Any] | None, env_vars: dict[str, str])
     return {**runtime_env, "env_vars": {**(runtime_env.get("env_vars") or {}), **env_vars}}
 
 
-def fetch_named(group: str, method_name: str, ranks: list[int], refs: list) -> list:
-    """`ray.get(refs)` (refs[i] from rank ranks[i]); a failure names the group, rank and method.
-
-    A module-level function, so a future carrying it can be sent to and resolved on other workers.
-    """
-    try:
-        return ray.get(refs)
-    except _DEATH + (RayTaskError,) as err:
-        rank = _failed_rank(ranks, refs)
-        if isinstance(err, RayTaskError):
-            err.add_note(f"hybridflow: raised in group {group} rank {rank} method {method_name}")
-            raise
-        raise WorkerError(
-            f"worker of group {group} rank {rank} method {method_name} died: {type(err).__name__}: "
-            f"{str(err).splitlines()[0] if str(err) else ''}"
-        ) from err
-
-
-def _failed_rank(ranks: list[int], refs: list) -> int | None:
-    for rank, ref in zip(ranks, refs):
-        try:
-            ray.get(ref)
-        except Exception:
-            return rank
-    return None
-
-
 class RayWorkerGroup(WorkerGroup):
     """A WorkerGroup whose ranks are Ray actors placed on a RayResourcePool's bundles.
 
@@ -97,6 +68,15 @@ class RayWorkerGroup(WorkerGroup):
     `env_vars` (extra variables for every worker process). A call
     whose worker died raises `WorkerError` naming the group, rank and method
     (checked every `poll_interval_s` while waiting).
+
+    No call waits forever (`timeouts`): ranks that have not returned `timeouts.call_s` after a call
+    was issued raise `WorkerTimeoutError` — for a blocking call and for the `DataProtoFuture` of a
+    non-blocking one, wherever it is resolved — and are killed, since a stuck actor would hold its
+    devices and block every call queued behind it. The group is then broken: later calls fail at
+    once naming the dead ranks; `shutdown()` it and build a new one to recover. To debug a hang,
+    raise the timeout and attach py-spy to the stuck process while it hangs. `timeouts.collective_s`
+    reaches the workers' `init_process_group` as HYBRIDFLOW_COLLECTIVE_TIMEOUT_S. (A non-blocking
+    call whose result is not a DataProto returns bare object refs: bound their `ray.get` yourself.)
     """
 
     def __init__(
@@ -106,6 +86,7 @@ class RayWorkerGroup(WorkerGroup):
         name_prefix: str | None = None,
         poll_interval_s: float = 0.5,
         env_vars: dict[str, str] | None = None,
+        timeouts: Timeouts | None = None,
     ) -> None:
         if not isinstance(ray_cls_with_init, ClassWithInitArgs):
             raise TypeError("RayWorkerGroup needs a RayClassWithInitArgs(WorkerCls, *args, **kwargs)")
@@ -114,6 +95,7 @@ class RayWorkerGroup(WorkerGroup):
         super().__init__(name, len(slots))
         self._poll_interval_s = poll_interval_s
         self._env_vars = dict(env_vars or {})
+        self._timeouts = timeouts or Timeouts()
         self._workers = self._create_workers(resource_pool, slots, ray_cls_with_init)
         self._method_handles: dict[str, list[Any]] = {}
         self._bind_worker_methods(ray_cls_with_init.cls)
@@ -138,6 +120,7 @@ class RayWorkerGroup(WorkerGroup):
                 "MASTER_ADDR": addr, "MASTER_PORT": str(port),
                 NUM_THREADS_ENV: threads, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
                 "HYBRIDFLOW_WORKER_GROUP": self._name,
+                COLLECTIVE_TIMEOUT_ENV: str(self._timeouts.collective_s),
             }  # fmt: skip
             actor_options = {
                 **options,
@@ -157,16 +140,13 @@ class RayWorkerGroup(WorkerGroup):
         return [handles[r].remote(*a, **k) for r, (a, k) in zip(ranks, per_rank)]
 
     def _wait(self, method_name: str, ranks: list[int], outputs: list) -> list:
-        values: dict[Any, Any] = {}
-        pending = list(outputs)
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=self._poll_interval_s)
-            if ready:
-                values.update(zip(ready, self._get(method_name, ranks, outputs, ready)))
-        return [values[ref] for ref in outputs]
+        return self._rank_call(method_name, ranks)(outputs)
 
-    def _get(self, method_name: str, ranks: list[int], outputs: list, ready: list) -> list:
-        return fetch_named(self._name, method_name, [ranks[outputs.index(ref)] for ref in ready], ready)
+    def _rank_call(self, method_name: str, ranks: list[int]) -> RankCall:
+        """The call just issued to `ranks`; waiting on it applies the group's call timeout."""
+        t = self._timeouts
+        return RankCall(self._name, method_name, tuple(ranks), tuple(self._workers[r] for r in ranks),
+                        time.time(), t.call_s, t.call_setting, self._poll_interval_s)
 
     def _make_future(self, method_name: str, ranks: list[int], outputs: list, collect: Callable,
                      collects_proto: bool) -> Any:
@@ -174,8 +154,7 @@ class RayWorkerGroup(WorkerGroup):
             return outputs
         from hybridflow.protocol import DataProtoFuture
 
-        fetch = functools.partial(fetch_named, self._name, method_name, ranks)
-        return DataProtoFuture(collect_fn=collect, futures=outputs, fetch_fn=fetch)
+        return DataProtoFuture(collect_fn=collect, futures=outputs, fetch_fn=self._rank_call(method_name, ranks))
 
     # --- raw calls and lifetime ---------------------------------------------
     def execute_all_sync(self, method_name: str, *args: Any, **kwargs: Any) -> list:
