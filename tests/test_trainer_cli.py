@@ -91,7 +91,9 @@ def train_ok(tiny_model: str, tmp_path: Path, *extra: str) -> list[dict]:
 @pytest.mark.parametrize("name, extra, expect", [
     ("grpo", [], []),
     ("gae", ["algorithm.adv_estimator=gae"], ["critic/vf_loss", "critic/values/mean"]),
-    ("reinforce_pp", ["algorithm.adv_estimator=reinforce_plus_plus"], []),
+    # Same CLI path as grpo with another estimator (whose math has hand-computed tests): kept out of
+    # the default run so the suite stays under 10 minutes on 2 cores.
+    pytest.param("reinforce_pp", ["algorithm.adv_estimator=reinforce_plus_plus"], [], marks=pytest.mark.slow),
     ("rloo_verbose_save", ["algorithm.adv_estimator=rloo", "trainer.verbose=true", "trainer.save_freq=2"], []),
     ("remax", ["algorithm.adv_estimator=remax"], ["timing_s/reward"]),
     ("kl_loss", ["actor.use_kl_loss=true", "actor.kl_loss_coef=0.1"], ["actor/kl_loss"]),
