@@ -96,8 +96,9 @@ def train_ok(tiny_model: str, tmp_path: Path, *extra: str) -> list[dict]:
     pytest.param("reinforce_pp", ["algorithm.adv_estimator=reinforce_plus_plus"], [], marks=pytest.mark.slow),
     ("rloo_verbose_save", ["algorithm.adv_estimator=rloo", "trainer.verbose=true", "trainer.save_freq=2"], []),
     ("remax", ["algorithm.adv_estimator=remax"], ["timing_s/reward"]),
-    ("kl_loss", ["actor.use_kl_loss=true", "actor.kl_loss_coef=0.1"], ["actor/kl_loss"]),
-    ("kl_reward", ["algorithm.use_kl_in_reward=true"], ["actor/reward_kl_penalty"]),
+    # both KL terms in one run (a full-weight reference engine; old log-probs recomputed for the reward)
+    ("kl_loss_and_reward", ["actor.use_kl_loss=true", "actor.kl_loss_coef=0.1", "algorithm.use_kl_in_reward=true"],
+     ["actor/kl_loss", "actor/reward_kl_penalty"]),
     ("lora_kl_save", ["actor.lora.rank=8", "actor.lora.alpha=16", "actor.use_kl_loss=true", "actor.optim.lr=1e-3",
                       "trainer.save_freq=2"], ["actor/kl_loss", "timing_s/weight_sync"]),
     ("split", ["algorithm.adv_estimator=gae", "trainer.placement=split"], ["critic/vf_loss"]),
