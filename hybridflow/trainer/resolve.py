@@ -109,7 +109,7 @@ def resolve(cfg: RunConfig, steps_per_epoch: int, cpu_count: int | None = None) 
                       engine=resolve_engine(cfg.actor.engine, device, sets[0].world_size, "actor.")),
         critic=critic if cfg.use_critic else replace(critic, enable=False),
     )
-    return ResolvedRun(freeze(resolved), steps_per_epoch, sets, _recompute_old_log_prob(cfg))
+    return ResolvedRun(freeze(resolved), steps_per_epoch, sets, _recompute_old_log_prob(cfg, sets[0].world_size))
 
 
 def worker_sets(cfg: RunConfig) -> tuple[WorkerSet, ...]:
@@ -171,11 +171,10 @@ def resolve_engine(engine: EngineConfig, device: str, world: int, section: str) 
                    reshard_after_forward=engine.resolve_reshard_after_forward(torch.device(device)))
 
 
-def _recompute_old_log_prob(cfg: RunConfig) -> bool:
+def _recompute_old_log_prob(cfg: RunConfig, actor_world: int) -> bool:
     """Whether old log-probs need their own pass: yes unless the update is a single optimizer step over
     the whole batch on every rank and nothing before the update needs them (KL in the reward)."""
     a, rows = cfg.actor, cfg.data.train_batch_size * cfg.rollout.n
-    actor_world = worker_sets(cfg)[0].world_size
     one_step = a.ppo_epochs == 1 and a.ppo_mini_batch_size >= cfg.data.train_batch_size and rows % actor_world == 0
     return a.old_log_prob == "recompute" or not one_step or cfg.algorithm.use_kl_in_reward
 

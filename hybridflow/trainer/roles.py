@@ -75,7 +75,7 @@ def _spawn(make_group, classes: dict[str, ClassWithInitArgs], pool) -> dict[str,
 def build_roles(run: ResolvedRun) -> Roles:
     """Create the resource pools and one worker group per worker set (colocated roles fused into one
     process); workers are constructed, models not yet loaded."""
-    make_group, pools = _backend(run)
+    make_group, pools = group_factory(run.config.trainer, [s.world_size for s in run.worker_sets], "hf")
     groups = {}
     for worker_set in run.worker_sets:
         spawned = _spawn(make_group, _set_classes(run.config, worker_set), pools[worker_set.pool])
@@ -88,9 +88,9 @@ def worker_timeouts(t: TrainerConfig) -> Timeouts:
     return Timeouts(t.call_timeout_s, t.collective_timeout_s, "trainer.call_timeout_s")
 
 
-def _backend(run: ResolvedRun):
-    """(make_group(pool, cls_with_init), [pools]) for the configured backend, one pool per worker set."""
-    t = run.config.trainer
+def group_factory(t: TrainerConfig, set_sizes: list[int], name_prefix: str):
+    """(make_group(pool, cls_with_init), [one pool per worker set of `set_sizes` ranks]) for trainer.backend;
+    Ray groups get the quiet-library env vars and the call/collective timeouts. Shared by every trainer."""
     if t.backend == "local":
         from hybridflow.controller.local import LocalResourcePool, LocalWorkerGroup
 
@@ -98,9 +98,7 @@ def _backend(run: ResolvedRun):
     from hybridflow.controller.ray import RayResourcePool, RayWorkerGroup, split_resource_pool
 
     pool = RayResourcePool([t.n_workers_per_node] * t.nnodes, use_gpu=t.device == "cuda",
-                           num_cpus_per_process=t.cpus_per_worker, name_prefix="hf")
-    pools = [pool]
-    if len(run.worker_sets) > 1:
-        pools = split_resource_pool(pool, [s.world_size for s in run.worker_sets])
+                           num_cpus_per_process=t.cpus_per_worker, name_prefix=name_prefix)
+    pools = split_resource_pool(pool, set_sizes) if len(set_sizes) > 1 else [pool]
     env, timeouts = worker_env(t.verbose), worker_timeouts(t)
     return (lambda p, cls: RayWorkerGroup(p, cls, env_vars=env, timeouts=timeouts)), pools

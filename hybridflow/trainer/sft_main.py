@@ -62,22 +62,14 @@ def load_run(config_path: str | None, overrides: Sequence[str]) -> tuple[Resolve
 def _build_workers(run: ResolvedSFT) -> Any:
     """One SFTWorker per rank, on Ray or in-process (trainer.backend)."""
     from hybridflow.controller.resource_pool import ClassWithInitArgs
-    from hybridflow.trainer.roles import worker_timeouts
-    from hybridflow.utils.quiet import worker_env
+    from hybridflow.trainer.roles import group_factory
     from hybridflow.workers.sft import SFTWorker
 
     cfg, t = run.config, run.config.trainer
     cls = ClassWithInitArgs(SFTWorker, cfg.model, cfg.engine, cfg.optim, cfg.data.micro_batch_size_per_device,
                             cfg.lora)
-    if t.backend == "local":
-        from hybridflow.controller.local import LocalResourcePool, LocalWorkerGroup
-
-        return LocalWorkerGroup(LocalResourcePool(), cls)
-    from hybridflow.controller.ray import RayResourcePool, RayWorkerGroup
-
-    pool = RayResourcePool([t.n_workers_per_node] * t.nnodes, use_gpu=t.device == "cuda",
-                           num_cpus_per_process=t.cpus_per_worker, name_prefix="sft")
-    return RayWorkerGroup(pool, cls, env_vars=worker_env(t.verbose), timeouts=worker_timeouts(t))
+    make_group, pools = group_factory(t, [run.config.world_size], "sft")
+    return make_group(pools[0], cls)
 
 
 def run(resolved: ResolvedSFT, inputs: SFTInputs) -> list[float]:
