@@ -136,6 +136,9 @@ class PackedBatch:
     """[n]: the response tokens those columns predict."""
     response_mask: torch.Tensor
     """[b, R] bool: where the n predictions sit in the padded layout (row-major order)."""
+    attention_mask: torch.Tensor | None = None
+    """None: examples are told apart by their restarting position ids; else an explicit
+    [1, 1, N, N] bool mask (shared-prompt packing, hybridflow/engine/prefix.py)."""
 
 
 def pack(micro: Mapping[str, torch.Tensor]) -> PackedBatch:

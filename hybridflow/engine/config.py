@@ -69,6 +69,11 @@ class EngineConfig(Section):
     """Run each micro-batch as one packed row of its real tokens (no padding at all), position ids
     restarting per example and attention kept inside each example (hybridflow/engine/batch.py `pack`).
     Supersedes use_remove_padding. Needs an attention backend that masks from position ids (sdpa, eager)."""
+    share_prompts: bool = True
+    """Run a micro-batch as one packed row in which the rows with the same prompt (the n samples of
+    a prompt) share ONE copy of it, under a block mask (hybridflow/engine/prefix.py): no padding
+    and no repeated prompt tokens, same outputs; used for the micro-batches where it costs fewer
+    FLOPs than the trimmed layout (its attention is dense over the packed row). packing wins."""
     logits_chunk_size: int = 1024
     """Tokens per chunk when turning logits into log-probs/entropy (bounds fp32 memory)."""
     cpu_math_attention_max_len: int = 128
