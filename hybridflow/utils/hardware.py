@@ -7,9 +7,18 @@ printed next to the CPU that produced it, and the compute dtype can be chosen by
 
 from __future__ import annotations
 
+import functools
+import json
+import logging
+import os
 import time
+from pathlib import Path
 
 import torch
+
+from hybridflow.utils.atomic import atomic_file
+
+log = logging.getLogger(__name__)
 
 
 def cpu_model() -> str:
@@ -45,3 +54,52 @@ def describe_cpu(threads: int | None = None) -> str:
                 f"({bf16 / fp32:.1f}x) on {torch.get_num_threads()} threads")
     finally:
         torch.set_num_threads(old)
+
+
+BF16_MIN_SPEEDUP = 1.5
+"""`auto` picks bf16 where its matmuls run at least this many times fp32's: below that, the casts
+around every layer and the coarser gradients are not paid back."""
+
+
+def probe_compute_dtype(threads: int) -> dict[str, float | str]:
+    """Time a 1024^3 matmul in bf16 and fp32 on `threads` threads; {"bf16": GFLOP/s, "fp32": ..., "choice": ...}."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        bf16 = matmul_gflops(torch.bfloat16, (1024, 1024, 1024), repeats=3)
+        fp32 = matmul_gflops(torch.float32, (1024, 1024, 1024), repeats=3)
+    finally:
+        torch.set_num_threads(old)
+    return {"bf16": round(bf16, 1), "fp32": round(fp32, 1), "choice": "bf16" if bf16 >= BF16_MIN_SPEEDUP * fp32 else "fp32"}
+
+
+def _probe_cache() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hybridflow" / "dtype_probe.json"
+
+
+@functools.cache
+def auto_compute_dtype(device: str = "cpu", threads: int | None = None) -> str:
+    """The compute dtype "auto" stands for: bf16 on a CUDA GPU that supports it; on CPU, the measured
+    choice of `probe_compute_dtype`, probed once per machine (CPU model, threads, torch version) and
+    kept in ~/.cache/hybridflow/dtype_probe.json. Logged once per process."""
+    if device == "cuda":
+        return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "fp32"
+    threads = threads or torch.get_num_threads()
+    key = f"{cpu_model()} | {threads} threads | torch {torch.__version__}"
+    path = _probe_cache()
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    if key not in cache:
+        cache[key] = probe_compute_dtype(threads)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with atomic_file(path) as f:
+                f.write(json.dumps(cache, indent=1))
+        except OSError:
+            pass  # a read-only home only costs a probe per process
+    p = cache[key]
+    log.info("compute dtype auto -> %s: matmul 1024^3 bf16 %.0f vs fp32 %.0f GFLOP/s on %s (%s)",
+             p["choice"], p["bf16"], p["fp32"], key, path)
+    return str(p["choice"])

@@ -96,9 +96,10 @@ class RefConfig(Section):
 
     log_prob_micro_batch_size_per_device: int = 16
     """Rows per forward on one worker."""
-    param_dtype: str = "bf16"
-    """Compute dtype of the reference forward ("fp32" | "bf16"). Unused when the reference is the
-    actor with its LoRA adapters disabled (colocated, actor.lora.rank > 0): actor.engine.param_dtype."""
+    param_dtype: str = "auto"
+    """Compute dtype of the reference forward ("fp32" | "bf16" | "auto": as engine.param_dtype). Unused
+    when the reference is the actor with its LoRA adapters disabled (colocated, actor.lora.rank > 0):
+    actor.engine.param_dtype."""
 
     def __post_init__(self) -> None:
         if self.log_prob_micro_batch_size_per_device < 1:
@@ -150,8 +151,8 @@ class RewardModelConfig(Section):
     *ForTokenClassification) model with num_labels=1; a plain causal LM is refused."""
     micro_batch_size_per_device: int = 16
     """Rows per forward on one worker."""
-    param_dtype: str = "bf16"
-    """Compute dtype of the reward-model forward ("fp32" | "bf16")."""
+    param_dtype: str = "auto"
+    """Compute dtype of the reward-model forward ("fp32" | "bf16" | "auto": as engine.param_dtype)."""
 
     def __post_init__(self) -> None:
         if self.micro_batch_size_per_device < 1:
