@@ -124,7 +124,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds after one warm-up round")
     ap.add_argument("--variants", default="trimmed,shared", help=f"comma-separated, of {list(VARIANTS)}")
     args = ap.parse_args()
-    print(describe_cpu())
+    print(describe_cpu(1), "(per rank; 2 ranks x 1 thread)", flush=True)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
