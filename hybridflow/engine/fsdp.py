@@ -261,7 +261,7 @@ class FSDPEngine(Engine):
         return result
 
     @torch.no_grad()
-    def _infer(self, data: Mapping[str, torch.Tensor], micro_batch_size: int, **kw) -> dict[str, torch.Tensor]:
+    def _infer(self, data: Mapping[str, torch.Tensor], micro_batch_size: B.MicroBatchSize, **kw) -> dict[str, torch.Tensor]:
         self.model.eval()
         parts: dict[str, list[torch.Tensor]] = defaultdict(list)
         # Keep each layer gathered across micro-batches; reshard so no stale copy outlives the call.
@@ -278,7 +278,7 @@ class FSDPEngine(Engine):
     def compute_log_probs(
         self,
         data: Mapping[str, torch.Tensor],
-        micro_batch_size: int,
+        micro_batch_size: B.MicroBatchSize,
         temperature: float = 1.0,
         calc_entropy: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -287,7 +287,7 @@ class FSDPEngine(Engine):
         out = self._infer(data, micro_batch_size, temperature=temperature, calc_entropy=calc_entropy)
         return out["log_probs"], out.get("entropy")
 
-    def compute_values(self, data: Mapping[str, torch.Tensor], micro_batch_size: int) -> torch.Tensor:
+    def compute_values(self, data: Mapping[str, torch.Tensor], micro_batch_size: B.MicroBatchSize) -> torch.Tensor:
         if not self._value:
             raise TypeError("compute_values needs a value model; build the engine with value_model=True")
         return self._infer(data, micro_batch_size)["values"]
