@@ -124,6 +124,7 @@ def run(resolved: ResolvedRun, inputs: RunInputs) -> dict[str, dict[str, float]]
     cfg = resolved.config
     log_dir = Path(cfg.trainer.log_dir)
     recovery = Recovery(cfg.trainer, inputs.resume_from)
+    loader_start = inputs.train_loader.state_dict()
     trainer: PPOTrainer | None = None
 
     def workers():
@@ -133,6 +134,8 @@ def run(resolved: ResolvedRun, inputs: RunInputs) -> dict[str, dict[str, float]]
     def attempt(roles: Roles) -> dict[str, float]:
         nonlocal trainer
         before = trainer
+        if recovery.resume_from is None:  # (re)starting at step 0: the loader too
+            inputs.train_loader.load_state_dict(loader_start)
         trainer = PPOTrainer(resolved, roles, inputs._replace(resume_from=recovery.resume_from), tracker, recovery)
         if before is not None:  # a restart: validation before training is not redone
             trainer.first_val, trainer.last_val = before.first_val, before.last_val

@@ -23,6 +23,7 @@ Every step's metrics carry `fault/restarts` and `fault/steps_redone` (totals so 
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -108,10 +109,12 @@ def describe(err: BaseException, groups: list[Any], dead: list[str]) -> str:
             where = ", ".join(_where(group, r, _actor_info(group.workers[r])) for r in err.ranks)
             how = "timed out" if "did not return" in str(err) else "died"
             return f"{where} {how} in {err.method}"
-    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    if dead:
-        return f"{'; '.join(dead)} died ({type(err).__name__}: {first[:200]})"
-    return f"{type(err).__name__}: {first[:300]}"
+    cause = getattr(err, "cause", None) or err  # a RayTaskError's cause is the worker's own exception
+    text = str(cause).strip()
+    seen = f"{type(cause).__name__}: {text.splitlines()[0][:200] if text else ''}"
+    raised_in = re.search(r"raised in (group \S+ rank \d+ method \w+)", " ".join(getattr(err, "__notes__", [])))
+    seen = f"{raised_in.group(1)} raised {seen}" if raised_in else seen
+    return f"{'; '.join(dead)} died ({seen})" if dead else seen
 
 
 @dataclass

@@ -81,6 +81,7 @@ def run(resolved: ResolvedSFT, inputs: SFTInputs) -> list[float]:
     cfg = resolved.config
     log_dir = Path(cfg.trainer.log_dir)
     recovery = Recovery(cfg.trainer, inputs.resume_from)
+    loader_start = inputs.train_loader.state_dict()
     trainer: SFTTrainer | None = None
 
     def workers():
@@ -90,6 +91,8 @@ def run(resolved: ResolvedSFT, inputs: SFTInputs) -> list[float]:
     def attempt(built: tuple) -> list[float]:
         nonlocal trainer
         before = trainer
+        if recovery.resume_from is None:  # (re)starting at step 0: the loader too
+            inputs.train_loader.load_state_dict(loader_start)
         trainer = SFTTrainer(resolved, built[0], inputs._replace(resume_from=recovery.resume_from), tracker, recovery)
         if before is not None:  # a restart: the losses so far are kept, validation before training not redone
             trainer.val_history = before.val_history
