@@ -51,11 +51,13 @@ def test_a_worker_error_pickles_with_where_it_happened():
 
 
 def test_a_failure_seen_by_a_surviving_rank_names_the_dead_one_and_the_method():
-    err = _task_error(RuntimeError("[gloo/pair.cc:553] Connection closed by peer [127.0.0.1]:1234"))
+    err = _task_error(RuntimeError("[/x/gloo/pair.cc:553] Connection closed by peer [127.0.0.1]:1234"))
     err.add_note("hybridflow: raised in group g_actor rank 0 method update_actor; rank(s) [1] still running")
     text = describe(err, [], ["group g_actor rank 1 (pid 77, node abcd1234)"])
-    assert text.startswith("group g_actor rank 1 (pid 77, node abcd1234) died (group g_actor rank 0 method "
-                           "update_actor raised RuntimeError: [gloo"), text
+    assert text == ("group g_actor rank 1 (pid 77, node abcd1234) died in update_actor (rank 0 saw RuntimeError: "
+                    "Connection closed by peer [127.0.0.1]:1234)"), text
+    assert describe(err, [], []) == ("group g_actor rank 0 method update_actor raised RuntimeError: Connection "
+                                     "closed by peer [127.0.0.1]:1234")
 
 
 def test_fault_points_parse_and_find_the_calls_step():

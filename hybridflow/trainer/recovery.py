@@ -42,6 +42,10 @@ _COLLECTIVE_MARKS = ("gloo", "NCCL", "Connection closed by peer", "Connection re
 """Text of errors a rank gets from torch.distributed when a peer died or hung."""
 
 
+_SOURCE_PREFIX = re.compile(r"^\[[^]]*\] ")
+"""The "[/path/gloo/pair.cc:537] " gloo puts in front of its messages."""
+
+
 class RunFailedError(RuntimeError):
     """A worker failure the run cannot recover from (restarts spent, or max_restarts=0); one-line message."""
 
@@ -110,11 +114,13 @@ def describe(err: BaseException, groups: list[Any], dead: list[str]) -> str:
             how = "timed out" if "did not return" in str(err) else "died"
             return f"{where} {how} in {err.method}"
     cause = getattr(err, "cause", None) or err  # a RayTaskError's cause is the worker's own exception
-    text = str(cause).strip()
-    seen = f"{type(cause).__name__}: {text.splitlines()[0][:200] if text else ''}"
-    raised_in = re.search(r"raised in (group \S+ rank \d+ method \w+)", " ".join(getattr(err, "__notes__", [])))
-    seen = f"{raised_in.group(1)} raised {seen}" if raised_in else seen
-    return f"{'; '.join(dead)} died ({seen})" if dead else seen
+    text = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
+    seen = f"{type(cause).__name__}: {_SOURCE_PREFIX.sub('', text)[:160]}"
+    raised = re.search(r"raised in group (\S+) rank (\d+) method (\w+)", " ".join(getattr(err, "__notes__", [])))
+    if not dead:
+        return f"group {raised[1]} rank {raised[2]} method {raised[3]} raised {seen}" if raised else seen
+    where = f" in {raised[3]} (rank {raised[2]} saw {seen})" if raised else f" ({seen})"
+    return f"{'; '.join(dead)} died{where}"
 
 
 @dataclass
