@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -138,7 +139,8 @@ def main() -> None:
     parser.add_argument("--kills", type=int, default=3)
     parser.add_argument("--max-delay-s", type=float, default=30.0, help="each kill waits uniform(0, this) after a step")
     parser.add_argument("--seed", type=int, default=0, help="seed of the kill times and victims")
-    parser.add_argument("--out", type=Path, help="where both runs write (default: a temporary directory)")
+    parser.add_argument("--out", type=Path, help="where both runs write (default: a temporary directory, whose "
+                        "checkpoints are deleted at the end)")
     args = parser.parse_args()
     root = args.out or Path(tempfile.mkdtemp(prefix="hybridflow-chaos-"))
     print(f"cpu: {_cpu()}; runs under {root}", flush=True)
@@ -160,6 +162,9 @@ def main() -> None:
     per = f", {overhead / len(lines):.1f} s per recovery" if lines else ""
     print(f"wall clock: reference {ref_s:.1f} s, with kills {chaos_s:.1f} s: overhead {overhead:.1f} s{per}")
     print("final metrics equal the reference's: " + ("yes" if not diffs else "NO\n  " + "\n  ".join(diffs[:10])))
+    if args.out is None:  # the checkpoints are large (SmolLM2 with optimizer: ~1.6 GB each); logs stay
+        for run in ("reference", "chaos"):
+            shutil.rmtree(root / run / "ckpt", ignore_errors=True)
     sys.exit(0 if not diffs and len(lines) == len(kills) else 1)
 
 

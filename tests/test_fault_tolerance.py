@@ -249,3 +249,24 @@ def test_a_two_node_run_recovers_when_the_worker_on_the_second_node_dies(setup, 
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("worker failure:")]
     assert f"(pid {killed[0]}, node {second.node_id[:8]}) died in generate_sequences" in line, line
     assert "restart 1 of 3" in line and "global_step_2" in line, line
+
+
+@pytest.mark.slow  # two SFT runs
+def test_sft_recovers_from_a_killed_worker_exactly(setup, tmp_path: Path):
+    from test_sft_cli import sft_overrides
+
+    def sft(tmp: Path, faults: str = "") -> tuple[subprocess.CompletedProcess, list[dict]]:
+        tmp.mkdir(parents=True)
+        args = ["sft", *sft_overrides(setup[0], tmp), "trainer.total_training_steps=4", "trainer.cpus_per_worker=1"]
+        proc = run_cli(args, tmp, module="hybridflow.trainer.cli", env=fault_env(tmp, faults) if faults else None)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        return proc, [r for r in read_metrics(tmp) if "train/loss" in r]
+
+    _, ref = sft(tmp_path / "reference")
+    proc, got = sft(tmp_path / "faulted", faults="train_batch@4:1")  # after step 3 was logged
+    assert [r["step"] for r in got] == [r["step"] for r in ref] == [1, 2, 3, 4]
+    for mine, theirs in zip(got, ref):
+        for key in ("train/loss", "train/grad_norm", "train/tokens"):
+            assert mine[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-6), (mine["step"], key)
+    (line,) = recovery_lines(proc)
+    assert "died in train_batch" in line and "global_step_2, redoing steps 3-4" in line, line
