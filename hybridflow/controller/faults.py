@@ -12,8 +12,9 @@ argument (checkpoint save and load); calls without a step (validation, model loa
 
 Exactly once: before acting, the rank creates `<HYBRIDFLOW_FAULT_DIR>/<point>` with O_EXCL, so the
 restarted worker that redoes the step, and a rerun of the same command, pass the point unharmed.
-The worker groups forward these variables to their processes (`fault_env`). Unset, the hook costs
-one dictionary lookup per call.
+The Ray worker groups forward these variables to their processes (`fault_env`); with the local
+backend the worker is the controller's own process, which a `kill` point ends. Unset, the hook
+costs one dictionary lookup per call.
 """
 
 from __future__ import annotations
@@ -66,8 +67,13 @@ def parse_faults(spec: str) -> tuple[FaultPoint, ...]:
 
 
 def fault_env() -> dict[str, str]:
-    """This process's fault-injection variables, for a worker group to pass to its workers."""
-    return {k: os.environ[k] for k in (FAULT_ENV, FAULT_DIR_ENV) if os.environ.get(k)}
+    """This process's fault-injection variables, for a worker group to pass to its workers (checked here,
+    so a malformed one fails on the controller rather than inside every worker)."""
+    env = {k: os.environ[k] for k in (FAULT_ENV, FAULT_DIR_ENV) if os.environ.get(k)}
+    if env:
+        _armed.cache_clear()
+        _armed()
+    return env
 
 
 @lru_cache(maxsize=1)

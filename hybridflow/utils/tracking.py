@@ -82,7 +82,10 @@ class RunInfo:
 
 
 class Backend(Protocol):
-    """A metric sink: `log` is called once per step with float values, `finish` once at the end."""
+    """A metric sink: `log` is called once per step with float values, `finish` once at the end.
+
+    A backend that can forget what it logged after a step also has `rewind(step)` (see `Tracking.rewind`).
+    """
 
     def log(self, metrics: dict[str, float], step: int) -> None: ...
 
