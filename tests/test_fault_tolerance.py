@@ -130,7 +130,9 @@ def test_without_restarts_the_cli_names_the_worker_and_the_fix_and_the_same_comm
     assert failed.returncode == 1, failed.stderr[-5000:]
     last = failed.stderr.strip().splitlines()[-1]
     assert last.startswith("hybridflow train: error: worker failure at step 3: group ") and "rank 0 (pid" in last, last
-    assert "died in update_actor; trainer.max_restarts=0. Running the same command again resumes from " in last, last
+    # the dead rank's own error or its peer's gloo error may reach the controller first: both name it
+    assert "died in update_actor" in last, last
+    assert "; trainer.max_restarts=0. Running the same command again resumes from " in last, last
     assert "global_step_2" in last and "raise trainer.max_restarts" in last, last
     assert "Traceback" not in failed.stderr, failed.stderr[-5000:]
     again = run_cli(args, tmp_path, env=fault_env(tmp_path, faults))  # the fault fired once: this one finishes
