@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from hybridflow.controller.worker_group import WorkerError
+from hybridflow.controller.worker_group import WorkerError, WorkerTimeoutError
 from hybridflow.utils import checkpoint_dirs as C
 
 log = logging.getLogger("hybridflow")
@@ -111,7 +111,7 @@ def describe(err: BaseException, groups: list[Any], dead: list[str]) -> str:
         group = next((g for g in groups if g.name == err.group), None)
         if group is not None and err.ranks:
             where = ", ".join(_where(group, r, _actor_info(group.workers[r])) for r in err.ranks)
-            how = "timed out" if "did not return" in str(err) else "died"
+            how = "timed out" if isinstance(err, WorkerTimeoutError) else "died"
             return f"{where} {how} in {err.method}"
     cause = getattr(err, "cause", None) or err  # a RayTaskError's cause is the worker's own exception
     text = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
