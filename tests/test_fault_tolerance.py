@@ -9,7 +9,6 @@ Default run: the reference and one run whose worker is killed while saving; the 
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
