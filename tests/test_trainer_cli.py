@@ -39,13 +39,18 @@ def base_overrides(model: str, tmp: Path) -> list[str]:
     ]
 
 
-def run_cli(args: list[str], cwd: Path, timeout: int = 420,
-            module: str = "hybridflow.trainer.main") -> subprocess.CompletedProcess:
-    """`python -m module args...` as a user would run it: no inherited torch.distributed variables, no bars."""
+def cli_env(**extra: str) -> dict[str, str]:
+    """The environment of a CLI run: no inherited torch.distributed variables, no bars, plus `extra`."""
     dist_vars = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
     env = {k: v for k, v in os.environ.items() if k not in dist_vars}
-    env.update(HYBRIDFLOW_NO_PROGRESS="1", TOKENIZERS_PARALLELISM="false")
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env,
+    env.update(HYBRIDFLOW_NO_PROGRESS="1", TOKENIZERS_PARALLELISM="false", **extra)
+    return env
+
+
+def run_cli(args: list[str], cwd: Path, timeout: int = 420, module: str = "hybridflow.trainer.main",
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`python -m module args...` as a user would run it (`cli_env`, plus `env`)."""
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=cli_env(**(env or {})),
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -24,6 +24,7 @@ from enum import Enum
 from typing import Any, Callable
 
 from hybridflow.controller import dispatch as _d
+from hybridflow.controller.faults import maybe_fail
 from hybridflow.utils.registry import Registry
 
 DispatchFn = Callable[..., tuple[tuple, dict]]
@@ -177,6 +178,7 @@ def register(
         def inner(self, *args, **kwargs):
             if materialize_futures:
                 args, kwargs = materialize(args, kwargs)
+            maybe_fail(func.__name__, args, kwargs)  # testing-only fault injection (controller/faults.py)
             return func(self, *args, **kwargs)
 
         setattr(inner, REGISTER_ATTR, spec)

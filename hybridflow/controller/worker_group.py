@@ -23,7 +23,18 @@ from hybridflow.controller.dispatch import PAD_SIZE_KEY
 
 
 class WorkerError(RuntimeError):
-    """A worker process died or could not be reached during a call."""
+    """A worker process died or could not be reached during a call.
+
+    `group`, `ranks` (those that died or are stuck) and `method` say where, when the backend knows.
+    """
+
+    def __init__(self, message: str, group: str | None = None, ranks: tuple[int, ...] = (),
+                 method: str | None = None) -> None:
+        super().__init__(message)
+        self.group, self.ranks, self.method = group, tuple(ranks), method
+
+    def __reduce__(self) -> tuple:
+        return type(self), (str(self), self.group, self.ranks, self.method)
 
 
 class WorkerTimeoutError(WorkerError):

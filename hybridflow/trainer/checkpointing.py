@@ -81,7 +81,10 @@ class RunCheckpointer:
 
     def resume(self, path: Path | None) -> tuple[int, dict[str, Any]]:
         """Restore the groups and the dataloader from `path` (found by `resume_path` before the workers
-        started); return (the step to continue from, the saved state), or (0, {}) when `path` is None."""
+        started); return (the step to continue from, the saved state), or (0, {}) when `path` is None.
+        First deletes the temporary directories of saves that crashed processes left behind."""
+        for stale in C.remove_stale_tmp(self.root):  # this process is the run's only checkpoint writer
+            log.info("deleted %s, a checkpoint a crashed run was writing", stale)
         if path is None:
             return 0, {}
         state = json.loads((path / STATE_FILE).read_text())

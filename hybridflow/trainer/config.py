@@ -206,7 +206,9 @@ class TrainerConfig(Section):
     test_freq: int = -1
     """Validate every this many steps; -1: never during training."""
     save_freq: int = -1
-    """Checkpoint every this many steps and at the last step; -1: never."""
+    """Checkpoint every this many steps and at the last step; -1: never. A recovery (max_restarts) redoes the
+    steps since the newest checkpoint (from step 0 without one): pick N so N steps take a few minutes, e.g. 5
+    for the main job (~2 min, 1.6 GB per checkpoint of SmolLM2 with optimizer; max_ckpt_to_keep=1 bounds disk)."""
     max_ckpt_to_keep: Optional[int] = None
     """Keep only the newest this many checkpoints; None keeps all."""
     resume_mode: str = "auto"
@@ -238,6 +240,15 @@ class TrainerConfig(Section):
     """Longest wait for every rank of one worker call, from when it is issued (Ray backend); ranks still
     running then are killed and the run fails naming them. None: 1800 on cpu, 3600 on cuda (a hang
     surfaces, while the slowest real call -- model load, a long generate, a checkpoint -- stays far below)."""
+    max_restarts: Optional[int] = None
+    """Recoveries allowed within restart_window_s (Ray backend): when a worker process dies (killed, out of
+    memory, segfault) or a call or collective times out, the controller kills every worker, frees the
+    placement, starts them again, reloads the newest complete checkpoint this run wrote and goes on, so the
+    run's metrics are those of a run that never failed. 0: fail at once with the command that resumes.
+    None: 3 on the Ray backend, 0 on the local one (its worker lives in the controller's process)."""
+    restart_window_s: float = 3600.0
+    """Only restarts within this many seconds count against max_restarts (a long run may recover from rare
+    failures indefinitely; a worker that dies again at once exhausts them)."""
     collective_timeout_s: Optional[float] = None
     """Longest wait of a rank in a collective for a peer (torch.distributed timeout); then gloo raises and
     NCCL aborts the rank. None: 600 on cpu, 1800 on cuda (above any rank-local phase between two
@@ -268,6 +279,14 @@ class TrainerConfig(Section):
                            ("trainer.collective_timeout_s", self.collective_timeout_s)):
             if value is not None and value <= 0:
                 raise ValueError(f"{key} must be > 0 seconds (null: the device's default), got {value}")
+        if self.max_restarts is not None and self.max_restarts < 0:
+            raise ValueError(f"trainer.max_restarts must be >= 0 (null: 3 on ray, 0 on local), got {self.max_restarts}")
+        if self.restart_window_s <= 0:
+            raise ValueError(f"trainer.restart_window_s must be > 0 seconds, got {self.restart_window_s}")
+        if self.backend == "local" and self.max_restarts:
+            raise ValueError(f"trainer.max_restarts={self.max_restarts} needs trainer.backend=ray: the local backend's "
+                             "worker runs inside the controller, so nothing survives to restart it; set "
+                             "trainer.max_restarts=0 or null")
         _one_of("trainer.device", self.device, ("cpu", "cuda"))
         _one_of("trainer.backend", self.backend, ("ray", "local"))
         _one_of("trainer.placement", self.placement, ("colocate", "split"))

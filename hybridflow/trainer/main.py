@@ -18,6 +18,7 @@ from typing import Any, NamedTuple, Sequence, TypeVar
 
 from hybridflow.config_utils import load_config, to_yaml
 from hybridflow.trainer.checkpointing import check_writable
+from hybridflow.trainer.recovery import RunFailedError
 from hybridflow.trainer.resolve import ResolvedRun, resolve
 from hybridflow.trainer.run_config import RunConfig
 
@@ -49,11 +50,18 @@ class RunInputs(NamedTuple):
 
 
 def _start_backend(cfg: RunConfig) -> None:
-    if cfg.trainer.backend == "ray":
-        from hybridflow.controller.ray import init_local_ray
+    """Ray: join the cluster at RAY_ADDRESS (started with `ray start` on every node), else start a local one."""
+    if cfg.trainer.backend != "ray":
+        return
+    import ray
 
-        init_local_ray(num_cpus=max(os.cpu_count() or 1, cfg.world_size * cfg.trainer.cpus_per_worker),
-                       logging_level=logging.INFO if cfg.trainer.verbose else logging.WARNING)
+    from hybridflow.controller.ray import init_local_ray
+
+    level = logging.INFO if cfg.trainer.verbose else logging.WARNING
+    if os.environ.get("RAY_ADDRESS") and not ray.is_initialized():
+        ray.init(address=os.environ["RAY_ADDRESS"], logging_level=level)
+        return
+    init_local_ray(num_cpus=max(os.cpu_count() or 1, cfg.world_size * cfg.trainer.cpus_per_worker), logging_level=level)
 
 
 def prepare_inputs(cfg: RunConfig) -> RunInputs:
@@ -82,9 +90,11 @@ def load_run(config_path: str | None, overrides: Sequence[str]) -> tuple[Resolve
 
 
 @contextmanager
-def started_workers(cfg: Any, build: Callable[[], T], groups_of: Callable[[T], list], label: str) -> Iterator[T]:
+def started_workers(cfg: Any, build: Callable[[], T], groups_of: Callable[[T], list], label: str,
+                    release: Callable[[T], None] = lambda built: None) -> Iterator[T]:
     """Start the backend and build the worker groups, load their models (one phase line each, libraries
-    quiet unless trainer.verbose), yield what `build` returned, and shut every group down at exit."""
+    quiet unless trainer.verbose), yield what `build` returned; at exit shut every group down, then
+    `release` what was built (free its placement)."""
     from hybridflow.utils.progress import phase
     from hybridflow.utils.quiet import quiet_libraries
 
@@ -100,21 +110,41 @@ def started_workers(cfg: Any, build: Callable[[], T], groups_of: Callable[[T], l
     finally:
         for group in groups_of(built):
             group.shutdown()
+        release(built)
 
 
 def run(resolved: ResolvedRun, inputs: RunInputs) -> dict[str, dict[str, float]]:
-    """Train as resolved; returns {"before": val metrics, "after": val metrics}."""
+    """Train as resolved, recovering from worker failures (trainer.max_restarts, trainer/recovery.py);
+    returns {"before": val metrics, "after": val metrics}."""
     from hybridflow.trainer.ppo_trainer import PPOTrainer
+    from hybridflow.trainer.recovery import Recovery, run_with_restarts
     from hybridflow.trainer.roles import Roles, build_roles
     from hybridflow.utils.tracking import Tracking
 
     cfg = resolved.config
     log_dir = Path(cfg.trainer.log_dir)
-    with started_workers(cfg, lambda: build_roles(resolved), Roles.all, "loading models") as roles:
-        with Tracking(cfg.trainer.project_name, cfg.trainer.experiment_name, cfg.trainer.logger, log_dir,
-                      config=_plain(cfg)) as tracker:
-            trainer = PPOTrainer(resolved, roles, inputs, tracker)
-            after = trainer.fit()
+    recovery = Recovery(cfg.trainer, inputs.resume_from)
+    loader_start = inputs.train_loader.state_dict()
+    trainer: PPOTrainer | None = None
+
+    def workers():
+        return started_workers(cfg, lambda: build_roles(resolved), Roles.all, "loading models",
+                               lambda roles: roles.release())
+
+    def attempt(roles: Roles) -> dict[str, float]:
+        nonlocal trainer
+        before = trainer
+        if recovery.resume_from is None:  # (re)starting at step 0: the loader too
+            inputs.train_loader.load_state_dict(loader_start)
+        trainer = PPOTrainer(resolved, roles, inputs._replace(resume_from=recovery.resume_from), tracker, recovery)
+        if before is not None:  # a restart: validation before training is not redone
+            trainer.first_val, trainer.last_val = before.first_val, before.last_val
+        return trainer.fit()
+
+    with Tracking(cfg.trainer.project_name, cfg.trainer.experiment_name, cfg.trainer.logger, log_dir,
+                  config=_plain(cfg)) as tracker:
+        after = run_with_restarts(recovery, workers, Roles.all, attempt,
+                                  lambda: trainer.global_step if trainer else 0, tracker.rewind)
     _report(log_dir, trainer.first_val, after)
     return {"before": trainer.first_val, "after": after}
 
@@ -162,7 +192,11 @@ def run_command(argv: Sequence[str], prog: str, description: str, load: Any, exe
     except USER_ERRORS as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
-    execute(resolved, inputs)
+    try:
+        execute(resolved, inputs)
+    except RunFailedError as err:  # its message names the failed worker and the command that resumes
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return 1
     return 0
 
 

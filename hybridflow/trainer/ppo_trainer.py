@@ -18,6 +18,7 @@ from hybridflow.trainer import core_steps as S
 from hybridflow.trainer.balance import balance_batch
 from hybridflow.trainer.checkpointing import TrainerCheckpointer
 from hybridflow.trainer.metrics import data_metrics, throughput_metrics, worker_metrics
+from hybridflow.trainer.recovery import Recovery
 from hybridflow.trainer.resolve import ResolvedRun, StepPlan, plan_step
 from hybridflow.trainer.roles import Roles
 from hybridflow.trainer.validation import validate
@@ -44,8 +45,9 @@ def _take_metrics(data: DataProto, sink: list[DataProto]) -> DataProto:
 class PPOTrainer:
     """Runs the training loop over already-built worker groups."""
 
-    def __init__(self, run: ResolvedRun, roles: Roles, inputs: Any, tracker: Tracking):
-        """`inputs`: tokenizer, train_loader, val_loader and reward_fn (hybridflow.trainer.main.RunInputs)."""
+    def __init__(self, run: ResolvedRun, roles: Roles, inputs: Any, tracker: Tracking, recovery: Recovery | None = None):
+        """`inputs`: tokenizer, train_loader, val_loader and reward_fn (hybridflow.trainer.main.RunInputs);
+        `recovery`: the run's restart state, told of every checkpoint written, its counters logged every step."""
         self.run, self.cfg, self.roles = run, run.config, roles
         self.train_loader, self.val_loader = inputs.train_loader, inputs.val_loader
         self.reward_fn = inputs.reward_fn
@@ -58,12 +60,15 @@ class PPOTrainer:
         self.actor_world = run.set_of("actor").world_size
         self.last_val: dict[str, float] = {}
         self.first_val: dict[str, float] = {}
+        self.recovery = recovery
 
     def fit(self) -> dict[str, float]:
         """Train until total steps; validate, log and checkpoint on the configured schedule."""
         t = self.cfg.trainer
         self.global_step = self.checkpointer.resume(self.kl_ctrl, self.resume_from)
-        if t.val_before_train and self.global_step == 0:
+        if self.resume_from is not None:
+            self.tracker.rewind(self.global_step)  # steps logged after the checkpoint are redone, not repeated
+        if t.val_before_train and self.global_step == 0 and not self.first_val:
             self._validate()
         with TrainProgress(self.total_steps, initial=self.global_step) as progress:
             while self.global_step < self.total_steps:
@@ -72,6 +77,7 @@ class PPOTrainer:
                     plan = plan_step(self.run, self.global_step)
                     metrics = self.train_step(prompts, plan)
                     metrics.update(self._validate_and_save(plan))
+                    metrics.update(self.recovery.metrics() if self.recovery else {})
                     self.tracker.log(metrics, step=self.global_step)
                     progress.update(metrics)
                     if self.global_step >= self.total_steps:
@@ -87,6 +93,7 @@ class PPOTrainer:
             prompts.meta_info[K.META_GLOBAL_STEP] = self.global_step
             with timer("gen", timing):
                 batch = _take_metrics(roles.actor_rollout.generate_sequences(prompts), worker_out)
+                batch.meta_info[K.META_GLOBAL_STEP] = self.global_step
             #    ... and spread over the actor workers so that each gets about the same number of tokens
             balance = balance_batch(batch, self.actor_world) if cfg.trainer.balance_batch else {}
             # 2. score them: rule / custom reward (+ reward model) at the last response token
@@ -133,7 +140,9 @@ class PPOTrainer:
         metrics = self._validate() if plan.validate else {}
         if plan.save:
             with phase(f"saving checkpoint global_step_{plan.step} in {self.checkpointer.root}"):
-                self.checkpointer.save(plan.step, self.kl_ctrl)
+                saved = self.checkpointer.save(plan.step, self.kl_ctrl)
+            if self.recovery is not None:
+                self.recovery.saved.append(saved)
         return metrics
 
     def _validate(self) -> dict[str, float]:

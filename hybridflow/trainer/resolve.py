@@ -6,7 +6,7 @@
 Derived here and nowhere else, always from the final merged values:
 - trainer.default_local_dir / log_dir from project_name and experiment_name;
 - trainer.cpus_per_worker (CPUs and torch threads per worker) from the machine and workers per node;
-- trainer.call_timeout_s / collective_timeout_s from the device;
+- trainer.call_timeout_s / collective_timeout_s from the device, trainer.max_restarts from the backend;
 - trainer.total_training_steps / total_epochs from each other and the steps per epoch, and the
   LR-schedule length of every optimizer (actor.optim / critic.optim .total_training_steps);
 - rollout.prompt_length / response_length from data.max_prompt_length / max_response_length;
@@ -39,6 +39,9 @@ DEVICE_TIMEOUTS_S = {"cpu": (1800.0, 600.0), "cuda": (3600.0, 1800.0)}
 """trainer.device -> (call_timeout_s, collective_timeout_s) where the config leaves them null.
 CPU runs small models (SmolLM2's slowest call takes ~30 s on 2 cores); GPU runs bigger ones, with
 long generations and checkpoints of many GB; see the TrainerConfig fields."""
+
+DEFAULT_MAX_RESTARTS = 3
+"""trainer.max_restarts on the Ray backend where the config leaves it null."""
 
 
 @dataclass(frozen=True)
@@ -154,6 +157,7 @@ def resolve_trainer(t: TrainerConfig, steps_per_epoch: int, cpu_count: int | Non
         log_dir=t.log_dir or os.path.join("outputs", run_dir),
         cpus_per_worker=t.cpus_per_worker or max(1, cpu_count // t.n_workers_per_node),
         call_timeout_s=t.call_timeout_s or call_s, collective_timeout_s=t.collective_timeout_s or collective_s,
+        max_restarts=(DEFAULT_MAX_RESTARTS if t.backend == "ray" else 0) if t.max_restarts is None else t.max_restarts,
     )
 
 

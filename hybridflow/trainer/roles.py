@@ -15,9 +15,11 @@ in-process worker for debugging.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from hybridflow.controller.colocate import create_colocated_worker_cls
+from hybridflow.controller.faults import fault_env
 from hybridflow.controller.resource_pool import ClassWithInitArgs
 from hybridflow.controller.worker_group import Timeouts, WorkerGroup
 from hybridflow.trainer.config import TrainerConfig
@@ -39,6 +41,8 @@ class Roles:
     """Values and critic updates."""
     reward_model: WorkerGroup | None = None
     """Model-based reward scores."""
+    release: Callable[[], None] = lambda: None
+    """Frees the placement the groups ran on (Ray placement groups); call after shutting them down."""
 
     def all(self) -> list[WorkerGroup]:
         """Distinct groups, for init/shutdown."""
@@ -75,12 +79,12 @@ def _spawn(make_group, classes: dict[str, ClassWithInitArgs], pool) -> dict[str,
 def build_roles(run: ResolvedRun) -> Roles:
     """Create the resource pools and one worker group per worker set (colocated roles fused into one
     process); workers are constructed, models not yet loaded."""
-    make_group, pools = group_factory(run.config.trainer, [s.world_size for s in run.worker_sets], "hf")
+    make_group, pools, release = group_factory(run.config.trainer, [s.world_size for s in run.worker_sets], "hf")
     groups = {}
     for worker_set in run.worker_sets:
         spawned = _spawn(make_group, _set_classes(run.config, worker_set), pools[worker_set.pool])
         groups.update({role: spawned[_CLASS_OF_ROLE[role]] for role in worker_set.roles})
-    return Roles(groups["actor"], groups.get("ref"), groups.get("critic"), groups.get("reward_model"))
+    return Roles(groups["actor"], groups.get("ref"), groups.get("critic"), groups.get("reward_model"), release)
 
 
 def worker_timeouts(t: TrainerConfig) -> Timeouts:
@@ -89,16 +93,17 @@ def worker_timeouts(t: TrainerConfig) -> Timeouts:
 
 
 def group_factory(t: TrainerConfig, set_sizes: list[int], name_prefix: str):
-    """(make_group(pool, cls_with_init), [one pool per worker set of `set_sizes` ranks]) for trainer.backend;
-    Ray groups get the quiet-library env vars and the call/collective timeouts. Shared by every trainer."""
+    """(make_group(pool, cls_with_init), [one pool per worker set of `set_sizes` ranks], release()) for
+    trainer.backend; `release` frees the pools' placement (after the groups are shut down). Ray groups get
+    the quiet-library and fault-injection env vars and the call/collective timeouts. Shared by every trainer."""
     if t.backend == "local":
         from hybridflow.controller.local import LocalResourcePool, LocalWorkerGroup
 
-        return (lambda pool, cls: LocalWorkerGroup(pool, cls)), [LocalResourcePool()]
+        return (lambda pool, cls: LocalWorkerGroup(pool, cls)), [LocalResourcePool()], lambda: None
     from hybridflow.controller.ray import RayResourcePool, RayWorkerGroup, split_resource_pool
 
     pool = RayResourcePool([t.n_workers_per_node] * t.nnodes, use_gpu=t.device == "cuda",
                            num_cpus_per_process=t.cpus_per_worker, name_prefix=name_prefix)
     pools = split_resource_pool(pool, set_sizes) if len(set_sizes) > 1 else [pool]
-    env, timeouts = worker_env(t.verbose), worker_timeouts(t)
-    return (lambda p, cls: RayWorkerGroup(p, cls, env_vars=env, timeouts=timeouts)), pools
+    env, timeouts = {**worker_env(t.verbose), **fault_env()}, worker_timeouts(t)
+    return (lambda p, cls: RayWorkerGroup(p, cls, env_vars=env, timeouts=timeouts)), pools, pool.remove

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 from hybridflow.config_utils import load_config
 from hybridflow.trainer.main import _plain, run_command, started_workers
@@ -59,8 +59,8 @@ def load_run(config_path: str | None, overrides: Sequence[str]) -> tuple[Resolve
     return resolved, inputs._replace(resume_from=resume_path(resolved.config))
 
 
-def _build_workers(run: ResolvedSFT) -> Any:
-    """One SFTWorker per rank, on Ray or in-process (trainer.backend)."""
+def _build_workers(run: ResolvedSFT) -> tuple[Any, Callable[[], None]]:
+    """(one SFTWorker per rank on Ray or in-process (trainer.backend), release() of their placement)."""
     from hybridflow.controller.resource_pool import ClassWithInitArgs
     from hybridflow.trainer.roles import group_factory
     from hybridflow.workers.sft import SFTWorker
@@ -68,21 +68,40 @@ def _build_workers(run: ResolvedSFT) -> Any:
     cfg, t = run.config, run.config.trainer
     cls = ClassWithInitArgs(SFTWorker, cfg.model, cfg.engine, cfg.optim, cfg.data.micro_batch_size_per_device,
                             cfg.lora)
-    make_group, pools = group_factory(t, [run.config.world_size], "sft")
-    return make_group(pools[0], cls)
+    make_group, pools, release = group_factory(t, [run.config.world_size], "sft")
+    return make_group(pools[0], cls), release
 
 
 def run(resolved: ResolvedSFT, inputs: SFTInputs) -> list[float]:
     """Train as resolved; returns the validation losses computed, in order."""
+    from hybridflow.trainer.recovery import Recovery, run_with_restarts
     from hybridflow.trainer.sft_trainer import SFTTrainer
     from hybridflow.utils.tracking import Tracking
 
     cfg = resolved.config
     log_dir = Path(cfg.trainer.log_dir)
-    with started_workers(cfg, lambda: _build_workers(resolved), lambda group: [group], "loading model") as workers:
-        with Tracking(cfg.trainer.project_name, cfg.trainer.experiment_name, cfg.trainer.logger, log_dir,
-                      config=_plain(cfg)) as tracker:
-            losses = SFTTrainer(resolved, workers, inputs, tracker).fit()
+    recovery = Recovery(cfg.trainer, inputs.resume_from)
+    loader_start = inputs.train_loader.state_dict()
+    trainer: SFTTrainer | None = None
+
+    def workers():
+        return started_workers(cfg, lambda: _build_workers(resolved), lambda built: [built[0]], "loading model",
+                               lambda built: built[1]())
+
+    def attempt(built: tuple) -> list[float]:
+        nonlocal trainer
+        before = trainer
+        if recovery.resume_from is None:  # (re)starting at step 0: the loader too
+            inputs.train_loader.load_state_dict(loader_start)
+        trainer = SFTTrainer(resolved, built[0], inputs._replace(resume_from=recovery.resume_from), tracker, recovery)
+        if before is not None:  # a restart: the losses so far are kept, validation before training not redone
+            trainer.val_history = before.val_history
+        return trainer.fit()
+
+    with Tracking(cfg.trainer.project_name, cfg.trainer.experiment_name, cfg.trainer.logger, log_dir,
+                  config=_plain(cfg)) as tracker:
+        losses = run_with_restarts(recovery, workers, lambda built: [built[0]], attempt,
+                                   lambda: trainer.global_step if trainer else 0, tracker.rewind)
     _report(log_dir, losses)
     return losses
 

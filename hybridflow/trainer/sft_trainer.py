@@ -12,10 +12,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from hybridflow import keys as K
 from hybridflow.protocol import DataProto
 from hybridflow.protocol_future import pad_dataproto_to_divisor, unpad_dataproto
 from hybridflow.trainer.checkpointing import RunCheckpointer
 from hybridflow.trainer.metrics import worker_metrics
+from hybridflow.trainer.recovery import Recovery
 from hybridflow.trainer.sft_config import ResolvedSFT
 from hybridflow.utils.progress import TrainProgress, phase
 from hybridflow.utils.timing import timer
@@ -25,21 +27,25 @@ from hybridflow.utils.tracking import Tracking
 class SFTTrainer:
     """Runs the SFT loop over an initialised `SFTWorker` group."""
 
-    def __init__(self, run: ResolvedSFT, workers: Any, inputs: Any, tracker: Tracking):
-        """`inputs`: train_loader, val_loader and resume_from (hybridflow.trainer.sft_main.SFTInputs)."""
+    def __init__(self, run: ResolvedSFT, workers: Any, inputs: Any, tracker: Tracking, recovery: Recovery | None = None):
+        """`inputs`: train_loader, val_loader and resume_from (hybridflow.trainer.sft_main.SFTInputs);
+        `recovery`: the run's restart state, told of every checkpoint written, its counters logged every step."""
         self.run, self.cfg, self.workers = run, run.config, workers
         self.train_loader, self.val_loader, self.tracker = inputs.train_loader, inputs.val_loader, tracker
         self.resume_from = inputs.resume_from
         self.checkpointer = RunCheckpointer(self.cfg, [workers], inputs.train_loader)
         self.global_step = 0
         self.val_history: list[float] = []
+        self.recovery = recovery
 
     def fit(self) -> list[float]:
         """Train for trainer.total_training_steps; returns every validation loss computed, in order."""
         t, total = self.cfg.trainer, self.run.total_steps
         # 1. continue from the latest checkpoint (workers + loader position), else validate the start
         self.global_step, _ = self.checkpointer.resume(self.resume_from)
-        if t.val_before_train and self.global_step == 0:
+        if self.resume_from is not None:
+            self.tracker.rewind(self.global_step)  # steps logged after the checkpoint are redone, not repeated
+        if t.val_before_train and self.global_step == 0 and not self.val_history:
             self.tracker.log(self.validate(), step=0)
         with TrainProgress(total, initial=self.global_step) as progress:
             while self.global_step < total:
@@ -53,7 +59,10 @@ class SFTTrainer:
                         metrics.update(self.validate())
                     if t.save_freq > 0 and (self.global_step % t.save_freq == 0 or last):
                         with phase(f"saving checkpoint global_step_{self.global_step} in {self.checkpointer.root}"):
-                            self.checkpointer.save(self.global_step)
+                            saved = self.checkpointer.save(self.global_step)
+                        if self.recovery is not None:
+                            self.recovery.saved.append(saved)
+                    metrics.update(self.recovery.metrics() if self.recovery else {})
                     self.tracker.log(metrics, step=self.global_step)
                     progress.update(metrics)
                     if last:
@@ -64,6 +73,7 @@ class SFTTrainer:
         """One optimizer step over `batch`; returns the step's metrics."""
         timing: dict[str, float] = {}
         with timer("step", timing):
+            batch.meta_info[K.META_GLOBAL_STEP] = self.global_step
             out = self.workers.train_batch(batch)
         metrics = worker_metrics(out)  # identical on every rank, except the worker's own timing (averaged)
         step_s = timing["step"]

@@ -6,11 +6,14 @@ Backends (the `trainer.logger` list in the config):
   logger `hybridflow.tracking` at DEBUG level.
 - "jsonl": `<log_dir>/metrics.jsonl`, one JSON object per step
   (`{"step": N, "<metric>": value, ...}`), flushed every step and appended to
-  on resume (readers keep the last record of a repeated step). Non-finite
+  on resume, after `rewind` dropped the records a resumed or recovered run redoes
+  (each step is in the file once). Non-finite
   values are written as null so the file stays strict JSON. The run config,
   if given, goes to `<log_dir>/config.json`.
-- "tensorboard": scalars under `<log_dir>/tensorboard/`.
-- "wandb", "mlflow": only when their packages are installed.
+- "tensorboard": scalars under `<log_dir>/tensorboard/`; `rewind` reopens the writer with a
+  purge step, so TensorBoard drops the redone steps' old events.
+- "wandb", "mlflow": only when their packages are installed; they cannot rewind, so a redone
+  step is logged to them twice (the later value is the one that counts).
 
 Only the controller process tracks; workers return metrics in DataProto.meta_info.
 """
@@ -29,6 +32,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol, TextIO
 
+from hybridflow.utils.atomic import atomic_file
 from hybridflow.utils.checkpoint_dirs import write_json_atomic
 from hybridflow.utils.registry import Registry
 from hybridflow.utils.timing import to_float
@@ -78,11 +82,28 @@ class RunInfo:
 
 
 class Backend(Protocol):
-    """A metric sink: `log` is called once per step with float values, `finish` once at the end."""
+    """A metric sink: `log` is called once per step with float values, `finish` once at the end.
+
+    A backend that can forget what it logged after a step also has `rewind(step)` (see `Tracking.rewind`).
+    """
 
     def log(self, metrics: dict[str, float], step: int) -> None: ...
 
     def finish(self) -> None: ...
+
+
+def _rewind_jsonl(path: Path, step: int) -> None:
+    """Drop the trailing records of `path` with a step above `step` (those a resumed run redoes).
+
+    Only the trailing ones: records of an earlier run appended before this one's are kept.
+    """
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True) if path.exists() else []
+    keep = len(lines)
+    while keep and (not lines[keep - 1].strip() or json.loads(lines[keep - 1]).get("step", 0) > step):
+        keep -= 1
+    if keep < len(lines):
+        with atomic_file(path, "w", encoding="utf-8") as f:
+            f.writelines(lines[:keep])
 
 
 class ConsoleBackend:
@@ -112,6 +133,12 @@ class JsonlBackend:
         self.path = run.log_dir / METRICS_FILE
         self._file = open(self.path, "a", encoding="utf-8")
 
+    def rewind(self, step: int) -> None:
+        """Drop the records after `step` that end the file; later records are appended after the rest."""
+        self._file.close()
+        _rewind_jsonl(self.path, step)
+        self._file = open(self.path, "a", encoding="utf-8")
+
     def log(self, metrics: dict[str, float], step: int) -> None:
         """Write and flush one line."""
         record = {"step": step, **{k: (v if math.isfinite(v) else None) for k, v in metrics.items()}}
@@ -129,7 +156,8 @@ class TensorboardBackend:
     def __init__(self, run: RunInfo) -> None:
         from torch.utils.tensorboard import SummaryWriter  # slow import: only when asked for
 
-        self._writer = SummaryWriter(log_dir=str(run.log_dir / "tensorboard"))
+        self._dir = str(run.log_dir / "tensorboard")
+        self._writer = SummaryWriter(log_dir=self._dir)
         if run.config is not None:
             text = json.dumps(run.config, indent=2, default=str)
             self._writer.add_text("config", "    " + text.replace("\n", "\n    "))
@@ -139,6 +167,13 @@ class TensorboardBackend:
         for key, value in metrics.items():
             self._writer.add_scalar(key, value, global_step=step)
         self._writer.flush()
+
+    def rewind(self, step: int) -> None:
+        """Reopen the writer with purge_step=step+1: TensorBoard discards the earlier events of later steps."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._writer.close()
+        self._writer = SummaryWriter(log_dir=self._dir, purge_step=step + 1)
 
     def finish(self) -> None:
         """Close the event file."""
@@ -229,6 +264,14 @@ class Tracking:
         floats = {key: to_float(value, key) for key, value in metrics.items()}
         for backend in self.backends.values():
             backend.log(floats, int(step))
+
+    def rewind(self, step: int) -> None:
+        """A resumed or recovered run continues after `step`: backends that can (jsonl, tensorboard) drop
+        what they logged after it, so the redone steps replace their first records instead of repeating them."""
+        for backend in self.backends.values():
+            rewind = getattr(backend, "rewind", None)
+            if rewind is not None:
+                rewind(int(step))
 
     def finish(self) -> None:
         """Close every backend (each at most once)."""

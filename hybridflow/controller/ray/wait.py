@@ -76,7 +76,7 @@ class RankCall:
                 raise
             raise WorkerError(
                 f"worker of group {self.group} rank {rank} method {self.method} died: {type(err).__name__}: "
-                f"{str(err).splitlines()[0] if str(err) else ''}{running}"
+                f"{str(err).splitlines()[0] if str(err) else ''}{running}", self.group, (rank,), self.method
             ) from err
 
     def _failed_rank(self, ready: list, refs: list) -> int | None:
@@ -98,6 +98,6 @@ class RankCall:
         raise WorkerTimeoutError(
             f"group {self.group} method {self.method}: rank(s) {stuck} did not return within {self.timeout_s:g} s "
             f"({time.time() - self.started:.1f} s since the call; rank(s) {done} did). The stuck rank(s) were "
-            f"killed. If the call is only slow, raise {self.timeout_setting}"
+            f"killed. If the call is only slow, raise {self.timeout_setting}", self.group, tuple(stuck), self.method
         )
 
