@@ -47,7 +47,7 @@ def engine_kwargs(model_path: str, config: RolloutConfig, device: str, sleep: bo
     kwargs: dict[str, Any] = dict(
         model=model_path, dtype={"bf16": "bfloat16", "fp32": "float32"}[config.dtype], seed=config.seed,
         max_model_len=config.prompt_length + config.response_length, max_num_seqs=config.max_batch_size,
-        enforce_eager=config.enforce_eager, enable_sleep_mode=sleep, skip_tokenizer_init=True,
+        enforce_eager=config.enforce_eager, enable_sleep_mode=sleep,
         # log softmax(logits / temperature) after top-k/top-p: see the vllm_rollout module docstring
         logprobs_mode="processed_logprobs", disable_log_stats=True,
     )

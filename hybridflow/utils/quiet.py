@@ -27,6 +27,9 @@ QUIET_WORKER_ENV: dict[str, str] = {
     # every other tqdm bar (tqdm >= 4.66 takes its defaults from TQDM_* env vars)
     "TQDM_DISABLE": "1",
     "TRANSFORMERS_VERBOSITY": "warning",
+    # vllm (rollout.name=vllm) logs at INFO, and warns at every weight sync and about CPU tuning hints;
+    # its errors still reach the console (they are raised as exceptions too)
+    "VLLM_LOGGING_LEVEL": "ERROR",
 }
 """The env vars `worker_env` sets in quiet mode."""
 
