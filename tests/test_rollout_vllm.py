@@ -104,3 +104,17 @@ def test_sampling_with_n_is_seeded_per_step_and_logs_tempered_log_probs():
     assert not torch.equal(responses[0][0::2], responses[0][1::2])  # the n samples of a prompt differ
     torch.testing.assert_close(runs[0].batch[ROLLOUT_LOG_PROBS], recomputed_log_probs(model, runs[0], 0.7),
                                atol=1e-4, rtol=0)
+
+
+def test_config_check_finds_the_installed_build_without_importing_vllm():
+    """The load-time check reads package metadata; it must name the platform vllm itself detects."""
+    from vllm.platforms import current_platform
+
+    from hybridflow.config_utils import ConfigError, load_config
+    from hybridflow.rollout.vllm_engine import installed_vllm_device
+    from hybridflow.trainer.run_config import RunConfig
+
+    assert installed_vllm_device() == current_platform.device_type
+    assert load_config(RunConfig, None, ["rollout.name=vllm"]).rollout.name == "vllm"
+    with pytest.raises(ConfigError, match=r"actor.lora.rank=8 with rollout.name=vllm is not supported"):
+        load_config(RunConfig, None, ["rollout.name=vllm", "actor.lora.rank=8"])

@@ -49,7 +49,7 @@ def engine_kwargs(model_path: str, config: RolloutConfig, device: str, sleep: bo
         max_model_len=config.prompt_length + config.response_length, max_num_seqs=config.max_batch_size,
         enforce_eager=config.enforce_eager, enable_sleep_mode=sleep,
         # log softmax(logits / temperature) after top-k/top-p: see the vllm_rollout module docstring
-        logprobs_mode="processed_logprobs", disable_log_stats=True,
+        logprobs_mode="processed_logprobs", disable_log_stats=True, use_tqdm_on_load=False,
     )
     if device == "cpu":
         # vllm on CPU reads gpu_memory_utilization as a fraction of the machine's RAM to reserve
