@@ -36,7 +36,7 @@ def tiny_vllm_model_dir() -> Path:
 
 
 def rollout_config(name: str, **kw) -> RolloutConfig:
-    kw = {"dtype": "fp32", "prompt_length": 32, "response_length": R, "max_batch_size": 16, **kw}
+    kw = {"dtype": "fp32", "prompt_length": 64, "response_length": R, "max_batch_size": 16, **kw}
     return RolloutConfig(name=name, **kw)
 
 
@@ -48,10 +48,15 @@ def smol():
     return path, tok, build_rollout(rollout_config("vllm", do_sample=False, calculate_log_probs=True), path, tok)
 
 
+def chat(tok, texts: list[str]) -> list[str]:
+    return [tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)
+            for t in texts]
+
+
 def test_greedy_vllm_native_hf_agree_on_smollm2(smol):
     path, tok, vllm_rollout = smol
     model = load_causal_lm(path, dtype=torch.float32).eval()
-    prompts = prompt_batch(tok, SMOL_PROMPTS)
+    prompts = prompt_batch(tok, SMOL_PROMPTS[:2] + chat(tok, SMOL_PROMPTS[:2]))  # chat ones end with EOS early
     outs = {"vllm": vllm_rollout.generate_sequences(prompts)}
     for name in ("native", "hf"):
         cfg = rollout_config(name, do_sample=False, calculate_log_probs=True)
@@ -59,6 +64,7 @@ def test_greedy_vllm_native_hf_agree_on_smollm2(smol):
     for name in ("native", "hf"):
         assert torch.equal(outs["vllm"].batch[RESPONSES], outs[name].batch[RESPONSES]), name
         assert torch.equal(outs["vllm"].batch[RESPONSE_MASK], outs[name].batch[RESPONSE_MASK]), name
+    assert outs["vllm"].batch[RESPONSE_MASK].sum(-1).min() < R  # EOS ended a response: stop handling compared too
     torch.testing.assert_close(outs["vllm"].batch[ROLLOUT_LOG_PROBS], outs["native"].batch[ROLLOUT_LOG_PROBS],
                                atol=LOG_PROB_ATOL, rtol=0)
 
