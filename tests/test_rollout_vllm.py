@@ -124,3 +124,19 @@ def test_config_check_finds_the_installed_build_without_importing_vllm():
     assert load_config(RunConfig, None, ["rollout.name=vllm"]).rollout.name == "vllm"
     with pytest.raises(ConfigError, match=r"actor.lora.rank=8 with rollout.name=vllm is not supported"):
         load_config(RunConfig, None, ["rollout.name=vllm", "actor.lora.rank=8"])
+
+
+def test_with_top_k_vllm_log_probs_are_those_of_the_filtered_distribution():
+    """The documented difference from the native sampler: renormalised over the top-k tokens."""
+    from hybridflow.rollout.sampling import filter_logits
+    from rollout_helpers import full_forward_logits
+
+    path = tiny_vllm_model_dir()
+    model, tok = load_causal_lm(path, dtype=torch.float32).eval(), load_tokenizer(path)
+    cfg = rollout_config("vllm", temperature=0.7, top_k=5, calculate_log_probs=True)
+    out = build_rollout(cfg, path, tok).generate_sequences(prompt_batch(tok))
+    logits = full_forward_logits(model, out) / 0.7
+    filtered = filter_logits(logits.flatten(0, 1), 5, 1.0).view_as(logits).log_softmax(-1)
+    expect = filtered.gather(-1, out.batch[RESPONSES][..., None]).squeeze(-1) * out.batch[RESPONSE_MASK]
+    torch.testing.assert_close(out.batch[ROLLOUT_LOG_PROBS], expect, atol=1e-4, rtol=0)
+    assert (out.batch[ROLLOUT_LOG_PROBS] > recomputed_log_probs(model, out, 0.7) + 1e-3)[out.batch[RESPONSE_MASK].bool()].all()
