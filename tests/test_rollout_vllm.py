@@ -140,3 +140,10 @@ def test_with_top_k_vllm_log_probs_are_those_of_the_filtered_distribution():
     expect = filtered.gather(-1, out.batch[RESPONSES][..., None]).squeeze(-1) * out.batch[RESPONSE_MASK]
     torch.testing.assert_close(out.batch[ROLLOUT_LOG_PROBS], expect, atol=1e-4, rtol=0)
     assert (out.batch[ROLLOUT_LOG_PROBS] > recomputed_log_probs(model, out, 0.7) + 1e-3)[out.batch[RESPONSE_MASK].bool()].all()
+
+
+def test_a_partial_state_dict_is_refused(smol):
+    """vllm reloads whole layers: a LoRA-style partial sync would leave the rest of a layer wrong."""
+    _, _, vllm_rollout = smol
+    with pytest.raises(ValueError, match="needs the full state dict"):
+        vllm_rollout.load_weights({}, partial=True)

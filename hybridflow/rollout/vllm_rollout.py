@@ -137,8 +137,12 @@ class VLLMRollout(Rollout):
     def load_weights(self, state_dict: dict[str, Tensor], partial: bool = False) -> None:
         """Copy the tensors into vllm's model in place (vllm fuses q/k/v and gate/up itself).
 
-        vllm's `load_weights` loads whatever names it is given, so `partial` needs nothing more
-        (untested: RunConfig refuses LoRA, the only partial sender, with vllm for now)."""
+        Every weight, every time: vllm reloads layer by layer, and a partial state dict leaves
+        the rest of a reloaded layer wrong (measured), so `partial` is refused."""
+        if partial:
+            raise ValueError("the vllm rollout reloads whole layers and needs the full state dict at every sync; "
+                             "a partial one (LoRA's changed-only sync) is refused: use rollout.name=native or hf "
+                             "with actor.lora")
         self._wake()
         self.llm.collective_rpc(_load_weights, args=(list(state_dict.items()),))
         self.llm.reset_prefix_cache()

@@ -164,6 +164,6 @@ class RunConfig(Section):
     def _check_lora(self) -> None:
         lora = self.actor.lora
         if lora.enabled and self.rollout.name == "vllm":
-            raise ValueError(f"actor.lora.rank={lora.rank} with rollout.name=vllm is not supported yet (the merged-"
-                             "weight sync is tested with the in-process rollouts only); use rollout.name=native "
+            raise ValueError(f"actor.lora.rank={lora.rank} with rollout.name=vllm is not supported yet (its sync "
+                             "sends only the adapted layers, and vllm reloads whole layers); use rollout.name=native "
                              "or hf, or actor.lora.rank=0")
