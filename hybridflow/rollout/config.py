@@ -117,7 +117,8 @@ class RolloutConfig(Section):
     """Return `rollout_log_probs` [B*n, R]: log-probs of the sampled tokens under the sampler."""
     max_batch_size: int = 128
     """Most sequences (prompts x n) decoded together per worker; larger inputs run in chunks.
-    The native KV cache is preallocated for them (SmolLM2-135M, bf16, 512+512 tokens: ~1.5 GB per 64)."""
+    The native KV cache is preallocated for them (SmolLM2-135M, bf16, 512+512 tokens: ~1.5 GB per 64);
+    vllm schedules at most this many at once and on CPU sizes its KV cache for them."""
     ignore_eos: bool = False
     """Keep generating after EOS up to response_length (benchmarks); the mask still covers all tokens."""
     seed: int = 0
