@@ -24,6 +24,7 @@ import numpy as np
 import ray
 import torch
 
+from hybridflow.utils.hardware import describe_cpu
 from hybridflow import DataProto, Dispatch, Worker, register
 from hybridflow.controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup, init_local_ray
 
@@ -85,6 +86,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=200, help="timed calls per variant and size")
     args = parser.parse_args()
+    print(describe_cpu(), flush=True)
     init_local_ray(num_cpus=WORKERS)
     pool = RayResourcePool([WORKERS], num_cpus_per_process=0.5)
     group = RayWorkerGroup(pool, RayClassWithInitArgs(EchoWorker), name_prefix="bench")

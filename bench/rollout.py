@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from hybridflow.utils.hardware import describe_cpu
 from hybridflow.keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, RESPONSES
 from hybridflow.models import default_model_dir, load_causal_lm, load_tokenizer
 from hybridflow.protocol import DataProto
@@ -92,6 +93,7 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=["bf16", "fp32"])
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
+    print(describe_cpu(), flush=True)
     tokenizer = load_tokenizer(default_model_dir())
     print(f"SmolLM2-135M, batch {args.batch}, {args.new_tokens} new tokens, sampling T=1, "
           f"torch threads {torch.get_num_threads()}", flush=True)

@@ -20,21 +20,10 @@ import time
 
 import torch
 
+from hybridflow.utils.hardware import describe_cpu, matmul_gflops
 from hybridflow import keys
 from hybridflow.engine import EngineConfig, FSDPEngine, LoraConfig, OptimConfig
 from hybridflow.models import default_model_dir
-
-
-def matmul_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 10) -> float:
-    """Best-of-`repeats` FLOP/s of an n x n x n matmul."""
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    a @ b
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
 
 
 def make_batch(rows: int, prompt_len: int, resp_len: int) -> dict[str, torch.Tensor]:
@@ -54,12 +43,6 @@ def token_mean_nll(total_tokens: int):
         return -(out["log_probs"] * mask).sum() / total_tokens, {}
 
     return loss_fn
-
-
-def cpu_model() -> str:
-    """The CPU's model name (as lscpu prints it), for every printed figure."""
-    with open("/proc/cpuinfo") as f:
-        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
 
 
 def time_steps(engine: FSDPEngine, micro: list[dict], loss_fn, steps: int) -> tuple[list[float], dict]:
@@ -101,8 +84,8 @@ def main() -> None:
     micro = [{k: v[i : i + args.micro] for k, v in data.items()} for i in range(0, args.batch, args.micro)]
     loss_fn = token_mean_nll(args.batch * args.response)
     times, metrics = time_steps(engine, micro, loss_fn, args.steps)
-    mm = matmul_flops(torch.bfloat16 if args.dtype == "bf16" else torch.float32)
-    print(f"cpu        {cpu_model()}")
+    mm = matmul_gflops(torch.bfloat16 if args.dtype == "bf16" else torch.float32, repeats=10) * 1e9
+    print(describe_cpu(args.threads))
     _report(args, params, times, mm, metrics)
     if args.lora_rank > 0:
         del engine  # one model in memory at a time

@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import DeviceMesh
 
+from hybridflow.utils.hardware import describe_cpu
 from hybridflow import keys
 from hybridflow.engine import EngineConfig, FSDPEngine, OptimConfig
 from hybridflow.models import default_model_dir, load_causal_lm
@@ -167,6 +168,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="also profile one before/after round on rank 0")
     ap.add_argument("--profile-rows", type=int, default=25)
     args = ap.parse_args()
+    print(describe_cpu(1), "(per rank; 2 ranks x 1 thread)", flush=True)
     if args.rows % args.minis:
         ap.error(f"--rows ({args.rows}) must be a multiple of --minis ({args.minis})")
     with socket.socket() as s:

@@ -128,6 +128,9 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="extra hybridflow key=value overrides")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
+    from hybridflow.utils.hardware import describe_cpu
+
+    print(describe_cpu(2), "(TRL: 1 process x 2 threads; hf 1x2: 1 worker x 2; hf 2x1: 2 workers x 1)", flush=True)
     from hybridflow.data.tasks import build_task
     from hybridflow.models import default_model_dir
 

@@ -45,3 +45,15 @@ def reference_log_probs(model: torch.nn.Module, data: dict, temperature: float =
     ent = -(logp.exp() * logp).sum(-1)
     mask = data[keys.ATTENTION_MASK][:, -resp:].bool()
     return torch.where(mask, lp, 0.0), torch.where(mask, ent, 0.0)
+
+
+def make_group_batch(prompts: int, n: int, prompt_len: int, resp_len: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """`prompts` x `n` rows as after a GRPO rollout: the n rows of a prompt share its (left-padded)
+    tokens and differ in their (right-padded, varied-length) responses."""
+    data = make_batch(prompts * n, prompt_len, resp_len, seed)
+    ids, mask = data[keys.INPUT_IDS].clone(), data[keys.ATTENTION_MASK].clone()
+    for i in range(prompts * n):
+        src = (i // n) * n
+        ids[i, :prompt_len], mask[i, :prompt_len] = ids[src, :prompt_len], mask[src, :prompt_len]
+    return {keys.INPUT_IDS: ids, keys.ATTENTION_MASK: mask, keys.POSITION_IDS: (mask.cumsum(-1) - 1).clamp(min=0),
+            keys.RESPONSES: ids[:, prompt_len:]}

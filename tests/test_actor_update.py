@@ -89,3 +89,16 @@ def test_old_log_prob_pass_is_skipped_only_for_one_step_updates(overrides, neede
 def test_unknown_old_log_prob_mode_is_rejected():
     with pytest.raises(ValueError, match="actor.old_log_prob"):
         ActorConfig(old_log_prob="sometimes")
+
+
+def test_token_budget_micro_batches_give_the_row_micro_batch_update():
+    by_rows, by_tokens = _actor(), _actor(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=12)
+    batch = _rollout_batch()
+    old = by_rows.compute_log_prob(batch)
+    torch.testing.assert_close(by_tokens.compute_log_prob(batch).batch[K.OLD_LOG_PROBS], old.batch[K.OLD_LOG_PROBS])
+    m_rows = _one_step(by_rows.update_actor(batch.union(old)).meta_info["metrics"])
+    m_tokens = _one_step(by_tokens.update_actor(batch.union(old)).meta_info["metrics"])
+    assert m_tokens["actor/loss"] == pytest.approx(m_rows["actor/loss"], rel=1e-4)  # the whole mini-batch's loss
+    w_rows, w_tokens = _weights(by_rows), _weights(by_tokens)
+    for k in w_rows:
+        torch.testing.assert_close(w_tokens[k], w_rows[k], atol=1e-5, rtol=1e-4)

@@ -14,6 +14,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from hybridflow import keys
 from hybridflow.engine import EngineConfig, FSDPEngine, LoraConfig, OptimConfig
+from hybridflow.engine.batch import TokenBudget, token_bounds
 from hybridflow.engine.gather import broadcastable, gather_full
 from hybridflow.engine.lora import apply_lora, is_adapter_key
 from hybridflow.models import load_causal_lm, tiny_model_dir
@@ -59,6 +60,7 @@ def _worker(rank: int, port: int, out_dir: str, fsdp_size: int) -> None:
     engine = FSDPEngine.from_pretrained(tiny_model_dir("llama"), EngineConfig(param_dtype="fp32", fsdp_size=fsdp_size),
                                         OptimConfig(**OPTIM))
     loss_fn = _loss_fn(global_tokens, engine.world_size)
+    _token_budget_agrees_across_ranks(engine, shard, rank)
     _steps(engine, shard, loss_fn, STEPS)
     trained = engine.full_state_dict()
     trained_bf16 = engine.full_state_dict(dtype=torch.bfloat16)  # cast per shard, then gathered
@@ -81,6 +83,16 @@ def _worker(rank: int, port: int, out_dir: str, fsdp_size: int) -> None:
     # "terminate called without an active exception" once the results were in. hybridflow's
     # own workers never tear their groups down (Ray ends the processes).
     os._exit(0)
+
+
+def _token_budget_agrees_across_ranks(engine: FSDPEngine, shard: dict, rank: int) -> None:
+    """A budget that gives rank 0 one micro-batch per row and rank 1 one in all: both run 4 forwards (no
+    hang on the sharded mesh) and get the row-wise log-probs."""
+    budget = TokenBudget(1 if rank == 0 else 10_000)
+    assert len(token_bounds(shard[keys.ATTENTION_MASK].sum(-1).tolist(), budget.max_tokens)) - 1 == ROWS // 2
+    by_tokens, _ = engine.compute_log_probs(shard, budget)
+    by_rows, _ = engine.compute_log_probs(shard, ROWS // 2)
+    torch.testing.assert_close(by_tokens, by_rows, atol=1e-5, rtol=1e-5)
 
 
 def _lora_update(shard: dict, loss_fn, fsdp_size: int) -> dict[str, dict[str, torch.Tensor]]:

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hybridflow.engine.batch import MicroBatchSize
 from hybridflow.engine.config import LoraConfig
 
 MicroBatch = Mapping[str, torch.Tensor]
@@ -75,15 +76,16 @@ class Engine(ABC):
     def compute_log_probs(
         self,
         data: Mapping[str, torch.Tensor],
-        micro_batch_size: int,
+        micro_batch_size: MicroBatchSize,
         temperature: float = 1.0,
         calc_entropy: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Log-probs [B, R] of `responses` (and entropy [B, R] or None), without grad."""
+        """Log-probs [B, R] of `responses` (and entropy [B, R] or None), without grad, in micro-batches of
+        `micro_batch_size` rows or by a `TokenBudget` (hybridflow/engine/batch.py)."""
 
     @abstractmethod
-    def compute_values(self, data: Mapping[str, torch.Tensor], micro_batch_size: int) -> torch.Tensor:
-        """Values V(s_t) [B, R] of a value model, without grad."""
+    def compute_values(self, data: Mapping[str, torch.Tensor], micro_batch_size: MicroBatchSize) -> torch.Tensor:
+        """Values V(s_t) [B, R] of a value model, without grad (micro-batches as compute_log_probs)."""
 
     @abstractmethod
     def train_step(

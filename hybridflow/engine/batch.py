@@ -44,15 +44,67 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def split_micro_batches(data: Mapping[str, torch.Tensor], micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
-    """Split every [B, ...] tensor of `data` into consecutive chunks of `micro_batch_size` rows."""
-    if micro_batch_size < 1:
-        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
-    size = data[keys.INPUT_IDS].shape[0]
-    return [
-        {k: data[k][i : i + micro_batch_size] for k in data.keys()}
-        for i in range(0, size, micro_batch_size)
-    ]
+@dataclass(frozen=True)
+class TokenBudget:
+    """Micro-batches sized by tokens, not rows (verl's use_dynamic_bsz / *_max_token_len_per_gpu)."""
+
+    max_tokens: int
+    """Real (attention-mask) tokens per micro-batch; a longer row gets a micro-batch of its own."""
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"a token budget must be >= 1 token, got {self.max_tokens}")
+
+
+MicroBatchSize = int | TokenBudget
+"""Rows per micro-batch, or a token budget per micro-batch."""
+
+
+def split_micro_batches(data: Mapping[str, torch.Tensor], size: MicroBatchSize) -> list[dict[str, torch.Tensor]]:
+    """Split every [B, ...] tensor of `data` into consecutive micro-batches of `size` rows, or by a
+    `TokenBudget` (`token_bounds`: as many micro-batches on every rank of the default group)."""
+    rows = data[keys.INPUT_IDS].shape[0]
+    if isinstance(size, TokenBudget):
+        bounds = token_bounds(data[keys.ATTENTION_MASK].sum(-1).tolist(), size.max_tokens)
+    elif size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1, got {size}")
+    else:
+        bounds = list(range(0, rows, size)) + [rows]
+    return [{k: data[k][a:b] for k in data.keys()} for a, b in zip(bounds, bounds[1:])]
+
+
+def token_bounds(tokens: list[int], max_tokens: int) -> list[int]:
+    """Cut points [0, ..., len(tokens)] of consecutive rows into micro-batches of at most `max_tokens`
+    tokens each (a longer row alone), filled greedily in order.
+
+    FSDP ranks must run the same number of forwards: where another rank of the default process
+    group needs more micro-batches, the heaviest ones here are halved (by tokens) until the counts agree.
+    """
+    bounds, filled = [0], 0
+    for i, t in enumerate(tokens):
+        if filled and filled + t > max_tokens:
+            bounds.append(i)
+            filled = 0
+        filled += t
+    bounds.append(len(tokens))
+    need = min(_max_over_ranks(len(bounds) - 1), len(tokens))
+    while len(bounds) - 1 < need:
+        load = lambda j: sum(tokens[bounds[j] : bounds[j + 1]]) if bounds[j + 1] - bounds[j] > 1 else -1  # noqa: E731
+        j = max(range(len(bounds) - 1), key=load)
+        a, b, half, run = bounds[j], bounds[j + 1], load(j) / 2, 0
+        cut = next((k for k in range(a + 1, b) if (run := run + tokens[k - 1]) >= half), b - 1)
+        bounds.insert(j + 1, cut)
+    return bounds
+
+
+def _max_over_ranks(n: int) -> int:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return n
+    t = torch.tensor([n], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t)
 
 
 @dataclass(frozen=True)
@@ -136,6 +188,9 @@ class PackedBatch:
     """[n]: the response tokens those columns predict."""
     response_mask: torch.Tensor
     """[b, R] bool: where the n predictions sit in the padded layout (row-major order)."""
+    attention_mask: torch.Tensor | None = None
+    """None: examples are told apart by their restarting position ids; else an explicit
+    [1, 1, N, N] bool mask (shared-prompt packing, hybridflow/engine/prefix.py)."""
 
 
 def pack(micro: Mapping[str, torch.Tensor]) -> PackedBatch:

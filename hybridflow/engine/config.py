@@ -57,8 +57,9 @@ class OptimConfig(Section):
 class EngineConfig(Section):
     """How one model runs on its process group (FSDP2)."""
 
-    param_dtype: Literal["fp32", "bf16"] = "bf16"
-    """Compute dtype of forward/backward; master weights and optimizer state stay fp32."""
+    param_dtype: Literal["fp32", "bf16", "auto"] = "auto"
+    """Compute dtype of forward/backward; master weights and optimizer state stay fp32. auto: bf16 on
+    a GPU that has it; on CPU bf16 where a matmul probe measures it >= 1.5x fp32 (once per machine)."""
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"
     """Dtype of the gradient reduce-scatter across data-parallel ranks."""
     gradient_checkpointing: bool = False
@@ -69,6 +70,11 @@ class EngineConfig(Section):
     """Run each micro-batch as one packed row of its real tokens (no padding at all), position ids
     restarting per example and attention kept inside each example (hybridflow/engine/batch.py `pack`).
     Supersedes use_remove_padding. Needs an attention backend that masks from position ids (sdpa, eager)."""
+    share_prompts: bool = True
+    """Run a micro-batch as one packed row in which the rows with the same prompt (the n samples of
+    a prompt) share ONE copy of it, under a block mask (hybridflow/engine/prefix.py): no padding
+    and no repeated prompt tokens, same outputs; used for the micro-batches where it costs fewer
+    FLOPs than the trimmed layout (its attention is dense over the packed row). packing wins."""
     logits_chunk_size: int = 1024
     """Tokens per chunk when turning logits into log-probs/entropy (bounds fp32 memory)."""
     cpu_math_attention_max_len: int = 128
@@ -103,7 +109,7 @@ class EngineConfig(Section):
 
     def __post_init__(self) -> None:
         check_dtype("engine.param_dtype", self.param_dtype)
-        check_dtype("engine.reduce_dtype", self.reduce_dtype)
+        check_dtype("engine.reduce_dtype", self.reduce_dtype, allow_auto=False)
         if self.fsdp_size is not None and self.fsdp_size != -1 and self.fsdp_size < 1:
             raise ValueError(f"engine.fsdp_size must be -1, None or >= 1, got {self.fsdp_size}")
         if self.cpu_math_attention_max_len < 0:

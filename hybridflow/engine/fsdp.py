@@ -44,6 +44,7 @@ from hybridflow.engine.base import Engine, LossFn, MicroBatch
 from hybridflow.engine.config import EngineConfig, LoraConfig, OptimConfig, dtype_of
 from hybridflow.engine.gather import gather_named
 from hybridflow.engine.optim import build_lr_scheduler, build_optimizer
+from hybridflow.engine.prefix import pack_shared_prompts, sharing_pays
 from hybridflow.models.loading import enable_activation_checkpointing
 from hybridflow.models.value import ValueModel
 from hybridflow.utils.memory import keep_freed_memory
@@ -221,7 +222,9 @@ class FSDPEngine(Engine):
     ) -> dict[str, torch.Tensor]:
         inputs = B.select_inputs(micro, self.device)
         if self.config.packing:
-            return self._forward_packed(inputs, temperature, calc_entropy)
+            return self._forward_packed(B.pack(inputs), temperature, calc_entropy)
+        if self.config.share_prompts and sharing_pays(inputs, self.model.config):
+            return self._forward_packed(pack_shared_prompts(inputs), temperature, calc_entropy)
         win = B.response_window(inputs, self.config.use_remove_padding)
         rmask = B.response_mask_of(inputs)
         if self._value:
@@ -233,12 +236,14 @@ class FSDPEngine(Engine):
         place = lambda v: B.pad_to_response(v, win, rmask)  # noqa: E731
         return self._token_outputs(out.logits[:, :-1], labels, place, temperature, calc_entropy)
 
-    def _forward_packed(self, inputs: dict[str, torch.Tensor], temperature: float,
+    def _forward_packed(self, packed: B.PackedBatch, temperature: float,
                         calc_entropy: bool) -> dict[str, torch.Tensor]:
-        """The micro-batch as one packed row (engine/batch.py `pack`): no attention mask and no cache, the
-        case in which transformers masks attention block-diagonally from the restarting position ids."""
-        packed = B.pack(inputs)
+        """The micro-batch as one packed row. Without an explicit mask (engine/batch.py `pack`) and
+        without a cache, transformers masks attention block-diagonally from the restarting position
+        ids; shared-prompt packing (engine/prefix.py) brings its own 4-D mask."""
         row = {"input_ids": packed.input_ids, "position_ids": packed.position_ids}
+        if packed.attention_mask is not None:
+            row["attention_mask"] = packed.attention_mask
         place = lambda v: B.unpack_to_response(v, packed)  # noqa: E731
         if self._value:
             return {"values": place(self.model(**row, use_cache=False)[0, packed.predictors])}
@@ -257,7 +262,7 @@ class FSDPEngine(Engine):
         return result
 
     @torch.no_grad()
-    def _infer(self, data: Mapping[str, torch.Tensor], micro_batch_size: int, **kw) -> dict[str, torch.Tensor]:
+    def _infer(self, data: Mapping[str, torch.Tensor], micro_batch_size: B.MicroBatchSize, **kw) -> dict[str, torch.Tensor]:
         self.model.eval()
         parts: dict[str, list[torch.Tensor]] = defaultdict(list)
         # Keep each layer gathered across micro-batches; reshard so no stale copy outlives the call.
@@ -274,7 +279,7 @@ class FSDPEngine(Engine):
     def compute_log_probs(
         self,
         data: Mapping[str, torch.Tensor],
-        micro_batch_size: int,
+        micro_batch_size: B.MicroBatchSize,
         temperature: float = 1.0,
         calc_entropy: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -283,7 +288,7 @@ class FSDPEngine(Engine):
         out = self._infer(data, micro_batch_size, temperature=temperature, calc_entropy=calc_entropy)
         return out["log_probs"], out.get("entropy")
 
-    def compute_values(self, data: Mapping[str, torch.Tensor], micro_batch_size: int) -> torch.Tensor:
+    def compute_values(self, data: Mapping[str, torch.Tensor], micro_batch_size: B.MicroBatchSize) -> torch.Tensor:
         if not self._value:
             raise TypeError("compute_values needs a value model; build the engine with value_model=True")
         return self._infer(data, micro_batch_size)["values"]

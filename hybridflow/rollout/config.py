@@ -111,8 +111,9 @@ class RolloutConfig(Section):
     response_length: int | None = 512
     """Tokens generated at most per response; responses are always right-padded to exactly this width.
     In a training run None (the default there) means data.max_response_length."""
-    dtype: str = "bf16"
-    """Rollout weights and compute: "bf16" (about 2x faster on CPUs with avx512_bf16) or "fp32"."""
+    dtype: str = "auto"
+    """Rollout weights and compute: "bf16" (about 2x faster on CPUs with avx512_bf16), "fp32", or "auto"
+    (bf16 where a matmul probe measures it paying on this machine; see engine.param_dtype)."""
     calculate_log_probs: bool = False
     """Return `rollout_log_probs` [B*n, R]: log-probs of the sampled tokens under the sampler."""
     max_batch_size: int = 128

@@ -45,7 +45,7 @@ def kv_cache_bytes(model_path: str, config: RolloutConfig) -> int:
 def engine_kwargs(model_path: str, config: RolloutConfig, device: str, sleep: bool) -> dict[str, Any]:
     """Keyword arguments of `vllm.LLM` for this rollout on `device` (vllm's platform device type)."""
     kwargs: dict[str, Any] = dict(
-        model=model_path, dtype={"bf16": "bfloat16", "fp32": "float32"}[config.dtype], seed=config.seed,
+        model=model_path, dtype=str(config.torch_dtype).removeprefix("torch."), seed=config.seed,
         max_model_len=config.prompt_length + config.response_length, max_num_seqs=config.max_batch_size,
         enforce_eager=config.enforce_eager, enable_sleep_mode=sleep,
         # log softmax(logits / temperature) after top-k/top-p: see the vllm_rollout module docstring

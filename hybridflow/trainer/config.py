@@ -221,6 +221,9 @@ class TrainerConfig(Section):
     """Metric sinks: any of console, jsonl, tensorboard, wandb, mlflow."""
     val_before_train: bool = True
     """Run validation once before the first step."""
+    balance_batch: bool = True
+    """Reorder each generated batch so every actor worker gets about the same number of tokens (the
+    n samples of a prompt stay together); see hybridflow/trainer/balance.py."""
     critic_warmup: int = 0
     """Steps that update only the critic before the actor starts updating."""
     device: str = "cpu"

@@ -15,6 +15,7 @@ from typing import Any
 from hybridflow import keys as K
 from hybridflow.protocol import DataProto
 from hybridflow.trainer import core_steps as S
+from hybridflow.trainer.balance import balance_batch
 from hybridflow.trainer.checkpointing import TrainerCheckpointer
 from hybridflow.trainer.metrics import data_metrics, throughput_metrics, worker_metrics
 from hybridflow.trainer.resolve import ResolvedRun, StepPlan, plan_step
@@ -54,6 +55,7 @@ class PPOTrainer:
         self.global_step = 0
         self.resume_from = inputs.resume_from
         self.total_steps = run.total_steps
+        self.actor_world = run.set_of("actor").world_size
         self.last_val: dict[str, float] = {}
         self.first_val: dict[str, float] = {}
 
@@ -85,6 +87,8 @@ class PPOTrainer:
             prompts.meta_info[K.META_GLOBAL_STEP] = self.global_step
             with timer("gen", timing):
                 batch = _take_metrics(roles.actor_rollout.generate_sequences(prompts), worker_out)
+            #    ... and spread over the actor workers so that each gets about the same number of tokens
+            balance = balance_batch(batch, self.actor_world) if cfg.trainer.balance_batch else {}
             # 2. score them: rule / custom reward (+ reward model) at the last response token
             with timer("reward", timing):
                 if roles.reward_model is not None:
@@ -112,7 +116,7 @@ class PPOTrainer:
                 batch.meta_info[K.META_OWN_OLD_LOG_PROB] = not plan.old_log_prob
                 for out in self._update(batch, plan):
                     _take_metrics(out, worker_out)
-        return {**kl_metrics, **worker_metrics(*worker_out), **reward.metrics,
+        return {**kl_metrics, **balance, **worker_metrics(*worker_out), **reward.metrics,
                 **data_metrics(batch, cfg.data.max_response_length),
                 **throughput_metrics(batch, timing, cfg.world_size),
                 **{f"timing_s/{k}": v for k, v in timing.items()}, "training/global_step": self.global_step}

@@ -12,6 +12,9 @@ Derived here and nowhere else, always from the final merged values:
 - rollout.prompt_length / response_length from data.max_prompt_length / max_response_length;
 - critic.enable and critic.model from the estimator and the policy model;
 - each trained role's engine.fsdp_size and reshard_after_forward from the device and its group size;
+- every compute dtype left "auto" (actor/critic engine.param_dtype, rollout.dtype, ref and reward
+  model param_dtype): bf16 or fp32 as a matmul probe on trainer.cpus_per_worker threads measures
+  (once per machine, hybridflow/utils/hardware.py), bf16 on CUDA;
 - the worker sets (which roles live on which pool, how many ranks) and whether old log-probs
   are recomputed before the update.
 A user value is never overwritten: where it contradicts a derived one, `ConfigError` names both keys.
@@ -27,6 +30,7 @@ from hybridflow.config_utils import ConfigError, freeze, to_yaml
 from hybridflow.engine.config import EngineConfig, OptimConfig
 from hybridflow.trainer.config import TrainerConfig
 from hybridflow.trainer.run_config import RunConfig
+from hybridflow.utils.dtypes import resolve_dtype
 
 POLICY_ROLES = ("actor", "rollout", "ref")
 """Roles hosted by ActorRolloutRefWorker."""
@@ -94,20 +98,25 @@ def resolve(cfg: RunConfig, steps_per_epoch: int, cpu_count: int | None = None) 
     trainer = resolve_trainer(cfg.trainer, steps_per_epoch, cpu_count)
     total = trainer.total_training_steps
     device = trainer.device
+    threads = trainer.cpus_per_worker
     critic = cfg.critic
     if cfg.use_critic:
         critic_world = next(s.world_size for s in sets if "critic" in s.roles)
         critic = replace(critic, enable=True, model=critic.model or cfg.model,
                          optim=resolve_schedule(critic.optim, total, "critic."),
-                         engine=resolve_engine(critic.engine, device, critic_world, "critic."))
+                         engine=resolve_engine(critic.engine, device, critic_world, "critic.", threads))
     resolved = replace(
         cfg,
         trainer=trainer,
         rollout=replace(cfg.rollout, prompt_length=cfg.data.max_prompt_length,
-                        response_length=cfg.data.max_response_length),
+                        response_length=cfg.data.max_response_length,
+                        dtype=resolve_dtype(cfg.rollout.dtype, device, threads)),
         actor=replace(cfg.actor, optim=resolve_schedule(cfg.actor.optim, total, "actor."),
-                      engine=resolve_engine(cfg.actor.engine, device, sets[0].world_size, "actor.")),
+                      engine=resolve_engine(cfg.actor.engine, device, sets[0].world_size, "actor.", threads)),
         critic=critic if cfg.use_critic else replace(critic, enable=False),
+        ref=replace(cfg.ref, param_dtype=resolve_dtype(cfg.ref.param_dtype, device, threads)),
+        reward_model=replace(cfg.reward_model,
+                             param_dtype=resolve_dtype(cfg.reward_model.param_dtype, device, threads)),
     )
     return ResolvedRun(freeze(resolved), steps_per_epoch, sets, _recompute_old_log_prob(cfg, sets[0].world_size))
 
@@ -157,9 +166,10 @@ def resolve_schedule(optim: OptimConfig, total: int, section: str) -> OptimConfi
     return replace(optim, total_training_steps=optim.total_training_steps or total)
 
 
-def resolve_engine(engine: EngineConfig, device: str, world: int, section: str) -> EngineConfig:
-    """The engine config with fsdp_size and reshard_after_forward fixed for `device` and `world` ranks.
-    `section`: the key path in front of `engine.` in messages ("actor.", "critic.", "" for SFT)."""
+def resolve_engine(engine: EngineConfig, device: str, world: int, section: str, threads: int) -> EngineConfig:
+    """The engine config with fsdp_size, reshard_after_forward and param_dtype fixed for `device`, `world`
+    ranks of `threads` threads each. `section`: the key path in front of `engine.` in messages
+    ("actor.", "critic.", "" for SFT)."""
     import torch
 
     try:
@@ -168,7 +178,8 @@ def resolve_engine(engine: EngineConfig, device: str, world: int, section: str) 
         raise ConfigError(f"{section}{err} of its worker set (trainer.n_workers_per_node * trainer.nnodes, "
                           "halved with trainer.placement=split)") from None
     return replace(engine, fsdp_size=fsdp_size,
-                   reshard_after_forward=engine.resolve_reshard_after_forward(torch.device(device)))
+                   reshard_after_forward=engine.resolve_reshard_after_forward(torch.device(device)),
+                   param_dtype=resolve_dtype(engine.param_dtype, device, threads))
 
 
 def _recompute_old_log_prob(cfg: RunConfig, actor_world: int) -> bool:

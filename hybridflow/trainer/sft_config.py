@@ -146,7 +146,8 @@ def resolve_sft(cfg: SFTConfig, steps_per_epoch: int, cpu_count: int | None = No
         raise ConfigError(f"the training set gives {steps_per_epoch} steps per epoch at data.train_batch_size="
                           f"{cfg.data.train_batch_size}; add examples or lower the batch size")
     trainer = resolve_trainer(cfg.trainer, steps_per_epoch, cpu_count)
-    engine = replace(resolve_engine(cfg.engine, trainer.device, cfg.world_size, ""), packing=cfg.data.packing)
+    engine = replace(resolve_engine(cfg.engine, trainer.device, cfg.world_size, "", trainer.cpus_per_worker),
+                     packing=cfg.data.packing)
     resolved = replace(cfg, trainer=trainer, engine=engine,
                        optim=resolve_schedule(cfg.optim, trainer.total_training_steps, ""))
     return ResolvedSFT(freeze(resolved), steps_per_epoch)

@@ -98,7 +98,7 @@ class ActorRolloutRefWorker(Worker):
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """Rows with input_ids/attention_mask/position_ids/responses -> old_log_probs [b, R], entropys [b, R]."""
         log_probs, entropy = self.actor.compute_log_probs(
-            data.batch, self.actor_cfg.log_prob_micro_batch_size_per_device, self._temperature(data), calc_entropy=True
+            data.batch, self.actor_cfg.log_prob_micro(), self._temperature(data), calc_entropy=True
         )
         mask = data.batch[K.RESPONSE_MASK]
         metrics = {"actor/entropy": float(masked_mean(entropy, mask))}
@@ -115,7 +115,7 @@ class ActorRolloutRefWorker(Worker):
         engine = self.ref if self.ref is not None else self.actor
         with self.actor.adapters_disabled() if self.ref is None else contextlib.nullcontext():
             log_probs, _ = engine.compute_log_probs(
-                data.batch, self.ref_cfg.log_prob_micro_batch_size_per_device, self._temperature(data)
+                data.batch, self.ref_cfg.log_prob_micro(), self._temperature(data)
             )
         return DataProto.from_dict({K.REF_LOG_PROB: log_probs})
 
@@ -139,7 +139,7 @@ class ActorRolloutRefWorker(Worker):
         _check_old_log_probs(data, own, cfg.ppo_epochs, mini_rows)
         start = time.perf_counter()
         step_metrics = run_ppo_update(
-            self.actor, data, mini_rows, cfg.ppo_micro_batch_size_per_device, cfg.ppo_epochs,
+            self.actor, data, mini_rows, cfg.update_micro(), cfg.ppo_epochs,
             actor_loss_builder(cfg, own), shuffle=cfg.shuffle, seed=self._update_calls,
             temperature=self._temperature(data), calc_entropy=cfg.entropy_coeff != 0 or own,
         )

@@ -13,6 +13,7 @@ from hybridflow.algos.core import LOSS_AGG_MODES
 from hybridflow.algos.kl import KL_ESTIMATORS
 from hybridflow.algos.losses import PolicyLossConfig
 from hybridflow.config_utils import Section
+from hybridflow.engine.batch import MicroBatchSize, TokenBudget
 from hybridflow.engine.config import EngineConfig, LoraConfig, OptimConfig
 from hybridflow.utils.dtypes import check_dtype
 
@@ -63,6 +64,13 @@ class ActorConfig(Section):
     """KL estimator of the loss: kl (k1), abs, mse (k2), low_var_kl (k3)."""
     log_prob_micro_batch_size_per_device: int = 16
     """Rows per forward when computing old log-probs (no grad) on one worker."""
+    use_dynamic_bsz: bool = False
+    """Size micro-batches by tokens instead of rows (update: ppo_max_token_len_per_gpu; old log-probs:
+    log_prob_max_token_len_per_gpu), so short rows share a forward and long ones do not pile up."""
+    ppo_max_token_len_per_gpu: int = 16384
+    """With use_dynamic_bsz: real tokens per update micro-batch on one worker."""
+    log_prob_max_token_len_per_gpu: int | None = None
+    """With use_dynamic_bsz: real tokens per old-log-prob micro-batch; None: ppo_max_token_len_per_gpu."""
     old_log_prob: str = "auto"
     """"auto": when the update is a single optimizer step per batch (ppo_epochs 1, one
     mini-batch) and nothing before it needs them (no KL in the reward), old log-probs are
@@ -80,14 +88,25 @@ class ActorConfig(Section):
     def __post_init__(self) -> None:
         from hybridflow.algos.losses import list_policy_losses
 
-        for key in ("ppo_mini_batch_size", "ppo_micro_batch_size_per_device", "ppo_epochs", "log_prob_micro_batch_size_per_device"):
-            if getattr(self, key) < 1:
+        for key in ("ppo_mini_batch_size", "ppo_micro_batch_size_per_device", "ppo_epochs",
+                    "log_prob_micro_batch_size_per_device", "ppo_max_token_len_per_gpu", "log_prob_max_token_len_per_gpu"):
+            if (getattr(self, key) or 1) < 1:
                 raise ValueError(f"actor.{key} must be >= 1, got {getattr(self, key)}")
         if self.policy_loss_mode not in list_policy_losses():
             raise ValueError(f"actor.policy_loss_mode={self.policy_loss_mode!r} is unknown; valid: {list_policy_losses()}")
         _one_of("actor.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
         _one_of("actor.old_log_prob", self.old_log_prob, OLD_LOG_PROB_MODES)
         _one_of("actor.kl_loss_type", self.kl_loss_type, KL_ESTIMATORS.names())
+
+    def update_micro(self) -> MicroBatchSize:
+        """Micro-batch size of the update: rows, or a token budget with use_dynamic_bsz."""
+        return TokenBudget(self.ppo_max_token_len_per_gpu) if self.use_dynamic_bsz else self.ppo_micro_batch_size_per_device
+
+    def log_prob_micro(self) -> MicroBatchSize:
+        """Micro-batch size of the old-log-prob pass: rows, or a token budget with use_dynamic_bsz."""
+        if not self.use_dynamic_bsz:
+            return self.log_prob_micro_batch_size_per_device
+        return TokenBudget(self.log_prob_max_token_len_per_gpu or self.ppo_max_token_len_per_gpu)
 
 
 @dataclass
@@ -96,15 +115,26 @@ class RefConfig(Section):
 
     log_prob_micro_batch_size_per_device: int = 16
     """Rows per forward on one worker."""
-    param_dtype: str = "bf16"
-    """Compute dtype of the reference forward ("fp32" | "bf16"). Unused when the reference is the
-    actor with its LoRA adapters disabled (colocated, actor.lora.rank > 0): actor.engine.param_dtype."""
+    log_prob_use_dynamic_bsz: bool = False
+    """Size micro-batches by tokens (log_prob_max_token_len_per_gpu) instead of rows."""
+    log_prob_max_token_len_per_gpu: int = 16384
+    """With log_prob_use_dynamic_bsz: real tokens per micro-batch on one worker."""
+    param_dtype: str = "auto"
+    """Compute dtype of the reference forward ("fp32" | "bf16" | "auto": as engine.param_dtype). Unused
+    when the reference is the actor with its LoRA adapters disabled (colocated, actor.lora.rank > 0):
+    actor.engine.param_dtype."""
 
     def __post_init__(self) -> None:
-        if self.log_prob_micro_batch_size_per_device < 1:
-            raise ValueError("ref.log_prob_micro_batch_size_per_device must be >= 1, "
-                             f"got {self.log_prob_micro_batch_size_per_device}")
+        for key in ("log_prob_micro_batch_size_per_device", "log_prob_max_token_len_per_gpu"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"ref.{key} must be >= 1, got {getattr(self, key)}")
         check_dtype("ref.param_dtype", self.param_dtype)
+
+    def log_prob_micro(self) -> MicroBatchSize:
+        """Micro-batch size of the reference pass: rows, or a token budget with log_prob_use_dynamic_bsz."""
+        if self.log_prob_use_dynamic_bsz:
+            return TokenBudget(self.log_prob_max_token_len_per_gpu)
+        return self.log_prob_micro_batch_size_per_device
 
 
 @dataclass
@@ -121,6 +151,12 @@ class CriticConfig(Section):
     """Rows per forward/backward on one worker."""
     ppo_epochs: int = 1
     """Passes over the rollout batch per training step."""
+    use_dynamic_bsz: bool = False
+    """Size micro-batches by tokens (ppo_max_token_len_per_gpu, forward_max_token_len_per_gpu) instead of rows."""
+    ppo_max_token_len_per_gpu: int = 32768
+    """With use_dynamic_bsz: real tokens per update micro-batch on one worker."""
+    forward_max_token_len_per_gpu: int = 32768
+    """With use_dynamic_bsz: real tokens per micro-batch of compute_values."""
     cliprange_value: float = 0.5
     """Value clipping range around the old values."""
     loss_agg_mode: str = "token-mean"
@@ -131,12 +167,21 @@ class CriticConfig(Section):
     """FSDP2 engine settings of the critic."""
 
     def __post_init__(self) -> None:
-        for key in ("ppo_mini_batch_size", "ppo_micro_batch_size_per_device", "ppo_epochs"):
+        for key in ("ppo_mini_batch_size", "ppo_micro_batch_size_per_device", "ppo_epochs",
+                    "ppo_max_token_len_per_gpu", "forward_max_token_len_per_gpu"):
             if getattr(self, key) < 1:
                 raise ValueError(f"critic.{key} must be >= 1, got {getattr(self, key)}")
         if self.cliprange_value <= 0:
             raise ValueError(f"critic.cliprange_value must be > 0, got {self.cliprange_value}")
         _one_of("critic.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+
+    def update_micro(self) -> MicroBatchSize:
+        """Micro-batch size of the critic update: rows, or a token budget with use_dynamic_bsz."""
+        return TokenBudget(self.ppo_max_token_len_per_gpu) if self.use_dynamic_bsz else self.ppo_micro_batch_size_per_device
+
+    def forward_micro(self) -> MicroBatchSize:
+        """Micro-batch size of compute_values: rows, or a token budget with use_dynamic_bsz."""
+        return TokenBudget(self.forward_max_token_len_per_gpu) if self.use_dynamic_bsz else self.ppo_micro_batch_size_per_device
 
 
 @dataclass
@@ -150,8 +195,8 @@ class RewardModelConfig(Section):
     *ForTokenClassification) model with num_labels=1; a plain causal LM is refused."""
     micro_batch_size_per_device: int = 16
     """Rows per forward on one worker."""
-    param_dtype: str = "bf16"
-    """Compute dtype of the reward-model forward ("fp32" | "bf16")."""
+    param_dtype: str = "auto"
+    """Compute dtype of the reward-model forward ("fp32" | "bf16" | "auto": as engine.param_dtype)."""
 
     def __post_init__(self) -> None:
         if self.micro_batch_size_per_device < 1:

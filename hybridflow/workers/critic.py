@@ -42,7 +42,7 @@ class CriticWorker(Worker):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
     def compute_values(self, data: DataProto) -> DataProto:
         """Rows with input_ids/attention_mask/position_ids/responses -> values [b, R]."""
-        values = self.engine.compute_values(data.batch, self.cfg.ppo_micro_batch_size_per_device)
+        values = self.engine.compute_values(data.batch, self.cfg.forward_micro())
         return DataProto.from_dict({K.VALUES: values})
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
@@ -51,7 +51,7 @@ class CriticWorker(Worker):
         mini_rows = self.cfg.ppo_mini_batch_size * self.rollout_n // self.world_size
         start = time.perf_counter()
         step_metrics = run_ppo_update(
-            self.engine, data, max(mini_rows, 1), self.cfg.ppo_micro_batch_size_per_device,
+            self.engine, data, max(mini_rows, 1), self.cfg.update_micro(),
             self.cfg.ppo_epochs, critic_loss_builder(self.cfg), seed=self._update_calls,
         )
         self._update_calls += 1

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from hybridflow.algos.core import GlobalNorm
 from hybridflow.engine.base import Engine, LossFn
+from hybridflow.engine.batch import MicroBatchSize, split_micro_batches
 from hybridflow.protocol import DataProto
 
 LossBuilder = Callable[[GlobalNorm], LossFn]
@@ -52,7 +53,7 @@ def run_ppo_update(
     engine: Engine,
     data: DataProto,
     mini_batch_rows: int,
-    micro_batch_rows: int,
+    micro_batch_size: MicroBatchSize,
     epochs: int,
     loss_builder: LossBuilder,
     shuffle: bool = False,
@@ -61,7 +62,7 @@ def run_ppo_update(
 ) -> dict[str, list[float]]:
     """Run `epochs` passes of optimizer steps over `data`; return every step's metrics as lists.
 
-    `mini_batch_rows` and `micro_batch_rows` count rows on THIS rank. Every rank must
+    `mini_batch_rows` counts rows on THIS rank; `micro_batch_size` too, or is a token budget. Every rank must
     hold the same number of rows so all ranks take the same number of steps.
     """
     metrics: dict[str, list[float]] = defaultdict(list)
@@ -69,7 +70,7 @@ def run_ppo_update(
     for epoch in range(epochs):
         for mini in mini_batches(tensors, mini_batch_rows, shuffle, seed + epoch):
             gn = global_norm(mini.batch["response_mask"])
-            micros = [dict(m.batch.items()) for m in mini.split(micro_batch_rows)]
+            micros = split_micro_batches(dict(mini.batch.items()), micro_batch_size)
             step = engine.train_step(micros, loss_builder(gn), **forward_kwargs)
             for k, v in step.items():
                 metrics[k].append(v)

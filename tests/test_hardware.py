@@ -1,0 +1,61 @@
+"""`auto` compute dtype: a matmul probe decides bf16 vs fp32 once per machine, and the resolve stage fills it in."""
+
+import json
+
+import pytest
+
+from hybridflow.utils import hardware
+from hybridflow.utils.dtypes import check_dtype, dtype_of, resolve_dtype
+
+
+@pytest.fixture
+def cache_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    hardware.auto_compute_dtype.cache_clear()
+    yield tmp_path
+    hardware.auto_compute_dtype.cache_clear()
+
+
+@pytest.mark.parametrize(("bf16", "fp32", "choice"), [(300.0, 170.0, "bf16"), (240.0, 170.0, "fp32"),
+                                                      (255.0, 170.0, "bf16"), (20.0, 160.0, "fp32")])
+def test_bf16_is_chosen_only_where_it_pays_1_5x(monkeypatch, bf16, fp32, choice):
+    rates = {"torch.bfloat16": bf16, "torch.float32": fp32}
+    monkeypatch.setattr(hardware, "matmul_gflops", lambda dtype, shape, repeats: rates[str(dtype)])
+    assert hardware.probe_compute_dtype(1)["choice"] == choice
+
+
+def test_probe_runs_once_per_machine_and_is_kept_on_disk(cache_home, monkeypatch):
+    calls = []
+    monkeypatch.setattr(hardware, "probe_compute_dtype",
+                        lambda threads: calls.append(threads) or {"bf16": 9.0, "fp32": 1.0, "choice": "bf16"})
+    assert hardware.auto_compute_dtype("cpu", 1) == "bf16"
+    hardware.auto_compute_dtype.cache_clear()  # a new process: reads the file, does not probe again
+    assert hardware.auto_compute_dtype("cpu", 1) == "bf16"
+    assert calls == [1]
+    cached = json.loads((cache_home / "hybridflow" / "dtype_probe.json").read_text())
+    assert [v["choice"] for v in cached.values()] == ["bf16"] and "1 threads" in next(iter(cached))
+
+
+def test_real_probe_gives_a_known_dtype(cache_home):
+    probe = hardware.probe_compute_dtype(1)
+    assert probe["choice"] in ("bf16", "fp32") and probe["bf16"] > 0 and probe["fp32"] > 0
+    assert str(dtype_of("auto")).removeprefix("torch.") in ("bfloat16", "float32")
+
+
+def test_auto_is_a_compute_dtype_only():
+    check_dtype("engine.param_dtype", "auto")
+    with pytest.raises(ValueError, match="engine.reduce_dtype must be one of"):
+        check_dtype("engine.reduce_dtype", "auto", allow_auto=False)
+    assert resolve_dtype("fp32", "cpu", 1) == "fp32"
+
+
+def test_resolve_fills_in_every_auto_dtype(cache_home, monkeypatch):
+    from hybridflow.config_utils import load_config
+    from hybridflow.trainer.resolve import resolve
+    from hybridflow.trainer.run_config import RunConfig
+
+    monkeypatch.setattr(hardware, "probe_compute_dtype", lambda threads: {"bf16": 1.0, "fp32": 1.0, "choice": "fp32"})
+    cfg = load_config(RunConfig, None, ["ref.param_dtype=bf16"])
+    run = resolve(cfg, steps_per_epoch=4, cpu_count=2).config
+    assert (run.actor.engine.param_dtype, run.rollout.dtype, run.reward_model.param_dtype) == ("fp32",) * 3
+    assert run.ref.param_dtype == "bf16"  # a user value is kept
