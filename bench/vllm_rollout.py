@@ -19,18 +19,19 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
 
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vllm's INFO lines would bury the table
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from rollout import hf_generate, make_prompts  # noqa: E402  (bench/rollout.py: the same prompts and generate call)
 
 from hybridflow.keys import RESPONSES  # noqa: E402
 from hybridflow.models import default_model_dir, load_causal_lm, load_tokenizer  # noqa: E402
 from hybridflow.rollout import RolloutConfig, build_rollout  # noqa: E402
+from hybridflow.utils.hardware import describe_cpu  # noqa: E402
 
 
 def build(name: str, args, tokenizer):
@@ -73,10 +74,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
-    cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    model_name = next((line.split(":", 1)[1].strip() for line in cpu.splitlines() if line.startswith("Model name")), "?")
-    print(f"SmolLM2-135M {args.dtype}, {args.new_tokens} new tokens, T=1, torch threads {torch.get_num_threads()}, "
-          f"CPU {model_name}", flush=True)
+    print(describe_cpu(), flush=True)
+    print(f"SmolLM2-135M {args.dtype}, {args.new_tokens} new tokens, T=1, torch threads {torch.get_num_threads()}",
+          flush=True)
     tokenizer = load_tokenizer(default_model_dir())
     rollouts = {name: build(name, args, tokenizer) for name in ("native", "vllm")}
     # clones: a tensor copied onto itself is skipped by torch, which would time nothing for native
