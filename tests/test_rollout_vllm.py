@@ -18,7 +18,8 @@ from hybridflow.models import default_model_dir, load_causal_lm, load_tokenizer,
 from hybridflow.rollout import RolloutConfig, build_rollout, sync_weights
 from rollout_helpers import prompt_batch, recomputed_log_probs
 
-pytest.importorskip("vllm", reason="needs vllm: ./scripts/setup.sh --vllm, then .venv-vllm/bin/python -m pytest -m vllm")
+pytest.importorskip("vllm", reason="needs vllm: ./scripts/setup.sh --vllm, then "
+                                  ".venv-vllm/bin/python -m pytest -m vllm")
 pytestmark = pytest.mark.vllm
 
 SMOL_PROMPTS = ["What is 12 + 7? Answer with just the number.", "The capital of France is",
@@ -105,7 +106,8 @@ def test_sampling_with_n_is_seeded_per_step_and_logs_tempered_log_probs():
         rollout.reseed(step)
         runs.append(rollout.generate_sequences(prompt_batch(tok)))
     responses = [r.batch[RESPONSES] for r in runs]
-    assert responses[0].shape == (6, R) and list(runs[0].non_tensor_batch["uid"]) == ["p0", "p0", "p1", "p1", "p2", "p2"]
+    assert responses[0].shape == (6, R)
+    assert list(runs[0].non_tensor_batch["uid"]) == ["p0", "p0", "p1", "p1", "p2", "p2"]
     assert torch.equal(responses[0], responses[1]) and not torch.equal(responses[0], responses[2])
     assert not torch.equal(responses[0][0::2], responses[0][1::2])  # the n samples of a prompt differ
     torch.testing.assert_close(runs[0].batch[ROLLOUT_LOG_PROBS], recomputed_log_probs(model, runs[0], 0.7),
@@ -139,7 +141,8 @@ def test_with_top_k_vllm_log_probs_are_those_of_the_filtered_distribution():
     filtered = filter_logits(logits.flatten(0, 1), 5, 1.0).view_as(logits).log_softmax(-1)
     expect = filtered.gather(-1, out.batch[RESPONSES][..., None]).squeeze(-1) * out.batch[RESPONSE_MASK]
     torch.testing.assert_close(out.batch[ROLLOUT_LOG_PROBS], expect, atol=1e-4, rtol=0)
-    assert (out.batch[ROLLOUT_LOG_PROBS] > recomputed_log_probs(model, out, 0.7) + 1e-3)[out.batch[RESPONSE_MASK].bool()].all()
+    higher = out.batch[ROLLOUT_LOG_PROBS] > recomputed_log_probs(model, out, 0.7) + 1e-3
+    assert higher[out.batch[RESPONSE_MASK].bool()].all()
 
 
 def test_a_partial_state_dict_is_refused(smol):

@@ -15,7 +15,8 @@ import pytest
 from tests.test_rollout_vllm import tiny_vllm_model_dir
 from tests.test_trainer_cli import run_cli, train_ok
 
-pytest.importorskip("vllm", reason="needs vllm: ./scripts/setup.sh --vllm, then .venv-vllm/bin/python -m pytest -m vllm")
+pytest.importorskip("vllm", reason="needs vllm: ./scripts/setup.sh --vllm, then "
+                                  ".venv-vllm/bin/python -m pytest -m vllm")
 pytestmark = pytest.mark.vllm
 
 
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.vllm
 def test_train_with_vllm_rollout(tmp_path: Path, extra: list[str]) -> None:
     steps = train_ok(str(tiny_vllm_model_dir()), tmp_path, "rollout.name=vllm", *extra)
     assert "timing_s/weight_sync" in steps[-1]  # the update's weights reached vllm before step 2's generation
-    if "rollout.calculate_log_probs=true" in extra:  # vllm's and the trainer's (bf16) probabilities of the same tokens
+    if "rollout.calculate_log_probs=true" in extra:  # vllm's and the trainer's probabilities of the same tokens
         assert all(0 <= r["actor/rollout_probs_diff_mean"] < 0.02 for r in steps), steps
 
 
@@ -35,7 +36,8 @@ def test_generate_with_vllm_rollout(tmp_path: Path) -> None:
     assert run_cli(["data", "arithmetic", "--out", str(tmp_path / "d"), "--train-size", "2", "--test-size", "5"],
                    tmp_path, module="hybridflow.trainer.cli").returncode == 0
     out = tmp_path / "gen.jsonl"
-    proc = run_cli(["generate", "--model", str(tiny_vllm_model_dir()), "--data", str(tmp_path / "d" / "arithmetic_test.parquet"),
+    data = tmp_path / "d" / "arithmetic_test.parquet"
+    proc = run_cli(["generate", "--model", str(tiny_vllm_model_dir()), "--data", str(data),
                     "--rollout", "vllm", "--n", "2", "--max-response-length", "4", "--out", str(out)],
                    tmp_path, module="hybridflow.trainer.cli")
     assert proc.returncode == 0, proc.stderr[-3000:]
