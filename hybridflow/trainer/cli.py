@@ -4,7 +4,7 @@
     hybridflow sft [--config FILE] key=value ...     # supervised fine-tuning (hybridflow/trainer/sft_main.py)
     hybridflow data TASK --out DIR [--sft] [--train-size N] [--test-size N] [--seed S] [key=value ...]
     hybridflow export CKPT_DIR --out HF_DIR [--tokenizer PATH] [--base-model PATH] [--adapter]
-    hybridflow generate --model PATH_OR_CKPT --data FILE.parquet [--n N] [--out FILE.jsonl]
+    hybridflow generate --model PATH_OR_CKPT --data FILE.parquet [--n N] [--rollout native|hf|vllm] [--out FILE.jsonl]
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from hybridflow.rollout.config import ROLLOUT_NAMES
 from hybridflow.trainer.checkpointing import actor_dir, model_of, tokenizer_of
 from hybridflow.trainer.main import USER_ERRORS
 
@@ -64,7 +65,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     metrics = generate_and_score(args.model, args.data, n=args.n, out=args.out, max_prompt_length=args.max_prompt_length,
                                  max_response_length=args.max_response_length, temperature=args.temperature,
-                                 batch_size=args.batch_size)
+                                 batch_size=args.batch_size, rollout=args.rollout)
     for key, value in metrics.items():
         print(f"{key}: {value:.4f}")
     return 0
@@ -98,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-prompt-length", type=int, default=128)
     g.add_argument("--max-response-length", type=int, default=64)
     g.add_argument("--batch-size", type=int, default=64)
+    g.add_argument("--rollout", choices=ROLLOUT_NAMES, default="native", help="generation backend (rollout.name)")
     g.add_argument("--out", help="write prompts, responses and scores as JSON lines")
     return parser
 

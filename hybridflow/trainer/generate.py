@@ -31,8 +31,9 @@ def model_dir(model: str, tmp: Path) -> Path:
 
 
 def generate_and_score(model: str, data: str, n: int = 1, out: str | None = None, max_prompt_length: int = 128,
-                       max_response_length: int = 64, temperature: float = 1.0, batch_size: int = 64) -> dict[str, float]:
-    """Generate n responses per prompt (greedy when n == 1), score them, return metrics."""
+                       max_response_length: int = 64, temperature: float = 1.0, batch_size: int = 64,
+                       rollout: str = "native") -> dict[str, float]:
+    """Generate n responses per prompt (greedy when n == 1) with the `rollout` backend, score them, return metrics."""
     from hybridflow.data.dataset import RLDataset, collate
     from hybridflow.models import load_tokenizer
     from hybridflow.rewards import RewardManager
@@ -42,16 +43,16 @@ def generate_and_score(model: str, data: str, n: int = 1, out: str | None = None
     with tempfile.TemporaryDirectory() as tmp:
         path = model_dir(model, Path(tmp))
         tokenizer = load_tokenizer(path)
-        cfg = RolloutConfig(n=n, do_sample=n > 1, temperature=temperature, prompt_length=max_prompt_length,
+        cfg = RolloutConfig(name=rollout, n=n, do_sample=n > 1, temperature=temperature, prompt_length=max_prompt_length,
                             response_length=max_response_length)
-        rollout = build_rollout(cfg, path, tokenizer)
+        engine = build_rollout(cfg, path, tokenizer)
     dataset = RLDataset(data, tokenizer, max_prompt_length)
     reward = RewardManager(tokenizer)
     rows, sources, uids, scores = [], [], [], []
     for start in range(0, len(dataset), batch_size):
         prompts = collate([dataset[i] for i in range(start, min(start + batch_size, len(dataset)))])
         prompts.non_tensor_batch[K.UID] = np.arange(start, start + len(prompts)).astype(str).astype(object)
-        result = rollout.generate_sequences(prompts)
+        result = engine.generate_sequences(prompts)
         scored = reward(result)
         texts = tokenizer.batch_decode(result.batch[K.RESPONSES], skip_special_tokens=True)
         sources += [str(s) for s in result.non_tensor_batch[K.DATA_SOURCE]]

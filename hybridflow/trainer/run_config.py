@@ -10,7 +10,6 @@ arithmetic tasks, 2 CPU workers, colocated.
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass, field
 
 from hybridflow.config_utils import Section
@@ -150,16 +149,21 @@ class RunConfig(Section):
         """Packages and devices the configured backends need, checked here rather than in a worker."""
         device = self.trainer.device
         if self.rollout.name == "vllm":
-            if importlib.util.find_spec("vllm") is None:
-                raise ValueError("rollout.name=vllm needs the vllm package, which is not installed; install it "
-                                 "(pip install 'hybridflow[vllm]' on a CUDA machine) or use rollout.name=native")
-            if device != "cuda":
-                raise ValueError("rollout.name=vllm runs on a CUDA device only for now (trainer.device=cuda); "
-                                 "on CPU use rollout.name=native")
+            from hybridflow.rollout.vllm_engine import installed_vllm_device
+
+            build = installed_vllm_device()
+            if build is None:
+                raise ValueError("rollout.name=vllm needs the vllm package, which is not installed; on CPU run "
+                                 "./scripts/setup.sh --vllm and use .venv-vllm/bin/hybridflow, on a GPU pip "
+                                 "install 'hybridflow[vllm]'; or use rollout.name=native")
+            if build != device:
+                raise ValueError(f"rollout.name=vllm: the installed vllm build runs on {build}, but "
+                                 f"trainer.device={device}; set trainer.device={build} or install the vllm "
+                                 f"build for {device}")
 
     def _check_lora(self) -> None:
         lora = self.actor.lora
         if lora.enabled and self.rollout.name == "vllm":
-            raise ValueError(f"actor.lora.rank={lora.rank} with rollout.name=vllm is not supported yet (the merged-"
-                             "weight sync is tested with the in-process rollouts only); use rollout.name=native "
+            raise ValueError(f"actor.lora.rank={lora.rank} with rollout.name=vllm is not supported yet (its sync "
+                             "sends only the adapted layers, and vllm reloads whole layers); use rollout.name=native "
                              "or hf, or actor.lora.rank=0")

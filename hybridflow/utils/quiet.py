@@ -11,15 +11,19 @@ Ray workers are fresh processes: `worker_env` gives the env vars that switch the
 bars and info logs off there at import (the worker groups pass them through the
 actors' runtime_env). The controller's own process, which also runs the worker of
 the in-process local backend, is quietened for a block only by `quiet_libraries`,
-which puts back what it changed.
+which puts back what it changed (except vllm's log level, fixed at its first import).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
+
+VLLM_LEVEL_ENV = "VLLM_LOGGING_LEVEL"
+"""vllm's log level env var."""
 
 QUIET_WORKER_ENV: dict[str, str] = {
     # huggingface_hub's bars; transformers reads it at import for its own bars too
@@ -27,6 +31,9 @@ QUIET_WORKER_ENV: dict[str, str] = {
     # every other tqdm bar (tqdm >= 4.66 takes its defaults from TQDM_* env vars)
     "TQDM_DISABLE": "1",
     "TRANSFORMERS_VERBOSITY": "warning",
+    # vllm (rollout.name=vllm) logs at INFO, and warns at every weight sync and about CPU tuning hints;
+    # its errors still reach the console (they are raised as exceptions too)
+    VLLM_LEVEL_ENV: "ERROR",
 }
 """The env vars `worker_env` sets in quiet mode."""
 
@@ -51,11 +58,18 @@ def quiet_libraries(verbose: bool = False) -> Iterator[None]:
     level = tf_logging.get_verbosity()
     previous_hook = tf_logging.set_tqdm_hook(_disabled_bar)
     tf_logging.set_verbosity(max(level, logging.WARNING))
+    # vllm reads its level once, when first imported: a vllm rollout built in the block stays quiet
+    vllm_level = os.environ.get(VLLM_LEVEL_ENV)
+    os.environ[VLLM_LEVEL_ENV] = QUIET_WORKER_ENV[VLLM_LEVEL_ENV]
     try:
         yield
     finally:
         tf_logging.set_verbosity(level)
         tf_logging.set_tqdm_hook(previous_hook)
+        if vllm_level is None:
+            os.environ.pop(VLLM_LEVEL_ENV, None)
+        else:
+            os.environ[VLLM_LEVEL_ENV] = vllm_level
 
 
 def _disabled_bar(factory: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -32,13 +32,16 @@ def actor_loss_builder(cfg: ActorConfig, own_old_log_prob: bool = False) -> Loss
             mask = micro[K.RESPONSE_MASK]
             log_prob = outputs["log_probs"]
             old_log_prob = log_prob.detach() if own_old_log_prob else micro[K.OLD_LOG_PROBS]
+            rollout_log_prob = micro.get(K.ROLLOUT_LOG_PROBS)
             pg_loss, stats = policy_loss(
                 old_log_prob, log_prob, micro[K.ADVANTAGES], mask,
-                loss_agg_mode=mode, config=cfg.policy_loss, global_norm=gn,
-                rollout_log_probs=micro.get(K.ROLLOUT_LOG_PROBS),
+                loss_agg_mode=mode, config=cfg.policy_loss, global_norm=gn, rollout_log_probs=rollout_log_prob,
             )
             scale = local_mean_factor(gn, mask, mode)
             metrics = {"pg_loss": float(pg_loss.detach()) * scale, **{k: float(v) for k, v in stats.items()}}
+            if rollout_log_prob is not None:  # sampler vs trainer on the same tokens and weights (verl's name)
+                gap = (old_log_prob.exp() - rollout_log_prob.exp()).abs()
+                metrics["rollout_probs_diff_mean"] = float(masked_mean(gap, mask))
             if own_old_log_prob:
                 metrics["entropy"] = float(masked_mean(outputs["entropy"].detach(), mask))
             loss = pg_loss
