@@ -40,3 +40,26 @@ def ray_local():
     start_local_ray()
     yield
     ray.shutdown()
+
+
+def loopback_cluster(patch):
+    """Generator for fixtures: a head and a worker node of 1 CPU each (ray.cluster_utils.Cluster, loopback
+    only), yielded; the tests' usual local Ray is restored afterwards. `patch`: a pytest MonkeyPatch."""
+    import ray
+    import ray._private.services as ray_services
+    from ray.cluster_utils import Cluster
+
+    was_up = ray.is_initialized()
+    ray.shutdown()
+    # Added nodes look for the head at the machine's address unless this says loopback.
+    patch.setattr(ray_services, "get_node_ip_address", lambda *a, **k: "127.0.0.1")
+    patch.setenv("PYTHONPATH", TESTS_DIR, prepend=":")  # raylets pass it on to workers
+    cluster = Cluster(initialize_head=True, connect=True,
+                      head_node_args={"num_cpus": 1, "node_ip_address": "127.0.0.1", "include_dashboard": False})
+    cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")
+    cluster.wait_for_nodes()
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+    if was_up:
+        start_local_ray()

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import pytest
 import ray
-import ray._private.services as ray_services
-from conftest import TESTS_DIR, start_local_ray
+from conftest import loopback_cluster
 from controller_workers import Probe, rows
-from ray.cluster_utils import Cluster
 
 from hybridflow.controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 
@@ -17,23 +15,7 @@ pytestmark = pytest.mark.slow  # two extra raylets and two workers: ~1 min on 2 
 @pytest.fixture(scope="module")
 def two_nodes(monkeypatch_module):
     """A head and a worker node of 1 CPU each; the tests' usual local Ray is restored afterwards."""
-    was_up = ray.is_initialized()
-    ray.shutdown()
-    # Added nodes look for the head at the machine's address unless this says loopback.
-    monkeypatch_module.setattr(ray_services, "get_node_ip_address", lambda *a, **k: "127.0.0.1")
-    monkeypatch_module.setenv("PYTHONPATH", TESTS_DIR, prepend=":")  # raylets pass it on to workers
-    cluster = Cluster(
-        initialize_head=True,
-        connect=True,
-        head_node_args={"num_cpus": 1, "node_ip_address": "127.0.0.1", "include_dashboard": False},
-    )
-    cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")
-    cluster.wait_for_nodes()
-    yield cluster
-    ray.shutdown()
-    cluster.shutdown()
-    if was_up:
-        start_local_ray()
+    yield from loopback_cluster(monkeypatch_module)
 
 
 @pytest.fixture(scope="module")

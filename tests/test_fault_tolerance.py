@@ -188,26 +188,10 @@ def test_controller_killed_mid_save_resumes_from_the_last_complete_checkpoint(se
 
 @pytest.fixture
 def two_nodes(monkeypatch):
-    """A head and a worker node of 1 CPU each on loopback (see test_controller_cluster.py); the tests'
-    usual local Ray is restored afterwards."""
-    import ray
-    import ray._private.services as ray_services
-    from conftest import TESTS_DIR, start_local_ray
-    from ray.cluster_utils import Cluster
+    """A head and a worker node of 1 CPU each on loopback (conftest.loopback_cluster)."""
+    from conftest import loopback_cluster
 
-    was_up = ray.is_initialized()
-    ray.shutdown()
-    monkeypatch.setattr(ray_services, "get_node_ip_address", lambda *a, **k: "127.0.0.1")
-    monkeypatch.setenv("PYTHONPATH", TESTS_DIR, prepend=":")
-    cluster = Cluster(initialize_head=True, connect=True,
-                      head_node_args={"num_cpus": 1, "node_ip_address": "127.0.0.1", "include_dashboard": False})
-    cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")
-    cluster.wait_for_nodes()
-    yield cluster
-    ray.shutdown()
-    cluster.shutdown()
-    if was_up:
-        start_local_ray()
+    yield from loopback_cluster(monkeypatch)
 
 
 def _kill_the_worker_on(node_id: str, markers: list[Path], timeout_s: float = 400) -> int:
