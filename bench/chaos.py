@@ -21,7 +21,9 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
+import statistics
 import signal
 import subprocess
 import sys
@@ -30,6 +32,8 @@ import time
 from pathlib import Path
 
 import psutil
+
+from hybridflow.utils.hardware import describe_cpu
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPARED = ("critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/entropy", "actor/grad_norm")
@@ -88,6 +92,11 @@ def recoveries(log: Path) -> list[str]:
     return [line for line in log.read_text().splitlines() if "hybridflow: worker failure:" in line]
 
 
+def recovery_seconds(log: Path) -> list[float]:
+    """The "recovered in X s" of every recovery: restart cost, failure to training again."""
+    return [float(m[1]) for m in re.finditer(r"hybridflow: recovered in ([0-9.]+) s", log.read_text())]
+
+
 def wait_for(cond, proc: subprocess.Popen, timeout_s: float = 1800) -> bool:
     """Poll `cond()` until true; False if the run ended or the time ran out first."""
     deadline = time.monotonic() + timeout_s
@@ -143,7 +152,7 @@ def main() -> None:
                         "checkpoints are deleted at the end)")
     args = parser.parse_args()
     root = args.out or Path(tempfile.mkdtemp(prefix="hybridflow-chaos-"))
-    print(f"cpu: {_cpu()}; runs under {root}", flush=True)
+    print(f"{describe_cpu()}; runs under {root}", flush=True)
 
     begin = time.monotonic()
     proc, log = start(args, root / "reference")
@@ -161,19 +170,16 @@ def main() -> None:
     overhead = chaos_s - ref_s
     per = f", {overhead / len(lines):.1f} s per recovery" if lines else ""
     print(f"wall clock: reference {ref_s:.1f} s, with kills {chaos_s:.1f} s: overhead {overhead:.1f} s{per}")
+    restart_s = recovery_seconds(chaos_log)
+    if restart_s:
+        step_s = statistics.median(r["timing_s/step"] for r in logged_steps(root / "reference"))
+        print(f"restart cost (failure to training again): {', '.join(f'{x:.1f}' for x in restart_s)} s; "
+              f"the rest of the overhead is {redone} redone steps (median step {step_s:.1f} s) and their warm-up")
     print("final metrics equal the reference's: " + ("yes" if not diffs else "NO\n  " + "\n  ".join(diffs[:10])))
     if args.out is None:  # the checkpoints are large (SmolLM2 with optimizer: ~1.6 GB each); logs stay
         for run in ("reference", "chaos"):
             shutil.rmtree(root / run / "ckpt", ignore_errors=True)
     sys.exit(0 if not diffs and len(lines) == len(kills) else 1)
-
-
-def _cpu() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, StopIteration):
-        return "unknown"
 
 
 if __name__ == "__main__":

@@ -91,6 +91,7 @@ def test_a_worker_killed_while_saving_recovers_from_the_last_complete_checkpoint
     assert "rank 1 (pid" in line and "node " in line and "died" in line and "save_checkpoint" in line, line
     assert "restart 1 of 3" in line and "global_step_2, redoing steps 3-4" in line, line
     assert steps_of(tmp_path)[-1]["fault/restarts"] == 1 and steps_of(tmp_path)[-1]["fault/steps_redone"] == 2
+    assert steps_of(tmp_path)[-1]["fault/recovery_s"] > 0 and "hybridflow: recovered in " in proc.stderr
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["global_step_2", "global_step_4"]
 
 

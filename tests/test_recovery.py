@@ -93,6 +93,21 @@ def test_exhausted_restarts_name_the_worker_and_the_fix(tmp_path: Path):
         recovery.restart(failure, rewind=lambda step: None)
 
 
+def test_recovery_time_runs_from_the_failure_to_the_resume(monkeypatch):
+    cfg = load_config(RunConfig, None, ["trainer.max_restarts=2"]).trainer
+    recovery = Recovery(cfg, None)
+    clock = iter([100.0, 112.5])
+    monkeypatch.setattr("hybridflow.trainer.recovery.time.monotonic", lambda: next(clock))
+    monkeypatch.setattr("hybridflow.trainer.recovery.dead_workers", lambda groups: [])
+    recovery.resumed()  # a first start is no recovery
+    assert recovery.metrics()["fault/recovery_s"] == 0.0
+    assert recovery.failure(WorkerError("died"), [], step=3) is not None  # t = 100
+    recovery.resumed()  # t = 112.5
+    assert recovery.metrics()["fault/recovery_s"] == 12.5
+    recovery.resumed()  # nothing in progress: unchanged, the clock is not read again
+    assert recovery.metrics()["fault/recovery_s"] == 12.5
+
+
 def test_max_restarts_is_checked_and_resolved_per_backend():
     with pytest.raises(ValueError, match="trainer.max_restarts must be >= 0"):
         load_config(RunConfig, None, ["trainer.max_restarts=-1"])

@@ -66,6 +66,8 @@ class PPOTrainer:
         """Train until total steps; validate, log and checkpoint on the configured schedule."""
         t = self.cfg.trainer
         self.global_step = self.checkpointer.resume(self.kl_ctrl, self.resume_from)
+        if self.recovery is not None:
+            self.recovery.resumed()
         if self.resume_from is not None:
             self.tracker.rewind(self.global_step)  # steps logged after the checkpoint are redone, not repeated
         if t.val_before_train and self.global_step == 0 and not self.first_val:

@@ -17,7 +17,9 @@ On a failure `run_with_restarts` (used by `hybridflow train` and `hybridflow sft
    nodes still alive) and continues from the newest complete checkpoint this run wrote, or the one it
    started from, or step 0. Loader position, RNG and KL coefficient come back from the checkpoint,
    so the metrics equal those of a run that never failed.
-Every step's metrics carry `fault/restarts` and `fault/steps_redone` (totals so far in this process).
+Every step's metrics carry `fault/restarts` and `fault/steps_redone` (totals so far in this process) and
+`fault/recovery_s`: how long the last recovery took from the failure to training again (workers torn down
+and restarted, models and checkpoint loaded), the cost of a restart apart from the steps it redoes.
 """
 
 from __future__ import annotations
@@ -157,17 +159,31 @@ class Recovery:
         """Checkpoints this run wrote, oldest first (the trainer's checkpointer appends)."""
         self.restarts = 0
         self.steps_redone = 0
+        self.recovery_s = 0.0
+        """Seconds the last recovery took, failure to training again (0 before any)."""
+        self._failed_at: float | None = None
 
     def metrics(self) -> dict[str, float]:
         """The totals logged with every step."""
-        return {"fault/restarts": float(self.restarts), "fault/steps_redone": float(self.steps_redone)}
+        return {"fault/restarts": float(self.restarts), "fault/steps_redone": float(self.steps_redone),
+                "fault/recovery_s": self.recovery_s}
 
     def failure(self, err: BaseException, groups: list[Any], step: int) -> Failure | None:
         """A `Failure` when `err` is a worker failure (call it before the workers are torn down), else None."""
         dead = dead_workers(groups)
         if not is_worker_failure(err, dead):
             return None
+        self._failed_at = time.monotonic()
         return Failure(describe(err, groups, dead), step, err)
+
+    def resumed(self) -> None:
+        """Called by the trainer once it has restored its checkpoint: ends the recovery in progress, if any."""
+        if self._failed_at is None:
+            return
+        self.recovery_s = time.monotonic() - self._failed_at
+        self._failed_at = None
+        log.warning("recovered in %.1f s (workers restarted, models and checkpoint loaded); training again",
+                    self.recovery_s)
 
     def restart(self, failure: Failure, rewind: Callable[[int], None]) -> None:
         """Take one restart from the budget, pick the checkpoint, rewind the loggers and log the recovery

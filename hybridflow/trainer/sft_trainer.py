@@ -43,6 +43,8 @@ class SFTTrainer:
         t, total = self.cfg.trainer, self.run.total_steps
         # 1. continue from the latest checkpoint (workers + loader position), else validate the start
         self.global_step, _ = self.checkpointer.resume(self.resume_from)
+        if self.recovery is not None:
+            self.recovery.resumed()
         if self.resume_from is not None:
             self.tracker.rewind(self.global_step)  # steps logged after the checkpoint are redone, not repeated
         if t.val_before_train and self.global_step == 0 and not self.val_history:
