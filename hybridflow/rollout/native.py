@@ -11,7 +11,8 @@ the cache on every single finish costs more than computing a few dead rows for a
 few steps; until compaction their samples are discarded.)
 
 Llama-style models (Llama, Qwen2) run on `StaticLlamaDecoder`; other architectures
-fall back to `HFDecoder` (the model's own forward with a DynamicCache).
+fall back to `HFDecoder` (the model's own forward with a DynamicCache). With
+rollout.enforce_eager=False the static decoder's element-wise ops are compiled (rollout/kernels.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch import Tensor, nn
 from hybridflow.rollout.base import ModuleRollout
 from hybridflow.rollout.config import RolloutConfig, SamplingParams
 from hybridflow.rollout.decoder import HFDecoder, StaticLlamaDecoder, supports_static_path
+from hybridflow.rollout.kernels import decoder_kernels
 from hybridflow.rollout.sampling import sample_next
 
 COMPACT_FRACTION = 0.125
@@ -35,10 +37,11 @@ class NativeRollout(ModuleRollout):
         super().__init__(config, model, tokenizer)
         self.use_static = supports_static_path(model) if use_static is None else use_static
         self._eos = torch.tensor(self.eos_ids)
+        self.kernels = decoder_kernels(compile=self.use_static and not config.enforce_eager)
 
     def _decoder(self) -> StaticLlamaDecoder | HFDecoder:
         # built per call: the static decoder's fused weights must follow in-place weight updates
-        return StaticLlamaDecoder(self.model) if self.use_static else HFDecoder(self.model)
+        return StaticLlamaDecoder(self.model, self.kernels) if self.use_static else HFDecoder(self.model)
 
     def _generate(self, ids: Tensor, mask: Tensor, pos: Tensor, params: SamplingParams
                   ) -> tuple[Tensor, Tensor, Tensor]:
