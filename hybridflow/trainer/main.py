@@ -113,39 +113,54 @@ def started_workers(cfg: Any, build: Callable[[], T], groups_of: Callable[[T], l
         release(built)
 
 
-def run(resolved: ResolvedRun, inputs: RunInputs) -> dict[str, dict[str, float]]:
-    """Train as resolved, recovering from worker failures (trainer.max_restarts, trainer/recovery.py);
-    returns {"before": val metrics, "after": val metrics}."""
-    from hybridflow.trainer.ppo_trainer import PPOTrainer
+def fit_with_restarts(cfg: Any, inputs: Any, build: Callable[[], T], groups_of: Callable[[T], list], label: str,
+                      release: Callable[[T], None], make_trainer: Callable[..., Any],
+                      carry: Callable[[Any, Any], None]) -> tuple[Any, Any]:
+    """Start the workers, `make_trainer(built, inputs, tracker, recovery).fit()`, and after a recoverable
+    worker failure do it again from the newest checkpoint (trainer.max_restarts, trainer/recovery.py).
+
+    `inputs`: RunInputs / SFTInputs (its resume_from is replaced per attempt); `carry(old, new)` moves what a
+    restarted trainer keeps from the failed one (validation results: validation before training is not
+    redone). Returns (the last trainer, what its fit returned)."""
     from hybridflow.trainer.recovery import Recovery, run_with_restarts
-    from hybridflow.trainer.roles import Roles, build_roles
     from hybridflow.utils.tracking import Tracking
 
-    cfg = resolved.config
-    log_dir = Path(cfg.trainer.log_dir)
     recovery = Recovery(cfg.trainer, inputs.resume_from)
     loader_start = inputs.train_loader.state_dict()
-    trainer: PPOTrainer | None = None
+    current: Any = None
 
-    def workers():
-        return started_workers(cfg, lambda: build_roles(resolved), Roles.all, "loading models",
-                               lambda roles: roles.release())
-
-    def attempt(roles: Roles) -> dict[str, float]:
-        nonlocal trainer
-        before = trainer
+    def attempt(built: T) -> Any:
+        nonlocal current
         if recovery.resume_from is None:  # (re)starting at step 0: the loader too
             inputs.train_loader.load_state_dict(loader_start)
-        trainer = PPOTrainer(resolved, roles, inputs._replace(resume_from=recovery.resume_from), tracker, recovery)
-        if before is not None:  # a restart: validation before training is not redone
-            trainer.first_val, trainer.last_val = before.first_val, before.last_val
-        return trainer.fit()
+        fresh = make_trainer(built, inputs._replace(resume_from=recovery.resume_from), tracker, recovery)
+        if current is not None:
+            carry(current, fresh)
+        current = fresh
+        return fresh.fit()
 
-    with Tracking(cfg.trainer.project_name, cfg.trainer.experiment_name, cfg.trainer.logger, log_dir,
-                  config=_plain(cfg)) as tracker:
-        after = run_with_restarts(recovery, workers, Roles.all, attempt,
-                                  lambda: trainer.global_step if trainer else 0, tracker.rewind)
-    _report(log_dir, trainer.first_val, after)
+    t = cfg.trainer
+    with Tracking(t.project_name, t.experiment_name, t.logger, Path(t.log_dir), config=_plain(cfg)) as tracker:
+        result = run_with_restarts(recovery, lambda: started_workers(cfg, build, groups_of, label, release),
+                                   groups_of, attempt, lambda: current.global_step if current else 0,
+                                   tracker.rewind)
+    return current, result
+
+
+def run(resolved: ResolvedRun, inputs: RunInputs) -> dict[str, dict[str, float]]:
+    """Train as resolved, recovering from worker failures; returns {"before": val metrics, "after": val metrics}."""
+    from hybridflow.trainer.ppo_trainer import PPOTrainer
+    from hybridflow.trainer.roles import Roles, build_roles
+
+    def carry(old: PPOTrainer, new: PPOTrainer) -> None:
+        new.first_val, new.last_val = old.first_val, old.last_val
+
+    trainer, after = fit_with_restarts(
+        resolved.config, inputs, lambda: build_roles(resolved), Roles.all, "loading models",
+        lambda roles: roles.release(),
+        lambda roles, run_inputs, tracker, recovery: PPOTrainer(resolved, roles, run_inputs, tracker, recovery),
+        carry)
+    _report(Path(resolved.config.trainer.log_dir), trainer.first_val, after)
     return {"before": trainer.first_val, "after": after}
 
 

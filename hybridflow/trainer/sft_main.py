@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Callable, NamedTuple, Sequence
 
 from hybridflow.config_utils import load_config
-from hybridflow.trainer.main import _plain, run_command, started_workers
+from hybridflow.trainer.main import fit_with_restarts, run_command
 from hybridflow.trainer.sft_config import ResolvedSFT, SFTConfig, resolve_sft
 
 
@@ -73,36 +73,18 @@ def _build_workers(run: ResolvedSFT) -> tuple[Any, Callable[[], None]]:
 
 
 def run(resolved: ResolvedSFT, inputs: SFTInputs) -> list[float]:
-    """Train as resolved; returns the validation losses computed, in order."""
-    from hybridflow.trainer.recovery import Recovery, run_with_restarts
+    """Train as resolved, recovering from worker failures; returns the validation losses computed, in order."""
     from hybridflow.trainer.sft_trainer import SFTTrainer
-    from hybridflow.utils.tracking import Tracking
 
-    cfg = resolved.config
-    log_dir = Path(cfg.trainer.log_dir)
-    recovery = Recovery(cfg.trainer, inputs.resume_from)
-    loader_start = inputs.train_loader.state_dict()
-    trainer: SFTTrainer | None = None
+    def carry(old: SFTTrainer, new: SFTTrainer) -> None:
+        new.val_history = old.val_history
 
-    def workers():
-        return started_workers(cfg, lambda: _build_workers(resolved), lambda built: [built[0]], "loading model",
-                               lambda built: built[1]())
-
-    def attempt(built: tuple) -> list[float]:
-        nonlocal trainer
-        before = trainer
-        if recovery.resume_from is None:  # (re)starting at step 0: the loader too
-            inputs.train_loader.load_state_dict(loader_start)
-        trainer = SFTTrainer(resolved, built[0], inputs._replace(resume_from=recovery.resume_from), tracker, recovery)
-        if before is not None:  # a restart: the losses so far are kept, validation before training not redone
-            trainer.val_history = before.val_history
-        return trainer.fit()
-
-    with Tracking(cfg.trainer.project_name, cfg.trainer.experiment_name, cfg.trainer.logger, log_dir,
-                  config=_plain(cfg)) as tracker:
-        losses = run_with_restarts(recovery, workers, lambda built: [built[0]], attempt,
-                                   lambda: trainer.global_step if trainer else 0, tracker.rewind)
-    _report(log_dir, losses)
+    _, losses = fit_with_restarts(
+        resolved.config, inputs, lambda: _build_workers(resolved), lambda built: [built[0]], "loading model",
+        lambda built: built[1](),
+        lambda built, run_inputs, tracker, recovery: SFTTrainer(resolved, built[0], run_inputs, tracker, recovery),
+        carry)
+    _report(Path(resolved.config.trainer.log_dir), losses)
     return losses
 
 
