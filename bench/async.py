@@ -103,7 +103,7 @@ def main() -> None:
               f"{s['gen_tokens_per_s'] / base['gen_tokens_per_s']:>8.2f}{s['transfer_s']:>12.3f}")
     print("mean reward per step (critic/score/mean):")
     for mode, (_, records) in results.items():
-        print(f"  {mode:<12}" + " ".join(f"{r['critic/score/mean']:.3f}" for r in records))
+        print(f"  {mode:<14}" + " ".join(f"{r['critic/score/mean']:.3f}" for r in records))
 
 
 if __name__ == "__main__":

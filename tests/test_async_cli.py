@@ -54,17 +54,22 @@ def test_async_staleness_never_exceeds_the_cap(tmp_path: Path) -> None:
     assert all("mismatch/kl" in r and "mismatch/rollout_is_mean" in r for r in records)
 
 
-def test_one_step_off_killed_and_resumed_matches_uninterrupted(tmp_path: Path) -> None:
-    """The actor is SIGKILLed in step 3's update (batch 4 is then being generated); the rerun of the same
-    command resumes from global_step_2, whose checkpoint holds batch 3, generated ahead by policy version 1."""
-    mode = ["trainer.mode=one_step_off", *OFF_POLICY, "trainer.save_freq=2", "trainer.max_restarts=0"]
+@pytest.mark.parametrize("mode, queued, staleness", [
+    (["trainer.mode=one_step_off"], ["step_3.pkl"], [0.0, 1.0, 1.0, 1.0]),
+    (["trainer.mode=async", "trainer.max_staleness=2"], ["step_3.pkl", "step_4.pkl"], [0.0, 1.0, 2.0, 2.0]),
+])
+def test_killed_and_resumed_matches_uninterrupted(tmp_path: Path, mode: list[str], queued: list[str],
+                                                  staleness: list[float]) -> None:
+    """The actor is SIGKILLed in step 3's update (a later batch is then being generated); the rerun of the
+    same command resumes from global_step_2, whose checkpoint holds the batches generated ahead of it."""
+    mode = [*mode, *OFF_POLICY, "trainer.save_freq=2", "trainer.max_restarts=0"]
     full = _run(tmp_path / "full", 4, *mode)
-    assert [r["async/staleness/max"] for r in full] == [0.0, 1.0, 1.0, 1.0]
+    assert [r["async/staleness/max"] for r in full] == staleness
     parts = tmp_path / "parts"
     fault = {"HYBRIDFLOW_FAULT": "update_actor@3:0", "HYBRIDFLOW_FAULT_DIR": str(tmp_path / "faults")}
     first = _run(parts, 4, *mode, env=fault, ok=False)
     assert [r["step"] for r in first] == [1, 2]
-    assert (parts / "ckpt" / "global_step_2" / "rollout_queue" / "step_3.pkl").exists()
+    assert sorted(p.name for p in (parts / "ckpt" / "global_step_2" / "rollout_queue").iterdir()) == queued
     resumed = _run(parts, 4, *mode, env=fault)  # the fault fires once; resume_mode=auto picks global_step_2
     by_step = {r["step"]: r for r in first + resumed}
     assert sorted(by_step) == [1, 2, 3, 4]
