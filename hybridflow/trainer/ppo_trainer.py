@@ -152,7 +152,7 @@ class PPOTrainer:
 
     def _validate(self) -> dict[str, float]:
         with phase(f"validating ({len(self.val_loader.dataset)} prompts)"):
-            metrics = validate(self.roles.rollout, self.val_loader, self.reward_fn, self.cfg.rollout.val_kwargs.n)
+            metrics = validate(self.roles.rollout or self.roles.actor_rollout, self.val_loader, self.reward_fn, self.cfg.rollout.val_kwargs.n)
         self.first_val = self.first_val or metrics
         self.last_val = metrics
         if self.global_step == 0:
