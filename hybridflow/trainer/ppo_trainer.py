@@ -4,7 +4,9 @@
 worker group (split over the workers, run SPMD, collected) or a small function
 over tensors on the controller. Which workers exist and where they live is decided
 once when the run is resolved (hybridflow/trainer/resolve.py); what each step runs is
-its `StepPlan`; which estimator and losses run is decided by name in config.
+its `StepPlan`; which estimator and losses run is decided by name in config. Each step's
+generated batch comes from `self.rollout`: generated right then (trainer.mode=sync) or ahead,
+on the rollout's own workers, while earlier batches train (hybridflow/trainer/async_pipeline.py).
 """
 
 from __future__ import annotations
