@@ -335,13 +335,12 @@ class TrainerConfig(Section):
         if self.device == "cuda" and not _cuda_available():
             raise ValueError("trainer.device=cuda but torch sees no CUDA device here; use trainer.device=cpu")
 
-
     def _check_mode(self) -> None:
         _one_of("trainer.mode", self.mode, TRAINER_MODES)
         s = self.max_staleness
         if s is not None and s < 0:
             raise ValueError(f"trainer.max_staleness must be >= 0 or null, got {s}")
-        fixed = {"sync": 0, "one_step_off": 1}.get(self.mode)
+        fixed = MODE_STALENESS[self.mode] if self.mode != "async" else None
         if s is not None and fixed is not None and s != fixed:
             raise ValueError(f"trainer.mode={self.mode} means trainer.max_staleness={fixed}, got {s}; "
                              "use trainer.mode=async for another bound")
@@ -355,6 +354,8 @@ class TrainerConfig(Section):
 
 TRAINER_MODES = ("sync", "one_step_off", "async")
 """trainer.mode values."""
+MODE_STALENESS = {"sync": 0, "one_step_off": 1, "async": 1}
+"""trainer.max_staleness of each mode where the config leaves it null (async's may be set to any bound)."""
 
 
 def _cuda_available() -> bool:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 
 from hybridflow.config_utils import ConfigError, freeze, to_yaml
 from hybridflow.engine.config import EngineConfig, OptimConfig
-from hybridflow.trainer.config import TrainerConfig
+from hybridflow.trainer.config import MODE_STALENESS, TrainerConfig
 from hybridflow.trainer.run_config import RunConfig
 from hybridflow.utils.dtypes import resolve_dtype
 
@@ -40,9 +40,6 @@ DEVICE_TIMEOUTS_S = {"cpu": (1800.0, 600.0), "cuda": (3600.0, 1800.0)}
 """trainer.device -> (call_timeout_s, collective_timeout_s) where the config leaves them null.
 CPU runs small models (SmolLM2's slowest call takes ~30 s on 2 cores); GPU runs bigger ones, with
 long generations and checkpoints of many GB; see the TrainerConfig fields."""
-
-MODE_STALENESS = {"sync": 0, "one_step_off": 1, "async": 1}
-"""trainer.max_staleness where the config leaves it null."""
 
 DEFAULT_MAX_RESTARTS = 3
 """trainer.max_restarts on the Ray backend where the config leaves it null."""
