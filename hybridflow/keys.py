@@ -28,6 +28,8 @@ TOKEN_LEVEL_REWARDS = "token_level_rewards"  # [B, R] float32: scores minus KL p
 REWARD_BASELINES = "reward_baselines"  # [B] float32: ReMax's greedy-response score of the row's prompt
 ADVANTAGES = "advantages"  # [B, R] float32
 RETURNS = "returns"  # [B, R] float32: value targets
+ROLLOUT_IS_WEIGHTS = "rollout_is_weights"  # [B, R] float32: pi_old / pi_rollout, bounded (algorithm.rollout_is)
+POLICY_VERSION = "policy_version"  # [B] int64: trainer step whose weights generated the row (0: initial weights)
 
 # --- numpy object arrays in DataProto.non_tensor_batch ----------------------
 UID = "uid"  # [B] str: one id per prompt; the n samples of a prompt share it (GRPO groups)

@@ -53,6 +53,7 @@ def compute_policy_loss_clip_cov(
     config: PolicyLossConfig | None = None,
     global_norm: GlobalNorm | None = None,
     rollout_log_probs: Tensor | None = None,
+    rollout_is_weights: Tensor | None = None,
 ) -> tuple[Tensor, Stats]:
     """Clip-Cov (Cui et al. 2025, sec. 4): PPO clipped loss, minus the gradient of a few high-Cov tokens.
 
@@ -78,7 +79,8 @@ def compute_policy_loss_clip_cov(
         "pg_covclipfrac": masked_fraction(cut, response_mask),
     }
     return finish_policy_loss(
-        loss_mat, old_log_prob, log_prob, response_mask, loss_agg_mode, config, global_norm, rollout_log_probs, stats
+        loss_mat, old_log_prob, log_prob, response_mask, loss_agg_mode, config, global_norm, rollout_log_probs, stats,
+        rollout_is_weights,
     )
 
 
@@ -93,6 +95,7 @@ def compute_policy_loss_kl_cov(
     config: PolicyLossConfig | None = None,
     global_norm: GlobalNorm | None = None,
     rollout_log_probs: Tensor | None = None,
+    rollout_is_weights: Tensor | None = None,
 ) -> tuple[Tensor, Stats]:
     """KL-Cov (Cui et al. 2025, sec. 4): l_t = -A_t r_t, plus ppo_kl_coef |logp_t - logp_old_t| on the top-k Cov tokens.
 
@@ -112,5 +115,6 @@ def compute_policy_loss_kl_cov(
     loss_mat = loss_mat + torch.where(picked, config.ppo_kl_coef * log_r.abs(), torch.zeros_like(loss_mat))
     stats: Stats = {"pg_clipfrac": torch.zeros(()), "pg_klcovfrac": masked_fraction(picked, response_mask)}
     return finish_policy_loss(
-        loss_mat, old_log_prob, log_prob, response_mask, loss_agg_mode, config, global_norm, rollout_log_probs, stats
+        loss_mat, old_log_prob, log_prob, response_mask, loss_agg_mode, config, global_norm, rollout_log_probs, stats,
+        rollout_is_weights,
     )

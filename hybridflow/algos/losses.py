@@ -4,7 +4,7 @@ Every policy loss has the signature (see `PolicyLossFn`):
 
     fn(old_log_prob [B, R], log_prob [B, R], advantages [B, R], response_mask [B, R], *,
        loss_agg_mode="token-mean", config: PolicyLossConfig, global_norm=None,
-       rollout_log_probs=None) -> (loss scalar, stats)
+       rollout_log_probs=None, rollout_is_weights=None) -> (loss scalar, stats)
 
 and returns a per-token loss matrix reduced by `agg_loss` (see core.py for
 the global-normalisation contract). `stats` holds detached tensors:
@@ -171,8 +171,10 @@ def finish_policy_loss(
     global_norm: GlobalNorm | None,
     rollout_log_probs: Tensor | None,
     stats: Stats,
+    rollout_is_weights: Tensor | None = None,
 ) -> tuple[Tensor, Stats]:
-    """Apply truncated IS (if configured), aggregate, and add ppo_kl; for loss authors."""
+    """Apply truncated IS (if configured) and the rollout IS weights (if given), aggregate, and add
+    ppo_kl; for loss authors."""
     if config.tis_imp_ratio_cap is not None:
         if rollout_log_probs is None:
             raise ValueError(
@@ -181,6 +183,8 @@ def finish_policy_loss(
             )
         weight = torch.exp(old_log_prob - rollout_log_probs).clamp(max=config.tis_imp_ratio_cap)
         loss_mat = loss_mat * weight.detach()
+    if rollout_is_weights is not None:  # algorithm.rollout_is, computed on the controller (algos/rollout_is.py)
+        loss_mat = loss_mat * rollout_is_weights.detach()
     loss = agg_loss(loss_mat, response_mask, loss_agg_mode, global_norm, config.loss_norm_length)
     stats = {"pg_clipfrac_lower": torch.zeros(()), **stats}
     stats["ppo_kl"] = masked_mean(old_log_prob - log_prob, response_mask).detach()
@@ -208,6 +212,7 @@ def compute_policy_loss_vanilla(
     config: PolicyLossConfig | None = None,
     global_norm: GlobalNorm | None = None,
     rollout_log_probs: Tensor | None = None,
+    rollout_is_weights: Tensor | None = None,
 ) -> tuple[Tensor, Stats]:
     """PPO clipped surrogate (Schulman et al. 2017, eq. 7) with asymmetric clip and dual clip.
 
@@ -228,7 +233,8 @@ def compute_policy_loss_vanilla(
         "pg_clipfrac_lower": masked_fraction((clipped > dual_bound) & negative, response_mask),
     }
     return finish_policy_loss(
-        loss_mat, old_log_prob, log_prob, response_mask, loss_agg_mode, config, global_norm, rollout_log_probs, stats
+        loss_mat, old_log_prob, log_prob, response_mask, loss_agg_mode, config, global_norm, rollout_log_probs, stats,
+        rollout_is_weights,
     )
 
 
@@ -243,6 +249,7 @@ def compute_policy_loss_gspo(
     config: PolicyLossConfig | None = None,
     global_norm: GlobalNorm | None = None,
     rollout_log_probs: Tensor | None = None,
+    rollout_is_weights: Tensor | None = None,
 ) -> tuple[Tensor, Stats]:
     """GSPO-token (Zheng et al. 2025, Qwen, "Group Sequence Policy Optimization", eq. 10-11).
 
@@ -258,7 +265,8 @@ def compute_policy_loss_gspo(
     loss_mat, clip_flags = clipped_surrogate(ratio, advantages, config.gspo_clip_ratio_low, config.gspo_clip_ratio_high)
     stats: Stats = {"pg_clipfrac": masked_fraction(clip_flags, response_mask)}
     return finish_policy_loss(
-        loss_mat, old_log_prob, log_prob, response_mask, loss_agg_mode, config, global_norm, rollout_log_probs, stats
+        loss_mat, old_log_prob, log_prob, response_mask, loss_agg_mode, config, global_norm, rollout_log_probs, stats,
+        rollout_is_weights,
     )
 
 
@@ -273,13 +281,15 @@ def compute_policy_loss_gpg(
     config: PolicyLossConfig | None = None,
     global_norm: GlobalNorm | None = None,
     rollout_log_probs: Tensor | None = None,
+    rollout_is_weights: Tensor | None = None,
 ) -> tuple[Tensor, Stats]:
     """GPG plain policy gradient (Chu et al. 2025, "GPG"): l_t = -A_t log pi(y_t). No ratio, no clip."""
     config = config or PolicyLossConfig()
     loss_mat = -advantages * log_prob
     stats: Stats = {"pg_clipfrac": torch.zeros(())}
     return finish_policy_loss(
-        loss_mat, old_log_prob, log_prob, response_mask, loss_agg_mode, config, global_norm, rollout_log_probs, stats
+        loss_mat, old_log_prob, log_prob, response_mask, loss_agg_mode, config, global_norm, rollout_log_probs, stats,
+        rollout_is_weights,
     )
 
 
@@ -294,6 +304,7 @@ def compute_policy_loss_cispo(
     config: PolicyLossConfig | None = None,
     global_norm: GlobalNorm | None = None,
     rollout_log_probs: Tensor | None = None,
+    rollout_is_weights: Tensor | None = None,
 ) -> tuple[Tensor, Stats]:
     """CISPO (MiniMax 2025, "MiniMax-M1", eq. 4): clip the IS weight, never drop a token's gradient.
 
@@ -307,7 +318,8 @@ def compute_policy_loss_cispo(
     loss_mat = -advantages * weight * torch.exp(log_prob - log_prob.detach())
     stats: Stats = {"pg_clipfrac": masked_fraction(weight != ratio.detach(), response_mask)}
     return finish_policy_loss(
-        loss_mat, old_log_prob, log_prob, response_mask, loss_agg_mode, config, global_norm, rollout_log_probs, stats
+        loss_mat, old_log_prob, log_prob, response_mask, loss_agg_mode, config, global_norm, rollout_log_probs, stats,
+        rollout_is_weights,
     )
 
 
@@ -322,6 +334,7 @@ def compute_policy_loss_sapo(
     config: PolicyLossConfig | None = None,
     global_norm: GlobalNorm | None = None,
     rollout_log_probs: Tensor | None = None,
+    rollout_is_weights: Tensor | None = None,
 ) -> tuple[Tensor, Stats]:
     """SAPO soft gate (Gao et al. 2025, Qwen, "Soft Adaptive Policy Optimization").
 
@@ -335,7 +348,8 @@ def compute_policy_loss_sapo(
     loss_mat = -advantages * (4.0 / tau) * torch.sigmoid(tau * (ratio - 1.0))
     stats: Stats = {"pg_clipfrac": torch.zeros(())}
     return finish_policy_loss(
-        loss_mat, old_log_prob, log_prob, response_mask, loss_agg_mode, config, global_norm, rollout_log_probs, stats
+        loss_mat, old_log_prob, log_prob, response_mask, loss_agg_mode, config, global_norm, rollout_log_probs, stats,
+        rollout_is_weights,
     )
 
 

@@ -46,6 +46,11 @@ def _env_float(name: str, default: float) -> float:
     return default if value in (None, "") else float(value)
 
 
+def collective_timeout_s() -> float:
+    """This worker's torch.distributed timeout (HYBRIDFLOW_COLLECTIVE_TIMEOUT_S, set by its group)."""
+    return _env_float(COLLECTIVE_TIMEOUT_ENV, DEFAULT_COLLECTIVE_TIMEOUT_S)
+
+
 class Worker:
     """One SPMD rank: reads its place in the group from the environment."""
 
@@ -106,7 +111,7 @@ class Worker:
         if backend is None:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         port = self._master_port or find_free_port()
-        timeout_s = timeout_s or _env_float(COLLECTIVE_TIMEOUT_ENV, DEFAULT_COLLECTIVE_TIMEOUT_S)
+        timeout_s = timeout_s or collective_timeout_s()
         dist.init_process_group(
             backend=backend,
             init_method=f"tcp://{self._master_addr}:{port}",

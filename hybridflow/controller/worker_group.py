@@ -8,6 +8,7 @@ subclass it and supply how to execute, wait and make futures.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
@@ -116,6 +117,7 @@ class WorkerGroup:
         self._world_size = world_size
         self._dispatch_info: dict[str, list[tuple[int, bool]]] = {}
         self._bound: list[str] = []
+        self._specs: dict[str, tuple[str, MethodSpec]] = {}
         self._worker_cls: type | None = None
 
     @property
@@ -161,6 +163,17 @@ class WorkerGroup:
                 )
             setattr(self, short, self._make_caller(full_name, spec))
             self._bound.append(short)
+            self._specs[short] = (full_name, spec)
+
+    def call_nonblocking(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Issue the registered `method` without waiting for it, whatever its `blocking` says; returns what a
+        non-blocking call returns (a future of the DataProto for DataProto-collecting modes)."""
+        if method not in self._specs:
+            raise AttributeError(f"group {self._name} has no registered method {method!r}; "
+                                 f"it has {sorted(self._specs)}")
+        full_name, spec = self._specs[method]
+        mode = get_dispatch_mode(spec.dispatch_mode)
+        return self._call(full_name, dataclasses.replace(spec, blocking=False), mode, args, kwargs)
 
     def _make_caller(self, method_name: str, spec: MethodSpec) -> Callable:
         mode = get_dispatch_mode(spec.dispatch_mode)
@@ -229,4 +242,5 @@ class WorkerGroup:
         view._name = name
         view._dispatch_info = {}
         view._bound = []
+        view._specs = {}
         return view

@@ -3,7 +3,8 @@
 Layout: <trainer.default_local_dir>/global_step_<N>/{actor,critic}/ (sharded engine
 checkpoints written by the workers; SFT writes actor/ only), trainer_state.json (step,
 dataloader position, the trainer's own state such as PPO's KL coefficient, the model path
-for exports, the run's name), config.yaml (the resolved config) and MANIFEST.json (every
+for exports, the run's name), rollout_queue/ (trainer.mode one_step_off / async: the batches
+generated ahead of step N), config.yaml (the resolved config) and MANIFEST.json (every
 file's size and SHA-256). `RunCheckpointer` does this for any trainer; `TrainerCheckpointer`
 is PPO's. The directory is built under a temporary name and renamed only when everything
 is written and marked COMPLETE, so a crash never leaves a checkpoint that a resume would
@@ -17,7 +18,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from hybridflow.config_utils import to_yaml
 from hybridflow.utils import checkpoint_dirs as C
@@ -64,13 +65,16 @@ class RunCheckpointer:
         self.cfg, self.groups, self.loader = cfg, list(groups), train_loader
         self.root = Path(cfg.trainer.default_local_dir)
 
-    def save(self, step: int, extra: dict[str, Any] | None = None) -> Path:
-        """Write global_step_<step> with `extra` in its state file, then prune to trainer.max_ckpt_to_keep."""
+    def save(self, step: int, extra: dict[str, Any] | None = None,
+             write: Callable[[Path], dict[str, Any]] | None = None) -> Path:
+        """Write global_step_<step> with `extra` in its state file, then prune to trainer.max_ckpt_to_keep.
+        `write(dir)`, if given, writes more files into the checkpoint and returns more state entries."""
         final = C.step_dir(self.root, step)
         with C.atomic_dir(final) as tmp:
             for group in self.groups:
                 group.save_checkpoint(str(tmp))
-            state = {"global_step": step, "loader": self.loader.state_dict(), **(extra or {}),
+            extra = {**(extra or {}), **(write(tmp) if write is not None else {})}
+            state = {"global_step": step, "loader": self.loader.state_dict(), **extra,
                      "model_path": self.cfg.model.path, "run": run_name(self.cfg)}
             C.write_json_atomic(tmp / STATE_FILE, state)
             (tmp / CONFIG_FILE).write_text(to_yaml(self.cfg))
@@ -96,22 +100,27 @@ class RunCheckpointer:
 
 
 class TrainerCheckpointer:
-    """PPO's checkpoints: the actor and critic groups plus the KL coefficient."""
+    """PPO's checkpoints: the actor and critic groups, the KL coefficient, and what the rollout has in flight
+    (trainer.mode one_step_off / async: the batches generated ahead, hybridflow/trainer/async_pipeline.py)."""
 
-    def __init__(self, cfg: RunConfig, roles: Roles, train_loader: Any) -> None:
+    def __init__(self, cfg: RunConfig, roles: Roles, train_loader: Any, rollout: Any) -> None:
+        """`rollout`: the trainer's batch source (SyncRollout / AsyncRollout)."""
         groups = [g for g in (roles.actor_rollout, roles.critic) if g is not None]
         self.checkpointer = RunCheckpointer(cfg, groups, train_loader)
         self.root = self.checkpointer.root
+        self.rollout = rollout
 
     def save(self, step: int, kl_ctrl: Any) -> Path:
         """Write global_step_<step> atomically, then prune to trainer.max_ckpt_to_keep."""
-        return self.checkpointer.save(step, {"kl_coef": float(kl_ctrl.value)})
+        return self.checkpointer.save(step, {"kl_coef": float(kl_ctrl.value)}, self.rollout.save)
 
     def resume(self, kl_ctrl: Any, path: Path | None) -> int:
-        """Restore workers, dataloader and KL coefficient from `path`; return the step to continue from."""
+        """Restore workers, dataloader, KL coefficient and the rollout's queue from `path` (None: start the
+        rollout fresh); return the step to continue from."""
         step, state = self.checkpointer.resume(path)
         if step:
             kl_ctrl.value = state["kl_coef"]
+        self.rollout.start(step, path, state)
         return step
 
 

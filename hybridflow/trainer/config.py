@@ -172,6 +172,18 @@ class AlgorithmConfig(Section):
     takes k2's gradient (hybridflow.algos.kl)."""
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     """Coefficient control of the in-reward KL penalty."""
+    rollout_is_threshold: Optional[float] = None
+    """Upper bound of the rollout importance weight pi_old / pi_rollout (hybridflow.algos.rollout_is);
+    None: no correction and no mismatch metrics. Needs rollout.calculate_log_probs=true."""
+    rollout_is_threshold_lower: Optional[float] = None
+    """Lower bound of the weight in rollout_is_mode=mask; None: 1 / rollout_is_threshold."""
+    rollout_is_level: str = "token"
+    """"token": one weight per token; "sequence": the product of a response's token ratios."""
+    rollout_is_mode: str = "truncate"
+    """"truncate": min(weight, threshold); "mask": weight 0 outside [lower, threshold]."""
+    rollout_is: bool = False
+    """Apply the weights to the policy loss (with rollout_is_threshold set); false: only log the
+    mismatch/* metrics (verl's default)."""
 
     def __post_init__(self) -> None:
         from hybridflow.algos.advantages import ADV_ESTIMATORS
@@ -181,6 +193,20 @@ class AlgorithmConfig(Section):
         if not 0.0 <= self.gamma <= 1.0 or not 0.0 <= self.lam <= 1.0:
             raise ValueError(f"algorithm.gamma and algorithm.lam must lie in [0, 1], got {self.gamma}, {self.lam}")
         _one_of("algorithm.kl_penalty", self.kl_penalty.removesuffix("+"), tuple(KL_ESTIMATORS.names()))
+        self._check_rollout_is()
+
+    def _check_rollout_is(self) -> None:
+        from hybridflow.algos.rollout_is import ROLLOUT_IS_LEVELS, ROLLOUT_IS_MODES
+
+        ROLLOUT_IS_LEVELS.get(self.rollout_is_level)
+        ROLLOUT_IS_MODES.get(self.rollout_is_mode)
+        upper, lower = self.rollout_is_threshold, self.rollout_is_threshold_lower
+        if upper is not None and upper <= 1.0:
+            raise ValueError(f"algorithm.rollout_is_threshold must be > 1 (it bounds pi_old / pi_rollout from "
+                             f"above) or null, got {upper}")
+        if lower is not None and (upper is None or not 0.0 <= lower < 1.0):
+            raise ValueError(f"algorithm.rollout_is_threshold_lower={lower} needs algorithm.rollout_is_threshold "
+                             "and must lie in [0, 1)")
 
 
 @dataclass
@@ -233,7 +259,15 @@ class TrainerConfig(Section):
     backend: str = "ray"
     """"ray" runs workers as Ray actors; "local" runs them in-process for debugging."""
     placement: str = "colocate"
-    """"colocate": all roles share every worker; "split": actor/rollout and critic/ref get separate workers."""
+    """"colocate": all roles share every worker; "split": actor/rollout and critic/ref get separate workers
+    (with mode one_step_off/async: the rollout gets its own workers, every other role shares the rest)."""
+    mode: str = "sync"
+    """"sync": generate, then train, every step; "one_step_off": batch k+1 is generated while batch k trains
+    (max_staleness 1); "async": up to max_staleness updates between the weights that generated a batch and the
+    update that trains on it. The off-policy modes need placement=split (the rollout on its own workers)."""
+    max_staleness: Optional[int] = None
+    """Most actor updates a sample's generating weights may lag behind the policy it trains (mode=async; 0 is
+    sync's schedule). None: 0 for sync, 1 for one_step_off and async."""
     verbose: bool = False
     """Show the workers' library progress bars and info logs (model loading, ...); off: one line per phase."""
     call_timeout_s: Optional[float] = None
@@ -290,6 +324,7 @@ class TrainerConfig(Section):
         _one_of("trainer.device", self.device, ("cpu", "cuda"))
         _one_of("trainer.backend", self.backend, ("ray", "local"))
         _one_of("trainer.placement", self.placement, ("colocate", "split"))
+        self._check_mode()
         if self.placement == "split" and self.n_workers_per_node * self.nnodes < 2:
             raise ValueError("trainer.placement=split needs at least 2 workers "
                              "(trainer.n_workers_per_node * trainer.nnodes)")
@@ -299,6 +334,28 @@ class TrainerConfig(Section):
                              f"and trainer.nnodes=1 (got {world} workers)")
         if self.device == "cuda" and not _cuda_available():
             raise ValueError("trainer.device=cuda but torch sees no CUDA device here; use trainer.device=cpu")
+
+    def _check_mode(self) -> None:
+        _one_of("trainer.mode", self.mode, TRAINER_MODES)
+        s = self.max_staleness
+        if s is not None and s < 0:
+            raise ValueError(f"trainer.max_staleness must be >= 0 or null, got {s}")
+        fixed = MODE_STALENESS[self.mode] if self.mode != "async" else None
+        if s is not None and fixed is not None and s != fixed:
+            raise ValueError(f"trainer.mode={self.mode} means trainer.max_staleness={fixed}, got {s}; "
+                             "use trainer.mode=async for another bound")
+        if self.mode != "sync" and self.device == "cuda":
+            raise ValueError(f"trainer.mode={self.mode} moves weights between pools over gloo on CPU; the NCCL "
+                             "transfer for trainer.device=cuda is not written yet: use trainer.mode=sync on cuda")
+        if self.mode != "sync" and self.placement != "split":
+            raise ValueError(f"trainer.mode={self.mode} generates on its own workers while the actor trains; "
+                             "set trainer.placement=split (the rollout gets half of the workers)")
+
+
+TRAINER_MODES = ("sync", "one_step_off", "async")
+"""trainer.mode values."""
+MODE_STALENESS = {"sync": 0, "one_step_off": 1, "async": 1}
+"""trainer.max_staleness of each mode where the config leaves it null (async's may be set to any bound)."""
 
 
 def _cuda_available() -> bool:

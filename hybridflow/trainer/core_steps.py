@@ -12,6 +12,7 @@ import torch
 from hybridflow import keys as K
 from hybridflow.algos.advantages import get_advantage_estimator
 from hybridflow.algos.kl import apply_kl_penalty, get_kl_controller
+from hybridflow.algos.rollout_is import mismatch_metrics, rollout_importance_weights
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.config import AlgorithmConfig
 
@@ -39,6 +40,19 @@ def apply_rewards(batch: DataProto, cfg: AlgorithmConfig, kl_ctrl) -> dict[str, 
     )
     batch.batch[K.TOKEN_LEVEL_REWARDS] = rewards
     return metrics
+
+
+def apply_rollout_is(batch: DataProto, cfg: AlgorithmConfig) -> dict[str, float]:
+    """Mismatch metrics between the sampler's and the trainer's log-probs, and (algorithm.rollout_is) the
+    bounded IS weights `rollout_is_weights` [B, R] the policy loss multiplies in; {} when the threshold is unset."""
+    if cfg.rollout_is_threshold is None:
+        return {}
+    old, rollout, mask = batch.batch[K.OLD_LOG_PROBS], batch.batch[K.ROLLOUT_LOG_PROBS], batch.batch[K.RESPONSE_MASK]
+    weights, metrics = rollout_importance_weights(old, rollout, mask, cfg.rollout_is_level, cfg.rollout_is_mode,
+                                                  cfg.rollout_is_threshold, cfg.rollout_is_threshold_lower)
+    if cfg.rollout_is:
+        batch.batch[K.ROLLOUT_IS_WEIGHTS] = weights
+    return {**metrics, **mismatch_metrics(old, rollout, mask)}
 
 
 def compute_advantage(batch: DataProto, cfg: AlgorithmConfig) -> None:

@@ -4,7 +4,9 @@
 worker group (split over the workers, run SPMD, collected) or a small function
 over tensors on the controller. Which workers exist and where they live is decided
 once when the run is resolved (hybridflow/trainer/resolve.py); what each step runs is
-its `StepPlan`; which estimator and losses run is decided by name in config.
+its `StepPlan`; which estimator and losses run is decided by name in config. Each step's
+generated batch comes from `self.rollout`: generated right then (trainer.mode=sync) or ahead,
+on the rollout's own workers, while earlier batches train (hybridflow/trainer/async_pipeline.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 from hybridflow import keys as K
 from hybridflow.protocol import DataProto
 from hybridflow.trainer import core_steps as S
+from hybridflow.trainer.async_pipeline import AsyncRollout, SyncRollout, endless
 from hybridflow.trainer.balance import balance_batch
 from hybridflow.trainer.checkpointing import TrainerCheckpointer
 from hybridflow.trainer.metrics import data_metrics, throughput_metrics, worker_metrics
@@ -53,7 +56,11 @@ class PPOTrainer:
         self.reward_fn = inputs.reward_fn
         self.tracker = tracker
         self.kl_ctrl = S.make_kl_controller(self.cfg.algorithm)
-        self.checkpointer = TrainerCheckpointer(self.cfg, roles, inputs.train_loader)
+        t = self.cfg.trainer
+        prompts = endless(inputs.train_loader)
+        self.rollout = (SyncRollout(roles, prompts) if t.mode == "sync"
+                        else AsyncRollout(roles, prompts, run.total_steps, t.max_staleness))
+        self.checkpointer = TrainerCheckpointer(self.cfg, roles, inputs.train_loader, self.rollout)
         self.global_step = 0
         self.resume_from = inputs.resume_from
         self.total_steps = run.total_steps
@@ -74,28 +81,23 @@ class PPOTrainer:
             self._validate()
         with TrainProgress(self.total_steps, initial=self.global_step) as progress:
             while self.global_step < self.total_steps:
-                for prompts in self.train_loader:
-                    self.global_step += 1
-                    plan = plan_step(self.run, self.global_step)
-                    metrics = self.train_step(prompts, plan)
-                    metrics.update(self._validate_and_save(plan))
-                    metrics.update(self.recovery.metrics() if self.recovery else {})
-                    self.tracker.log(metrics, step=self.global_step)
-                    progress.update(metrics)
-                    if self.global_step >= self.total_steps:
-                        break
+                self.global_step += 1
+                plan = plan_step(self.run, self.global_step)
+                metrics = self.train_step(plan)
+                metrics.update(self._validate_and_save(plan))
+                metrics.update(self.recovery.metrics() if self.recovery else {})
+                self.tracker.log(metrics, step=self.global_step)
+                progress.update(metrics)
         return self.last_val
 
-    def train_step(self, prompts: DataProto, plan: StepPlan) -> dict[str, float]:
-        """One PPO/GRPO iteration on a batch of prompts, as `plan` says; returns its metrics."""
+    def train_step(self, plan: StepPlan) -> dict[str, float]:
+        """One PPO/GRPO iteration on the next batch of prompts, as `plan` says; returns its metrics."""
         cfg, roles, timing, worker_out = self.cfg, self.roles, {}, []
         with timer("step", timing):
-            # 1. generate n responses per prompt (the rollout copies refresh their weights first)
-            S.add_uids(prompts, self.global_step)
-            prompts.meta_info[K.META_GLOBAL_STEP] = self.global_step
+            # 1. generate n responses per prompt of the next batch (trainer.mode=sync: now, after the rollout
+            #    copies refreshed their weights; else: generated ahead, trainer/async_pipeline.py)
             with timer("gen", timing):
-                batch = _take_metrics(roles.actor_rollout.generate_sequences(prompts), worker_out)
-                batch.meta_info[K.META_GLOBAL_STEP] = self.global_step
+                batch = _take_metrics(self.rollout.batch(self.global_step), worker_out)
             #    ... and spread over the actor workers so that each gets about the same number of tokens
             balance = balance_batch(batch, self.actor_world) if cfg.trainer.balance_batch else {}
             # 2. score them: rule / custom reward (+ reward model) at the last response token
@@ -105,6 +107,7 @@ class PPOTrainer:
                 reward = self.reward_fn(batch)
                 batch.batch[K.TOKEN_LEVEL_SCORES] = reward.token_level_scores
                 if cfg.algorithm.adv_estimator == "remax":
+                    prompts = self.rollout.prompts_of(batch)
                     batch.batch[K.REWARD_BASELINES] = S.remax_baselines(roles, prompts, self.reward_fn, cfg.rollout.n)
             # 3. log-probs of the policy before the update, of the reference, and values
             #    (ref and critic calls return futures: with split placement they overlap; old log-probs
@@ -116,19 +119,23 @@ class PPOTrainer:
                 for part in (old, ref, values):
                     if part is not None:
                         batch.union(_take_metrics(_resolve(part), worker_out))
-            # 4. rewards (KL penalty if in reward) and advantages by the configured estimator
+            # 4. rewards (KL penalty if in reward), advantages by the configured estimator, and the
+            #    rollout-vs-trainer importance weights (algorithm.rollout_is_threshold)
             with timer("adv", timing):
                 kl_metrics = S.apply_rewards(batch, cfg.algorithm, self.kl_ctrl)
+                kl_metrics.update(S.apply_rollout_is(batch, cfg.algorithm))
                 S.compute_advantage(batch, cfg.algorithm)
             # 5. update the critic, then (after warm-up) the actor; with split placement they overlap
             with timer("update", timing):
                 batch.meta_info[K.META_OWN_OLD_LOG_PROB] = not plan.old_log_prob
                 for out in self._update(batch, plan):
                     _take_metrics(out, worker_out)
+            # 6. off-policy modes: the batch's staleness, and the new weights pushed to the rollout workers
+            pipeline = self.rollout.after_update(self.global_step, batch)
         return {**kl_metrics, **balance, **worker_metrics(*worker_out), **reward.metrics,
                 **data_metrics(batch, cfg.data.max_response_length),
                 **throughput_metrics(batch, timing, cfg.world_size),
-                **{f"timing_s/{k}": v for k, v in timing.items()}, "training/global_step": self.global_step}
+                **{f"timing_s/{k}": v for k, v in timing.items()}, "training/global_step": self.global_step, **pipeline}
 
     def _update(self, batch: DataProto, plan: StepPlan) -> list[DataProto]:
         pending = []
@@ -149,7 +156,7 @@ class PPOTrainer:
 
     def _validate(self) -> dict[str, float]:
         with phase(f"validating ({len(self.val_loader.dataset)} prompts)"):
-            metrics = validate(self.roles.actor_rollout, self.val_loader, self.reward_fn, self.cfg.rollout.val_kwargs.n)
+            metrics = validate(self.roles.rollout or self.roles.actor_rollout, self.val_loader, self.reward_fn, self.cfg.rollout.val_kwargs.n)
         self.first_val = self.first_val or metrics
         self.last_val = metrics
         if self.global_step == 0:

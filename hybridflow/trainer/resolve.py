@@ -6,7 +6,8 @@
 Derived here and nowhere else, always from the final merged values:
 - trainer.default_local_dir / log_dir from project_name and experiment_name;
 - trainer.cpus_per_worker (CPUs and torch threads per worker) from the machine and workers per node;
-- trainer.call_timeout_s / collective_timeout_s from the device, trainer.max_restarts from the backend;
+- trainer.call_timeout_s / collective_timeout_s from the device, trainer.max_restarts from the backend,
+  trainer.max_staleness from trainer.mode;
 - trainer.total_training_steps / total_epochs from each other and the steps per epoch, and the
   LR-schedule length of every optimizer (actor.optim / critic.optim .total_training_steps);
 - rollout.prompt_length / response_length from data.max_prompt_length / max_response_length;
@@ -28,7 +29,7 @@ from dataclasses import dataclass, replace
 
 from hybridflow.config_utils import ConfigError, freeze, to_yaml
 from hybridflow.engine.config import EngineConfig, OptimConfig
-from hybridflow.trainer.config import TrainerConfig
+from hybridflow.trainer.config import MODE_STALENESS, TrainerConfig
 from hybridflow.trainer.run_config import RunConfig
 from hybridflow.utils.dtypes import resolve_dtype
 
@@ -126,12 +127,17 @@ def resolve(cfg: RunConfig, steps_per_epoch: int, cpu_count: int | None = None) 
 
 def worker_sets(cfg: RunConfig) -> tuple[WorkerSet, ...]:
     """colocate: one set hosting every role; split: the policy (actor + rollout) on the first half of
-    the workers, the reference, critic and reward model on the second."""
+    the workers, the reference, critic and reward model on the second; split with an off-policy
+    trainer.mode: the rollout alone on the second half, every other role on the first."""
     roles = ["actor", "rollout"] + ["ref"] * cfg.use_ref + ["critic"] * cfg.use_critic
     roles += ["reward_model"] * cfg.reward_model.enable
     world = cfg.world_size
     if cfg.trainer.placement == "colocate":
         return (WorkerSet(0, world, tuple(roles)),)
+    if cfg.trainer.mode != "sync":  # the rollout alone, so it generates while the actor trains
+        rollout_world = world // 2
+        return (WorkerSet(0, world - rollout_world, ("actor", *roles[2:])),
+                WorkerSet(1, rollout_world, ("rollout",)))
     first = world // 2
     return WorkerSet(0, first, ("actor", "rollout")), WorkerSet(1, world - first, tuple(roles[2:]))
 
@@ -157,6 +163,7 @@ def resolve_trainer(t: TrainerConfig, steps_per_epoch: int, cpu_count: int | Non
         log_dir=t.log_dir or os.path.join("outputs", run_dir),
         cpus_per_worker=t.cpus_per_worker or max(1, cpu_count // t.n_workers_per_node),
         call_timeout_s=t.call_timeout_s or call_s, collective_timeout_s=t.collective_timeout_s or collective_s,
+        max_staleness=MODE_STALENESS[t.mode] if t.max_staleness is None else t.max_staleness,
         max_restarts=(DEFAULT_MAX_RESTARTS if t.backend == "ray" else 0) if t.max_restarts is None else t.max_restarts,
     )
 
@@ -188,10 +195,11 @@ def resolve_engine(engine: EngineConfig, device: str, world: int, section: str, 
 
 def _recompute_old_log_prob(cfg: RunConfig, actor_world: int) -> bool:
     """Whether old log-probs need their own pass: yes unless the update is a single optimizer step over
-    the whole batch on every rank and nothing before the update needs them (KL in the reward)."""
+    the whole batch on every rank and nothing before the update needs them (KL in the reward, rollout IS)."""
     a, rows = cfg.actor, cfg.data.train_batch_size * cfg.rollout.n
     one_step = a.ppo_epochs == 1 and a.ppo_mini_batch_size >= cfg.data.train_batch_size and rows % actor_world == 0
-    return a.old_log_prob == "recompute" or not one_step or cfg.algorithm.use_kl_in_reward
+    needs_old = cfg.algorithm.use_kl_in_reward or cfg.algorithm.rollout_is_threshold is not None
+    return a.old_log_prob == "recompute" or not one_step or needs_old
 
 
 @dataclass(frozen=True)

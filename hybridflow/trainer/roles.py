@@ -6,7 +6,9 @@ The resolved run says which roles live together (`ResolvedRun.worker_sets`):
   process group, and run one after another.
 - split: the policy (actor + rollout) gets the first half of the workers, the
   critic, reference and reward model the second half, so their calls overlap
-  (the trainer issues them non-blocking).
+  (the trainer issues them non-blocking). With trainer.mode one_step_off/async
+  the rollout alone gets the second half, so generation overlaps training
+  (hybridflow/trainer/async_pipeline.py).
 Each set gets its own pool; the roles of a set are fused into one worker process.
 
 The same code builds Ray worker groups or, with trainer.backend=local, one
@@ -34,19 +36,21 @@ class Roles:
     """The worker groups the trainer calls; ref/critic/reward_model are None when unused."""
 
     actor_rollout: WorkerGroup
-    """Generates, computes old log-probs, updates the policy."""
+    """Computes old log-probs, updates the policy and (trainer.mode=sync) generates."""
     ref: WorkerGroup | None = None
     """Reference log-probs (may drive the same processes as actor_rollout)."""
     critic: WorkerGroup | None = None
     """Values and critic updates."""
     reward_model: WorkerGroup | None = None
     """Model-based reward scores."""
+    rollout: WorkerGroup | None = None
+    """Generates; the actor_rollout group itself unless trainer.mode puts the rollout on its own workers."""
     release: Callable[[], None] = lambda: None
     """Frees the placement the groups ran on (Ray placement groups); call after shutting them down."""
 
     def all(self) -> list[WorkerGroup]:
         """Distinct groups, for init/shutdown."""
-        groups = [self.actor_rollout, self.ref, self.critic, self.reward_model]
+        groups = [self.actor_rollout, self.rollout, self.ref, self.critic, self.reward_model]
         return list({id(g): g for g in groups if g is not None}.values())
 
 
@@ -84,7 +88,8 @@ def build_roles(run: ResolvedRun) -> Roles:
     for worker_set in run.worker_sets:
         spawned = _spawn(make_group, _set_classes(run.config, worker_set), pools[worker_set.pool])
         groups.update({role: spawned[_CLASS_OF_ROLE[role]] for role in worker_set.roles})
-    return Roles(groups["actor"], groups.get("ref"), groups.get("critic"), groups.get("reward_model"), release)
+    return Roles(groups["actor"], groups.get("ref"), groups.get("critic"), groups.get("reward_model"),
+                 groups["rollout"], release)
 
 
 def worker_timeouts(t: TrainerConfig) -> Timeouts:

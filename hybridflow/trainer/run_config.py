@@ -136,12 +136,19 @@ class RunConfig(Section):
         if cap is not None and not self.rollout.calculate_log_probs:
             raise ValueError(f"actor.policy_loss.tis_imp_ratio_cap={cap} corrects with the rollout's own log-probs, "
                              "but rollout.calculate_log_probs=false; set it to true or drop the cap")
+        threshold = self.algorithm.rollout_is_threshold
+        if threshold is not None and not self.rollout.calculate_log_probs:
+            raise ValueError(f"algorithm.rollout_is_threshold={threshold} compares the rollout's own log-probs with "
+                             "the trainer's, but rollout.calculate_log_probs=false; set it to true or unset the threshold")
 
     def _check_placement(self) -> None:
         t = self.trainer
         if t.placement == "split" and t.backend == "local":
             raise ValueError("trainer.placement=split needs trainer.backend=ray")
-        if t.placement == "split" and not (self.use_critic or self.use_ref):
+        if t.mode != "sync" and self.algorithm.adv_estimator == "remax":
+            raise ValueError(f"algorithm.adv_estimator=remax generates a greedy baseline with the training weights "
+                             f"inside the step, which trainer.mode={t.mode} does not support; use trainer.mode=sync")
+        if t.placement == "split" and t.mode == "sync" and not (self.use_critic or self.use_ref):
             raise ValueError("trainer.placement=split puts the critic/ref on their own workers, but this run has "
                              "neither; use trainer.placement=colocate")
 

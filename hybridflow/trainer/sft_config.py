@@ -5,7 +5,7 @@
 
 The trainer section is the RL trainer's `TrainerConfig`, resolved by the same
 `resolve_trainer` (run directories, threads per worker, run length); its RL-only
-fields (critic_warmup, placement=split) do not apply. Derived here as well: the LR
+fields (critic_warmup, placement=split, mode) do not apply. Derived here as well: the LR
 schedule length (optim.total_training_steps), the engine's fsdp_size /
 reshard_after_forward, and engine.packing from data.packing.
 The defaults fine-tune the bundled SmolLM2-135M-Instruct on a generated SFT set of the

@@ -4,7 +4,10 @@
 engine ("actor_rollout" / "actor_rollout_ref", the default) one process holds the
 FSDP-sharded training policy, an unsharded rollout copy in the rollout dtype and,
 when KL is used, the frozen reference policy; after every actor update the rollout
-copy is refreshed from the gathered weights before the next generation.
+copy is refreshed from the gathered weights before the next generation. With
+trainer.mode one_step_off / async the roles are split over two groups ("actor[_ref]"
+and "rollout"), and the weights cross from one to the other over a process group
+spanning both (transfer_weights, hybridflow/rollout/bridge.py).
 
 With LoRA (actor.lora.rank > 0) a worker hosting both actor and ref builds no second
 model: the reference policy is the actor with its adapters disabled (the frozen base,
@@ -26,7 +29,7 @@ from pathlib import Path
 from hybridflow import keys as K
 from hybridflow.algos.core import masked_mean
 from hybridflow.controller.decorator import Dispatch, register
-from hybridflow.controller.worker import Worker
+from hybridflow.controller.worker import Worker, collective_timeout_s
 from hybridflow.engine.config import EngineConfig
 from hybridflow.protocol import DataProto
 from hybridflow.rollout.config import RolloutConfig
@@ -149,6 +152,48 @@ class ActorRolloutRefWorker(Worker):
         metrics = {f"actor/{k}": v for k, v in step_metrics.items() if k != "lr"}
         metrics.update({"actor/lr": lr, "timing_s/update_actor_on_worker": time.perf_counter() - start})
         return DataProto(meta_info={K.META_METRICS: metrics})
+
+    # --- weight transfer to a rollout on other workers (trainer.mode one_step_off / async) -------------
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def open_weight_bridge(self, host: str | None, world: int) -> tuple[str, int, list] | None:
+        """Actor ranks: gather the weights once to describe them (a collective); rank 0 also opens the
+        bridge's rendezvous store for `world` bridge ranks on `host` (None: this node's address). Returns
+        (host, port, manifest) on rank 0, None on the others (hybridflow/rollout/bridge.py)."""
+        from hybridflow.rollout.bridge import manifest_of, open_store
+
+        state = self.actor.full_state_dict(dtype=self.rollout_cfg.torch_dtype)
+        if self.rank != 0:
+            return None
+        if host is None:
+            import ray
+
+            host = ray.util.get_node_ip_address()
+        self._bridge_store, port = open_store(host, world, collective_timeout_s())
+        return host, port, manifest_of(state)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def join_weight_bridge(self, host: str, port: int, world: int, manifest: list | None = None) -> None:
+        """Join the bridge group: actor rank 0 as bridge rank 0, rollout rank r as 1 + r (other actor ranks
+        take no part). Blocks until every bridge rank joined: issue both pools' calls before waiting."""
+        from hybridflow.rollout.bridge import WeightBridge
+
+        if "actor" not in self.roles:
+            self._bridge = WeightBridge(host, port, 1 + self.rank, world, collective_timeout_s())
+            self._bridge_manifest = manifest
+        elif self.rank == 0:
+            self._bridge = WeightBridge(host, port, 0, world, collective_timeout_s(), store=self._bridge_store)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def transfer_weights(self) -> dict[str, float]:
+        """Actor ranks: gather the current weights in the rollout dtype (a collective), rank 0 broadcasts them
+        over the bridge; rollout ranks receive and load them. Returns this rank's seconds (and bytes sent)."""
+        start = time.perf_counter()
+        if "actor" in self.roles:
+            state = self.actor.full_state_dict(dtype=self.rollout_cfg.torch_dtype)
+            sent = self._bridge.send(state) if self.rank == 0 else 0
+            return {"timing_s/weight_transfer": time.perf_counter() - start, "weight_transfer/bytes": float(sent)}
+        self.rollout.load_weights(self._bridge.receive(self._bridge_manifest))
+        return {"timing_s/weight_transfer": time.perf_counter() - start}
 
     # --- checkpoints ----------------------------------------------------------------
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)

@@ -36,6 +36,7 @@ def actor_loss_builder(cfg: ActorConfig, own_old_log_prob: bool = False) -> Loss
             pg_loss, stats = policy_loss(
                 old_log_prob, log_prob, micro[K.ADVANTAGES], mask,
                 loss_agg_mode=mode, config=cfg.policy_loss, global_norm=gn, rollout_log_probs=rollout_log_prob,
+                rollout_is_weights=micro.get(K.ROLLOUT_IS_WEIGHTS),
             )
             scale = local_mean_factor(gn, mask, mode)
             metrics = {"pg_loss": float(pg_loss.detach()) * scale, **{k: float(v) for k, v in stats.items()}}
