@@ -57,7 +57,8 @@ class PPOTrainer:
         self.global_step = 0
         self.resume_from = inputs.resume_from
         self.total_steps = run.total_steps
-        self.actor_world = run.set_of("actor").world_size
+        # The batch is split over the actor's dp groups (its tp ranks share their group's rows).
+        self.actor_dp = run.set_of("actor").world_size // self.cfg.actor.engine.tensor_parallel_size
         self.last_val: dict[str, float] = {}
         self.first_val: dict[str, float] = {}
         self.recovery = recovery
@@ -95,7 +96,7 @@ class PPOTrainer:
                 batch = _take_metrics(roles.actor_rollout.generate_sequences(prompts), worker_out)
                 batch.meta_info[K.META_GLOBAL_STEP] = self.global_step
             #    ... and spread over the actor workers so that each gets about the same number of tokens
-            balance = balance_batch(batch, self.actor_world) if cfg.trainer.balance_batch else {}
+            balance = balance_batch(batch, self.actor_dp) if cfg.trainer.balance_batch else {}
             # 2. score them: rule / custom reward (+ reward model) at the last response token
             with timer("reward", timing):
                 if roles.reward_model is not None:
