@@ -18,7 +18,7 @@ from hybridflow.engine import EngineConfig, FSDPEngine, OptimConfig, export_hf
 from hybridflow.engine.batch import TokenBudget
 from hybridflow.engine.prefix import sharing_pays
 from hybridflow.engine.tensor_parallel import TensorParallelEngine, check_tp_layout
-from hybridflow.models import load_causal_lm, tiny_model_dir
+from hybridflow.models import load_causal_lm, load_value_model, tiny_model_dir
 from tests.engine_helpers import make_group_batch, reference_log_probs
 
 PROMPTS, N, P, R = 4, 2, 12, 5
@@ -49,11 +49,11 @@ def _micro(shard: dict, size: int = 2) -> list[dict]:
     return [{k: v[i : i + size] for k, v in shard.items()} for i in range(0, rows, size)]
 
 
-def _worker(rank: int, world: int, tp: int, arch: str, port: int, out_dir: str, full: bool) -> None:
+def _worker(rank: int, world: int, tp: int, arch: str, port: int, out_dir: str, full: bool, fsdp_size: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     out, data = Path(out_dir), _data()
-    cfg = EngineConfig(param_dtype="fp32", tensor_parallel_size=tp)
+    cfg = EngineConfig(param_dtype="fp32", tensor_parallel_size=tp, fsdp_size=fsdp_size)
     engine = TensorParallelEngine.from_pretrained(tiny_model_dir(arch), cfg, OptimConfig(**OPTIM))
     dp, rows = engine.dp_size, ROWS // engine.dp_size
     shard = {k: v[engine.dp_rank * rows : (engine.dp_rank + 1) * rows] for k, v in data.items()}
@@ -68,14 +68,18 @@ def _worker(rank: int, world: int, tp: int, arch: str, port: int, out_dir: str, 
         engine.config = replace(cfg, packing=True)
         res["packed"], _ = engine.compute_log_probs(shard, 2)
         engine.config = cfg
+        torch.manual_seed(0)  # the value head starts random: the same on every rank and in the reference
+        critic = TensorParallelEngine.from_pretrained(tiny_model_dir(arch), cfg, value_model=True)
+        res["values"] = critic.compute_values(shard, 2)
     loss_fn = _loss_fn(int(data[keys.ATTENTION_MASK][:, -R:].sum()), dp)
-    res["loss"] = 0.0
-    for micro in _micro(shard):
-        loss, _ = loss_fn(engine.forward_micro_batch(micro), micro)
-        loss.backward()
-        res["loss"] += float(loss)
-    res["grads"] = {n: p.grad.full_tensor() for n, p in engine.module.named_parameters()}
-    engine.optimizer.zero_grad(set_to_none=True)
+    if full:
+        res["loss"] = 0.0
+        for micro in _micro(shard):
+            loss, _ = loss_fn(engine.forward_micro_batch(micro), micro)
+            loss.backward()
+            res["loss"] += float(loss)
+        res["grads"] = {n: p.grad.full_tensor() for n, p in engine.module.named_parameters()}
+        engine.optimizer.zero_grad(set_to_none=True)
     res["metrics"] = engine.train_step(_micro(shard), loss_fn)
     res["trained"] = engine.full_state_dict()
     if full:
@@ -92,8 +96,12 @@ def _save_and_continue(engine: TensorParallelEngine, shard: dict, loss_fn, out: 
 
 def _reference(arch: str, data: dict) -> dict:
     """One process, no FSDP, no tp, whole batch, plain AdamW: the ground truth."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        values = load_value_model(tiny_model_dir(arch))(data[keys.INPUT_IDS], data[keys.ATTENTION_MASK],
+                                                       data[keys.POSITION_IDS])[:, -R - 1 : -1]
+    ref: dict = {"values": torch.where(data[keys.ATTENTION_MASK][:, -R:].bool(), values, 0.0)}
     model = load_causal_lm(tiny_model_dir(arch))
-    ref: dict = {}
     ref["log_probs"], ref["entropy"] = reference_log_probs(model, data)
     mask = data[keys.ATTENTION_MASK][:, -R:].float()
     opt = torch.optim.AdamW(model.parameters(), lr=OPTIM["lr"], weight_decay=OPTIM["weight_decay"])
@@ -118,25 +126,33 @@ def _close(got: torch.Tensor, want: torch.Tensor, msg: str = "") -> None:
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4, msg=msg)
 
 
-def _run(tmp_path: Path, world: int, tp: int, arch: str, full: bool = True) -> None:
-    """`full`: also the other micro-batch layouts, and checkpoint -> tp=1 resume and HF exports."""
+def _run(tmp_path: Path, world: int, tp: int, arch: str, full: bool = True, fsdp_size: int = 1) -> None:
+    """`full`: also the other micro-batch layouts, a value model, and checkpoint -> tp=1 resume and HF
+    exports. `fsdp_size`: 1 replicates over the dp groups (HSDP, a 3-D mesh when dp > 1), -1 shards over them."""
     tiny_model_dir(arch)  # build the cache once, before the workers race for it
-    mp.spawn(_worker, args=(world, tp, arch, _free_port(), str(tmp_path), full), nprocs=world, join=True)
+    args = (world, tp, arch, _free_port(), str(tmp_path), full, fsdp_size)
+    mp.spawn(_worker, args=args, nprocs=world, join=True)
     data, ranks = _data(), [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
     ref, dp, rows = _reference(arch, data), world // tp, ROWS // (world // tp)
     assert [(r["dp_rank"], r["tp_rank"]) for r in ranks] == [(d, t) for d in range(dp) for t in range(tp)]
     assert ranks[0]["shared_pays"]  # the default layout really ran shared-prompt packing
     hf = load_causal_lm(tiny_model_dir(arch)).config
-    assert all(r["q_rows"] == hf.hidden_size // tp for r in ranks)  # q_proj really split over tp
+    shards = tp * (dp if fsdp_size == -1 else 1)
+    assert all(r["q_rows"] == hf.hidden_size // shards for r in ranks)  # q_proj really split over tp (and dp)
     for r in ranks:
         want = slice(r["dp_rank"] * rows, (r["dp_rank"] + 1) * rows)
         for key in ("log_probs", "budget", "padded", "packed") if full else ("log_probs",):
             _close(r[key], ref["log_probs"][want], key)
         _close(r["entropy"], ref["entropy"][want], "entropy")
-    assert sum(r["loss"] for r in ranks if r["tp_rank"] == 0) / dp == pytest.approx(ref["loss"], rel=1e-5)
+        if full:
+            _close(r["values"], ref["values"][want], "values")
+    # train_step's loss: each dp group's share of the global mean, times dp
+    assert sum(r["metrics"]["loss"] for r in ranks if r["tp_rank"] == 0) / dp == pytest.approx(ref["loss"], rel=1e-5)
     for r in ranks:
-        for name, g in ref["grads"].items():
-            _close(r["grads"][name], g, name)
+        if full:
+            assert r["loss"] == pytest.approx(r["metrics"]["loss"], rel=1e-6)
+            for name, g in ref["grads"].items():
+                _close(r["grads"][name], g, name)
         assert r["metrics"]["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
         for name, w in ref["trained"].items():
             _close(r["trained"][name], w, name)
@@ -179,8 +195,9 @@ def test_tp2_qwen2_matches_one_process_and_resumes_at_tp1(tmp_path):
 
 
 @pytest.mark.slow
-def test_dp2_tp2_llama_matches_one_process_and_resumes_at_tp1(tmp_path):
-    _run(tmp_path, world=4, tp=2, arch="llama")
+@pytest.mark.parametrize("fsdp_size", [1, -1], ids=["replicated-dp", "sharded-dp"])
+def test_dp2_tp2_llama_matches_one_process_and_resumes_at_tp1(tmp_path, fsdp_size):
+    _run(tmp_path, world=4, tp=2, arch="llama", fsdp_size=fsdp_size)
 
 
 def test_layout_refused_with_the_numbers():
