@@ -72,10 +72,21 @@ def _rows(n: int) -> DataProto:
                                 K.RESPONSES: ids[:, -R:], K.RESPONSE_MASK: mask[:, -R:]})
 
 
-def _policy(tp: int) -> ClassWithInitArgs:
+class RecordingRollout:
+    """Stands in for a rollout: remembers the prompt rows, tags its outputs with the rank."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.seen = rank, []
+
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        self.seen.append(prompts.batch["row"].tolist())
+        return DataProto.from_dict({"row": prompts.batch["row"], "by": torch.full((len(prompts),), self.rank)})
+
+
+def _policy(tp: int, rollout_tp: int = 1) -> ClassWithInitArgs:
     actor = ActorConfig(engine=EngineConfig(tensor_parallel_size=tp))
-    return ClassWithInitArgs(ActorRolloutRefWorker, ModelConfig(), actor, RolloutConfig(), RefConfig(),
-                             "actor_rollout_ref")
+    rollout = RolloutConfig(tensor_model_parallel_size=rollout_tp)
+    return ClassWithInitArgs(ActorRolloutRefWorker, ModelConfig(), actor, rollout, RefConfig(), "actor_rollout_ref")
 
 
 @pytest.mark.parametrize("world,tp", [(4, 2), (2, 2), (4, 1)])
@@ -117,3 +128,14 @@ def test_colocated_critic_declares_its_own_mesh():
 def test_worker_refuses_tp_that_does_not_divide_its_world():
     with pytest.raises(ValueError, match=r"tensor_parallel_size=3 must divide the number of ranks \(4\)"):
         InProcessGroup(_policy(3), 4)
+
+
+def test_generation_follows_the_rollout_mesh_not_the_actor_mesh():
+    """Actor tp 1, rollout tp 2 on four processes: prompts split over two rollout groups."""
+    group = InProcessGroup(_policy(1, rollout_tp=2), 4)
+    for w in group.workers:
+        w.rollout = RecordingRollout(w.rank)
+    out = group.generate_sequences(_rows(4))
+    assert [w.rollout.seen for w in group.workers] == [[[0, 1]], [[0, 1]], [[2, 3]], [[2, 3]]]
+    assert out.batch["row"].tolist() == [0, 1, 2, 3] and out.batch["by"].tolist() == [0, 0, 2, 2]
+    assert group.get_dispatch_info("policy") == [(r, True) for r in range(4)]

@@ -190,5 +190,7 @@ def test_tensor_parallel_layout_is_checked_against_the_model_and_the_workers():
     assert ok.config.actor.engine.tensor_parallel_size == 3 and ok.config.actor.engine.fsdp_size == 1
     with pytest.raises(ConfigError, match=r"tensor_parallel_size=3 must divide the number of ranks \(2\)"):
         resolve(load_config(RunConfig, None, ["actor.engine.tensor_parallel_size=3"]), steps_per_epoch=4)
+    with pytest.raises(ConfigError, match=r"rollout.tensor_model_parallel_size=2 must divide num_attention_heads"):
+        resolve(load_config(RunConfig, None, ["rollout.tensor_model_parallel_size=2"]), steps_per_epoch=4)
     with pytest.raises(ConfigError, match="does not combine with actor.lora.rank > 0"):
         resolve(load_config(RunConfig, None, [*tp3, "actor.lora.rank=4"]), steps_per_epoch=4)

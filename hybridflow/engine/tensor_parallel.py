@@ -49,14 +49,16 @@ LAYER_PLAN: dict[str, str] = {
 """Submodule of a Llama/Qwen2-style decoder layer -> how tensor parallel splits it."""
 
 
-def check_tp_layout(tp: int, world: int, num_heads: int, num_kv_heads: int, section: str = "engine.") -> None:
-    """Refuse a layout tensor parallel cannot run: tp must divide the ranks, the heads and the kv heads."""
+def check_tp_layout(tp: int, world: int, num_heads: int, num_kv_heads: int,
+                    key: str = "engine.tensor_parallel_size") -> None:
+    """Refuse a layout tensor parallel cannot run: tp must divide the ranks, the heads and the kv heads
+    (`key`: the config key named in the message)."""
     if tp < 1:
-        raise ValueError(f"{section}tensor_parallel_size must be >= 1, got {tp}")
+        raise ValueError(f"{key} must be >= 1, got {tp}")
     problems = [f"{what} ({n})" for what, n in (("the number of ranks", world), ("num_attention_heads", num_heads),
                                                 ("num_key_value_heads", num_kv_heads)) if n % tp]
     if problems:
-        raise ValueError(f"{section}tensor_parallel_size={tp} must divide " + ", ".join(problems)
+        raise ValueError(f"{key}={tp} must divide " + ", ".join(problems)
                          + f"; the model has {num_heads} attention heads and {num_kv_heads} kv heads")
 
 

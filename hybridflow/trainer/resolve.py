@@ -198,19 +198,22 @@ def check_tensor_parallel(cfg: RunConfig, sets: tuple[WorkerSet, ...]) -> None:
     if cfg.actor.engine.tensor_parallel_size > 1 and cfg.actor.lora.enabled:
         raise ConfigError("actor.engine.tensor_parallel_size > 1 does not combine with actor.lora.rank > 0 "
                           "(peft wraps the projections tensor parallel splits)")
-    checks = [("actor.", cfg.actor.engine.tensor_parallel_size, cfg.model.path, ("actor", "ref"))]
+    checks = [("actor.engine.tensor_parallel_size", cfg.actor.engine.tensor_parallel_size, cfg.model.path,
+               ("actor", "ref")),
+              ("rollout.tensor_model_parallel_size", cfg.rollout.tensor_model_parallel_size, cfg.model.path,
+               ("rollout",))]
     if cfg.use_critic:
         critic_model = (cfg.critic.model or cfg.model).path
-        checks.append(("critic.", cfg.critic.engine.tensor_parallel_size, critic_model, ("critic",)))
-    for section, tp, path, roles in checks:
+        checks.append(("critic.engine.tensor_parallel_size", cfg.critic.engine.tensor_parallel_size, critic_model,
+                       ("critic",)))
+    for key, tp, path, roles in checks:
         if tp == 1:
             continue
         hf = load_config(path)
         for s in sets:
             if set(roles) & set(s.roles):
                 try:
-                    check_tp_layout(tp, s.world_size, hf.num_attention_heads, hf.num_key_value_heads,
-                                    f"{section}engine.")
+                    check_tp_layout(tp, s.world_size, hf.num_attention_heads, hf.num_key_value_heads, key)
                 except ValueError as err:
                     raise ConfigError(f"{err} (model {path})") from None
 

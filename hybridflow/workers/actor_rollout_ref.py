@@ -14,10 +14,11 @@ weights; after the first sync only the adapted layers' merged weights are sent.
 Every method receives THIS worker's data-parallel shard and returns a DataProto whose
 tensors are laid out as in hybridflow/keys.py, with worker-side metrics under
 meta_info["metrics"]. The worker declares two meshes for the N-D dispatch
-(hybridflow/controller/dispatch.py): "rollout", one dp rank per process (generation runs
-unsharded), and "policy", dp x tp by actor.engine.tensor_parallel_size, which the actor and
-the reference share: the tp ranks of a dp group receive the same rows and only tp rank 0's
-output is collected. With tp = 1 both meshes are the plain DP_COMPUTE_PROTO split.
+(hybridflow/controller/dispatch.py): "rollout", dp x tp by rollout.tensor_model_parallel_size,
+and "policy", dp x tp by actor.engine.tensor_parallel_size, which the actor and the reference
+share: the tp ranks of a dp group receive the same rows and only tp rank 0's output is
+collected. With tp = 1 both meshes are the plain DP_COMPUTE_PROTO split. The ranks of a
+rollout tp group sample with the same seed (they must draw the same tokens).
 """
 
 from __future__ import annotations
@@ -62,12 +63,15 @@ class ActorRolloutRefWorker(Worker):
         self._update_calls = 0
         # The reference runs on the actor's layout: both are dispatched over the policy mesh.
         self.tp_size = actor.engine.tensor_parallel_size
-        if self.world_size % self.tp_size:
-            raise ValueError(f"actor.engine.tensor_parallel_size={self.tp_size} must divide the number of "
-                             f"ranks ({self.world_size})")
+        self.rollout_tp_size = rollout.tensor_model_parallel_size
+        for key, tp in (("actor.engine.tensor_parallel_size", self.tp_size),
+                        ("rollout.tensor_model_parallel_size", self.rollout_tp_size)):
+            if self.world_size % tp:
+                raise ValueError(f"{key}={tp} must divide the number of ranks ({self.world_size})")
         self.dp_size = self.world_size // self.tp_size
         self._register_dispatch_collect_info(POLICY_MESH, self.rank // self.tp_size, self.rank % self.tp_size == 0)
-        self._register_dispatch_collect_info(ROLLOUT_MESH, self.rank, True)
+        self._register_dispatch_collect_info(ROLLOUT_MESH, self.rank // self.rollout_tp_size,
+                                             self.rank % self.rollout_tp_size == 0)
 
     # --- setup ----------------------------------------------------------------
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -86,7 +90,8 @@ class ActorRolloutRefWorker(Worker):
                                                        tensor_parallel_size=self.tp_size))
         if "rollout" in self.roles:
             cfg = self.rollout_cfg
-            self.rollout = build_rollout(replace(cfg, seed=cfg.seed + self.rank), path, self.tokenizer)
+            seed = cfg.seed + self.rank // self.rollout_tp_size
+            self.rollout = build_rollout(replace(cfg, seed=seed), path, self.tokenizer)
 
     # --- rollout ----------------------------------------------------------------
     @register(dispatch_mode=_ON_ROLLOUT_MESH)
