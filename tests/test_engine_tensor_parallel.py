@@ -18,7 +18,7 @@ from hybridflow.engine import EngineConfig, FSDPEngine, OptimConfig, export_hf
 from hybridflow.engine.batch import TokenBudget
 from hybridflow.engine.prefix import sharing_pays
 from hybridflow.engine.tensor_parallel import TensorParallelEngine, check_tp_layout
-from hybridflow.models import load_causal_lm, load_value_model, tiny_model_dir
+from hybridflow.models import default_model_dir, load_causal_lm, load_value_model, tiny_model_dir
 from tests.engine_helpers import make_group_batch, reference_log_probs
 
 PROMPTS, N, P, R = 4, 2, 12, 5
@@ -211,3 +211,34 @@ def test_layout_refused_with_the_numbers():
         EngineConfig(tensor_parallel_size=2, fsdp_size=3).resolve_fsdp_size(torch.device("cpu"), 4)
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
         EngineConfig(tensor_parallel_size=0)
+
+
+def _smollm2_worker(rank: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="3")
+    torch.set_num_threads(1)
+    data = _data()
+    engine = TensorParallelEngine.from_pretrained(default_model_dir(), EngineConfig(param_dtype="fp32",
+                                                  tensor_parallel_size=3), OptimConfig(**OPTIM))
+    log_probs, _ = engine.compute_log_probs(data, 4)
+    metrics = engine.train_step(_micro(data, 4), _loss_fn(int(data[keys.ATTENTION_MASK][:, -R:].sum()), 1))
+    torch.save({"log_probs": log_probs, "metrics": metrics}, Path(out_dir) / f"rank{rank}.pt")
+
+
+@pytest.mark.slow
+def test_tp3_smollm2_log_probs_loss_and_grad_norm_match_one_process(tmp_path):
+    """The default model's own layout (9 heads, 3 kv heads: 3 and 1 per rank) on 3 ranks."""
+    mp.spawn(_smollm2_worker, args=(_free_port(), str(tmp_path)), nprocs=3, join=True)
+    data, model = _data(), load_causal_lm(default_model_dir())
+    want, _ = reference_log_probs(model, data)
+    mask = data[keys.ATTENTION_MASK][:, -R:].float()
+    logits = model(input_ids=data[keys.INPUT_IDS], attention_mask=data[keys.ATTENTION_MASK],
+                   position_ids=data[keys.POSITION_IDS]).logits[:, -R - 1 : -1]
+    lp = torch.log_softmax(logits.float(), -1).gather(-1, data[keys.RESPONSES].unsqueeze(-1)).squeeze(-1)
+    loss = -(lp * mask).sum() / mask.sum()
+    loss.backward()
+    norm = float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
+    for r in range(3):
+        got = torch.load(tmp_path / f"rank{r}.pt")
+        torch.testing.assert_close(got["log_probs"], want, atol=1e-4, rtol=1e-4)
+        assert got["metrics"]["loss"] == pytest.approx(float(loss), rel=1e-5)
+        assert got["metrics"]["grad_norm"] == pytest.approx(norm, rel=1e-4)

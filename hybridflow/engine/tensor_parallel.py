@@ -106,6 +106,10 @@ def replicate_rest(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         names = [n for n, p in module.named_parameters(recurse=False) if not isinstance(p, DTensor)]
         if not names:
             continue
+        if any(isinstance(p, DTensor) for child in module.children() for p in child.parameters()):
+            # its hooks would hand DTensors to the split layers below it, which expect plain tensors
+            raise ValueError(f"tensor parallel: {type(module).__name__} holds parameters of its own around "
+                             "split decoder layers; only Llama/Qwen2-style models are supported")
         for name in names:
             p = module._parameters[name]
             if id(p) not in converted:
