@@ -1,6 +1,7 @@
 """Tensor parallel x FSDP2 on gloo ranks computes what one plain process computes: log-probs (padded,
-packed, shared-prompt and token-budget micro-batches), loss, gradients, one optimizer step; a tp=2
-checkpoint restores into a tp=1 engine (weights and optimizer state) and exports to HF from either side."""
+packed, shared-prompt and token-budget micro-batches), values, loss, gradients, one optimizer step; a
+tp=2 checkpoint restores into a one-process engine (weights and optimizer state) and into plain FSDP over
+the same ranks, and exports to HF from the engine and from the checkpoint."""
 
 from __future__ import annotations
 
@@ -92,6 +93,11 @@ def _save_and_continue(engine: TensorParallelEngine, shard: dict, loss_fn, out: 
     export_hf(engine, out / "hf")
     engine.train_step(_micro(shard), loss_fn)
     res["continued"] = engine.full_state_dict()
+    # the same checkpoint into plain FSDP over all these ranks (tp 1, dp = world, parameters sharded)
+    dp_only = FSDPEngine.from_pretrained(tiny_model_dir(engine.model.config.model_type), EngineConfig(
+        param_dtype="fp32", fsdp_size=-1), OptimConfig(**OPTIM))
+    dp_only.load_checkpoint(out / "ckpt")
+    res["loaded_dp_only"] = dp_only.full_state_dict()
 
 
 def _reference(arch: str, data: dict) -> dict:
@@ -163,8 +169,11 @@ def _run(tmp_path: Path, world: int, tp: int, arch: str, full: bool = True, fsdp
 
 
 def _check_tp1_resume_and_exports(tmp_path: Path, arch: str, rank0: dict, ref: dict) -> None:
-    """The tp checkpoint loads into a one-process tp=1 engine: same weights, and the next step (which
-    needs the restored AdamW moments) matches; both HF exports hold the trained weights."""
+    """The tp checkpoint loads into a one-process tp=1 engine and into plain FSDP over the workers: same
+    weights, and the next step (which needs the restored AdamW moments) matches; both HF exports hold the
+    trained weights."""
+    for name, w in rank0["loaded_dp_only"].items():
+        torch.testing.assert_close(w, rank0["trained"][name], atol=0, rtol=0, msg=name)
     for name, w in load_causal_lm(tmp_path / "hf").state_dict().items():
         torch.testing.assert_close(w, rank0["trained"][name], atol=0, rtol=0, msg=name)
     for name, w in load_causal_lm(export_hf(tmp_path / "ckpt", tmp_path / "hf_ckpt")).state_dict().items():
