@@ -177,3 +177,20 @@ def test_two_experiments_never_share_a_directory_and_auto_resume_never_crosses_r
                                                    f"trainer.default_local_dir={a.trainer.default_local_dir}"]), 4)
     with pytest.raises(ValueError, match=r"holds checkpoints of run 'hybridflow/a', but this run is 'hybridflow/b'"):
         resume_path(shared.config)
+
+
+def test_tensor_parallel_layout_is_checked_against_the_model_and_the_workers():
+    """SmolLM2 (the default model) has 9 attention heads and 3 kv heads: tp=2 is refused with the numbers,
+    tp=3 on 3 workers resolves (one dp group); tp that does not divide the workers and tp with LoRA are refused."""
+    with pytest.raises(ConfigError, match=r"actor.engine.tensor_parallel_size=2 must divide num_attention_heads "
+                                          r"\(9\), num_key_value_heads \(3\)"):
+        resolve(load_config(RunConfig, None, ["actor.engine.tensor_parallel_size=2"]), steps_per_epoch=4)
+    tp3 = ["actor.engine.tensor_parallel_size=3", "trainer.n_workers_per_node=3", "rollout.n=6"]
+    ok = resolve(load_config(RunConfig, None, tp3), steps_per_epoch=4)
+    assert ok.config.actor.engine.tensor_parallel_size == 3 and ok.config.actor.engine.fsdp_size == 1
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=3 must divide the number of ranks \(2\)"):
+        resolve(load_config(RunConfig, None, ["actor.engine.tensor_parallel_size=3"]), steps_per_epoch=4)
+    with pytest.raises(ConfigError, match=r"rollout.tensor_model_parallel_size=2 must divide num_attention_heads"):
+        resolve(load_config(RunConfig, None, ["rollout.tensor_model_parallel_size=2"]), steps_per_epoch=4)
+    with pytest.raises(ConfigError, match="does not combine with actor.lora.rank > 0"):
+        resolve(load_config(RunConfig, None, [*tp3, "actor.lora.rank=4"]), steps_per_epoch=4)

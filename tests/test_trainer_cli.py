@@ -109,6 +109,11 @@ def train_ok(tiny_model: str, tmp_path: Path, *extra: str) -> list[dict]:
                       "trainer.save_freq=2"], ["actor/kl_loss", "timing_s/weight_sync"]),
     ("split", ["algorithm.adv_estimator=gae", "trainer.placement=split"], ["critic/vf_loss", "critic/values/mean"]),
     ("local", ["trainer.backend=local", "trainer.n_workers_per_node=1"], []),
+    # tensor parallel over both workers for actor, reference, critic and rollout (N-D dispatch: one dp group)
+    pytest.param("tp2", ["actor.engine.tensor_parallel_size=2", "critic.engine.tensor_parallel_size=2",
+                         "rollout.tensor_model_parallel_size=2",
+                         "algorithm.adv_estimator=gae", "actor.use_kl_loss=true", "trainer.save_freq=2"],
+                 ["critic/vf_loss", "actor/kl_loss"], marks=pytest.mark.slow),
 ])
 def test_train_smoke(tiny_model: str, tmp_path: Path, name: str, extra: list[str], expect: list[str]) -> None:
     steps = train_ok(tiny_model, tmp_path, *extra)

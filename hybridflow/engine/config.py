@@ -89,16 +89,27 @@ class EngineConfig(Section):
     -1: the whole world (plain FSDP). 1: every rank holds the whole model (DDP-like: no
     parameter gathers, weight sync is a local copy). None: 1 on CPU (gloo collectives are
     slow and memory is plentiful), -1 on GPU."""
+    tensor_parallel_size: int = 1
+    """Ranks each decoder layer is split over by tensor parallel (verl: tensor_parallel_size); the
+    world is laid out as dp x tp (tp fastest) and `fsdp_size` shards over the dp ranks. 1: off.
+    Must divide the ranks, num_attention_heads and num_key_value_heads (checked when the run is
+    resolved); Llama/Qwen2-style layers only, no LoRA (hybridflow/engine/tensor_parallel.py)."""
     reshard_after_forward: bool | None = None
     """FSDP2: free gathered parameters after forward (saves memory, costs a re-gather in
     backward). None: False on CPU (gloo gathers are slow, memory is plentiful), True on GPU."""
 
     def resolve_fsdp_size(self, device: torch.device, world: int) -> int:
-        """`fsdp_size` for this world, with None and -1 resolved; it must divide the world size."""
+        """`fsdp_size` for this world, with None and -1 resolved; it must divide the world size (with
+        tensor parallel: the number of dp groups, world / tensor_parallel_size)."""
         size = self.fsdp_size if self.fsdp_size is not None else (1 if device.type == "cpu" else -1)
+        tp = self.tensor_parallel_size
+        if world % tp:
+            raise ValueError(f"engine.tensor_parallel_size={tp} must divide the number of ranks ({world})")
+        world //= tp
         size = world if size == -1 else size
         if world % size:
-            raise ValueError(f"engine.fsdp_size={size} must divide the number of ranks ({world})")
+            what = f"dp groups ({world} = ranks / tensor_parallel_size)" if tp > 1 else f"ranks ({world})"
+            raise ValueError(f"engine.fsdp_size={size} must divide the number of {what}")
         return size
 
     def resolve_reshard_after_forward(self, device: torch.device) -> bool:
@@ -112,6 +123,8 @@ class EngineConfig(Section):
         check_dtype("engine.reduce_dtype", self.reduce_dtype, allow_auto=False)
         if self.fsdp_size is not None and self.fsdp_size != -1 and self.fsdp_size < 1:
             raise ValueError(f"engine.fsdp_size must be -1, None or >= 1, got {self.fsdp_size}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"engine.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.cpu_math_attention_max_len < 0:
             raise ValueError(f"engine.cpu_math_attention_max_len must be >= 0, got {self.cpu_math_attention_max_len}")
         if self.logits_chunk_size < 1:

@@ -151,7 +151,10 @@ def build_rollout(config: RolloutConfig, model_path_or_module: str | os.PathLike
     if config.name == "native":
         from hybridflow.rollout.native import NativeRollout
 
-        return NativeRollout(config, load_rollout_model(model_path_or_module, config.torch_dtype), tokenizer)
+        group = tensor_parallel_group(config.tensor_model_parallel_size) if config.tensor_model_parallel_size > 1 \
+            else None
+        model = load_rollout_model(model_path_or_module, config.torch_dtype)
+        return NativeRollout(config, model, tokenizer, tp_group=group)
     if config.name == "hf":
         from hybridflow.rollout.hf import HFRollout
 
@@ -161,3 +164,15 @@ def build_rollout(config: RolloutConfig, model_path_or_module: str | os.PathLike
 
         return VLLMRollout(config, model_path_or_module, tokenizer)
     raise ValueError(f"unknown rollout name {config.name!r}; choose one of {ROLLOUT_NAMES}")
+
+
+def tensor_parallel_group(tp: int):
+    """This rank's group of `tp` consecutive ranks of the default group (collective: every rank calls it)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    if world % tp:
+        raise ValueError(f"rollout.tensor_model_parallel_size={tp} must divide the number of ranks ({world})")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return init_device_mesh(device, (world // tp, tp), mesh_dim_names=("dp", "tp")).get_group("tp")

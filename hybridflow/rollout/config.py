@@ -124,6 +124,10 @@ class RolloutConfig(Section):
     """Keep generating after EOS up to response_length (benchmarks); the mask still covers all tokens."""
     seed: int = 0
     """Seed of the sampler's torch.Generator; the same seed and inputs give the same samples."""
+    tensor_model_parallel_size: int = 1
+    """Ranks each generating model is split over (verl: tensor_model_parallel_size; native rollout,
+    Llama/Qwen2 only): heads and MLP columns split, one all-reduce per attention and per MLP, the ranks
+    of a group generating the same rows. Must divide the workers and the model's heads and kv heads."""
     gpu_memory_utilization: float = 0.5
     """vllm on a GPU: fraction of the device's memory vllm takes for its weights and KV cache (the actor
     shares the device). vllm on CPU ignores it: its KV cache holds max_batch_size full-length sequences."""
@@ -138,6 +142,11 @@ class RolloutConfig(Section):
     """Sampling parameters used when meta_info["validate"] is True."""
 
     def __post_init__(self) -> None:
+        if self.tensor_model_parallel_size < 1:
+            raise ValueError(f"rollout.tensor_model_parallel_size must be >= 1, got {self.tensor_model_parallel_size}")
+        if self.tensor_model_parallel_size > 1 and self.name != "native":
+            raise ValueError(f"rollout.tensor_model_parallel_size > 1 is implemented for rollout.name=native only, "
+                             f"got rollout.name={self.name!r}")
         if isinstance(self.val_kwargs, dict):
             self.val_kwargs = ValKwargs(**self.val_kwargs)
         if self.name not in ROLLOUT_NAMES:

@@ -14,6 +14,12 @@ Both return fp32 logits of the last position only.
   objects, output dataclasses) that dominates small models on CPU.
 - `HFDecoder`: any HF causal LM through its own forward and a DynamicCache
   (the fallback for architectures the static path does not cover).
+
+With a tensor-parallel group (rollout.tensor_model_parallel_size) the static decoder
+runs its share of the heads and of the MLP's columns (Megatron's split: q/k/v and
+gate/up by output rows, o and down by input columns, one all-reduce after each) and
+keeps its share of the KV cache; embedding, norms and LM head stay whole. Every rank
+of the group must get the same prompts and sample the same tokens (same seed).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import DynamicCache
@@ -83,21 +90,25 @@ class _LayerWeights:
     down: _Linear
 
 
-def _cat_bias(*mods: nn.Linear) -> Tensor | None:
+def _cat_bias(*mods: nn.Linear, rank: int = 0, tp: int = 1) -> Tensor | None:
     if all(m.bias is None for m in mods):
         return None
-    return torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in mods])
+    return torch.cat([(m.bias if m.bias is not None else m.weight.new_zeros(m.out_features)).chunk(tp)[rank]
+                      for m in mods])
 
 
-def _layer_weights(layer: nn.Module) -> _LayerWeights:
+def _layer_weights(layer: nn.Module, rank: int = 0, tp: int = 1) -> _LayerWeights:
+    """The layer's fused weights; with tp > 1 this rank's share (heads are contiguous blocks of rows,
+    so chunking rows by tp keeps whole heads). The o/down bias is added once, by tp rank 0."""
     a, m = layer.self_attn, layer.mlp
+    rows = lambda *mods: torch.cat([mod.weight.chunk(tp)[rank] for mod in mods])  # noqa: E731
+    cols = lambda mod: mod.weight.chunk(tp, dim=1)[rank]  # noqa: E731
     return _LayerWeights(
         ln1=layer.input_layernorm.weight, ln2=layer.post_attention_layernorm.weight,
-        qkv=_Linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
-                    _cat_bias(a.q_proj, a.k_proj, a.v_proj)),
-        o=_Linear(a.o_proj.weight, a.o_proj.bias),
-        gate_up=_Linear(torch.cat([m.gate_proj.weight, m.up_proj.weight]), _cat_bias(m.gate_proj, m.up_proj)),
-        down=_Linear(m.down_proj.weight, m.down_proj.bias),
+        qkv=_Linear(rows(a.q_proj, a.k_proj, a.v_proj), _cat_bias(a.q_proj, a.k_proj, a.v_proj, rank=rank, tp=tp)),
+        o=_Linear(cols(a.o_proj), a.o_proj.bias if rank == 0 else None),
+        gate_up=_Linear(rows(m.gate_proj, m.up_proj), _cat_bias(m.gate_proj, m.up_proj, rank=rank, tp=tp)),
+        down=_Linear(cols(m.down_proj), m.down_proj.bias if rank == 0 else None),
     )
 
 
@@ -109,14 +120,21 @@ class StaticLlamaDecoder:
     `kernels`: the element-wise ops, eager or compiled (rollout/kernels.py).
     """
 
-    def __init__(self, model: nn.Module, kernels: DecoderKernels = EAGER) -> None:
+    def __init__(self, model: nn.Module, kernels: DecoderKernels = EAGER,
+                 tp_group: dist.ProcessGroup | None = None) -> None:
         cfg = model.config
         self.model = model
         self.kernels = kernels
-        self.layers = [_layer_weights(layer) for layer in model.model.layers]
+        self.tp_group = tp_group if tp_group is not None and dist.get_world_size(tp_group) > 1 else None
+        tp = dist.get_world_size(self.tp_group) if self.tp_group else 1
+        rank = dist.get_rank(self.tp_group) if self.tp_group else 0
+        if cfg.num_key_value_heads % tp:
+            raise ValueError(f"rollout.tensor_model_parallel_size={tp} must divide num_attention_heads "
+                             f"({cfg.num_attention_heads}) and num_key_value_heads ({cfg.num_key_value_heads})")
+        self.layers = [_layer_weights(layer, rank, tp) for layer in model.model.layers]
         self.lm_head = _Linear(model.lm_head.weight, model.lm_head.bias)
-        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.heads, self.kv_heads = cfg.num_attention_heads // tp, cfg.num_key_value_heads // tp
         self.scaling = model.model.layers[0].self_attn.scaling
         self.eps = cfg.rms_norm_eps
         self.dtype = model.model.embed_tokens.weight.dtype
@@ -196,10 +214,16 @@ class StaticLlamaDecoder:
             k, v = self.k_cache[i, :, :, :end], self.v_cache[i, :, :, :end]
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling)
         out = out.view(b, hq, s, d).transpose(1, 2).reshape(b, s, hq * d)
-        return w.o(out)
+        return self._sum_over_tp(w.o(out))
 
     def _mlp(self, w: _LayerWeights, x: Tensor) -> Tensor:
-        return w.down(self.kernels.silu_mul(w.gate_up(x)))
+        return self._sum_over_tp(w.down(self.kernels.silu_mul(w.gate_up(x))))
+
+    def _sum_over_tp(self, partial: Tensor) -> Tensor:
+        """The row-split projection's output: each tp rank holds a partial sum over its columns."""
+        if self.tp_group is not None:
+            dist.all_reduce(partial, group=self.tp_group)
+        return partial
 
 
 def _decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:

@@ -64,7 +64,8 @@ class PPOTrainer:
         self.global_step = 0
         self.resume_from = inputs.resume_from
         self.total_steps = run.total_steps
-        self.actor_world = run.set_of("actor").world_size
+        # The batch is split over the actor's dp groups (its tp ranks share their group's rows).
+        self.actor_dp = run.set_of("actor").world_size // self.cfg.actor.engine.tensor_parallel_size
         self.last_val: dict[str, float] = {}
         self.first_val: dict[str, float] = {}
         self.recovery = recovery
@@ -99,7 +100,7 @@ class PPOTrainer:
             with timer("gen", timing):
                 batch = _take_metrics(self.rollout.batch(self.global_step), worker_out)
             #    ... and spread over the actor workers so that each gets about the same number of tokens
-            balance = balance_batch(batch, self.actor_world) if cfg.trainer.balance_batch else {}
+            balance = balance_batch(batch, self.actor_dp) if cfg.trainer.balance_batch else {}
             # 2. score them: rule / custom reward (+ reward model) at the last response token
             with timer("reward", timing):
                 if roles.reward_model is not None:

@@ -12,7 +12,8 @@ Derived here and nowhere else, always from the final merged values:
   LR-schedule length of every optimizer (actor.optim / critic.optim .total_training_steps);
 - rollout.prompt_length / response_length from data.max_prompt_length / max_response_length;
 - critic.enable and critic.model from the estimator and the policy model;
-- each trained role's engine.fsdp_size and reshard_after_forward from the device and its group size;
+- each trained role's engine.fsdp_size and reshard_after_forward from the device and its group size,
+  and its engine.tensor_parallel_size checked against its group size and its model's heads;
 - every compute dtype left "auto" (actor/critic engine.param_dtype, rollout.dtype, ref and reward
   model param_dtype): bf16 or fp32 as a matmul probe on trainer.cpus_per_worker threads measures
   (once per machine, hybridflow/utils/hardware.py), bf16 on CUDA;
@@ -99,6 +100,7 @@ def resolve(cfg: RunConfig, steps_per_epoch: int, cpu_count: int | None = None) 
         raise ConfigError(f"the training set gives {steps_per_epoch} steps per epoch at data.train_batch_size="
                           f"{cfg.data.train_batch_size}; add prompts or lower the batch size")
     sets = worker_sets(cfg)
+    check_tensor_parallel(cfg, sets)
     trainer = resolve_trainer(cfg.trainer, steps_per_epoch, cpu_count)
     total = trainer.total_training_steps
     device = trainer.device
@@ -122,7 +124,8 @@ def resolve(cfg: RunConfig, steps_per_epoch: int, cpu_count: int | None = None) 
         reward_model=replace(cfg.reward_model,
                              param_dtype=resolve_dtype(cfg.reward_model.param_dtype, device, threads)),
     )
-    return ResolvedRun(freeze(resolved), steps_per_epoch, sets, _recompute_old_log_prob(cfg, sets[0].world_size))
+    actor_dp = sets[0].world_size // cfg.actor.engine.tensor_parallel_size
+    return ResolvedRun(freeze(resolved), steps_per_epoch, sets, _recompute_old_log_prob(cfg, actor_dp))
 
 
 def worker_sets(cfg: RunConfig) -> tuple[WorkerSet, ...]:
@@ -191,6 +194,35 @@ def resolve_engine(engine: EngineConfig, device: str, world: int, section: str, 
     return replace(engine, fsdp_size=fsdp_size,
                    reshard_after_forward=engine.resolve_reshard_after_forward(torch.device(device)),
                    param_dtype=resolve_dtype(engine.param_dtype, device, threads))
+
+
+def check_tensor_parallel(cfg: RunConfig, sets: tuple[WorkerSet, ...]) -> None:
+    """Refuse a tensor_parallel_size that does not divide a worker set hosting the role (the reference
+    shares the actor's) or its model's attention / kv heads; reads the model's config only when tp > 1."""
+    from hybridflow.engine.tensor_parallel import check_tp_layout
+    from hybridflow.models.loading import load_config
+
+    if cfg.actor.engine.tensor_parallel_size > 1 and cfg.actor.lora.enabled:
+        raise ConfigError("actor.engine.tensor_parallel_size > 1 does not combine with actor.lora.rank > 0 "
+                          "(peft wraps the projections tensor parallel splits)")
+    checks = [("actor.engine.tensor_parallel_size", cfg.actor.engine.tensor_parallel_size, cfg.model.path,
+               ("actor", "ref")),
+              ("rollout.tensor_model_parallel_size", cfg.rollout.tensor_model_parallel_size, cfg.model.path,
+               ("rollout",))]
+    if cfg.use_critic:
+        critic_model = (cfg.critic.model or cfg.model).path
+        checks.append(("critic.engine.tensor_parallel_size", cfg.critic.engine.tensor_parallel_size, critic_model,
+                       ("critic",)))
+    for key, tp, path, roles in checks:
+        if tp == 1:
+            continue
+        hf = load_config(path)
+        for s in sets:
+            if set(roles) & set(s.roles):
+                try:
+                    check_tp_layout(tp, s.world_size, hf.num_attention_heads, hf.num_key_value_heads, key)
+                except ValueError as err:
+                    raise ConfigError(f"{err} (model {path})") from None
 
 
 def _recompute_old_log_prob(cfg: RunConfig, actor_world: int) -> bool:

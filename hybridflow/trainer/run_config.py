@@ -108,11 +108,15 @@ class RunConfig(Section):
         if d.train_batch_size % a.ppo_mini_batch_size:
             raise ValueError(f"data.train_batch_size ({d.train_batch_size}) must be a multiple of "
                              f"actor.ppo_mini_batch_size ({a.ppo_mini_batch_size})")
-        for key, prompts in (("actor.ppo_mini_batch_size", a.ppo_mini_batch_size),
-                             ("critic.ppo_mini_batch_size", self.critic.ppo_mini_batch_size)):
-            if (prompts * n) % w:
-                raise ValueError(f"{key} ({prompts}) * rollout.n ({n}) = {prompts * n} responses must divide "
-                                 f"evenly over {w} workers (trainer.n_workers_per_node * trainer.nnodes)")
+        for role, prompts, tp in (("actor", a.ppo_mini_batch_size, a.engine.tensor_parallel_size),
+                                  ("critic", self.critic.ppo_mini_batch_size, self.critic.engine.tensor_parallel_size)):
+            # Mini-batches split over dp groups: a tp group shares its rows (a tp not dividing w fails at resolve).
+            groups = w // tp if w % tp == 0 else w
+            where = f"{w} workers (trainer.n_workers_per_node * trainer.nnodes)" if groups == w else \
+                f"{groups} dp groups ({w} workers / {role}.engine.tensor_parallel_size={tp})"
+            if (prompts * n) % groups:
+                raise ValueError(f"{role}.ppo_mini_batch_size ({prompts}) * rollout.n ({n}) = {prompts * n} responses "
+                                 f"must divide evenly over {where}")
         if self.use_critic and d.train_batch_size % self.critic.ppo_mini_batch_size:
             raise ValueError(f"data.train_batch_size ({d.train_batch_size}) must be a multiple of "
                              f"critic.ppo_mini_batch_size ({self.critic.ppo_mini_batch_size})")

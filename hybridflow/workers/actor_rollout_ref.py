@@ -14,9 +14,14 @@ model: the reference policy is the actor with its adapters disabled (the frozen 
 computed in the actor's engine.param_dtype). The rollout generates from the merged
 weights; after the first sync only the adapted layers' merged weights are sent.
 
-Every method receives THIS worker's data-parallel shard (Dispatch.DP_COMPUTE_PROTO)
-and returns a DataProto whose tensors are laid out as in hybridflow/keys.py, with
-worker-side metrics under meta_info["metrics"].
+Every method receives THIS worker's data-parallel shard and returns a DataProto whose
+tensors are laid out as in hybridflow/keys.py, with worker-side metrics under
+meta_info["metrics"]. The worker declares two meshes for the N-D dispatch
+(hybridflow/controller/dispatch.py): "rollout", dp x tp by rollout.tensor_model_parallel_size,
+and "policy", dp x tp by actor.engine.tensor_parallel_size, which the actor and the reference
+share: the tp ranks of a dp group receive the same rows and only tp rank 0's output is
+collected. With tp = 1 both meshes are the plain DP_COMPUTE_PROTO split. The ranks of a
+rollout tp group sample with the same seed (they must draw the same tokens).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from pathlib import Path
 from hybridflow import keys as K
 from hybridflow.algos.core import masked_mean
 from hybridflow.controller.decorator import Dispatch, register
+from hybridflow.controller.dispatch import make_nd_compute_dataproto_dispatch_fn
 from hybridflow.controller.worker import Worker, collective_timeout_s
 from hybridflow.engine.config import EngineConfig
 from hybridflow.protocol import DataProto
@@ -39,6 +45,10 @@ from hybridflow.workers.losses import actor_loss_builder
 from hybridflow.workers.ppo_update import run_ppo_update
 
 ROLES = ("actor", "rollout", "ref")
+POLICY_MESH, ROLLOUT_MESH = "policy", "rollout"
+"""Names of the meshes this worker declares for the N-D dispatch."""
+_ON_POLICY_MESH = make_nd_compute_dataproto_dispatch_fn(POLICY_MESH)
+_ON_ROLLOUT_MESH = make_nd_compute_dataproto_dispatch_fn(ROLLOUT_MESH)
 
 
 class ActorRolloutRefWorker(Worker):
@@ -54,6 +64,17 @@ class ActorRolloutRefWorker(Worker):
         self._rollout_stale = False
         self._rollout_has_all_weights = False
         self._update_calls = 0
+        # The reference runs on the actor's layout: both are dispatched over the policy mesh.
+        self.tp_size = actor.engine.tensor_parallel_size
+        self.rollout_tp_size = rollout.tensor_model_parallel_size
+        for key, tp in (("actor.engine.tensor_parallel_size", self.tp_size),
+                        ("rollout.tensor_model_parallel_size", self.rollout_tp_size)):
+            if self.world_size % tp:
+                raise ValueError(f"{key}={tp} must divide the number of ranks ({self.world_size})")
+        self.dp_size = self.world_size // self.tp_size
+        self._register_dispatch_collect_info(POLICY_MESH, self.rank // self.tp_size, self.rank % self.tp_size == 0)
+        self._register_dispatch_collect_info(ROLLOUT_MESH, self.rank // self.rollout_tp_size,
+                                             self.rank % self.rollout_tp_size == 0)
 
     # --- setup ----------------------------------------------------------------
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -68,13 +89,15 @@ class ActorRolloutRefWorker(Worker):
         if "actor" in self.roles:
             self.actor = build_engine(path, self.actor_cfg.engine, self.actor_cfg.optim, lora=self.actor_cfg.lora)
         if "ref" in self.roles and not self._ref_is_actor_base():
-            self.ref = build_engine(path, EngineConfig(param_dtype=self.ref_cfg.param_dtype))
+            self.ref = build_engine(path, EngineConfig(param_dtype=self.ref_cfg.param_dtype,
+                                                       tensor_parallel_size=self.tp_size))
         if "rollout" in self.roles:
             cfg = self.rollout_cfg
-            self.rollout = build_rollout(replace(cfg, seed=cfg.seed + self.rank), path, self.tokenizer)
+            seed = cfg.seed + self.rank // self.rollout_tp_size
+            self.rollout = build_rollout(replace(cfg, seed=seed), path, self.tokenizer)
 
     # --- rollout ----------------------------------------------------------------
-    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @register(dispatch_mode=_ON_ROLLOUT_MESH)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Prompts [b, P] (left-padded) -> b * n rows of prompts, responses, masks, rollout_log_probs."""
         from hybridflow.rollout.sync import sync_weights
@@ -97,7 +120,7 @@ class ActorRolloutRefWorker(Worker):
     def _temperature(self, data: DataProto) -> float:
         return float(data.meta_info.get(K.META_TEMPERATURE, self.rollout_cfg.temperature))
 
-    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @register(dispatch_mode=_ON_POLICY_MESH)
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """Rows with input_ids/attention_mask/position_ids/responses -> old_log_probs [b, R], entropys [b, R]."""
         log_probs, entropy = self.actor.compute_log_probs(
@@ -107,7 +130,7 @@ class ActorRolloutRefWorker(Worker):
         metrics = {"actor/entropy": float(masked_mean(entropy, mask))}
         return DataProto.from_dict({K.OLD_LOG_PROBS: log_probs, K.ENTROPYS: entropy}, meta_info={K.META_METRICS: metrics})
 
-    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
+    @register(dispatch_mode=_ON_POLICY_MESH, blocking=False)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         """Rows as for compute_log_prob -> ref_log_prob [b, R] from the frozen reference policy.
 
@@ -127,7 +150,7 @@ class ActorRolloutRefWorker(Worker):
         return self.actor is not None and self.actor.has_adapters
 
     # --- training ----------------------------------------------------------------
-    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @register(dispatch_mode=_ON_POLICY_MESH)
     def update_actor(self, data: DataProto) -> DataProto:
         """PPO epochs over mini-batches over micro-batches; rows need advantages (+ ref_log_prob) and
         old_log_probs. With meta_info["own_old_log_prob"]=True (the trainer's step plan, see
@@ -137,7 +160,7 @@ class ActorRolloutRefWorker(Worker):
         Returns no rows, only meta_info["metrics"] (lists with one value per optimizer step).
         """
         cfg = self.actor_cfg
-        mini_rows = max(cfg.ppo_mini_batch_size * self.rollout_cfg.n // self.world_size, 1)
+        mini_rows = max(cfg.ppo_mini_batch_size * self.rollout_cfg.n // self.dp_size, 1)
         own = bool(data.meta_info.get(K.META_OWN_OLD_LOG_PROB, False))
         _check_old_log_probs(data, own, cfg.ppo_epochs, mini_rows)
         start = time.perf_counter()

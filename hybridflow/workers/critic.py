@@ -7,12 +7,17 @@ from pathlib import Path
 
 from hybridflow import keys as K
 from hybridflow.controller.decorator import Dispatch, register
+from hybridflow.controller.dispatch import make_nd_compute_dataproto_dispatch_fn
 from hybridflow.controller.worker import Worker
 from hybridflow.protocol import DataProto
 from hybridflow.workers.config import CriticConfig, ModelConfig
 from hybridflow.workers.engines import build_engine
 from hybridflow.workers.losses import critic_loss_builder
 from hybridflow.workers.ppo_update import run_ppo_update
+
+CRITIC_MESH = "critic"
+"""The mesh the critic declares for the N-D dispatch: dp x tp by critic.engine.tensor_parallel_size."""
+_ON_CRITIC_MESH = make_nd_compute_dataproto_dispatch_fn(CRITIC_MESH)
 
 
 class CriticWorker(Worker):
@@ -29,6 +34,12 @@ class CriticWorker(Worker):
         self.rollout_n = rollout_n
         self.engine = None
         self._update_calls = 0
+        tp = critic.engine.tensor_parallel_size
+        if self.world_size % tp:
+            raise ValueError(f"critic.engine.tensor_parallel_size={tp} must divide the number of ranks "
+                             f"({self.world_size})")
+        self.dp_size = self.world_size // tp
+        self._register_dispatch_collect_info(CRITIC_MESH, self.rank // tp, self.rank % tp == 0)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
@@ -39,16 +50,16 @@ class CriticWorker(Worker):
         path = resolve_model_path(self.model_cfg.path)
         self.engine = build_engine(path, self.cfg.engine, self.cfg.optim, value_model=True)
 
-    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
+    @register(dispatch_mode=_ON_CRITIC_MESH, blocking=False)
     def compute_values(self, data: DataProto) -> DataProto:
         """Rows with input_ids/attention_mask/position_ids/responses -> values [b, R]."""
         values = self.engine.compute_values(data.batch, self.cfg.forward_micro())
         return DataProto.from_dict({K.VALUES: values})
 
-    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
+    @register(dispatch_mode=_ON_CRITIC_MESH, blocking=False)
     def update_critic(self, data: DataProto) -> DataProto:
         """Clipped value-loss steps over mini/micro-batches; rows need values, returns, response_mask."""
-        mini_rows = self.cfg.ppo_mini_batch_size * self.rollout_n // self.world_size
+        mini_rows = self.cfg.ppo_mini_batch_size * self.rollout_n // self.dp_size
         start = time.perf_counter()
         step_metrics = run_ppo_update(
             self.engine, data, max(mini_rows, 1), self.cfg.update_micro(),

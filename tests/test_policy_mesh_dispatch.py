@@ -1,0 +1,141 @@
+"""The policy and critic workers declare their dp x tp meshes, and the trainer's calls go through the
+N-D dispatch: rows split over dp groups, replicated to every tp rank of a group, collected from tp rank 0.
+
+The workers here are the real role classes, in one process, with a recording engine in place of the model."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+
+from hybridflow import keys as K
+from hybridflow.controller.colocate import create_colocated_worker_cls
+from hybridflow.controller.resource_pool import ClassWithInitArgs
+from hybridflow.controller.worker_group import WorkerGroup
+from hybridflow.engine.config import EngineConfig
+from hybridflow.protocol import DataProto
+from hybridflow.rollout.config import RolloutConfig
+from hybridflow.workers import ActorRolloutRefWorker, CriticWorker
+from hybridflow.workers.config import ActorConfig, CriticConfig, ModelConfig, RefConfig
+
+R = 3
+
+
+class RecordingEngine:
+    """Stands in for an engine: remembers the rows it was given, answers with the rank in every entry."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.seen = rank, []
+
+    def compute_log_probs(self, batch: Any, micro: Any, temperature: float = 1.0, calc_entropy: bool = False):
+        self.seen.append(batch["row"].tolist())
+        out = torch.full((len(batch["row"]), R), float(self.rank))
+        return out, out.clone() if calc_entropy else None
+
+    def compute_values(self, batch: Any, micro: Any) -> torch.Tensor:
+        return self.compute_log_probs(batch, micro)[0]
+
+
+class InProcessGroup(WorkerGroup):
+    """`world` worker instances in this process (each built under its own RANK/WORLD_SIZE)."""
+
+    def __init__(self, cls: ClassWithInitArgs, world: int) -> None:
+        super().__init__("inproc", world)
+        self.workers = []
+        saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE")}
+        try:
+            for rank in range(world):
+                os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
+                self.workers.append(cls())
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        self._bind_worker_methods(cls.cls)
+
+    def _execute(self, method_name: str, ranks: list[int], per_rank: list) -> list:
+        return [getattr(self.workers[r], method_name)(*a, **k) for r, (a, k) in zip(ranks, per_rank)]
+
+    def _wait(self, method_name: str, ranks: list[int], outputs: list) -> list:
+        return outputs
+
+    def _make_future(self, method_name, ranks, outputs, collect, collects_proto):
+        return collect(outputs)
+
+
+def _rows(n: int) -> DataProto:
+    ids = torch.zeros(n, 5, dtype=torch.long)
+    mask = torch.ones(n, 5, dtype=torch.long)
+    return DataProto.from_dict({"row": torch.arange(n), K.INPUT_IDS: ids, K.ATTENTION_MASK: mask,
+                                K.RESPONSES: ids[:, -R:], K.RESPONSE_MASK: mask[:, -R:]})
+
+
+class RecordingRollout:
+    """Stands in for a rollout: remembers the prompt rows, tags its outputs with the rank."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.seen = rank, []
+
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        self.seen.append(prompts.batch["row"].tolist())
+        return DataProto.from_dict({"row": prompts.batch["row"], "by": torch.full((len(prompts),), self.rank)})
+
+
+def _policy(tp: int, rollout_tp: int = 1) -> ClassWithInitArgs:
+    actor = ActorConfig(engine=EngineConfig(tensor_parallel_size=tp))
+    rollout = RolloutConfig(tensor_model_parallel_size=rollout_tp)
+    return ClassWithInitArgs(ActorRolloutRefWorker, ModelConfig(), actor, rollout, RefConfig(), "actor_rollout_ref")
+
+
+@pytest.mark.parametrize("world,tp", [(4, 2), (2, 2), (4, 1)])
+def test_policy_calls_split_over_dp_and_collect_one_tp_rank(world, tp):
+    group = InProcessGroup(_policy(tp), world)
+    for w in group.workers:
+        w.actor = w.ref = RecordingEngine(w.rank)
+    dp = world // tp
+    out = group.compute_log_prob(_rows(8))
+    # each tp rank of dp group d got the d-th contiguous shard, the same rows as its peers
+    for w in group.workers:
+        d, rows = w.rank // tp, 8 // dp
+        assert w.actor.seen == [list(range(d * rows, (d + 1) * rows))]
+    # one output per dp group (its tp rank 0), in dp order
+    assert out.batch[K.OLD_LOG_PROBS][:, 0].tolist() == [float(d * tp) for d in range(dp) for _ in range(8 // dp)]
+    ref = group.compute_ref_log_prob(_rows(6))  # 6 rows: padded to a multiple of dp, padding dropped
+    assert len(ref) == 6
+    assert [len(w.ref.seen[-1]) for w in group.workers] == [-(-6 // dp)] * world
+    assert group.get_dispatch_info("rollout") == [(r, True) for r in range(world)]  # generation: plain dp
+
+
+def test_colocated_critic_declares_its_own_mesh():
+    """Actor tp 2 and critic tp 1 in the same four processes: each role's calls follow its own mesh."""
+    critic = CriticConfig(engine=EngineConfig(tensor_parallel_size=1))
+    fused = create_colocated_worker_cls({"policy": _policy(2),
+                                         "critic": ClassWithInitArgs(CriticWorker, ModelConfig(), critic, 1)})
+    groups = InProcessGroup(fused, 4).spawn(["policy", "critic"])
+    workers = groups["policy"].workers
+    for w in workers:
+        w.workers["policy"].actor = RecordingEngine(w.rank)
+        w.workers["critic"].engine = RecordingEngine(w.rank)
+    groups["policy"].compute_log_prob(_rows(4))
+    values = groups["critic"].compute_values(_rows(4))
+    assert [w.workers["policy"].actor.seen for w in workers] == [[[0, 1]], [[0, 1]], [[2, 3]], [[2, 3]]]
+    assert [w.workers["critic"].engine.seen for w in workers] == [[[0]], [[1]], [[2]], [[3]]]
+    assert values.batch[K.VALUES][:, 0].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_worker_refuses_tp_that_does_not_divide_its_world():
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 must divide the number of ranks \(4\)"):
+        InProcessGroup(_policy(3), 4)
+
+
+def test_generation_follows_the_rollout_mesh_not_the_actor_mesh():
+    """Actor tp 1, rollout tp 2 on four processes: prompts split over two rollout groups."""
+    group = InProcessGroup(_policy(1, rollout_tp=2), 4)
+    for w in group.workers:
+        w.rollout = RecordingRollout(w.rank)
+    out = group.generate_sequences(_rows(4))
+    assert [w.rollout.seen for w in group.workers] == [[[0, 1]], [[0, 1]], [[2, 3]], [[2, 3]]]
+    assert out.batch["row"].tolist() == [0, 1, 2, 3] and out.batch["by"].tolist() == [0, 0, 2, 2]
+    assert group.get_dispatch_info("policy") == [(r, True) for r in range(4)]
