@@ -59,3 +59,15 @@ def test_plan_cli_memory_pruning_and_bad_profile(tmp_path, capsys):
     profile.write_text(json.dumps(PROFILE[2:]))
     assert main(["plan", "--profile", str(profile), "--params", "1e8", *PPO]) == 2
     assert "no step/generate rows" in capsys.readouterr().err
+
+
+def test_model_params_counts_safetensors_headers(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    from hybridflow.planner.search import model_params
+
+    (tmp_path / "config.json").write_text("{}")
+    save_file({"a": torch.zeros(3, 4), "b": torch.zeros(5)}, str(tmp_path / "model-1.safetensors"))
+    save_file({"c": torch.zeros(2, 2, 2)}, str(tmp_path / "model-2.safetensors"))
+    assert model_params(str(tmp_path)) == 12 + 5 + 8
