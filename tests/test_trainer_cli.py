@@ -90,6 +90,9 @@ def train_ok(tiny_model: str, tmp_path: Path, *extra: str) -> list[dict]:
         assert r["response_length/mean"] > 0
         assert "critic/score/mean" in r and "timing_s/gen" in r
     assert any(k.startswith("val-core/") for k in records[-1]), records[-1]
+    profile = json.loads((tmp_path / "logs" / "profile.json").read_text())  # end-of-run profile table
+    assert {p["metric"]: p["steps"] for p in profile}["timing_s/gen"] == 2, profile
+    assert "| actor_rollout | generate | 2 |" in (tmp_path / "logs" / "profile.md").read_text()
     return steps
 
 

@@ -4,6 +4,7 @@
     hybridflow sft [--config FILE] key=value ...     # supervised fine-tuning (hybridflow/trainer/sft_main.py)
     hybridflow data TASK --out DIR [--sft] [--train-size N] [--test-size N] [--seed S] [key=value ...]
     hybridflow export CKPT_DIR --out HF_DIR [--tokenizer PATH] [--base-model PATH] [--adapter]
+    hybridflow plan [--config FILE] --profile PROFILE.json [key=value ...]  # rank placements (planner/search.py)
     hybridflow generate --model PATH_OR_CKPT --data FILE.parquet [--n N] [--rollout native|hf|vllm] [--out FILE.jsonl]
 """
 
@@ -77,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("train", help="train (see `hybridflow train --help`)", add_help=False)
     sub.add_parser("sft", help="supervised fine-tuning (see `hybridflow sft --help`)", add_help=False)
+    sub.add_parser("plan", help="rank placements from a profile (see `hybridflow plan --help`)", add_help=False)
     d = sub.add_parser("data", help="generate a task as parquet")
     d.add_argument("task")
     d.add_argument("--out", required=True)
@@ -115,6 +117,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from hybridflow.trainer.sft_main import main as sft_main
 
         return sft_main(argv[1:])
+    if argv and argv[0] == "plan":
+        from hybridflow.planner.search import main as plan_main
+
+        try:
+            return plan_main(argv[1:])
+        except USER_ERRORS as err:
+            print(f"hybridflow plan: error: {err}", file=sys.stderr)
+            return 2
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if args.command == "data":  # difficulty knobs may come before or after the options

@@ -171,6 +171,7 @@ def _plain(cfg: RunConfig) -> dict:
 
 
 def _report(log_dir: Path, before: dict[str, float], after: dict[str, float]) -> None:
+    from hybridflow.planner.profile import write_profile
     from hybridflow.utils.plot import plot_run, summarize_run
 
     for key in sorted(set(before) | set(after)):
@@ -179,6 +180,9 @@ def _report(log_dir: Path, before: dict[str, float], after: dict[str, float]) ->
     if metrics_file.exists():
         print(summarize_run(metrics_file))
         print(f"plot: {plot_run(metrics_file, log_dir / 'run.png')}")
+        profile = write_profile(log_dir)
+        if profile is not None:
+            print(f"profile: {profile}")
 
 
 def parse_args(argv: Sequence[str], prog: str, description: str) -> argparse.Namespace:
