@@ -192,6 +192,7 @@ def test_bf16_decode_with_onednn_packed_weights_is_bit_identical(monkeypatch):
     assert torch.equal(packed.batch[ROLLOUT_LOG_PROBS], plain.batch[ROLLOUT_LOG_PROBS])
 
 
+@pytest.mark.slow  # inductor compiles C++ on first use: 25-50 s on 2 cores for an opt-in path that does not pay yet
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_compiled_kernels_decode_like_eager(arch):
     """rollout.enforce_eager=False: torch.compile'd RMSNorm / rotary / SwiGLU. Greedy output equals
