@@ -49,7 +49,8 @@ class Engine(ABC):
     @property
     @abstractmethod
     def rank(self) -> int:
-        """This process's rank in the engine's data-parallel group."""
+        """This process's global rank (checkpoints name their per-rank files by it; with tensor parallel the
+        data-parallel and tensor-parallel ranks are `dp_rank` / `tp_rank` of that engine)."""
 
     @property
     @abstractmethod

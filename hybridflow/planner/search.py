@@ -54,9 +54,9 @@ def workload_of(cfg: RunConfig, params: float, tokens: float) -> Workload:
 
 def forward_ops(cfg: RunConfig) -> tuple[str, ...]:
     """The forward operators the profiled (colocated) run timed together as one phase."""
-    from hybridflow.trainer.resolve import _recompute_old_log_prob
+    from hybridflow.trainer.resolve import recompute_old_log_prob
 
-    ops = ("old_log_prob",) if _recompute_old_log_prob(cfg, cfg.world_size) else ()
+    ops = ("old_log_prob",) if recompute_old_log_prob(cfg, cfg.world_size) else ()
     return ops + ("ref_log_prob",) * cfg.use_ref + ("values",) * cfg.use_critic
 
 

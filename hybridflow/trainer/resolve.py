@@ -125,7 +125,7 @@ def resolve(cfg: RunConfig, steps_per_epoch: int, cpu_count: int | None = None) 
                              param_dtype=resolve_dtype(cfg.reward_model.param_dtype, device, threads)),
     )
     actor_dp = sets[0].world_size // cfg.actor.engine.tensor_parallel_size
-    return ResolvedRun(freeze(resolved), steps_per_epoch, sets, _recompute_old_log_prob(cfg, actor_dp))
+    return ResolvedRun(freeze(resolved), steps_per_epoch, sets, recompute_old_log_prob(cfg, actor_dp))
 
 
 def worker_sets(cfg: RunConfig) -> tuple[WorkerSet, ...]:
@@ -225,7 +225,7 @@ def check_tensor_parallel(cfg: RunConfig, sets: tuple[WorkerSet, ...]) -> None:
                     raise ConfigError(f"{err} (model {path})") from None
 
 
-def _recompute_old_log_prob(cfg: RunConfig, actor_world: int) -> bool:
+def recompute_old_log_prob(cfg: RunConfig, actor_world: int) -> bool:
     """Whether old log-probs need their own pass: yes unless the update is a single optimizer step over
     the whole batch on every rank and nothing before the update needs them (KL in the reward, rollout IS)."""
     a, rows = cfg.actor, cfg.data.train_batch_size * cfg.rollout.n
