@@ -79,17 +79,17 @@ def decoder_kernels(compile: bool) -> DecoderKernels:
 
 
 def _build_compiled() -> DecoderKernels:
-    fns = {name: torch.compile(getattr(EAGER, name), dynamic=True, fullgraph=True)
-           for name in ("rms_norm", "add_rms_norm", "rotary", "silu_mul")}
+    compiled = DecoderKernels(**{name: torch.compile(getattr(EAGER, name), dynamic=True, fullgraph=True)
+                                 for name in ("rms_norm", "add_rms_norm", "rotary", "silu_mul")}, compiled=True)
     start = time.perf_counter()
     try:
-        _warm_up(DecoderKernels(**fns, compiled=True))
+        _warm_up(compiled)
     except Exception as err:  # inductor needs a working C++ toolchain; any failure means: run eagerly
         log.warning("torch.compile of the decoder kernels failed (%s: %s); decoding eagerly",
                     type(err).__name__, str(err).splitlines()[0] if str(err) else "")
         return EAGER
     log.info("compiled the decoder kernels in %.1f s", time.perf_counter() - start)
-    return DecoderKernels(**fns, compiled=True)
+    return compiled
 
 
 def _warm_up(k: DecoderKernels) -> None:
