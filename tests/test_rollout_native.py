@@ -209,3 +209,29 @@ def test_compiled_kernels_decode_like_eager(arch):
     sampled = native(model, tok, n=2, calculate_log_probs=True, enforce_eager=False).generate_sequences(batch)
     torch.testing.assert_close(sampled.batch[ROLLOUT_LOG_PROBS], recomputed_log_probs(model, sampled),
                                atol=1e-4, rtol=0)
+
+
+def test_extra_left_padding_is_trimmed_before_prefill(llama, monkeypatch):
+    """Prompts padded wider than their longest row (the dataset pads to max_prompt_length) give the same
+    responses and log-probs as tightly padded ones, the prefill sees only the used columns, and the
+    output keeps the caller's prompt width."""
+    model, tok = llama
+    tight = prompt_batch(tok, **{META_DO_SAMPLE: False})
+    extra = 5
+    wide = tight.batch[INPUT_IDS].shape[1] + extra
+    padded = {k: torch.cat([torch.full((3, extra), fill, dtype=tight.batch[k].dtype), tight.batch[k]], dim=1)
+              for k, fill in ((INPUT_IDS, tok.pad_token_id), (ATTENTION_MASK, 0), (POSITION_IDS, 0))}
+    loose = tight.select_idxs(torch.arange(3))
+    for k, v in padded.items():
+        loose.batch[k] = v
+    rollout = native(model, tok, calculate_log_probs=True)
+    widths = []
+    decoder = rollout._decoder()
+    prefill = decoder.prefill
+    monkeypatch.setattr(decoder, "prefill", lambda ids, *a: widths.append(ids.shape[1]) or prefill(ids, *a))
+    monkeypatch.setattr(rollout, "_decoder", lambda: decoder)
+    a, b = rollout.generate_sequences(tight), rollout.generate_sequences(loose)
+    assert widths == [wide - extra, wide - extra]
+    assert torch.equal(a.batch[RESPONSES], b.batch[RESPONSES])
+    torch.testing.assert_close(a.batch[ROLLOUT_LOG_PROBS], b.batch[ROLLOUT_LOG_PROBS], rtol=0, atol=1e-5)
+    assert b.batch[PROMPTS].shape[1] == wide and torch.equal(b.batch[PROMPTS], padded[INPUT_IDS])

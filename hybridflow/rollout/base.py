@@ -116,7 +116,8 @@ class ModuleRollout(Rollout):
         params = self.config.sampling_params(prompts.meta_info)
         ids, mask, pos = self._prompt_tensors(prompts)
         per_chunk = max(1, self.config.max_batch_size // params.n)
-        parts = [self._generate(ids[i : i + per_chunk], mask[i : i + per_chunk], pos[i : i + per_chunk], params)
+        parts = [self._generate(*trim_left_padding(ids[i : i + per_chunk], mask[i : i + per_chunk],
+                                                   pos[i : i + per_chunk]), params)
                  for i in range(0, len(ids), per_chunk)]
         responses, resp_mask, log_probs = (torch.cat([p[j] for p in parts]) for j in range(3))
         if not self.config.calculate_log_probs:
@@ -143,6 +144,16 @@ class ModuleRollout(Rollout):
                   ) -> tuple[Tensor, Tensor, Tensor]:
         """Generate for one chunk; returns (responses, response_mask, log_probs), each [b*n, R],
         responses already pad-filled outside the mask."""
+
+
+def trim_left_padding(ids: Tensor, mask: Tensor, pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Drop the leading columns that are padding in every row. Prompts arrive padded to
+    `data.max_prompt_length` (128 by default) while the main job's are ~46 tokens: the prefill's
+    cost is linear in the width, so untrimmed it ran ~2.8x the needed tokens (validation: 64 rows,
+    12.2 s of a 16.8 s generate call). Outputs keep the caller's width (build_output)."""
+    used = mask.bool().any(dim=0).nonzero()
+    first = int(used[0]) if len(used) else 0
+    return ids[:, first:], mask[:, first:], pos[:, first:]
 
 
 def build_rollout(config: RolloutConfig, model_path_or_module: str | os.PathLike | nn.Module,
