@@ -12,6 +12,7 @@ from hybridflow.keys import (
 from hybridflow.rollout import RolloutConfig, build_rollout
 from hybridflow.rollout.config import META_TOP_K, META_VALIDATE
 from hybridflow.rollout.layout import pad_responses
+from hybridflow.rollout import decoder as decoder_module
 from hybridflow.rollout.native import NativeRollout
 from rollout_helpers import add_eos_bias, full_forward_logits, prompt_batch, recomputed_log_probs, tiny
 
@@ -235,3 +236,39 @@ def test_extra_left_padding_is_trimmed_before_prefill(llama, monkeypatch):
     assert torch.equal(a.batch[RESPONSES], b.batch[RESPONSES])
     torch.testing.assert_close(a.batch[ROLLOUT_LOG_PROBS], b.batch[ROLLOUT_LOG_PROBS], rtol=0, atol=1e-5)
     assert b.batch[PROMPTS].shape[1] == wide and torch.equal(b.batch[PROMPTS], padded[INPUT_IDS])
+
+
+PREAMBLE = ("You are a careful assistant. Read the question, think about it step by step, and answer "
+            "with a single number on its own line, without any words before or after it. Question: ")
+SHARED = [PREAMBLE + q for q in ("What is 12 plus 7?", "How many legs do three spiders have in total?", "2+2?")]
+
+
+def test_shared_prefix_layout_by_hand():
+    pad = 0
+    ids = torch.tensor([[pad, 5, 6, 7, 8, 9], [5, 6, 7, 8, 1, 2], [pad, pad, 5, 6, 7, 3]])
+    mask = (ids != pad).long()
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(decoder_module, "SHARED_PREFIX_MIN_SAVING", 1)
+        shared = decoder_module.shared_prefix(ids, mask, pos)
+    assert shared.prefix_ids.tolist() == [[5, 6, 7]] and shared.prefix_pos.tolist() == [[0, 1, 2]]
+    # the longest row's suffix is 3 wide; shorter rows' prefix tokens in those columns are masked out
+    assert shared.suffix_ids.tolist() == [[7, 8, 9], [8, 1, 2], [6, 7, 3]]
+    assert shared.suffix_mask.tolist() == [[False, True, True], [True, True, True], [False, False, True]]
+    assert shared.suffix_pos.tolist() == [[2, 3, 4], [3, 4, 5], [1, 2, 3]]
+    assert decoder_module.shared_prefix(ids, mask, pos) is None  # 3 tokens x 2 rows: too few to pay
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_shared_prefix_prefill_matches_transformers(arch, monkeypatch):
+    """Prompts that start alike run their common prefix once; greedy output still equals HF generate
+    and the sampled log-probs equal a full forward of the final sequences."""
+    model, tok = tiny(arch)
+    batch = prompt_batch(tok, SHARED, **{META_DO_SAMPLE: False})
+    calls = []
+    real = decoder_module.shared_prefix
+    monkeypatch.setattr(decoder_module, "shared_prefix", lambda *a: calls.append(real(*a)) or calls[-1])
+    out = native(model, tok, True, calculate_log_probs=True).generate_sequences(batch)
+    assert calls and calls[0] is not None and calls[0].prefix_ids.shape[1] >= 30
+    assert torch.equal(out.batch[RESPONSES], hf_greedy(model, tok, batch))
+    torch.testing.assert_close(out.batch[ROLLOUT_LOG_PROBS], recomputed_log_probs(model, out), atol=1e-4, rtol=0)

@@ -112,6 +112,43 @@ def _layer_weights(layer: nn.Module, rank: int = 0, tp: int = 1) -> _LayerWeight
     )
 
 
+@dataclass
+class SharedPrefix:
+    """Left-padded prompts re-laid out as one shared prefix [1, n] plus per-row suffixes [B, s]
+    (left-padded, at least one token each)."""
+    prefix_ids: Tensor
+    prefix_pos: Tensor
+    suffix_ids: Tensor
+    suffix_mask: Tensor
+    suffix_pos: Tensor
+
+
+SHARED_PREFIX_MIN_SAVING = 64
+"""Prefill the common prefix once only when that skips at least this many prompt tokens: below it the
+extra forward call and cache copy cost about what they save."""
+
+
+def shared_prefix(ids: Tensor, mask: Tensor, pos: Tensor) -> SharedPrefix | None:
+    """The longest run of first tokens (and positions) that every row of left-padded prompts shares,
+    leaving each row one token of its own, or None when sharing it would not pay."""
+    b, p = ids.shape
+    lengths = mask.sum(dim=1)
+    m = int(lengths.min()) - 1
+    if b < 2 or m * (b - 1) < SHARED_PREFIX_MIN_SAVING:
+        return None
+    cols = (p - lengths)[:, None] + torch.arange(m)
+    head_ids, head_pos = ids.gather(1, cols), pos.gather(1, cols)
+    same = ((head_ids == head_ids[:1]) & (head_pos == head_pos[:1])).all(dim=0)
+    n = m if bool(same.all()) else int((~same).nonzero()[0])
+    if n * (b - 1) < SHARED_PREFIX_MIN_SAVING:
+        return None
+    s = int(lengths.max()) - n
+    # row i's suffix is its last lengths[i] - n real tokens; left-padded to s they are its last s columns
+    return SharedPrefix(prefix_ids=head_ids[:1, :n], prefix_pos=head_pos[:1, :n], suffix_ids=ids[:, p - s :],
+                        suffix_mask=mask[:, p - s :].bool() & (torch.arange(s) >= s - (lengths - n)[:, None]),
+                        suffix_pos=pos[:, p - s :])
+
+
 class StaticLlamaDecoder:
     """Llama-style incremental decoder with a preallocated KV cache (see module docstring).
 
@@ -140,23 +177,52 @@ class StaticLlamaDecoder:
         self.dtype = model.model.embed_tokens.weight.dtype
 
     def prefill(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, max_new: int) -> Tensor:
-        """Run the prompts [B, P]; reserve cache room for `max_new` more tokens; last-position logits."""
+        """Run the prompts [B, P]; reserve cache room for `max_new` more tokens; last-position logits.
+
+        When the rows start with the same tokens (a chat template's system prompt: ~35 of the main
+        job's ~46 prompt tokens), that prefix runs once and the rows' suffixes attend to its cache."""
+        shared = shared_prefix(input_ids, attention_mask, position_ids)
+        if shared is not None:
+            return self._prefill_shared(shared, max_new)
         b, p = input_ids.shape
-        t_max = p + max_new
+        self._allocate(b, p + max_new, int(position_ids.max()) + max_new + 1)
+        self.key_mask[:, :p] = attention_mask.bool()
+        return self._forward(input_ids, position_ids, self._prefill_mask(p, 0), 0)
+
+    def _allocate(self, b: int, t_max: int, max_pos: int) -> None:
         shape = (len(self.layers), b, self.kv_heads, t_max, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=self.dtype)
         self.v_cache = torch.zeros(shape, dtype=self.dtype)
         self.key_mask = torch.zeros(b, t_max, dtype=torch.bool)
-        self.key_mask[:, :p] = attention_mask.bool()
-        self.length = p
+        self.length = 0
         self.full_cache_decode = t_max <= FULL_CACHE_DECODE_MAX_LEN
-        self._rope_table(int(position_ids.max()) + max_new + 1)
-        causal = torch.ones(p, p, dtype=torch.bool).tril()
-        # padding queries attend to themselves so no softmax row is empty (NaN would leak into the cache)
-        mask = (causal & self.key_mask[:, None, :p]) | torch.eye(p, dtype=torch.bool)
+        self._rope_table(max_pos)
+
+    def _prefill_mask(self, s: int, start: int) -> Tensor:
+        """[B, 1, group*s, start+s] mask of `s` new queries after `start` cached keys: the cache and the
+        causal past where the key is not padding; padding queries attend to themselves so no softmax
+        row is empty (NaN would leak into the cache)."""
+        b, end = self.key_mask.shape[0], start + s
+        causal = torch.ones(s, end, dtype=torch.bool).tril(diagonal=start)
+        own = torch.zeros(s, end, dtype=torch.bool)
+        own[:, start:] = torch.eye(s, dtype=torch.bool)
+        mask = (causal & self.key_mask[:, None, :end]) | own
         group = self.heads // self.kv_heads
-        mask = mask[:, None, None].expand(b, 1, group, p, p).reshape(b, 1, group * p, p)
-        return self._forward(input_ids, position_ids, mask, 0)
+        return mask[:, None, None].expand(b, 1, group, s, end).reshape(b, 1, group * s, end)
+
+    def _prefill_shared(self, shared: SharedPrefix, max_new: int) -> Tensor:
+        b, (n, s) = shared.suffix_ids.shape[0], (shared.prefix_ids.shape[1], shared.suffix_ids.shape[1])
+        max_pos = int(shared.suffix_pos.max()) + max_new + 1
+        self._allocate(1, n, max_pos)
+        self.key_mask[:, :n] = True
+        self._forward(shared.prefix_ids, shared.prefix_pos, self._prefill_mask(n, 0), 0)
+        k_prefix, v_prefix = self.k_cache, self.v_cache
+        self._allocate(b, n + s + max_new, max_pos)
+        self.k_cache[:, :, :, :n] = k_prefix
+        self.v_cache[:, :, :, :n] = v_prefix
+        self.key_mask[:, :n] = True
+        self.key_mask[:, n : n + s] = shared.suffix_mask
+        return self._forward(shared.suffix_ids, shared.suffix_pos, self._prefill_mask(s, n), n)
 
     def step(self, tokens: Tensor, positions: Tensor) -> Tensor:
         """Append one token per row (`tokens` [B] at rotary `positions` [B]); next-token logits [B, V]."""
