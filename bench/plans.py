@@ -74,8 +74,8 @@ def plan_of(name: str, roles: tuple[str, ...]):
     return Plan((PlacementSet(roles, devices),), tuple((r, par) for r in roles))
 
 
-def train(name: str, overrides: list[str], out: Path) -> tuple[list[dict], Path]:
-    """Run one plan; its training-step records and log dir (a failing run aborts the bench)."""
+def train(name: str, overrides: list[str], out: Path) -> list[dict]:
+    """Run one plan; its training-step records (a failing run aborts the bench)."""
     out.mkdir(parents=True)
     logs = out / "logs"
     env = {**os.environ, "HYBRIDFLOW_NO_PROGRESS": "1", "PYTHONPATH": str(ROOT)}
@@ -86,7 +86,7 @@ def train(name: str, overrides: list[str], out: Path) -> tuple[list[dict], Path]
     if proc.returncode:
         sys.exit(f"{name} failed ({proc.returncode}); see {out / 'console.log'}")
     rows = [json.loads(line) for line in (logs / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return [r for r in rows if "timing_s/step" in r], logs
+    return [r for r in rows if "timing_s/step" in r]
 
 
 def measured_step(records: list[dict]) -> float:
@@ -104,16 +104,17 @@ def kendall_tau(a: list[float], b: list[float]) -> float:
     return score / len(pairs)
 
 
-def predict(name: str, cfg, calib_logs: Path, device, threads: int) -> float:
-    """Cost model v1's step time of plan `name` from the calibration run's profile."""
-    from dataclasses import replace
+def predict(name: str, cfg, calib: list[dict], device, threads: int) -> float:
+    """Cost model v1's step time of plan `name` from the calibration run's steps after its warm-up."""
+    from dataclasses import asdict, replace
 
     from hybridflow.models.loading import load_config as load_model_config
     from hybridflow.planner.cost import Workers, costs_from_profile, predict_step_time_v1
     from hybridflow.planner.plans import run_roles
+    from hybridflow.planner.profile import build_profile
     from hybridflow.planner.search import forward_ops
 
-    rows = json.loads((calib_logs / "profile.json").read_text())
+    rows = [asdict(p) for p in build_profile(calib[1:] or calib)]
     by = {r["metric"]: r for r in rows}
     calib_cfg = replace(cfg, trainer=replace(cfg.trainer, n_workers_per_node=2, placement="colocate"))
     costs = costs_from_profile(rows, 2, forward_ops(calib_cfg))
@@ -138,8 +139,8 @@ def bench_job(args: argparse.Namespace, job: str, tmp: Path, device) -> list[tup
         except ValueError as err:
             print(f"{job} {name}: refused by the config ({err})", flush=True)
             continue
-        records, logs = train(f"{job}-{name}", base + overrides, tmp / job / name)
-        calib = calib or logs  # the first plan (colocate_2x1) calibrates the rest
+        records = train(f"{job}-{name}", base + overrides, tmp / job / name)
+        calib = calib or records  # the first plan (colocate_2x1) calibrates the rest
         out.append((name, predict(name, cfg, calib, device, threads), measured_step(records)))
         print(f"{job} {name}: predicted {out[-1][1]:.2f} s, measured {out[-1][2]:.2f} s", flush=True)
     return out
