@@ -160,8 +160,8 @@ def measure_allreduce() -> tuple[float, float]:
 
 
 def profile_device(model_path: str, threads: Sequence[int], shapes: Sequence[tuple[int, int]],
-                   dtype: torch.dtype = torch.float32, repeats: int = 2) -> DeviceProfile:
-    """Measure every (threads, shape) point, the weight sync and the all-reduce for `model_path`."""
+                   dtype: torch.dtype = torch.float32, repeats: int = 2, collectives: bool = True) -> DeviceProfile:
+    """Measure every (threads, shape) point, the weight sync and (collectives) the all-reduce for `model_path`."""
     from hybridflow.models.loading import load_causal_lm
 
     model = load_causal_lm(model_path, dtype=dtype)
@@ -171,7 +171,7 @@ def profile_device(model_path: str, threads: Sequence[int], shapes: Sequence[tup
         points = [measure_point(model, t, b, n, vocab, repeats) for t in threads for b, n in shapes]
     finally:
         torch.set_num_threads(saved_threads)
-    latency, per_byte = measure_allreduce()
+    latency, per_byte = measure_allreduce() if collectives else (0.0, 0.0)
     return DeviceProfile(model_path, str(dtype).removeprefix("torch."), points, measure_weight_sync(model),
                          latency, per_byte)
 
