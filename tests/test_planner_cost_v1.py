@@ -2,7 +2,8 @@
 
 import pytest
 
-from hybridflow.planner.cost import OperatorCosts, Workers, costs_from_profile, predict_step_time_v1
+from hybridflow.planner.cost import (OperatorCosts, Workers, costs_from_profile, predict_one_step_off_v1,
+                                     predict_step_time_v1)
 from hybridflow.planner.device import DevicePoint, DeviceProfile
 from hybridflow.planner.plans import PlacementSet, Plan, RoleParallel
 
@@ -58,3 +59,14 @@ def test_costs_from_profile_subtracts_weight_sync_and_keeps_the_controller_share
     assert costs.seconds_per_token["generate"] == pytest.approx(3 * 2 / 400)
     assert costs.seconds_per_token["update_actor"] == pytest.approx(5.5 * 2 / 1000)
     assert costs.fixed_s == pytest.approx({"weight_sync": 1.0, "controller": 0.5})
+
+
+def test_one_step_off_overlaps_generation_with_training():
+    # training set: actor + critic on 1 worker, in turn: forward 2 + 2, updates 8 + 4, controller 1 -> 17;
+    # generate on 1 worker: 8 -> the step is max(8, 17) + 0.5 s transfer; with a slower generate (20 s): 20.5
+    train = plan((ROLES, 1))
+    assert predict_one_step_off_v1(train, 1, COSTS, 1000, 400, Workers(), 0.5) == pytest.approx(17.5)
+    slow_gen = OperatorCosts({**COSTS.seconds_per_token, "generate": 0.05}, COSTS.fixed_s)
+    assert predict_one_step_off_v1(train, 1, slow_gen, 1000, 400, Workers(), 0.5) == pytest.approx(20.5)
+    # the sync step on 2 colocated workers for comparison: controller 1 + gen 4 + forward 2 + updates 6 = 13
+    assert predict_step_time_v1(plan((ROLES, 2)), COSTS, 1000, 400, Workers()) == pytest.approx(13)

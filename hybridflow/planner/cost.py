@@ -157,18 +157,28 @@ def operator_seconds_v1(op: str, costs: OperatorCosts, dp: int, tp: int, tokens:
 
 
 def predict_step_time_v1(plan: Plan, costs: OperatorCosts, tokens: float, response_tokens: float,
-                         w: Workers) -> float:
+                         w: Workers, skip: frozenset[str] = frozenset()) -> float:
     """Seconds of one step: phases in turn (roles of one set in turn, sets overlapping inside a phase)
-    plus the controller's own time, measured on the profiled run."""
+    plus the controller's own time, measured on the profiled run; operators in `skip` are left out."""
     roles = {r for s in plan.sets for r in s.roles}
     total = costs.fixed_s.get("controller", 0.0)
     for phase in PHASES:
         per_set: dict[int, float] = {}
         for role, op in phase:
-            if role in roles:
+            if role in roles and op not in skip:
                 idx = plan.sets.index(plan.set_of(role))
                 par = plan.of(role)
                 per_set[idx] = per_set.get(idx, 0.0) + operator_seconds_v1(op, costs, par.dp, par.tp, tokens,
                                                                             response_tokens, w)
         total += max(per_set.values(), default=0.0)
     return total
+
+
+def predict_one_step_off_v1(train_plan: Plan, rollout_devices: int, costs: OperatorCosts, tokens: float,
+                            response_tokens: float, w: Workers, transfer_s: float) -> float:
+    """Seconds per step of trainer.mode=one_step_off: batch k+1 is generated on the rollout's own
+    `rollout_devices` workers while batch k's forward passes and updates run on `train_plan`'s sets, so a
+    step takes the longer of the two, plus the weight transfer to the rollout (it waits for the new weights)."""
+    gen = operator_seconds_v1("generate", costs, rollout_devices, 1, tokens, response_tokens, w)
+    rest = predict_step_time_v1(train_plan, costs, tokens, response_tokens, w, frozenset({"generate", "weight_sync"}))
+    return max(gen, rest) + transfer_s
