@@ -47,8 +47,8 @@ def test_costs_from_profile():
     ]
     costs = costs_from_profile(profile, devices=2, forward_ops=("old_log_prob", "ref_log_prob"))
     assert costs.seconds_per_token == pytest.approx(
-        {"generate": 0.02, "old_log_prob": 0.002, "ref_log_prob": 0.002, "update_actor": 0.008})
-    assert costs.fixed_s == {"weight_sync": 0.3}
-    # the run it came from: colocated on 2 devices -> its own phases back (3.3 + 2.0 + 4.0)
+        {"generate": 0.018, "old_log_prob": 0.002, "ref_log_prob": 0.002, "update_actor": 0.008})
+    assert costs.fixed_s == {"weight_sync": 0.3}  # the gen phase's 3 s include it: (3 - 0.3) * 2 / 300 = 0.018
+    # the run it came from: colocated on 2 devices -> its own phases back (3.0 + 2.0 + 4.0)
     p = plan((("actor_rollout", "ref"), 2))
-    assert predict_step_time(p, costs, 1000, 300) == pytest.approx(3.3 + 2.0 + 4.0)
+    assert predict_step_time(p, costs, 1000, 300) == pytest.approx(3.0 + 2.0 + 4.0)

@@ -15,7 +15,8 @@ ROWS = [
      "timing_s/weight_sync": 0.2, "memory/actor_peak_mb": 900.0},
     {"step": 3, "timing_s/step": 8.0, "timing_s/gen": 3.0, "perf/gen_tokens_per_s": 100.0,
      "perf/total_num_tokens": 800.0, "timing_s/update": 4.0, "timing_s/reward": 0.5,
-     "timing_s/weight_sync": 0.4, "memory/actor_peak_mb": 1100.0},
+     "timing_s/weight_sync": 0.4, "memory/actor_peak_mb": 1100.0, "memory/peak_gb/generate": 1.5,
+     "memory/peak_gb/update_actor": 2.5},
 ]
 
 
@@ -45,8 +46,15 @@ def test_tokens_per_step_and_rate():
 
 
 def test_peak_memory_is_the_max_over_steps():
-    assert by_metric()["timing_s/step"].peak_memory == {"memory/actor_peak_mb": 1100.0}
-    assert "memory/actor_peak_mb 1100" in to_markdown(build_profile(ROWS))
+    prof = by_metric()
+    assert prof["timing_s/step"].peak_memory == {"memory/actor_peak_mb": 1100.0, "memory/peak_gb/generate": 1.5,
+                                                 "memory/peak_gb/update_actor": 2.5}
+    assert prof["timing_s/gen"].peak_memory == {"memory/peak_gb/generate": 1.5}
+    assert prof["timing_s/update"].peak_memory == {"memory/peak_gb/update_actor": 2.5}
+    assert prof["timing_s/reward"].peak_memory == {}
+    md = to_markdown(build_profile(ROWS))
+    assert "memory/actor_peak_mb 1100" in md and "| 300 | 100.0 | 1.50 |" in md and "| 0.500 | 1.50 | 1000 | 2000.0 | - |" in md
+    assert "memory/peak_gb/update_actor 2.5" in md
 
 
 def test_write_profile_files(tmp_path):
@@ -54,6 +62,6 @@ def test_write_profile_files(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
     md = write_profile(tmp_path)
     assert md == tmp_path / "profile.md"
-    assert "| actor_rollout | generate | 3 | 3.000 | 9.00 | 300 | 100.0 |" in md.read_text()
+    assert "| actor_rollout | generate | 3 | 3.000 | 9.00 | 300 | 100.0 | 1.50 |" in md.read_text()
     data = json.loads((tmp_path / "profile.json").read_text())
     assert {d["metric"] for d in data} >= {"timing_s/gen", "timing_s/step", "timing_s/update"}

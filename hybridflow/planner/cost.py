@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from hybridflow.planner.device import DeviceProfile
 from hybridflow.planner.plans import Plan
 
 PHASES: tuple[tuple[tuple[str, str], ...], ...] = (
@@ -91,4 +92,93 @@ def costs_from_profile(profile: Sequence[dict[str, Any]], devices: int, forward_
     for op in forward_ops:
         found[op] = per_token("timing_s/old_log_prob_ref_values", 1.0 / len(forward_ops))
     fixed = {"weight_sync": rows["timing_s/weight_sync"]["median_s"]} if "timing_s/weight_sync" in rows else {}
+    if fixed and found["generate"] is not None:  # the gen phase's time includes the weight sync before it
+        gen = rows["timing_s/gen"]
+        found["generate"] = max(0.0, gen["median_s"] - fixed["weight_sync"]) * devices / gen["tokens_per_step"]
+    if "timing_s/step" in rows:  # what no operator accounts for: advantages, dispatch, the controller's work
+        phases = ("timing_s/gen", "timing_s/reward", "timing_s/old_log_prob_ref_values", "timing_s/update")
+        fixed["controller"] = max(0.0, rows["timing_s/step"]["median_s"]
+                                  - sum(rows[m]["median_s"] for m in phases if m in rows))
     return OperatorCosts({op: v for op, v in found.items() if v is not None}, fixed)
+
+
+KIND_OF = {"generate": "decode", "old_log_prob": "forward", "ref_log_prob": "forward", "values": "forward",
+           "rm_score": "forward", "update_actor": "train", "update_critic": "train"}
+"""The measured operator kind (planner/device.py) whose thread scaling each operator follows."""
+
+
+@dataclass(frozen=True)
+class Workers:
+    """How a plan's workers run, for predicting measured runs from a profiled one (cost model v1)."""
+
+    threads: int = 1
+    """Threads per worker of the plan."""
+    base_threads: int = 1
+    """Threads per worker of the run the OperatorCosts were measured on."""
+    device: DeviceProfile | None = None
+    """Thread speedups and all-reduce costs; None: threads do not change speed, collectives are free."""
+    layers: int = 0
+    """Decoder layers of the model (each costs 2 tensor-parallel all-reduces per forward pass)."""
+    hidden: int = 0
+    """Hidden size (the all-reduced activation's width)."""
+    activation_bytes: int = 4
+    """Bytes per all-reduced activation element."""
+    decode_steps: float = 0.0
+    """Decode steps of one generate call (its all-reduces are one per layer-half per step)."""
+
+
+def tp_collective_seconds(op: str, tp: int, dp: int, tokens: float, response_tokens: float, w: Workers) -> float:
+    """Seconds of a tensor-parallel operator's all-reduces: 2 per layer per forward pass (attention and MLP
+    outputs, Megatron-style), twice that for an update (backward), one pass per decode step for generate."""
+    if tp == 1 or w.device is None:
+        return 0.0
+    if op == "generate":
+        calls, rows = 2 * w.layers * (w.decode_steps + 1), response_tokens / dp
+    else:
+        passes = 2 if op.startswith("update") else 1
+        calls, rows = 2 * w.layers * passes, tokens / dp * passes
+    nbytes = 2 * w.layers * rows * w.hidden * w.activation_bytes
+    return calls * w.device.allreduce_latency_s + nbytes * w.device.allreduce_s_per_byte
+
+
+def operator_seconds_v1(op: str, costs: OperatorCosts, dp: int, tp: int, tokens: float, response_tokens: float,
+                        w: Workers) -> float:
+    """`op` on dp x tp workers of w.threads threads: the profiled per-token cost scaled by the devices and
+    by the measured thread speedup (relative to the profiled run's threads), plus tensor-parallel all-reduces."""
+    if op in FIXED:
+        return costs.fixed_s.get(op, 0.0)
+    n = response_tokens if op in RESPONSE_ONLY else tokens
+    speed = 1.0
+    if w.device is not None:
+        kind = KIND_OF.get(op, "forward")
+        speed = w.device.speedup(kind, w.threads) / w.device.speedup(kind, w.base_threads)
+    compute = costs.seconds_per_token.get(op, 0.0) * n / (dp * tp * speed)
+    return compute + tp_collective_seconds(op, tp, dp, tokens, response_tokens, w) if compute else 0.0
+
+
+def predict_step_time_v1(plan: Plan, costs: OperatorCosts, tokens: float, response_tokens: float,
+                         w: Workers, skip: frozenset[str] = frozenset()) -> float:
+    """Seconds of one step: phases in turn (roles of one set in turn, sets overlapping inside a phase)
+    plus the controller's own time, measured on the profiled run; operators in `skip` are left out."""
+    roles = {r for s in plan.sets for r in s.roles}
+    total = costs.fixed_s.get("controller", 0.0)
+    for phase in PHASES:
+        per_set: dict[int, float] = {}
+        for role, op in phase:
+            if role in roles and op not in skip:
+                idx = plan.sets.index(plan.set_of(role))
+                par = plan.of(role)
+                per_set[idx] = per_set.get(idx, 0.0) + operator_seconds_v1(op, costs, par.dp, par.tp, tokens,
+                                                                            response_tokens, w)
+        total += max(per_set.values(), default=0.0)
+    return total
+
+
+def predict_one_step_off_v1(train_plan: Plan, rollout_devices: int, costs: OperatorCosts, tokens: float,
+                            response_tokens: float, w: Workers, transfer_s: float) -> float:
+    """Seconds per step of trainer.mode=one_step_off: batch k+1 is generated on the rollout's own
+    `rollout_devices` workers while batch k's forward passes and updates run on `train_plan`'s sets, so a
+    step takes the longer of the two, plus the weight transfer to the rollout (it waits for the new weights)."""
+    gen = operator_seconds_v1("generate", costs, rollout_devices, 1, tokens, response_tokens, w)
+    rest = predict_step_time_v1(train_plan, costs, tokens, response_tokens, w, frozenset({"generate", "weight_sync"}))
+    return max(gen, rest) + transfer_s

@@ -7,8 +7,10 @@ cost model). Operators the run did not time (e.g. no critic) are left out, not s
 
 What today's metrics can tell apart: old log-probs, ref log-probs and values are issued together
 and timed as one phase (`timing_s/old_log_prob_ref_values`), so they are one row here; the
-worker-side `*_on_worker` timings separate the actor and critic updates. No peak-memory metric is
-logged yet; any `memory/*` metric a worker adds later shows up in the memory column.
+worker-side `*_on_worker` timings separate the actor and critic updates. Peak memory per operator
+comes from the workers' `memory/peak_gb/<operator>` metrics (utils/peak_memory.py: RSS high-water on
+CPU, the CUDA allocator's peak on GPU; the largest over the workers of a call, and over the steps);
+each row shows the peaks of the operators it times, the step row every `memory/*` metric.
 """
 
 from __future__ import annotations
@@ -34,6 +36,13 @@ OPERATORS: tuple[tuple[str, str, str, str], ...] = (
 )
 """Every operator the profile reports, in dataflow order."""
 
+MEMORY_OPS = {"timing_s/gen": ("generate",), "timing_s/generate_on_worker": ("generate",),
+              "timing_s/old_log_prob_ref_values": ("old_log_prob", "ref_log_prob", "values"),
+              "timing_s/update": ("update_actor", "update_critic"),
+              "timing_s/update_actor_on_worker": ("update_actor",),
+              "timing_s/update_critic_on_worker": ("update_critic",)}
+"""Timing metric -> the operators (memory/peak_gb/<operator>) whose peak memory its row shows."""
+
 
 @dataclass
 class OperatorProfile:
@@ -56,7 +65,7 @@ class OperatorProfile:
     tokens_per_s: float
     """tokens_per_step / median_s (0 when either is 0)."""
     peak_memory: dict[str, float] = field(default_factory=dict)
-    """Largest value of each memory/* metric over the run (none are logged today)."""
+    """Largest value over the run of each memory/* metric of this operator (every one for the step row)."""
 
 
 def _tokens(row: dict[str, Any], kind: str) -> float:
@@ -85,20 +94,29 @@ def build_profile(rows: Sequence[dict[str, Any]]) -> list[OperatorProfile]:
         tokens = statistics.median(_tokens(r, kind) for r in ran)
         out.append(OperatorProfile(role, operator, metric, len(ran), median_s, sum(seconds), tokens,
                                    tokens / median_s if tokens and median_s > 0 else 0.0,
-                                   memory if metric == "timing_s/step" else {}))
+                                   _row_memory(memory, metric)))
     return out
+
+
+def _row_memory(memory: dict[str, float], metric: str) -> dict[str, float]:
+    if metric == "timing_s/step":
+        return dict(memory)
+    ops = MEMORY_OPS.get(metric, ())
+    return {k: v for k, v in memory.items() if k.startswith("memory/peak_gb/") and k.rsplit("/", 1)[1] in ops}
 
 
 def to_markdown(profile: Sequence[OperatorProfile]) -> str:
     """The profile as a Markdown table (profile.md)."""
-    lines = ["| role | operator | steps | median s | total s | tokens/step | tokens/s |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+    lines = ["| role | operator | steps | median s | total s | tokens/step | tokens/s | peak GB/worker |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
     for p in profile:
+        peaks = [v for k, v in p.peak_memory.items() if k.startswith("memory/peak_gb/")]
+        peak = f"{max(peaks):.2f}" if peaks else "-"
         lines.append(f"| {p.role} | {p.operator} | {p.steps} | {p.median_s:.3f} | {p.total_s:.2f} "
-                     f"| {p.tokens_per_step:.0f} | {p.tokens_per_s:.1f} |")
-    memory = next((p.peak_memory for p in profile if p.peak_memory), {})
+                     f"| {p.tokens_per_step:.0f} | {p.tokens_per_s:.1f} | {peak} |")
+    memory = next((p.peak_memory for p in profile if p.metric == "timing_s/step"), {})
     lines.append("")
-    lines.append("peak memory: " + (", ".join(f"{k} {v:.0f}" for k, v in sorted(memory.items()))
+    lines.append("peak memory: " + (", ".join(f"{k} {v:.4g}" for k, v in sorted(memory.items()))
                                      if memory else "not recorded by this run"))
     return "\n".join(lines) + "\n"
 

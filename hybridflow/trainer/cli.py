@@ -5,6 +5,7 @@
     hybridflow data TASK --out DIR [--sft] [--train-size N] [--test-size N] [--seed S] [key=value ...]
     hybridflow export CKPT_DIR --out HF_DIR [--tokenizer PATH] [--base-model PATH] [--adapter]
     hybridflow plan [--config FILE] --profile PROFILE.json [key=value ...]  # rank placements (planner/search.py)
+    hybridflow profile --model M [--out device_profile.json]  # per-token operator costs here (planner/device.py)
     hybridflow generate --model PATH_OR_CKPT --data FILE.parquet [--n N] [--rollout native|hf|vllm] [--out FILE.jsonl]
 """
 
@@ -79,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("train", help="train (see `hybridflow train --help`)", add_help=False)
     sub.add_parser("sft", help="supervised fine-tuning (see `hybridflow sft --help`)", add_help=False)
     sub.add_parser("plan", help="rank placements from a profile (see `hybridflow plan --help`)", add_help=False)
+    sub.add_parser("profile", help="measure operator costs on this machine (see `hybridflow profile --help`)",
+                   add_help=False)
     d = sub.add_parser("data", help="generate a task as parquet")
     d.add_argument("task")
     d.add_argument("--out", required=True)
@@ -117,6 +120,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from hybridflow.trainer.sft_main import main as sft_main
 
         return sft_main(argv[1:])
+    if argv and argv[0] == "profile":
+        from hybridflow.planner.device import main as profile_main
+
+        return profile_main(argv[1:])
     if argv and argv[0] == "plan":
         from hybridflow.planner.search import main as plan_main
 

@@ -260,7 +260,12 @@ class TrainerConfig(Section):
     """"ray" runs workers as Ray actors; "local" runs them in-process for debugging."""
     placement: str = "colocate"
     """"colocate": all roles share every worker; "split": actor/rollout and critic/ref get separate workers
-    (with mode one_step_off/async: the rollout gets its own workers, every other role shares the rest)."""
+    (with mode one_step_off/async: the rollout gets its own workers, every other role shares the rest);
+    "auto": resolved at load to the runnable placement the planner predicts fastest (hybridflow/planner/auto.py,
+    from trainer.device_profile; split whenever mode is one_step_off/async)."""
+    device_profile: Optional[str] = None
+    """placement=auto: a `hybridflow profile` JSON for this model; None: measured at load (seconds on a tiny
+    model, about a minute on SmolLM2) and cached under the model cache directory."""
     mode: str = "sync"
     """"sync": generate, then train, every step; "one_step_off": batch k+1 is generated while batch k trains
     (max_staleness 1); "async": up to max_staleness updates between the weights that generated a batch and the
@@ -323,7 +328,7 @@ class TrainerConfig(Section):
                              "trainer.max_restarts=0 or null")
         _one_of("trainer.device", self.device, ("cpu", "cuda"))
         _one_of("trainer.backend", self.backend, ("ray", "local"))
-        _one_of("trainer.placement", self.placement, ("colocate", "split"))
+        _one_of("trainer.placement", self.placement, ("colocate", "split", "auto"))
         self._check_mode()
         if self.placement == "split" and self.n_workers_per_node * self.nnodes < 2:
             raise ValueError("trainer.placement=split needs at least 2 workers "
@@ -347,7 +352,7 @@ class TrainerConfig(Section):
         if self.mode != "sync" and self.device == "cuda":
             raise ValueError(f"trainer.mode={self.mode} moves weights between pools over gloo on CPU; the NCCL "
                              "transfer for trainer.device=cuda is not written yet: use trainer.mode=sync on cuda")
-        if self.mode != "sync" and self.placement != "split":
+        if self.mode != "sync" and self.placement not in ("split", "auto"):
             raise ValueError(f"trainer.mode={self.mode} generates on its own workers while the actor trains; "
                              "set trainer.placement=split (the rollout gets half of the workers)")
 

@@ -53,10 +53,13 @@ def throughput_metrics(batch: DataProto, timing: dict[str, float], n_workers: in
 
 
 def worker_metrics(*outputs: DataProto) -> dict[str, Any]:
-    """meta_info["metrics"] of worker outputs, lists averaged into one float each."""
+    """meta_info["metrics"] of worker outputs, lists averaged into one float each (memory/* peaks: the max)."""
     merged: dict[str, float] = {}
     for out in outputs:
         for key, value in out.meta_info.get(K.META_METRICS, {}).items():
             values = value if isinstance(value, list) else [value]
-            merged[key] = float(sum(values) / len(values)) if values else 0.0
+            if key.startswith("memory/"):  # a peak: the largest worker's is the one that must fit
+                merged[key] = max(merged.get(key, float("-inf")), *map(float, values)) if values else 0.0
+            else:
+                merged[key] = float(sum(values) / len(values)) if values else 0.0
     return merged

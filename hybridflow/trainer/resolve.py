@@ -4,6 +4,7 @@
     run = resolve(cfg, steps_per_epoch)             # every derived value, computed once, then frozen
 
 Derived here and nowhere else, always from the final merged values:
+- trainer.placement=auto -> colocate or split, as the planner predicts fastest (planner/auto.py);
 - trainer.default_local_dir / log_dir from project_name and experiment_name;
 - trainer.cpus_per_worker (CPUs and torch threads per worker) from the machine and workers per node;
 - trainer.call_timeout_s / collective_timeout_s from the device, trainer.max_restarts from the backend,
@@ -99,6 +100,12 @@ def resolve(cfg: RunConfig, steps_per_epoch: int, cpu_count: int | None = None) 
     if steps_per_epoch < 1:
         raise ConfigError(f"the training set gives {steps_per_epoch} steps per epoch at data.train_batch_size="
                           f"{cfg.data.train_batch_size}; add prompts or lower the batch size")
+    if cfg.trainer.placement == "auto":
+        from hybridflow.planner.auto import resolve_auto_placement
+
+        t = cfg.trainer
+        cfg = resolve_auto_placement(cfg, t.cpus_per_worker or max(1, (cpu_count or os.cpu_count() or 1)
+                                                                   // t.n_workers_per_node))
     sets = worker_sets(cfg)
     check_tensor_parallel(cfg, sets)
     trainer = resolve_trainer(cfg.trainer, steps_per_epoch, cpu_count)

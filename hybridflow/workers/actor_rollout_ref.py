@@ -38,6 +38,7 @@ from hybridflow.controller.dispatch import make_nd_compute_dataproto_dispatch_fn
 from hybridflow.controller.worker import Worker, collective_timeout_s
 from hybridflow.engine.config import EngineConfig
 from hybridflow.protocol import DataProto
+from hybridflow.utils.peak_memory import operator_peak
 from hybridflow.rollout.config import RolloutConfig
 from hybridflow.workers.config import ActorConfig, ModelConfig, RefConfig
 from hybridflow.workers.engines import build_engine
@@ -111,7 +112,8 @@ class ActorRolloutRefWorker(Worker):
             # Seeded by (seed, step, rank) rather than by call count, so a resumed run samples exactly as an uninterrupted one.
             self.rollout.reseed(int(prompts.meta_info[K.META_GLOBAL_STEP]))
         start = time.perf_counter()
-        out = self.rollout.generate_sequences(prompts)
+        with operator_peak("generate", metrics):
+            out = self.rollout.generate_sequences(prompts)
         metrics["timing_s/generate_on_worker"] = time.perf_counter() - start
         out.meta_info[K.META_METRICS] = metrics
         return out
@@ -123,11 +125,13 @@ class ActorRolloutRefWorker(Worker):
     @register(dispatch_mode=_ON_POLICY_MESH)
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """Rows with input_ids/attention_mask/position_ids/responses -> old_log_probs [b, R], entropys [b, R]."""
-        log_probs, entropy = self.actor.compute_log_probs(
-            data.batch, self.actor_cfg.log_prob_micro(), self._temperature(data), calc_entropy=True
-        )
+        metrics: dict[str, float] = {}
+        with operator_peak("old_log_prob", metrics):
+            log_probs, entropy = self.actor.compute_log_probs(
+                data.batch, self.actor_cfg.log_prob_micro(), self._temperature(data), calc_entropy=True
+            )
         mask = data.batch[K.RESPONSE_MASK]
-        metrics = {"actor/entropy": float(masked_mean(entropy, mask))}
+        metrics["actor/entropy"] = float(masked_mean(entropy, mask))
         return DataProto.from_dict({K.OLD_LOG_PROBS: log_probs, K.ENTROPYS: entropy}, meta_info={K.META_METRICS: metrics})
 
     @register(dispatch_mode=_ON_POLICY_MESH, blocking=False)
@@ -139,11 +143,13 @@ class ActorRolloutRefWorker(Worker):
         if "ref" not in self.roles:
             raise RuntimeError(f"compute_ref_log_prob: this worker's role is {sorted(self.roles)}, which has no ref")
         engine = self.ref if self.ref is not None else self.actor
-        with self.actor.adapters_disabled() if self.ref is None else contextlib.nullcontext():
+        metrics: dict[str, float] = {}
+        with operator_peak("ref_log_prob", metrics), \
+                self.actor.adapters_disabled() if self.ref is None else contextlib.nullcontext():
             log_probs, _ = engine.compute_log_probs(
                 data.batch, self.ref_cfg.log_prob_micro(), self._temperature(data)
             )
-        return DataProto.from_dict({K.REF_LOG_PROB: log_probs})
+        return DataProto.from_dict({K.REF_LOG_PROB: log_probs}, meta_info={K.META_METRICS: metrics})
 
     def _ref_is_actor_base(self) -> bool:
         """Whether the reference policy is this worker's actor with its adapters disabled (LoRA)."""
@@ -163,17 +169,18 @@ class ActorRolloutRefWorker(Worker):
         mini_rows = max(cfg.ppo_mini_batch_size * self.rollout_cfg.n // self.dp_size, 1)
         own = bool(data.meta_info.get(K.META_OWN_OLD_LOG_PROB, False))
         _check_old_log_probs(data, own, cfg.ppo_epochs, mini_rows)
-        start = time.perf_counter()
-        step_metrics = run_ppo_update(
-            self.actor, data, mini_rows, cfg.update_micro(), cfg.ppo_epochs,
-            actor_loss_builder(cfg, own), shuffle=cfg.shuffle, seed=self._update_calls,
-            temperature=self._temperature(data), calc_entropy=cfg.entropy_coeff != 0 or own,
-        )
+        start, peak = time.perf_counter(), {}
+        with operator_peak("update_actor", peak):
+            step_metrics = run_ppo_update(
+                self.actor, data, mini_rows, cfg.update_micro(), cfg.ppo_epochs,
+                actor_loss_builder(cfg, own), shuffle=cfg.shuffle, seed=self._update_calls,
+                temperature=self._temperature(data), calc_entropy=cfg.entropy_coeff != 0 or own,
+            )
         self._update_calls += 1
         lr = self.actor.lr_scheduler_step()
         self._rollout_stale = True
         metrics = {f"actor/{k}": v for k, v in step_metrics.items() if k != "lr"}
-        metrics.update({"actor/lr": lr, "timing_s/update_actor_on_worker": time.perf_counter() - start})
+        metrics.update({"actor/lr": lr, "timing_s/update_actor_on_worker": time.perf_counter() - start, **peak})
         return DataProto(meta_info={K.META_METRICS: metrics})
 
     # --- weight transfer to a rollout on other workers (trainer.mode one_step_off / async) -------------

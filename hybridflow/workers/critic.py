@@ -10,6 +10,7 @@ from hybridflow.controller.decorator import Dispatch, register
 from hybridflow.controller.dispatch import make_nd_compute_dataproto_dispatch_fn
 from hybridflow.controller.worker import Worker
 from hybridflow.protocol import DataProto
+from hybridflow.utils.peak_memory import operator_peak
 from hybridflow.workers.config import CriticConfig, ModelConfig
 from hybridflow.workers.engines import build_engine
 from hybridflow.workers.losses import critic_loss_builder
@@ -53,22 +54,25 @@ class CriticWorker(Worker):
     @register(dispatch_mode=_ON_CRITIC_MESH, blocking=False)
     def compute_values(self, data: DataProto) -> DataProto:
         """Rows with input_ids/attention_mask/position_ids/responses -> values [b, R]."""
-        values = self.engine.compute_values(data.batch, self.cfg.forward_micro())
-        return DataProto.from_dict({K.VALUES: values})
+        metrics: dict[str, float] = {}
+        with operator_peak("values", metrics):
+            values = self.engine.compute_values(data.batch, self.cfg.forward_micro())
+        return DataProto.from_dict({K.VALUES: values}, meta_info={K.META_METRICS: metrics})
 
     @register(dispatch_mode=_ON_CRITIC_MESH, blocking=False)
     def update_critic(self, data: DataProto) -> DataProto:
         """Clipped value-loss steps over mini/micro-batches; rows need values, returns, response_mask."""
         mini_rows = self.cfg.ppo_mini_batch_size * self.rollout_n // self.dp_size
-        start = time.perf_counter()
-        step_metrics = run_ppo_update(
-            self.engine, data, max(mini_rows, 1), self.cfg.update_micro(),
-            self.cfg.ppo_epochs, critic_loss_builder(self.cfg), seed=self._update_calls,
-        )
+        start, peak = time.perf_counter(), {}
+        with operator_peak("update_critic", peak):
+            step_metrics = run_ppo_update(
+                self.engine, data, max(mini_rows, 1), self.cfg.update_micro(),
+                self.cfg.ppo_epochs, critic_loss_builder(self.cfg), seed=self._update_calls,
+            )
         self._update_calls += 1
         lr = self.engine.lr_scheduler_step()
         metrics = {f"critic/{k}": v for k, v in step_metrics.items() if k != "lr"}
-        metrics.update({"critic/lr": lr, "timing_s/update_critic_on_worker": time.perf_counter() - start})
+        metrics.update({"critic/lr": lr, "timing_s/update_critic_on_worker": time.perf_counter() - start, **peak})
         return DataProto(meta_info={K.META_METRICS: metrics})
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)

@@ -1,0 +1,196 @@
+"""Predicted vs measured step time of every plan that fits 2 CPU workers, for GRPO and for PPO with a critic.
+
+Per job (grpo: the main job; ppo: the same with algorithm.adv_estimator=gae, so a critic), runs
+`hybridflow train` once per plan, one after the other, each for --steps steps (the first is a warm-up
+and is not timed):
+- colocate_2x1: every role on 2 workers of 1 thread (the calibration run: its profile.json gives the
+  per-token operator costs the cost model starts from);
+- colocate_1x2: every role on 1 worker of 2 threads;
+- split_1+1: the actor on one worker, the critic on the other (ppo only: grpo has no second role);
+- tp2: colocate on 2 workers, actor / critic / rollout tensor-parallel over both.
+The cost model (planner/cost.py, v1) predicts each plan's step time from the calibration profile, a
+device profile (`hybridflow profile`: thread speedups, gloo all-reduce costs; measured first unless
+--device-profile names one) and the model's sizes. Printed: predicted and measured s/step per plan,
+Kendall tau between them, the largest relative error, and whether the predicted best is the measured
+best (bars: tau >= 0.8, error <= 25%, same best). The calibration plan's prediction fits by construction
+except for its controller share; the other plans are true predictions.
+
+    .venv/bin/python bench/plans.py --tiny --steps 2          # smoke: tiny random model, seconds per run
+    .venv/bin/python bench/plans.py --steps 3 --response-length 64 --batch 8   # SmolLM2, ~15 min idle
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+PLANS = {  # name -> (overrides, threads per worker)
+    "colocate_2x1": (["trainer.placement=colocate", "trainer.n_workers_per_node=2", "trainer.cpus_per_worker=1"], 1),
+    "colocate_1x2": (["trainer.placement=colocate", "trainer.n_workers_per_node=1", "trainer.cpus_per_worker=2"], 2),
+    "split_1+1": (["trainer.placement=split", "trainer.n_workers_per_node=2", "trainer.cpus_per_worker=1"], 1),
+    "tp2": (["trainer.placement=colocate", "trainer.n_workers_per_node=2", "trainer.cpus_per_worker=1",
+             "actor.engine.tensor_parallel_size=2", "critic.engine.tensor_parallel_size=2",
+             "rollout.tensor_model_parallel_size=2"], 1),
+}
+JOBS = {"grpo": [], "ppo": ["algorithm.adv_estimator=gae"]}
+
+
+def job_args(args: argparse.Namespace, job: str, tmp: Path) -> list[str]:
+    """The job's overrides (main job or tiny variant, with the bench's size options)."""
+    out = [*JOBS[job], "trainer.logger=[console,jsonl]", "trainer.test_freq=-1", "trainer.val_before_train=false",
+           "trainer.save_freq=-1", f"trainer.total_training_steps={args.steps}"]
+    if args.response_length:
+        out.append(f"data.max_response_length={args.response_length}")
+    if args.batch:
+        out += [f"data.train_batch_size={args.batch}", f"actor.ppo_mini_batch_size={args.batch}",
+                f"critic.ppo_mini_batch_size={args.batch}"]
+    if args.tiny:
+        from hybridflow.models import tiny_model_dir
+
+        out += [f"model.path={tiny_model_dir('llama')}", f"data.task_dir={tmp / 'data'}", "data.gen_train_size=64",
+                "data.gen_val_size=4", "rollout.n=2", "actor.ppo_micro_batch_size_per_device=2",
+                "critic.ppo_micro_batch_size_per_device=2"]
+    return out + args.overrides
+
+
+def plan_of(name: str, roles: tuple[str, ...]):
+    """The planner's Plan for a bench plan on 2 workers."""
+    from hybridflow.planner.plans import PlacementSet, Plan, RoleParallel
+
+    if name == "split_1+1":
+        sets = (PlacementSet(("actor_rollout",), 1), PlacementSet(roles[1:], 1))
+        return Plan(sets, tuple((r, RoleParallel(1)) for r in roles))
+    devices, par = {"colocate_2x1": (2, RoleParallel(2)), "colocate_1x2": (1, RoleParallel(1)),
+                    "tp2": (2, RoleParallel(1, tp=2))}[name]
+    return Plan((PlacementSet(roles, devices),), tuple((r, par) for r in roles))
+
+
+def train(name: str, overrides: list[str], out: Path) -> list[dict]:
+    """Run one plan; its training-step records (a failing run aborts the bench)."""
+    out.mkdir(parents=True)
+    logs = out / "logs"
+    env = {**os.environ, "HYBRIDFLOW_NO_PROGRESS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "hybridflow.trainer.main", *overrides, f"trainer.log_dir={logs}",
+           f"trainer.default_local_dir={out / 'ckpt'}", f"trainer.experiment_name={name}"]
+    with (out / "console.log").open("w") as log:
+        proc = subprocess.run(cmd, cwd=out, env=env, stdout=log, stderr=subprocess.STDOUT)
+    if proc.returncode:
+        sys.exit(f"{name} failed ({proc.returncode}); see {out / 'console.log'}")
+    rows = [json.loads(line) for line in (logs / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [r for r in rows if "timing_s/step" in r]
+
+
+def measured_step(records: list[dict]) -> float:
+    """Median step time after the warm-up step."""
+    return statistics.median(r["timing_s/step"] for r in (records[1:] or records))
+
+
+def kendall_tau(a: list[float], b: list[float]) -> float:
+    """Kendall's tau-a between two equally long lists (ties count as neither concordant nor discordant)."""
+    pairs = [(i, j) for i in range(len(a)) for j in range(i + 1, len(a))]
+    if not pairs:
+        return 1.0
+    score = sum((a[i] - a[j]) * (b[i] - b[j]) > 0 for i, j in pairs) - sum(
+        (a[i] - a[j]) * (b[i] - b[j]) < 0 for i, j in pairs)
+    return score / len(pairs)
+
+
+def predict(name: str, cfg, calib: list[dict], device, threads: int) -> float:
+    """Cost model v1's step time of plan `name` from the calibration run's steps after its warm-up."""
+    from dataclasses import asdict, replace
+
+    from hybridflow.models.loading import load_config as load_model_config
+    from hybridflow.planner.cost import Workers, costs_from_profile, predict_step_time_v1
+    from hybridflow.planner.plans import run_roles
+    from hybridflow.planner.profile import build_profile
+    from hybridflow.planner.search import forward_ops
+
+    rows = [asdict(p) for p in build_profile(calib[1:] or calib)]
+    by = {r["metric"]: r for r in rows}
+    calib_cfg = replace(cfg, trainer=replace(cfg.trainer, n_workers_per_node=2, placement="colocate"))
+    costs = costs_from_profile(rows, 2, forward_ops(calib_cfg))
+    mc = load_model_config(cfg.model.path)
+    w = Workers(threads, 1, device, mc.num_hidden_layers, mc.hidden_size, 4, cfg.data.max_response_length)
+    plan = plan_of(name, run_roles(cfg))
+    return predict_step_time_v1(plan, costs, by["timing_s/step"]["tokens_per_step"],
+                                by["timing_s/gen"]["tokens_per_step"], w)
+
+
+def bench_job(args: argparse.Namespace, job: str, tmp: Path, device) -> list[tuple[str, float, float]]:
+    """(plan, predicted s, measured s) for every plan of `job` that its config accepts."""
+    from hybridflow.config_utils import load_config
+    from hybridflow.trainer.run_config import RunConfig
+
+    base = job_args(args, job, tmp)
+    out, calib = [], None
+    for name in [p for p in args.plans.split(",") if p in PLANS]:
+        overrides, threads = PLANS[name]
+        try:
+            cfg = load_config(RunConfig, None, base + overrides)
+        except ValueError as err:
+            print(f"{job} {name}: refused by the config ({err})", flush=True)
+            continue
+        records = train(f"{job}-{name}", base + overrides, tmp / job / name)
+        calib = calib or records  # the first plan (colocate_2x1) calibrates the rest
+        out.append((name, predict(name, cfg, calib, device, threads), measured_step(records)))
+        print(f"{job} {name}: predicted {out[-1][1]:.2f} s, measured {out[-1][2]:.2f} s", flush=True)
+    return out
+
+
+def report(job: str, results: list[tuple[str, float, float]]) -> None:
+    """The per-plan table and the three bars."""
+    print(f"\n{job}: {'plan':<14}{'predicted s':>12}{'measured s':>12}{'error':>8}")
+    for name, p, m in results:
+        print(f"{'':<{len(job) + 2}}{name:<14}{p:>12.2f}{m:>12.2f}{(p - m) / m:>+8.0%}")
+    pred, meas = [r[1] for r in results], [r[2] for r in results]
+    tau = kendall_tau(pred, meas)
+    worst = max(abs(p - m) / m for p, m in zip(pred, meas))
+    same = min(results, key=lambda r: r[1])[0] == min(results, key=lambda r: r[2])[0]
+    print(f"  Kendall tau {tau:.2f} (bar 0.8), max relative error {worst:.0%} (bar 25%), "
+          f"predicted best {'==' if same else '!='} measured best")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="tiny random model: proves every plan runs")
+    parser.add_argument("--steps", type=int, default=3, help="steps per plan, the first one untimed")
+    parser.add_argument("--response-length", type=int, help="data.max_response_length (default: the job's)")
+    parser.add_argument("--batch", type=int, help="data.train_batch_size = ppo_mini_batch_size (default: the job's)")
+    parser.add_argument("--jobs", default="grpo,ppo")
+    parser.add_argument("--plans", default=",".join(PLANS), help="comma-separated; colocate_2x1 must come first")
+    parser.add_argument("--device-profile", help="a `hybridflow profile` JSON to use instead of measuring one")
+    parser.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")
+    args = parser.parse_args()
+    from hybridflow.planner.device import DeviceProfile, profile_device
+    from hybridflow.utils.hardware import describe_cpu
+
+    print(describe_cpu(2), flush=True)
+    with tempfile.TemporaryDirectory(prefix="bench-plans-") as tmp_name:
+        tmp = Path(tmp_name)
+        if args.device_profile:
+            device = DeviceProfile.load(Path(args.device_profile))
+        else:
+            from hybridflow.config_utils import load_config
+            from hybridflow.trainer.run_config import RunConfig
+
+            model = load_config(RunConfig, None, job_args(args, "grpo", tmp)).model.path
+            from hybridflow.models import resolve_model_path
+
+            shapes = [(2, 32)] if args.tiny else [(4, 128)]
+            device = profile_device(str(resolve_model_path(model)), (1, 2), shapes)
+        results = {job: bench_job(args, job, tmp, device) for job in args.jobs.split(",")}
+    for job, rows in results.items():
+        report(job, rows)
+
+
+if __name__ == "__main__":
+    main()

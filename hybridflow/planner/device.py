@@ -1,0 +1,204 @@
+"""`hybridflow profile --model M [--out device_profile.json]`: per-token costs of the operators on this machine.
+
+Measures, in this process, the model's forward (log-probs), forward + backward (update) and KV-cached
+decode step at each thread count of --threads and each (batch, length) point, the cost of copying its
+weights into a second copy (weight sync), and a gloo all-reduce's latency and bandwidth between two
+processes (what tensor parallel pays per layer). The cost model (planner/cost.py) reads the result:
+how much a worker speeds up with more threads, and what a tensor-parallel layout's collectives cost.
+No optimizer step is timed (Adam's cost per parameter is small beside the backward on these sizes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+
+@dataclass
+class DevicePoint:
+    """Per-token seconds of the operators at one thread count and shape."""
+
+    threads: int
+    """torch threads of the (one) worker measured."""
+    batch: int
+    """Sequences per call."""
+    length: int
+    """Tokens per sequence (forward / update); decode steps run after a prompt of this length."""
+    forward_s_per_token: float
+    """Forward pass without grad (log-probs, values)."""
+    train_s_per_token: float
+    """Forward + backward (one update pass, no optimizer step)."""
+    decode_s_per_token: float
+    """One KV-cached decode step / batch."""
+
+
+@dataclass
+class DeviceProfile:
+    """A machine's measured costs for one model (what `hybridflow profile` writes)."""
+
+    model: str
+    """The model measured."""
+    dtype: str
+    """Its parameter dtype during the measurement (float32 / bfloat16)."""
+    points: list[DevicePoint] = field(default_factory=list)
+    """One per (threads, batch, length)."""
+    weight_sync_s_per_byte: float = 0.0
+    """Seconds per parameter byte to copy the weights into another model copy in the same process."""
+    allreduce_latency_s: float = 0.0
+    """Seconds of one small (1 KiB) gloo all-reduce between 2 processes."""
+    allreduce_s_per_byte: float = 0.0
+    """Extra seconds per byte of a large (4 MiB) gloo all-reduce between 2 processes."""
+
+    def speedup(self, kind: str, threads: int) -> float:
+        """How much faster `kind` (forward / train / decode) runs per token on `threads` threads than on 1
+        (median over the shapes measured at both); 1.0 when not measured."""
+        key = f"{kind}_s_per_token"
+        ratios = [getattr(a, key) / getattr(b, key) for a in self.points if a.threads == 1
+                  for b in self.points if b.threads == threads and (b.batch, b.length) == (a.batch, a.length)]
+        return statistics.median(ratios) if ratios else 1.0
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self), indent=1) + "\n")
+
+    @staticmethod
+    def load(path: Path) -> "DeviceProfile":
+        raw = json.loads(Path(path).read_text())
+        return DeviceProfile(**{**raw, "points": [DevicePoint(**p) for p in raw["points"]]})
+
+
+def _best_of(fn: Callable[[], None], repeats: int) -> float:
+    fn()  # warm-up (allocator, oneDNN kernels)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def measure_point(model: torch.nn.Module, threads: int, batch: int, length: int, vocab: int,
+                  repeats: int = 2, decode_steps: int = 4) -> DevicePoint:
+    """Time forward, forward + backward and decode of `model` at one thread count and shape."""
+    torch.set_num_threads(threads)
+    ids = torch.randint(0, vocab, (batch, length))
+
+    def forward() -> None:
+        with torch.no_grad():
+            model(ids)
+
+    def train() -> None:
+        model(ids).logits.float().mean().backward()
+        model.zero_grad(set_to_none=True)
+
+    def decode() -> None:
+        with torch.no_grad():
+            out = model(ids, use_cache=True)
+            nxt, cache = ids[:, -1:], out.past_key_values
+            start = time.perf_counter()
+            for _ in range(decode_steps):
+                cache = model(nxt, past_key_values=cache, use_cache=True).past_key_values
+            decode.elapsed = time.perf_counter() - start
+
+    tokens = batch * length
+    fwd, trn = _best_of(forward, repeats) / tokens, _best_of(train, repeats) / tokens
+    elapsed = []
+    for _ in range(repeats):
+        decode()
+        elapsed.append(decode.elapsed)
+    return DevicePoint(threads, batch, length, fwd, trn, min(elapsed) / (decode_steps * batch))
+
+
+def measure_weight_sync(model: torch.nn.Module) -> float:
+    """Seconds per byte to load `model`'s state dict into a copy of it (the colocated weight sync's work)."""
+    import copy
+
+    target = copy.deepcopy(model)
+    state = model.state_dict()
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    return _best_of(lambda: target.load_state_dict(state), 2) / nbytes
+
+
+def _allreduce_worker(rank: int, store_dir: str, out: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_dir}/store", rank=rank, world_size=2)
+    small, large = torch.zeros(256), torch.zeros(1 << 20)
+
+    def timed(t: torch.Tensor, n: int) -> float:
+        dist.all_reduce(t)
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(n):
+            dist.all_reduce(t)
+        return (time.perf_counter() - start) / n
+
+    latency, big = timed(small, 20), timed(large, 5)
+    if rank == 0:
+        Path(out).write_text(json.dumps([latency, max(0.0, big - latency) / large.numel() / 4]))
+    dist.destroy_process_group()
+
+
+def measure_allreduce() -> tuple[float, float]:
+    """(latency s, s per byte) of a gloo all-reduce between two local processes."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        mp.spawn(_allreduce_worker, args=(tmp, out), nprocs=2, join=True)
+        latency, per_byte = json.loads(Path(out).read_text())
+    return latency, per_byte
+
+
+def profile_device(model_path: str, threads: Sequence[int], shapes: Sequence[tuple[int, int]],
+                   dtype: torch.dtype = torch.float32, repeats: int = 2, collectives: bool = True) -> DeviceProfile:
+    """Measure every (threads, shape) point, the weight sync and (collectives) the all-reduce for `model_path`."""
+    from hybridflow.models.loading import load_causal_lm
+
+    model = load_causal_lm(model_path, dtype=dtype)
+    vocab = model.config.vocab_size
+    saved_threads = torch.get_num_threads()
+    try:
+        points = [measure_point(model, t, b, n, vocab, repeats) for t in threads for b, n in shapes]
+    finally:
+        torch.set_num_threads(saved_threads)
+    latency, per_byte = measure_allreduce() if collectives else (0.0, 0.0)
+    return DeviceProfile(model_path, str(dtype).removeprefix("torch."), points, measure_weight_sync(model),
+                         latency, per_byte)
+
+
+def main(argv: Sequence[str]) -> int:
+    """CLI of `hybridflow profile`; returns the exit code."""
+    parser = argparse.ArgumentParser(prog="hybridflow profile", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="HF model directory (or 'default' for SmolLM2)")
+    parser.add_argument("--out", default="device_profile.json")
+    parser.add_argument("--threads", default=f"1,{os.cpu_count() or 1}", help="comma-separated thread counts")
+    parser.add_argument("--shapes", default="4x64,8x128", help="comma-separated BATCHxLENGTH points")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args(argv)
+    threads = sorted({int(t) for t in args.threads.split(",")})
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    model = args.model
+    if model == "default":
+        from hybridflow.models import default_model_dir
+
+        model = str(default_model_dir())
+    prof = profile_device(model, threads, shapes, getattr(torch, args.dtype), args.repeats)
+    prof.save(Path(args.out))
+    for p in prof.points:
+        print(f"threads {p.threads} {p.batch}x{p.length}: forward {p.forward_s_per_token * 1e3:.3f} ms/token, "
+              f"train {p.train_s_per_token * 1e3:.3f}, decode {p.decode_s_per_token * 1e3:.3f}")
+    print(f"weight sync {prof.weight_sync_s_per_byte * 1e9:.3f} s/GB; all-reduce {prof.allreduce_latency_s * 1e6:.0f} us "
+          f"+ {prof.allreduce_s_per_byte * 1e9:.2f} s/GB; wrote {args.out}")
+    return 0

@@ -1,0 +1,48 @@
+"""trainer.placement=auto (planner/auto.py): resolved at load to the placement the cost model picks."""
+
+import pytest
+
+from hybridflow.config_utils import load_config
+from hybridflow.planner.auto import predicted_placements
+from hybridflow.planner.device import DevicePoint, DeviceProfile
+from hybridflow.trainer.resolve import resolve
+from hybridflow.trainer.run_config import RunConfig
+
+PPO = ["algorithm.adv_estimator=gae", "trainer.n_workers_per_node=2", "trainer.cpus_per_worker=1",
+       "data.train_batch_size=4", "rollout.n=2", "data.max_prompt_length=8", "data.max_response_length=4",
+       "actor.ppo_mini_batch_size=4", "critic.ppo_mini_batch_size=4"]
+
+
+@pytest.fixture
+def device(tmp_path):
+    path = tmp_path / "device.json"
+    DeviceProfile("m", "float32", [DevicePoint(1, 2, 64, 0.01, 0.03, 0.05)]).save(path)
+    return path
+
+
+def test_predictions_of_the_runnable_placements(device):
+    cfg = load_config(RunConfig, None, PPO)
+    # 8 samples: 96 tokens, 32 response tokens; colocate on 2 workers: gen 0.05*32/2, forward (old log-probs and
+    # values) 2 * 0.01*96/2, updates 2 * 0.03*96/2; split 1+1: everything on 1 worker, the roles overlapping
+    got = predicted_placements(cfg, 1, DeviceProfile.load(device))
+    assert got == pytest.approx({"colocate": 0.8 + 0.96 + 2.88, "split": 1.6 + 0.96 + 2.88})
+
+
+def test_auto_resolves_to_a_runnable_placement(device):
+    cfg = load_config(RunConfig, None, [*PPO, "trainer.placement=auto", f"trainer.device_profile={device}"])
+    assert resolve(cfg, 10).config.trainer.placement == "colocate"
+    off = load_config(RunConfig, None, [*PPO, "trainer.placement=auto", "trainer.mode=one_step_off"])
+    run = resolve(off, 10)  # off-policy: the rollout needs its own workers, no profile needed
+    assert run.config.trainer.placement == "split" and [s.roles for s in run.worker_sets][1] == ("rollout",)
+
+
+@pytest.mark.slow  # ~17 s under load: loads the model and times it
+def test_auto_measures_and_caches_a_device_profile(tmp_path, monkeypatch):
+    from hybridflow.models import default, tiny_model_dir
+
+    monkeypatch.setattr(default, "cache_root", lambda: tmp_path)
+    cfg = load_config(RunConfig, None, [*PPO, "trainer.placement=auto", f"model.path={tiny_model_dir('llama')}"])
+    assert resolve(cfg, 10).config.trainer.placement == "colocate"
+    (cached,) = (tmp_path / "device_profiles").glob("*.json")
+    prof = DeviceProfile.load(cached)
+    assert [p.threads for p in prof.points] == [1] and prof.points[0].train_s_per_token > prof.points[0].forward_s_per_token

@@ -1,0 +1,72 @@
+"""Cost model v1 (planner/cost.py): thread speedups, tensor-parallel all-reduces, the controller's share."""
+
+import pytest
+
+from hybridflow.planner.cost import (OperatorCosts, Workers, costs_from_profile, predict_one_step_off_v1,
+                                     predict_step_time_v1)
+from hybridflow.planner.device import DevicePoint, DeviceProfile
+from hybridflow.planner.plans import PlacementSet, Plan, RoleParallel
+
+COSTS = OperatorCosts({"generate": 0.02, "old_log_prob": 0.002, "values": 0.002, "update_actor": 0.008,
+                       "update_critic": 0.004}, {"controller": 1.0})
+# per-token seconds at 1 and 2 threads: speedups forward 2, train 1.6, decode 1.5
+DEVICE = DeviceProfile("tiny", "float32", [DevicePoint(1, 4, 64, 1.0, 2.0, 3.0), DevicePoint(2, 4, 64, 0.5, 1.25, 2.0)],
+                       allreduce_latency_s=0.001, allreduce_s_per_byte=1e-9)
+ROLES = ("actor_rollout", "critic")
+
+
+def plan(*sets, par=None):
+    return Plan(tuple(PlacementSet(r, n) for r, n in sets),
+                tuple((x, par or RoleParallel(n)) for r, n in sets for x in r))
+
+
+def test_speedup_is_the_ratio_of_per_token_costs():
+    assert DEVICE.speedup("forward", 2) == 2.0 and DEVICE.speedup("train", 2) == 1.6
+    assert DEVICE.speedup("decode", 1) == 1.0 and DEVICE.speedup("decode", 4) == 1.0  # not measured: no speedup
+
+
+def test_one_worker_of_two_threads():
+    # gen 0.02*400/1.5 = 5.3333; forward 2*0.002*1000/2 = 2; update (8 + 4)/1.6 = 7.5; controller 1
+    got = predict_step_time_v1(plan((ROLES, 1)), COSTS, 1000, 400, Workers(threads=2, device=DEVICE))
+    assert got == pytest.approx(1 + 400 * 0.02 / 1.5 + 2 + 7.5)
+
+
+def test_split_overlaps_sets_within_a_phase():
+    # gen 8 on the actor's worker; forward max(2, 2); update max(8, 4); controller 1
+    got = predict_step_time_v1(plan((("actor_rollout",), 1), (("critic",), 1)), COSTS, 1000, 400, Workers(device=DEVICE))
+    assert got == pytest.approx(1 + 8 + 2 + 8)
+
+
+def test_tensor_parallel_adds_all_reduces():
+    w = Workers(device=DEVICE, layers=2, hidden=8, activation_bytes=4, decode_steps=10)
+    got = predict_step_time_v1(plan((ROLES, 2), par=RoleParallel(1, tp=2)), COSTS, 1000, 400, w)
+    gen = 4 + 44 * 0.001 + 2 * 2 * 400 * 8 * 4 * 1e-9  # 2 all-reduces x 2 layers x 11 passes
+    fwd = 2 * (1 + 4 * 0.001 + 2 * 2 * 1000 * 32 * 1e-9)
+    update = 4 + 2 + 2 * (8 * 0.001 + 2 * 2 * 2000 * 32 * 1e-9)  # forward + backward: twice the traffic
+    assert got == pytest.approx(1 + gen + fwd + update)
+    # without a device profile collectives are free and threads change nothing
+    assert predict_step_time_v1(plan((ROLES, 2), par=RoleParallel(1, tp=2)), COSTS, 1000, 400,
+                                Workers(layers=2, hidden=8)) == pytest.approx(1 + 4 + 2 + 6)
+
+
+def test_costs_from_profile_subtracts_weight_sync_and_keeps_the_controller_share():
+    rows = [{"metric": "timing_s/step", "median_s": 12.0, "tokens_per_step": 1000.0},
+            {"metric": "timing_s/gen", "median_s": 4.0, "tokens_per_step": 400.0},
+            {"metric": "timing_s/weight_sync", "median_s": 1.0, "tokens_per_step": 0.0},
+            {"metric": "timing_s/old_log_prob_ref_values", "median_s": 2.0, "tokens_per_step": 1000.0},
+            {"metric": "timing_s/update", "median_s": 5.5, "tokens_per_step": 1000.0}]
+    costs = costs_from_profile(rows, 2, ("old_log_prob",))
+    assert costs.seconds_per_token["generate"] == pytest.approx(3 * 2 / 400)
+    assert costs.seconds_per_token["update_actor"] == pytest.approx(5.5 * 2 / 1000)
+    assert costs.fixed_s == pytest.approx({"weight_sync": 1.0, "controller": 0.5})
+
+
+def test_one_step_off_overlaps_generation_with_training():
+    # training set: actor + critic on 1 worker, in turn: forward 2 + 2, updates 8 + 4, controller 1 -> 17;
+    # generate on 1 worker: 8 -> the step is max(8, 17) + 0.5 s transfer; with a slower generate (20 s): 20.5
+    train = plan((ROLES, 1))
+    assert predict_one_step_off_v1(train, 1, COSTS, 1000, 400, Workers(), 0.5) == pytest.approx(17.5)
+    slow_gen = OperatorCosts({**COSTS.seconds_per_token, "generate": 0.05}, COSTS.fixed_s)
+    assert predict_one_step_off_v1(train, 1, slow_gen, 1000, 400, Workers(), 0.5) == pytest.approx(20.5)
+    # the sync step on 2 colocated workers for comparison: controller 1 + gen 4 + forward 2 + updates 6 = 13
+    assert predict_step_time_v1(plan((ROLES, 2)), COSTS, 1000, 400, Workers()) == pytest.approx(13)
