@@ -111,7 +111,13 @@ def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="hybridflow plan", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="YAML file with the run's config fields")
-    parser.add_argument("--profile", required=True, help="profile.json of a colocated run of this config")
+    parser.add_argument("--profile", help="profile.json of a colocated run of this config (CPU workers)")
+    parser.add_argument("--cluster", help="plan for a GPU cluster instead, SPEC:GPUS (e.g. a100-80gb:64; "
+                                          "specs in planner/gpu.py); needs --shape")
+    parser.add_argument("--shape", help="with --cluster: every role's model shape (llama-7b/13b/34b/70b)")
+    parser.add_argument("--prompts", type=int, default=1024, help="with --cluster: prompts per step")
+    parser.add_argument("--prompt-len", type=int, default=1024, help="with --cluster: tokens per prompt")
+    parser.add_argument("--response-len", type=int, default=1024, help="with --cluster: tokens per response")
     parser.add_argument("--params", type=float, help="parameters per model (default: counted from model.path)")
     parser.add_argument("--device-memory-gb", type=float,
                         help="memory per device in GB (default: this machine's RAM / workers)")
@@ -119,6 +125,10 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--out", default="plan.yaml", help="where to write the best runnable plan")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
+    if args.cluster:
+        return main_gpu(args)
+    if not args.profile:
+        raise ValueError("hybridflow plan needs --profile PROFILE.json (a colocated run's) or --cluster SPEC:GPUS")
     cfg = load_config(RunConfig, args.config, args.overrides)
     rows = json.loads(Path(args.profile).read_text())
     by_metric = {r["metric"]: r for r in rows}
@@ -146,4 +156,24 @@ def main(argv: Sequence[str]) -> int:
         return 1
     Path(args.out).write_text(to_yaml(best[1]))
     print(f"wrote {args.out} (trainer.placement={best[0].placement}, predicted {best[0].step_s:.2f} s/step)")
+    return 0
+
+
+def main_gpu(args: argparse.Namespace) -> int:
+    """`hybridflow plan --cluster SPEC:GPUS --shape NAME`: PPO's plans on a GPU cluster spec (planner/gpu_search.py)."""
+    from hybridflow.planner.gpu import SHAPES, SPECS, RLWorkload
+    from hybridflow.planner.gpu_search import search
+
+    name, _, gpus = args.cluster.partition(":")
+    if name not in SPECS or not gpus.isdigit():
+        raise ValueError(f"--cluster {args.cluster!r}: expected SPEC:GPUS with SPEC one of {sorted(SPECS)}")
+    if args.shape not in SHAPES:
+        raise ValueError(f"--shape {args.shape!r}: choose one of {sorted(SHAPES)}")
+    workload = RLWorkload(args.prompts, args.prompt_len, args.response_len)
+    ranked = search(SHAPES[args.shape], workload, SPECS[name], int(gpus))
+    if not ranked:
+        print(f"no plan fits {args.shape} x4 roles on {gpus} x {name}")
+        return 1
+    for i, plan in enumerate(ranked[: args.top], 1):
+        print(f"{i:>2}. {plan.step_s:8.1f} s/step  {plan.describe()}")
     return 0
