@@ -7,7 +7,9 @@ and is not timed):
   per-token operator costs the cost model starts from);
 - colocate_1x2: every role on 1 worker of 2 threads;
 - split_1+1: the actor on one worker, the critic on the other (ppo only: grpo has no second role);
-- tp2: colocate on 2 workers, actor / critic / rollout tensor-parallel over both.
+- tp2: colocate on 2 workers, actor / critic / rollout tensor-parallel over both (refused for models whose
+  heads 2 does not divide, e.g. SmolLM2's 9 / 3: skipped with the reason);
+- sp2: colocate on 2 workers, actor / critic Ulysses sequence-parallel over both (generation: dp 2).
 The cost model (planner/cost.py, v1) predicts each plan's step time from the calibration profile, a
 device profile (`hybridflow profile`: thread speedups, gloo all-reduce costs; measured first unless
 --device-profile names one) and the model's sizes. Printed: predicted and measured s/step per plan,
@@ -40,6 +42,8 @@ PLANS = {  # name -> (overrides, threads per worker)
     "tp2": (["trainer.placement=colocate", "trainer.n_workers_per_node=2", "trainer.cpus_per_worker=1",
              "actor.engine.tensor_parallel_size=2", "critic.engine.tensor_parallel_size=2",
              "rollout.tensor_model_parallel_size=2"], 1),
+    "sp2": (["trainer.placement=colocate", "trainer.n_workers_per_node=2", "trainer.cpus_per_worker=1",
+             "actor.engine.ulysses_sequence_parallel_size=2", "critic.engine.ulysses_sequence_parallel_size=2"], 1),
 }
 JOBS = {"grpo": [], "ppo": ["algorithm.adv_estimator=gae"]}
 
@@ -70,12 +74,13 @@ def plan_of(name: str, roles: tuple[str, ...]):
         sets = (PlacementSet(("actor_rollout",), 1), PlacementSet(roles[1:], 1))
         return Plan(sets, tuple((r, RoleParallel(1)) for r in roles))
     devices, par = {"colocate_2x1": (2, RoleParallel(2)), "colocate_1x2": (1, RoleParallel(1)),
-                    "tp2": (2, RoleParallel(1, tp=2))}[name]
+                    "tp2": (2, RoleParallel(1, tp=2)), "sp2": (2, RoleParallel(1, sp=2))}[name]
     return Plan((PlacementSet(roles, devices),), tuple((r, par) for r in roles))
 
 
-def train(name: str, overrides: list[str], out: Path) -> list[dict]:
-    """Run one plan; its training-step records (a failing run aborts the bench)."""
+def train(name: str, overrides: list[str], out: Path) -> list[dict] | None:
+    """Run one plan; its training-step records, or None when the run refused its config at resolve
+    (e.g. a tp size the model's heads do not allow; the reason is printed). Any other failure aborts."""
     out.mkdir(parents=True)
     logs = out / "logs"
     env = {**os.environ, "HYBRIDFLOW_NO_PROGRESS": "1", "PYTHONPATH": str(ROOT)}
@@ -84,6 +89,10 @@ def train(name: str, overrides: list[str], out: Path) -> list[dict]:
     with (out / "console.log").open("w") as log:
         proc = subprocess.run(cmd, cwd=out, env=env, stdout=log, stderr=subprocess.STDOUT)
     if proc.returncode:
+        lines = (out / "console.log").read_text().strip().splitlines()
+        if proc.returncode == 2 and lines:  # the CLI's exit code for a refused config
+            print(f"{name}: refused ({lines[-1]})", flush=True)
+            return None
         sys.exit(f"{name} failed ({proc.returncode}); see {out / 'console.log'}")
     rows = [json.loads(line) for line in (logs / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return [r for r in rows if "timing_s/step" in r]
@@ -140,6 +149,8 @@ def bench_job(args: argparse.Namespace, job: str, tmp: Path, device) -> list[tup
             print(f"{job} {name}: refused by the config ({err})", flush=True)
             continue
         records = train(f"{job}-{name}", base + overrides, tmp / job / name)
+        if records is None:
+            continue
         calib = calib or records  # the first plan (colocate_2x1) calibrates the rest
         out.append((name, predict(name, cfg, calib, device, threads), measured_step(records)))
         print(f"{job} {name}: predicted {out[-1][1]:.2f} s, measured {out[-1][2]:.2f} s", flush=True)

@@ -49,6 +49,16 @@ def test_tensor_parallel_adds_all_reduces():
                                 Workers(layers=2, hidden=8)) == pytest.approx(1 + 4 + 2 + 6)
 
 
+def test_sequence_parallel_adds_all_to_alls_but_not_to_generation():
+    w = Workers(device=DEVICE, layers=2, hidden=8, activation_bytes=4, decode_steps=10)
+    got = predict_step_time_v1(plan((ROLES, 2), par=RoleParallel(1, sp=2)), COSTS, 1000, 400, w)
+    gen = 4  # both workers generate as rollout dp ranks: no collectives
+    # 4 all-to-alls x 2 layers per pass; each rank sends half of its 500 tokens' q/k/v/out activations
+    fwd = 2 * (1 + 8 * 0.001 + 4 * 2 * 500 * 32 * 0.5 * 1e-9)
+    update = 4 + 2 + 2 * (16 * 0.001 + 4 * 2 * 1000 * 32 * 0.5 * 1e-9)  # forward + backward
+    assert got == pytest.approx(1 + gen + fwd + update)
+
+
 def test_costs_from_profile_subtracts_weight_sync_and_keeps_the_controller_share():
     rows = [{"metric": "timing_s/step", "median_s": 12.0, "tokens_per_step": 1000.0},
             {"metric": "timing_s/gen", "median_s": 4.0, "tokens_per_step": 400.0},

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from hybridflow.planner.device import DeviceProfile
-from hybridflow.planner.plans import Plan
+from hybridflow.planner.plans import Plan, RoleParallel
 
 PHASES: tuple[tuple[tuple[str, str], ...], ...] = (
     (("actor_rollout", "weight_sync"), ("actor_rollout", "generate")),
@@ -141,10 +141,28 @@ def tp_collective_seconds(op: str, tp: int, dp: int, tokens: float, response_tok
     return calls * w.device.allreduce_latency_s + nbytes * w.device.allreduce_s_per_byte
 
 
-def operator_seconds_v1(op: str, costs: OperatorCosts, dp: int, tp: int, tokens: float, response_tokens: float,
+def sp_collective_seconds(op: str, sp: int, dp: int, tokens: float, w: Workers) -> float:
+    """Seconds of a Ulysses sequence-parallel operator's all-to-alls: 4 per layer per forward pass (q, k, v to
+    heads-split before attention, the output back to sequence-split after it), twice that for an update;
+    each moves (sp - 1) / sp of a rank's q/k/v/output activations. Priced with the device profile's
+    all-reduce latency and per-byte cost (an all-to-all sends each byte once, a ring all-reduce about twice:
+    this over-charges bandwidth, which is small beside latency at these sizes). Generate does not use sp."""
+    if sp == 1 or w.device is None or op == "generate":
+        return 0.0
+    passes = 2 if op.startswith("update") else 1
+    calls = 4 * w.layers * passes
+    per_rank_tokens = tokens / (dp * sp) * passes
+    nbytes = 4 * w.layers * per_rank_tokens * w.hidden * w.activation_bytes * (sp - 1) / sp
+    return calls * w.device.allreduce_latency_s + nbytes * w.device.allreduce_s_per_byte
+
+
+def operator_seconds_v1(op: str, costs: OperatorCosts, par: RoleParallel, tokens: float, response_tokens: float,
                         w: Workers) -> float:
-    """`op` on dp x tp workers of w.threads threads: the profiled per-token cost scaled by the devices and
-    by the measured thread speedup (relative to the profiled run's threads), plus tensor-parallel all-reduces."""
+    """`op` on par.dp x par.tp x par.sp workers of w.threads threads: the profiled per-token cost scaled by the
+    devices and by the measured thread speedup (relative to the profiled run's threads), plus the tensor-
+    and sequence-parallel collectives. Generation uses every worker too: the rollout's own layout is dp x tp
+    (rollout.tensor_model_parallel_size, equal to the role's tp here), so a role's sp ranks generate as
+    separate data-parallel rollout ranks."""
     if op in FIXED:
         return costs.fixed_s.get(op, 0.0)
     n = response_tokens if op in RESPONSE_ONLY else tokens
@@ -152,8 +170,12 @@ def operator_seconds_v1(op: str, costs: OperatorCosts, dp: int, tp: int, tokens:
     if w.device is not None:
         kind = KIND_OF.get(op, "forward")
         speed = w.device.speedup(kind, w.threads) / w.device.speedup(kind, w.base_threads)
-    compute = costs.seconds_per_token.get(op, 0.0) * n / (dp * tp * speed)
-    return compute + tp_collective_seconds(op, tp, dp, tokens, response_tokens, w) if compute else 0.0
+    split = par.dp * par.tp * par.sp
+    compute = costs.seconds_per_token.get(op, 0.0) * n / (split * speed)
+    if not compute:
+        return 0.0
+    return (compute + tp_collective_seconds(op, par.tp, par.dp, tokens, response_tokens, w)
+            + sp_collective_seconds(op, par.sp, par.dp, tokens, w))
 
 
 def predict_step_time_v1(plan: Plan, costs: OperatorCosts, tokens: float, response_tokens: float,
@@ -168,7 +190,7 @@ def predict_step_time_v1(plan: Plan, costs: OperatorCosts, tokens: float, respon
             if role in roles and op not in skip:
                 idx = plan.sets.index(plan.set_of(role))
                 par = plan.of(role)
-                per_set[idx] = per_set.get(idx, 0.0) + operator_seconds_v1(op, costs, par.dp, par.tp, tokens,
+                per_set[idx] = per_set.get(idx, 0.0) + operator_seconds_v1(op, costs, par, tokens,
                                                                             response_tokens, w)
         total += max(per_set.values(), default=0.0)
     return total
@@ -179,6 +201,6 @@ def predict_one_step_off_v1(train_plan: Plan, rollout_devices: int, costs: Opera
     """Seconds per step of trainer.mode=one_step_off: batch k+1 is generated on the rollout's own
     `rollout_devices` workers while batch k's forward passes and updates run on `train_plan`'s sets, so a
     step takes the longer of the two, plus the weight transfer to the rollout (it waits for the new weights)."""
-    gen = operator_seconds_v1("generate", costs, rollout_devices, 1, tokens, response_tokens, w)
+    gen = operator_seconds_v1("generate", costs, RoleParallel(rollout_devices), tokens, response_tokens, w)
     rest = predict_step_time_v1(train_plan, costs, tokens, response_tokens, w, frozenset({"generate", "weight_sync"}))
     return max(gen, rest) + transfer_s

@@ -29,7 +29,8 @@ class RoleParallel:
     tp: int = 1
     """Tensor-parallel size; 1 until the planner searches the tensor-parallel engine."""
     sp: int = 1
-    """Sequence-parallel size; 1 until Ulysses sp lands."""
+    """Ulysses sequence-parallel size: the sp ranks of a dp group get the same rows and split each
+    micro-batch's tokens; FSDP shards the model state over dp x sp."""
 
 
 @dataclass(frozen=True)
@@ -139,9 +140,9 @@ def enumerate_plans(roles: Sequence[str], devices: int) -> Iterator[Plan]:
 
 def role_memory_bytes(model: RoleModel, parallel: RoleParallel, tokens_per_step: float) -> float:
     """Bytes one device holds for `model`: params (+ grads + Adam state when trained) sharded over
-    dp * tp (FSDP / tensor parallel), plus activations / KV cache of its share of the step's tokens."""
+    dp * tp * sp (FSDP over dp x sp, tensor parallel), plus activations / KV cache of its share of the step's tokens."""
     per_param = model.param_bytes + (model.param_bytes + ADAM_STATE_BYTES if model.trained else 0)
-    state = model.params * per_param / (parallel.dp * parallel.tp)
+    state = model.params * per_param / (parallel.dp * parallel.tp * parallel.sp)
     return state + model.activation_bytes_per_token * tokens_per_step / (parallel.dp * parallel.sp)
 
 
