@@ -178,6 +178,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, help="data.train_batch_size = ppo_mini_batch_size (default: the job's)")
     parser.add_argument("--jobs", default="grpo,ppo")
     parser.add_argument("--plans", default=",".join(PLANS), help="comma-separated; colocate_2x1 must come first")
+    parser.add_argument("--profile-repeats", type=int, default=3, help="best of this many per device-profile point")
     parser.add_argument("--device-profile", help="a `hybridflow profile` JSON to use instead of measuring one")
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")
     args = parser.parse_args()
@@ -193,11 +194,17 @@ def main() -> None:
             from hybridflow.config_utils import load_config
             from hybridflow.trainer.run_config import RunConfig
 
-            model = load_config(RunConfig, None, job_args(args, "grpo", tmp)).model.path
+            cfg = load_config(RunConfig, None, job_args(args, "grpo", tmp))
             from hybridflow.models import resolve_model_path
+            from hybridflow.planner.auto import profile_dtype
 
             shapes = [(2, 32)] if args.tiny else [(4, 128)]
-            device = profile_device(str(resolve_model_path(model)), (1, 2), shapes)
+            device = profile_device(str(resolve_model_path(cfg.model.path)), (1, 2), shapes,
+                                    dtype=profile_dtype(cfg, 1), repeats=args.profile_repeats)
+            print(f"device profile ({device.dtype}): " + ", ".join(
+                f"{k} x{device.speedup(k, 2):.2f}" for k in ("forward", "train", "decode")) + " at 2 threads; "
+                f"all-reduce {device.allreduce_latency_s * 1e6:.0f} us + {device.allreduce_s_per_byte * 1e9:.2f} s/GB",
+                flush=True)
         results = {job: bench_job(args, job, tmp, device) for job in args.jobs.split(",")}
     for job, rows in results.items():
         report(job, rows)

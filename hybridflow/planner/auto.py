@@ -13,6 +13,8 @@ import hashlib
 from dataclasses import replace
 from pathlib import Path
 
+import torch
+
 from hybridflow.planner.cost import OperatorCosts, Workers, predict_step_time_v1
 from hybridflow.planner.device import DeviceProfile, profile_device
 from hybridflow.planner.plans import PlacementSet, Plan, RoleParallel, run_roles
@@ -45,21 +47,30 @@ def device_costs(device: DeviceProfile, threads: int, cfg: RunConfig) -> Operato
 
 
 def cached_device_profile(cfg: RunConfig, threads: int) -> DeviceProfile:
-    """trainer.device_profile, else a profile cached per model directory and thread count (measured once)."""
+    """trainer.device_profile, else a profile cached per model directory, thread count and dtype (measured once)."""
     if cfg.trainer.device_profile:
         return DeviceProfile.load(Path(cfg.trainer.device_profile))
     from hybridflow.models import resolve_model_path
     from hybridflow.models.default import cache_root
 
     model = resolve_model_path(cfg.model.path)
-    key = hashlib.sha1(f"{model.resolve()}:{threads}".encode()).hexdigest()[:12]
+    dtype = profile_dtype(cfg, threads)
+    key = hashlib.sha1(f"{model.resolve()}:{threads}:{dtype}".encode()).hexdigest()[:12]
     path = cache_root() / "device_profiles" / f"{key}.json"
     if path.exists():
         return DeviceProfile.load(path)
-    prof = profile_device(str(model), (threads,), [(2, 64)], collectives=False)
+    prof = profile_device(str(model), (threads,), [(2, 64)], dtype=dtype, collectives=False)
     path.parent.mkdir(parents=True, exist_ok=True)
     prof.save(path)
     return prof
+
+
+def profile_dtype(cfg: RunConfig, threads: int) -> torch.dtype:
+    """The dtype the run's actor computes in (engine.param_dtype, "auto" resolved as the run will): thread
+    speedups of bf16 and fp32 kernels differ, so the profile is measured in the one the run uses."""
+    from hybridflow.utils.dtypes import resolve_dtype
+
+    return getattr(torch, resolve_dtype(cfg.actor.engine.param_dtype, cfg.trainer.device, threads))
 
 
 def predicted_placements(cfg: RunConfig, threads: int, device: DeviceProfile) -> dict[str, float]:
