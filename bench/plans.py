@@ -118,20 +118,22 @@ def predict(name: str, cfg, calib: list[dict], device, threads: int) -> float:
     from dataclasses import asdict, replace
 
     from hybridflow.models.loading import load_config as load_model_config
-    from hybridflow.planner.cost import Workers, costs_from_profile, predict_step_time_v1
+    from hybridflow.planner.auto import optimizer_steps
+    from hybridflow.planner.cost import Workers, costs_from_profile, predict_step_time_v1, without_dp_sync
     from hybridflow.planner.plans import run_roles
     from hybridflow.planner.profile import build_profile
-    from hybridflow.planner.search import forward_ops
+    from hybridflow.planner.search import forward_ops, model_params
 
     rows = [asdict(p) for p in build_profile(calib[1:] or calib)]
     by = {r["metric"]: r for r in rows}
+    tokens, response = by["timing_s/step"]["tokens_per_step"], by["timing_s/gen"]["tokens_per_step"]
     calib_cfg = replace(cfg, trainer=replace(cfg.trainer, n_workers_per_node=2, placement="colocate"))
-    costs = costs_from_profile(rows, 2, forward_ops(calib_cfg))
     mc = load_model_config(cfg.model.path)
-    w = Workers(threads, 1, device, mc.num_hidden_layers, mc.hidden_size, 4, cfg.data.max_response_length)
-    plan = plan_of(name, run_roles(cfg))
-    return predict_step_time_v1(plan, costs, by["timing_s/step"]["tokens_per_step"],
-                                by["timing_s/gen"]["tokens_per_step"], w)
+    w = Workers(threads, 1, device, mc.num_hidden_layers, mc.hidden_size, 4, cfg.data.max_response_length,
+                params=model_params(cfg.model.path), optimizer_steps=optimizer_steps(cfg),
+                param_bytes=2 if device.dtype == "bfloat16" else 4)
+    costs = without_dp_sync(costs_from_profile(rows, 2, forward_ops(calib_cfg)), 2, tokens, w)
+    return predict_step_time_v1(plan_of(name, run_roles(cfg)), costs, tokens, response, w)
 
 
 def bench_job(args: argparse.Namespace, job: str, tmp: Path, device) -> list[tuple[str, float, float]]:

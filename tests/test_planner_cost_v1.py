@@ -2,8 +2,8 @@
 
 import pytest
 
-from hybridflow.planner.cost import (OperatorCosts, Workers, costs_from_profile, predict_one_step_off_v1,
-                                     predict_step_time_v1)
+from hybridflow.planner.cost import (OperatorCosts, Workers, costs_from_profile, dp_sync_seconds,
+                                     predict_one_step_off_v1, predict_step_time_v1, without_dp_sync)
 from hybridflow.planner.device import DevicePoint, DeviceProfile
 from hybridflow.planner.plans import PlacementSet, Plan, RoleParallel
 
@@ -57,6 +57,20 @@ def test_sequence_parallel_adds_all_to_alls_but_not_to_generation():
     fwd = 2 * (1 + 8 * 0.001 + 4 * 2 * 500 * 32 * 0.5 * 1e-9)
     update = 4 + 2 + 2 * (16 * 0.001 + 4 * 2 * 1000 * 32 * 0.5 * 1e-9)  # forward + backward
     assert got == pytest.approx(1 + gen + fwd + update)
+
+
+def test_fsdp_traffic_over_dp_is_charged_and_can_be_taken_out_of_a_measured_run():
+    w = Workers(device=DEVICE, params=1e6, optimizer_steps=2, param_bytes=2, grad_bytes=4)
+    # update on 2 ranks: 2 gathers (fwd + bwd) of 2 MB + 2 reduce-scatters of 4 MB, each a quarter of the buffer
+    assert dp_sync_seconds("update_actor", 2, w) == pytest.approx(4 * 0.001 + (2 * 2e6 + 2 * 4e6) / 4 * 1e-9)
+    assert dp_sync_seconds("old_log_prob", 2, w) == pytest.approx(0.001 + 2e6 / 4 * 1e-9)
+    assert dp_sync_seconds("generate", 2, w) == 0 and dp_sync_seconds("update_actor", 1, w) == 0
+    # a 2-rank run's costs, traffic taken out, then predicted on 1 rank: no traffic; on 2 ranks: the run itself
+    plain = without_dp_sync(COSTS, 2, 1000, w)
+    assert plain.seconds_per_token["update_actor"] == pytest.approx(0.008 - dp_sync_seconds("update_actor", 2, w) * 2 / 1000)
+    assert plain.seconds_per_token["generate"] == COSTS.seconds_per_token["generate"]
+    two = predict_step_time_v1(plan((ROLES, 2)), plain, 1000, 400, w)
+    assert two == pytest.approx(predict_step_time_v1(plan((ROLES, 2)), COSTS, 1000, 400, Workers(device=DEVICE)))
 
 
 def test_costs_from_profile_subtracts_weight_sync_and_keeps_the_controller_share():

@@ -73,6 +73,11 @@ def profile_dtype(cfg: RunConfig, threads: int) -> torch.dtype:
     return getattr(torch, resolve_dtype(cfg.actor.engine.param_dtype, cfg.trainer.device, threads))
 
 
+def optimizer_steps(cfg: RunConfig) -> float:
+    """Optimizer steps of the actor per training step: mini-batches x PPO epochs."""
+    return cfg.data.train_batch_size / cfg.actor.ppo_mini_batch_size * cfg.actor.ppo_epochs
+
+
 def predicted_placements(cfg: RunConfig, threads: int, device: DeviceProfile) -> dict[str, float]:
     """Predicted seconds per step of each runnable placement of `cfg` (sync mode)."""
     candidates = ["colocate"] + ["split"] * (cfg.world_size >= 2 and (cfg.use_critic or cfg.use_ref))

@@ -125,6 +125,14 @@ class Workers:
     """Bytes per all-reduced activation element."""
     decode_steps: float = 0.0
     """Decode steps of one generate call (its all-reduces are one per layer-half per step)."""
+    params: float = 0.0
+    """Parameters of the trained model (FSDP's traffic over dp: 0 leaves it out)."""
+    optimizer_steps: float = 1.0
+    """Optimizer steps per training step (mini-batches x epochs): one gradient reduce-scatter each."""
+    param_bytes: int = 2
+    """Bytes per parameter FSDP all-gathers (the compute dtype)."""
+    grad_bytes: int = 4
+    """Bytes per gradient element FSDP reduces (engine.reduce_dtype, fp32)."""
 
 
 def tp_collective_seconds(op: str, tp: int, dp: int, tokens: float, response_tokens: float, w: Workers) -> float:
@@ -156,11 +164,38 @@ def sp_collective_seconds(op: str, sp: int, dp: int, tokens: float, w: Workers) 
     return calls * w.device.allreduce_latency_s + nbytes * w.device.allreduce_s_per_byte
 
 
+def dp_sync_seconds(op: str, ranks: int, w: Workers) -> float:
+    """Seconds of FSDP's own traffic for `op` sharded over `ranks` (dp x sp): every forward pass all-gathers
+    the parameters (the backward again), every optimizer step reduce-scatters the gradients. Each moves
+    (ranks - 1) / ranks of the full buffer per rank, priced at the device profile's all-reduce cost per
+    byte, which counts a ring all-reduce's two passes: a reduce-scatter or all-gather is about half of it.
+    Per micro-batch re-gathers are left out (one gather per pass): a floor, not a bound."""
+    if ranks == 1 or w.device is None or not w.params or op == "generate":
+        return 0.0
+    share = (ranks - 1) / ranks / 2
+    gathers = 2 if op.startswith("update") else 1
+    gather_bytes = gathers * w.params * w.param_bytes * share
+    reduce_bytes = w.optimizer_steps * w.params * w.grad_bytes * share if op.startswith("update") else 0.0
+    calls = gathers + (w.optimizer_steps if op.startswith("update") else 0)
+    return calls * w.device.allreduce_latency_s + (gather_bytes + reduce_bytes) * w.device.allreduce_s_per_byte
+
+
+def without_dp_sync(costs: OperatorCosts, ranks: int, tokens: float, w: Workers) -> OperatorCosts:
+    """`costs` measured on a run of `ranks`-way FSDP, with that run's FSDP traffic (`dp_sync_seconds`) taken
+    out of each forward / update operator's per-token cost, so that predictions for other dp sizes add back
+    their own. Per-token costs are per device: the run's traffic time x ranks / tokens."""
+    out = dict(costs.seconds_per_token)
+    for op, per_token in costs.seconds_per_token.items():
+        if op not in RESPONSE_ONLY:
+            out[op] = max(0.0, per_token - dp_sync_seconds(op, ranks, w) * ranks / tokens)
+    return OperatorCosts(out, costs.fixed_s)
+
+
 def operator_seconds_v1(op: str, costs: OperatorCosts, par: RoleParallel, tokens: float, response_tokens: float,
                         w: Workers) -> float:
     """`op` on par.dp x par.tp x par.sp workers of w.threads threads: the profiled per-token cost scaled by the
     devices and by the measured thread speedup (relative to the profiled run's threads), plus the tensor-
-    and sequence-parallel collectives. Generation uses every worker too: the rollout's own layout is dp x tp
+    and sequence-parallel collectives and FSDP's own traffic. Generation uses every worker too: the rollout's own layout is dp x tp
     (rollout.tensor_model_parallel_size, equal to the role's tp here), so a role's sp ranks generate as
     separate data-parallel rollout ranks."""
     if op in FIXED:
@@ -175,7 +210,7 @@ def operator_seconds_v1(op: str, costs: OperatorCosts, par: RoleParallel, tokens
     if not compute:
         return 0.0
     return (compute + tp_collective_seconds(op, par.tp, par.dp, tokens, response_tokens, w)
-            + sp_collective_seconds(op, par.sp, par.dp, tokens, w))
+            + sp_collective_seconds(op, par.sp, par.dp, tokens, w) + dp_sync_seconds(op, par.dp * par.sp, w))
 
 
 def predict_step_time_v1(plan: Plan, costs: OperatorCosts, tokens: float, response_tokens: float,
