@@ -3,6 +3,7 @@
 import pytest
 
 from hybridflow.config_utils import load_config
+from hybridflow.models import tiny_model_dir
 from hybridflow.planner.auto import predicted_placements
 from hybridflow.planner.device import DevicePoint, DeviceProfile
 from hybridflow.trainer.resolve import resolve
@@ -34,6 +35,31 @@ def test_auto_resolves_to_a_runnable_placement(device):
     off = load_config(RunConfig, None, [*PPO, "trainer.placement=auto", "trainer.mode=one_step_off"])
     run = resolve(off, 10)  # off-policy: the rollout needs its own workers, no profile needed
     assert run.config.trainer.placement == "split" and [s.roles for s in run.worker_sets][1] == ("rollout",)
+
+
+@pytest.mark.parametrize("two_thread_speedup, chosen", [(1.9, 1), (1.2, 2)])
+def test_null_workers_picks_the_layout_the_cost_model_prefers(tmp_path, capsys, two_thread_speedup, chosen):
+    # the same per-token costs at 1 thread; at 2 threads faster by `two_thread_speedup`; two workers pay
+    # FSDP's traffic (0.1 s per call + 1 s/GB): a near-linear speedup picks 1 x 2, a poor one 2 x 1
+    one = DevicePoint(1, 8, 64, 0.01, 0.03, 0.05)
+    two = DevicePoint(2, 8, 64, *(x / two_thread_speedup for x in (0.01, 0.03, 0.05)))
+    path = tmp_path / "device.json"
+    DeviceProfile("m", "float32", [one, two], allreduce_latency_s=0.1, allreduce_s_per_byte=1e-9).save(path)
+    overrides = [o for o in PPO if not o.startswith("trainer.n_workers") and not o.startswith("trainer.cpus")]
+    cfg = load_config(RunConfig, None, [*overrides, "trainer.n_workers_per_node=null", f"trainer.device_profile={path}",
+                                        f"model.path={tiny_model_dir('llama')}"])
+    assert cfg.world_size == 0  # not chosen yet: the batch checks wait for resolve
+    run = resolve(cfg, 10, cpu_count=2)
+    assert run.config.trainer.n_workers_per_node == chosen and run.config.trainer.cpus_per_worker == 2 // chosen
+    assert "trainer.n_workers_per_node=null -> " in capsys.readouterr().out
+
+
+def test_null_workers_with_threads_given_or_on_the_local_backend_needs_no_search():
+    base = [o for o in PPO if not o.startswith("trainer.n_workers") and not o.startswith("trainer.cpus")]
+    cfg = load_config(RunConfig, None, [*base, "trainer.n_workers_per_node=null", "trainer.cpus_per_worker=1"])
+    assert resolve(cfg, 10, cpu_count=4).config.trainer.n_workers_per_node == 4
+    local = load_config(RunConfig, None, [*base, "trainer.n_workers_per_node=null", "trainer.backend=local"])
+    assert resolve(local, 10, cpu_count=4).config.trainer.n_workers_per_node == 1
 
 
 @pytest.mark.slow  # ~17 s under load: loads the model and times it

@@ -46,6 +46,11 @@ def device_costs(device: DeviceProfile, threads: int, cfg: RunConfig) -> Operato
                           "update_critic": train * cfg.critic.ppo_epochs})
 
 
+PROFILE_SHAPE = (8, 64)
+"""(batch, length) of the cached device profile: decode per token depends on the batch (each step reads
+every weight once), so a few rows, not one; small enough to measure SmolLM2 in well under a minute."""
+
+
 def cached_device_profile(cfg: RunConfig, threads: int) -> DeviceProfile:
     """trainer.device_profile, else a profile cached per model directory, thread count and dtype (measured once)."""
     if cfg.trainer.device_profile:
@@ -59,7 +64,7 @@ def cached_device_profile(cfg: RunConfig, threads: int) -> DeviceProfile:
     path = cache_root() / "device_profiles" / f"{key}.json"
     if path.exists():
         return DeviceProfile.load(path)
-    prof = profile_device(str(model), (threads,), [(2, 64)], dtype=dtype, collectives=False)
+    prof = profile_device(str(model), (threads,), [PROFILE_SHAPE], dtype=dtype, collectives=True)
     path.parent.mkdir(parents=True, exist_ok=True)
     prof.save(path)
     return prof
@@ -68,9 +73,9 @@ def cached_device_profile(cfg: RunConfig, threads: int) -> DeviceProfile:
 def profile_dtype(cfg: RunConfig, threads: int) -> torch.dtype:
     """The dtype the run's actor computes in (engine.param_dtype, "auto" resolved as the run will): thread
     speedups of bf16 and fp32 kernels differ, so the profile is measured in the one the run uses."""
-    from hybridflow.utils.dtypes import resolve_dtype
+    from hybridflow.utils.dtypes import DTYPES, resolve_dtype
 
-    return getattr(torch, resolve_dtype(cfg.actor.engine.param_dtype, cfg.trainer.device, threads))
+    return DTYPES[resolve_dtype(cfg.actor.engine.param_dtype, cfg.trainer.device, threads)]
 
 
 def optimizer_steps(cfg: RunConfig) -> float:
@@ -85,8 +90,16 @@ def predicted_placements(cfg: RunConfig, threads: int, device: DeviceProfile) ->
     batch = d.train_batch_size * cfg.rollout.n
     tokens, response = batch * (d.max_prompt_length + d.max_response_length), batch * d.max_response_length
     costs = device_costs(device, threads, cfg)
-    return {p: predict_step_time_v1(placement_plan(cfg, p), costs, tokens, response, Workers(threads, threads))
-            for p in candidates}
+    collectives = device.allreduce_latency_s > 0 or device.allreduce_s_per_byte > 0
+    w = Workers(threads, threads, device, params=_params(cfg) if collectives else 0.0,
+                optimizer_steps=optimizer_steps(cfg), param_bytes=2 if device.dtype == "bfloat16" else 4)
+    return {p: predict_step_time_v1(placement_plan(cfg, p), costs, tokens, response, w) for p in candidates}
+
+
+def _params(cfg: RunConfig) -> float:
+    from hybridflow.planner.search import model_params
+
+    return model_params(cfg.model.path)
 
 
 def resolve_auto_placement(cfg: RunConfig, threads: int) -> RunConfig:
@@ -99,3 +112,47 @@ def resolve_auto_placement(cfg: RunConfig, threads: int) -> RunConfig:
         predicted = predicted_placements(cfg, threads, cached_device_profile(cfg, threads))
         chosen = min(predicted, key=predicted.get)
     return replace(cfg, trainer=replace(cfg.trainer, placement=chosen))
+
+
+def resolve_auto_layout(cfg: RunConfig, cores: int) -> RunConfig:
+    """`cfg` with trainer.n_workers_per_node=null replaced by a number of workers (unchanged otherwise).
+
+    CUDA: one worker per visible GPU. The local backend: 1. CPU: every split of this node's `cores` into
+    W workers x cores / W threads that the config accepts (batch sizes must divide over W), each priced by
+    cost model v1 from a device profile at its thread count (measured once per thread count and cached),
+    with trainer.placement=auto searched jointly; the fastest wins and the predictions are printed. With
+    trainer.cpus_per_worker set, W is cores // cpus_per_worker (nothing to search)."""
+    t = cfg.trainer
+    if t.n_workers_per_node is not None:
+        return cfg
+    if t.device == "cuda":
+        return _with_workers(cfg, torch.cuda.device_count())
+    if t.backend == "local" or cores == 1:
+        return _with_workers(cfg, 1)
+    if t.cpus_per_worker:
+        return _with_workers(cfg, max(1, cores // t.cpus_per_worker))
+    predicted: dict[int, tuple[float, str]] = {}
+    for workers in [w for w in range(1, cores + 1) if cores % w == 0]:
+        try:
+            candidate = _with_workers(cfg, workers)
+        except ValueError:
+            continue  # e.g. the mini-batch does not divide over this many workers
+        threads = cores // workers
+        times = predicted_placements(candidate, threads, cached_device_profile(candidate, threads))
+        if t.placement != "auto":
+            times = {t.placement: times[t.placement]} if t.placement in times else {}
+        if times:
+            best = min(times, key=times.get)
+            predicted[workers] = (times[best], best)
+    if not predicted:
+        raise ValueError(f"trainer.n_workers_per_node=null: no split of {cores} cores into workers fits this run's "
+                         "batch sizes; set trainer.n_workers_per_node")
+    chosen = min(predicted, key=lambda w: predicted[w][0])
+    print("trainer.n_workers_per_node=null -> " + str(chosen) + " (predicted s/step: " + ", ".join(
+        f"{w} x {cores // w} threads {s:.1f} ({p})" for w, (s, p) in sorted(predicted.items())) + ")", flush=True)
+    return _with_workers(cfg, chosen)
+
+
+def _with_workers(cfg: RunConfig, workers: int) -> RunConfig:
+    """`cfg` with trainer.n_workers_per_node set (every load-time check runs again on the result)."""
+    return replace(cfg, trainer=replace(cfg.trainer, n_workers_per_node=workers))

@@ -222,8 +222,11 @@ class TrainerConfig(Section):
     total_training_steps: Optional[int] = None
     """Stop after this many steps; None: total_epochs * steps per epoch. With both set, the
     steps must fit in the epochs."""
-    n_workers_per_node: int = 2
-    """Worker processes per node (verl: n_gpus_per_node); one per device on GPU machines."""
+    n_workers_per_node: Optional[int] = 2
+    """Worker processes per node (verl: n_gpus_per_node); one per device on GPU machines. null: chosen at
+    load (the RL trainer only): on CPU the split of this node's cores into workers x threads that the cost
+    model predicts fastest from a device profile measured once (hybridflow/planner/auto.py, printed and
+    cached), on CUDA one worker per visible GPU."""
     nnodes: int = 1
     """Nodes in the Ray cluster."""
     cpus_per_worker: Optional[int] = None
@@ -330,6 +333,10 @@ class TrainerConfig(Section):
         _one_of("trainer.backend", self.backend, ("ray", "local"))
         _one_of("trainer.placement", self.placement, ("colocate", "split", "auto"))
         self._check_mode()
+        if self.device == "cuda" and not _cuda_available():
+            raise ValueError("trainer.device=cuda but torch sees no CUDA device here; use trainer.device=cpu")
+        if self.n_workers_per_node is None:  # chosen at resolve, which checks the result again
+            return
         if self.placement == "split" and self.n_workers_per_node * self.nnodes < 2:
             raise ValueError("trainer.placement=split needs at least 2 workers "
                              "(trainer.n_workers_per_node * trainer.nnodes)")
@@ -337,8 +344,6 @@ class TrainerConfig(Section):
         if self.backend == "local" and world != 1:
             raise ValueError(f"trainer.backend=local runs one in-process worker; set trainer.n_workers_per_node=1 "
                              f"and trainer.nnodes=1 (got {world} workers)")
-        if self.device == "cuda" and not _cuda_available():
-            raise ValueError("trainer.device=cuda but torch sees no CUDA device here; use trainer.device=cpu")
 
     def _check_mode(self) -> None:
         _one_of("trainer.mode", self.mode, TRAINER_MODES)

@@ -4,7 +4,8 @@
     run = resolve(cfg, steps_per_epoch)             # every derived value, computed once, then frozen
 
 Derived here and nowhere else, always from the final merged values:
-- trainer.placement=auto -> colocate or split, as the planner predicts fastest (planner/auto.py);
+- trainer.n_workers_per_node=null -> the workers x threads split of the node the planner predicts fastest
+  (one per GPU on cuda), then trainer.placement=auto -> colocate or split likewise (planner/auto.py);
 - trainer.default_local_dir / log_dir from project_name and experiment_name;
 - trainer.cpus_per_worker (CPUs and torch threads per worker) from the machine and workers per node;
 - trainer.call_timeout_s / collective_timeout_s from the device, trainer.max_restarts from the backend,
@@ -100,6 +101,10 @@ def resolve(cfg: RunConfig, steps_per_epoch: int, cpu_count: int | None = None) 
     if steps_per_epoch < 1:
         raise ConfigError(f"the training set gives {steps_per_epoch} steps per epoch at data.train_batch_size="
                           f"{cfg.data.train_batch_size}; add prompts or lower the batch size")
+    if cfg.trainer.n_workers_per_node is None:
+        from hybridflow.planner.auto import resolve_auto_layout
+
+        cfg = resolve_auto_layout(cfg, cpu_count or os.cpu_count() or 1)
     if cfg.trainer.placement == "auto":
         from hybridflow.planner.auto import resolve_auto_placement
 

@@ -80,8 +80,8 @@ class RunConfig(Section):
 
     @property
     def world_size(self) -> int:
-        """Worker processes in the run."""
-        return self.trainer.n_workers_per_node * self.trainer.nnodes
+        """Worker processes in the run (0 while trainer.n_workers_per_node is null: chosen at resolve)."""
+        return (self.trainer.n_workers_per_node or 0) * self.trainer.nnodes
 
     @property
     def use_critic(self) -> bool:
@@ -108,6 +108,11 @@ class RunConfig(Section):
         if d.train_batch_size % a.ppo_mini_batch_size:
             raise ValueError(f"data.train_batch_size ({d.train_batch_size}) must be a multiple of "
                              f"actor.ppo_mini_batch_size ({a.ppo_mini_batch_size})")
+        if self.use_critic and d.train_batch_size % self.critic.ppo_mini_batch_size:
+            raise ValueError(f"data.train_batch_size ({d.train_batch_size}) must be a multiple of "
+                             f"critic.ppo_mini_batch_size ({self.critic.ppo_mini_batch_size})")
+        if not w:  # trainer.n_workers_per_node=null: checked again once resolve has chosen it
+            return
         for role, prompts, tp in (("actor", a.ppo_mini_batch_size, a.engine.tensor_parallel_size),
                                   ("critic", self.critic.ppo_mini_batch_size, self.critic.engine.tensor_parallel_size)):
             # Mini-batches split over dp groups: a tp group shares its rows (a tp not dividing w fails at resolve).
@@ -117,9 +122,6 @@ class RunConfig(Section):
             if (prompts * n) % groups:
                 raise ValueError(f"{role}.ppo_mini_batch_size ({prompts}) * rollout.n ({n}) = {prompts * n} responses "
                                  f"must divide evenly over {where}")
-        if self.use_critic and d.train_batch_size % self.critic.ppo_mini_batch_size:
-            raise ValueError(f"data.train_batch_size ({d.train_batch_size}) must be a multiple of "
-                             f"critic.ppo_mini_batch_size ({self.critic.ppo_mini_batch_size})")
 
     def _check_lengths(self) -> None:
         for name in ("prompt_length", "response_length"):

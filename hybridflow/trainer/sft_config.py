@@ -111,6 +111,9 @@ class SFTConfig(Section):
 
     def __post_init__(self) -> None:
         t, world = self.trainer, self.world_size
+        if t.n_workers_per_node is None:
+            raise ValueError("trainer.n_workers_per_node=null (a layout chosen at load) is for hybridflow train; "
+                             "give SFT a number of workers, e.g. trainer.n_workers_per_node=2")
         if t.placement == "split":
             raise ValueError("trainer.placement=split separates RL roles; SFT has one model, use trainer.placement=colocate")
         if self.data.train_batch_size % world:
