@@ -1,0 +1,269 @@
+"""3D-HybridEngine resharding: this rank's training shards -> its generation shard, moving only what it lacks.
+
+Training layout: every weight is a DTensor over the engine's mesh (FSDP2's Shard(0) over dp, times
+DTensor tensor parallel for the tp engine, Replicate over HSDP replicas), or a plain tensor that
+every rank holds whole. A rank's local piece is one block of the full tensor (`held_box`).
+Generation layout (`GenerationLayout`): tp groups of `tp` consecutive global ranks (as the rollout's
+`tensor_parallel_group`); a split weight is cut into `tp` even chunks along its split dim, group
+rank i holding chunk i; every other weight is whole on every rank.
+
+For each weight, each rank's target block is cut by the distinct held blocks; a piece comes from
+the rank itself when it holds that block (a cast-copy, nothing on the wire), else from one of the
+ranks holding it (chosen by receiver rank, which spreads the load over replicas), by point-to-point
+isend/irecv. Every rank derives the same plan from the placements alone, so no exchange is needed
+to match sends and receives. Pieces land straight in the destination tensors (the rollout's own,
+or new ones); the only other memory is the send buffers (a block is cast once however many ranks
+receive it) and receive buffers for pieces not contiguous in the destination (column blocks), all
+freed bucket by bucket. No rank ever materialises a full tensor it does not keep whole.
+
+The plain alternative (`Engine.full_state_dict` on every rank, then slice) receives the whole
+model on every rank; here a rank receives its generation shard less what it already holds.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+Box = tuple[tuple[int, int], ...]
+"""A block of a tensor: (start, stop) per dim, in the full tensor's coordinates."""
+BUCKET_BYTES = 32 * 2**20
+"""Wait for the transfers every this many bytes of full weights (in the target dtype): bounds the send buffers."""
+
+
+@dataclass(frozen=True)
+class GenerationLayout:
+    """Generation layout: tp groups of `tp` consecutive ranks; `split_dims[name]` is the dim that weight is
+    cut along (even chunks, group rank i holds chunk i); weights not named stay whole on every rank."""
+
+    tp: int
+    split_dims: Mapping[str, int]
+
+    def target(self, name: str, shape: tuple[int, ...], rank: int) -> Box:
+        """The block of weight `name` (full `shape`) that global `rank` holds for generation."""
+        box = [(0, n) for n in shape]
+        dim = self.split_dims.get(name)
+        if dim is not None and self.tp > 1:
+            if shape[dim] % self.tp:
+                raise ValueError(f"{name}: dim {dim} of size {shape[dim]} does not split over tp={self.tp}")
+            size, i = shape[dim] // self.tp, rank % self.tp
+            box[dim] = (i * size, (i + 1) * size)
+        return tuple(box)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One block of one weight moving from rank `src` to rank `dst` (the same rank: a local copy)."""
+
+    src: int
+    dst: int
+    region: Box
+
+
+@dataclass
+class ReshardStats:
+    """What one reshard moved and allocated on this rank, in bytes."""
+
+    received: int = 0
+    sent: int = 0
+    local: int = 0
+    allocated: int = 0
+    """Destination tensors created because no `out` was given (the generation shard, if none was)."""
+    peak_buffers: int = 0
+    """Most send + receive buffers alive at once."""
+
+    @property
+    def peak_extra(self) -> int:
+        """Peak bytes this reshard held beyond the training and destination tensors given to it."""
+        return self.allocated + self.peak_buffers
+
+
+def held_box(t: Tensor, rank: int) -> Box:
+    """The block of the full tensor that global `rank` holds of `t` (all of it for a plain tensor)."""
+    if not isinstance(t, DTensor):
+        return tuple((0, n) for n in t.shape)
+    mesh = t.device_mesh
+    ranks = tuple(mesh.mesh.flatten().tolist())
+    return _held_box(tuple(t.shape), ranks, tuple(mesh.mesh.shape), tuple(t.placements), rank)
+
+
+@functools.lru_cache(maxsize=None)
+def _held_box(shape: tuple[int, ...], ranks: tuple[int, ...], mesh_shape: tuple[int, ...],
+              placements: tuple, rank: int) -> Box:
+    flat, coord = ranks.index(rank), []
+    for size in reversed(mesh_shape):
+        flat, c = divmod(flat, size)
+        coord.insert(0, c)
+    local, offset = _compute_local_shape_and_global_offset(shape, mesh_shape, coord, placements)
+    return tuple((o, o + n) for o, n in zip(offset, local))
+
+
+def _intersect(a: Box, b: Box) -> Box | None:
+    box = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
+    return box if all(lo < hi for lo, hi in box) else None
+
+
+@functools.lru_cache(maxsize=None)
+def plan_pieces(held: tuple[Box, ...], targets: tuple[Box, ...]) -> tuple[Piece, ...]:
+    """The pieces that give every rank r its `targets[r]` from the blocks `held[r]` (ranks with the same
+    block are replicas: a rank takes a block from itself if it can, else from replica number r mod count)."""
+    holders: dict[Box, list[int]] = {}
+    for rank, box in enumerate(held):
+        holders.setdefault(box, []).append(rank)
+    pieces = []
+    for dst, want in enumerate(targets):
+        for box, ranks in holders.items():
+            region = _intersect(box, want)
+            if region is not None:
+                pieces.append(Piece(dst if dst in ranks else ranks[dst % len(ranks)], dst, region))
+    return tuple(pieces)
+
+
+def named_weights(module: torch.nn.Module) -> dict[str, Tensor]:
+    """Every parameter of `module` under each of its names (tied ones repeated, the same object)."""
+    return dict(module.named_parameters(remove_duplicate=False))
+
+
+def _view(t: Tensor, box: Box, region: Box) -> Tensor:
+    """The part of `t` (which holds block `box` of its full tensor) that is `region` of the full tensor."""
+    return t[tuple(slice(lo - b0, hi - b0) for (lo, hi), (b0, _) in zip(region, box))]
+
+
+def _volume(box: Box) -> int:
+    n = 1
+    for lo, hi in box:
+        n *= hi - lo
+    return n
+
+
+@dataclass
+class _Bucket:
+    """The transfers of one bucket on this rank: posted as the plan goes, completed together."""
+
+    rank: int
+    stats: ReshardStats
+    works: list[dist.Work] = field(default_factory=list)
+    buffers: list[Tensor] = field(default_factory=list)
+    unpack: list[tuple[Tensor, Tensor]] = field(default_factory=list)
+
+    def move(self, pieces: tuple[Piece, ...], local: Tensor, own: Box, dest: Tensor, dest_box: Box, tag: int) -> None:
+        """Post this rank's sends and receives of one weight's `pieces` (tags from `tag` on, in plan order)."""
+        sent: dict[Box, Tensor] = {}
+        for i, p in enumerate(pieces):
+            if p.src == self.rank and p.dst == self.rank:
+                _view(dest, dest_box, p.region).copy_(_view(local, own, p.region))
+                self.stats.local += _volume(p.region) * dest.element_size()
+            elif p.src == self.rank:
+                if p.region not in sent:  # cast once, however many ranks receive this block
+                    sent[p.region] = self._buffer(_view(local, own, p.region), dest.dtype)
+                    sent[p.region].copy_(_view(local, own, p.region))
+                self.works.append(dist.isend(sent[p.region], p.dst, tag=tag + i))
+                self.stats.sent += sent[p.region].nbytes
+            elif p.dst == self.rank:
+                self._receive(_view(dest, dest_box, p.region), p.src, tag + i)
+
+    def _buffer(self, like: Tensor, dtype: torch.dtype) -> Tensor:
+        buf = torch.empty(like.shape, dtype=dtype, device=like.device)
+        self.buffers.append(buf)
+        return buf
+
+    def _receive(self, view: Tensor, src: int, tag: int) -> None:
+        target = view if view.is_contiguous() else self._buffer(view, view.dtype)
+        if target is not view:
+            self.unpack.append((view, target))
+        self.works.append(dist.irecv(target, src, tag=tag))
+        self.stats.received += view.numel() * view.element_size()
+
+    def finish(self) -> None:
+        """Wait for every transfer, place the buffered pieces, free the buffers."""
+        for work in self.works:
+            work.wait()
+        for view, buf in self.unpack:
+            view.copy_(buf)
+        self.stats.peak_buffers = max(self.stats.peak_buffers, sum(b.nbytes for b in self.buffers))
+        self.works, self.buffers, self.unpack = [], [], []
+
+
+def _unique(named: Mapping[str, Tensor]) -> list[tuple[list[str], Tensor]]:
+    """(names, tensor) per distinct tensor object, in first-seen order (tied parameters once)."""
+    groups: dict[int, tuple[list[str], Tensor]] = {}
+    for name, t in named.items():
+        groups.setdefault(id(t), ([], t))[0].append(name)
+    return list(groups.values())
+
+
+def _destination(names: list[str], shape: tuple[int, ...], dtype: torch.dtype, out: Mapping[str, Tensor] | None,
+                 stats: ReshardStats) -> Tensor:
+    if out is None:
+        dest = torch.empty(shape, dtype=dtype)
+        stats.allocated += dest.nbytes
+        return dest
+    if names[0] not in out:
+        raise KeyError(f"reshard: {names[0]} has no destination tensor; destinations look like {list(out)[:3]}")
+    dest = out[names[0]]
+    if tuple(dest.shape) != shape or dest.dtype != dtype:
+        raise ValueError(f"reshard: {names[0]} goes to a {tuple(dest.shape)} {dest.dtype} tensor; its generation "
+                         f"shard is {shape} {dtype}")
+    return dest
+
+
+@torch.no_grad()
+def reshard(named: Mapping[str, Tensor], layout: GenerationLayout, dtype: torch.dtype,
+            out: Mapping[str, Tensor] | None = None, stats: ReshardStats | None = None,
+            bucket_bytes: int = BUCKET_BYTES) -> dict[str, Tensor]:
+    """This rank's generation shard of every weight in `named` (name -> training tensor, DTensor or plain,
+    the same names in the same order on every rank: a collective over the default group), in `dtype`.
+    Pass parameters (`named_weights`), not a state dict: FSDP2's state dict wraps a tied parameter in
+    two DTensor objects, which would move it twice.
+
+    `out`: name -> destination tensor (the rollout's own, shaped as the shard) to write into; without
+    it new tensors are returned. Tied weights are moved once. `stats` is filled with what moved.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    stats = stats if stats is not None else ReshardStats()
+    result: dict[str, Tensor] = {}
+    bucket, filled, tag = _Bucket(rank, stats), 0, 0
+    late: list[tuple[str, Tensor]] = []
+    for names, t in _unique(named):
+        shape = tuple(t.shape)
+        targets = tuple(layout.target(names[0], shape, r) for r in range(world))
+        held = tuple(held_box(t, r) for r in range(world))
+        pieces = plan_pieces(held, targets)
+        local = t.detach().to_local() if isinstance(t, DTensor) else t.detach()
+        if tuple(local.shape) != tuple(hi - lo for lo, hi in held[rank]):
+            raise ValueError(f"reshard: {names[0]}'s local piece {tuple(local.shape)} is not one block {held[rank]} "
+                             f"of the full tensor (placements {getattr(t, 'placements', None)})")
+        dest_box = targets[rank]
+        dest = _destination(names, tuple(hi - lo for lo, hi in dest_box), dtype, out, stats)
+        bucket.move(pieces, local, held[rank], dest, dest_box, tag)
+        tag += len(pieces)
+        late += [(name, dest) for name in _alias(names, dest, out, result)]
+        filled += _volume(tuple((0, n) for n in shape)) * dest.element_size()
+        if filled >= bucket_bytes:
+            bucket.finish()
+            filled = 0
+    bucket.finish()
+    for name, dest in late:
+        result[name].copy_(dest)
+    return result
+
+
+
+def _alias(names: list[str], dest: Tensor, out: Mapping[str, Tensor] | None, result: dict[str, Tensor]) -> list[str]:
+    """Record `dest` under every name of a tied weight; returns the names whose own destination is
+    another tensor (to be copied from `dest` once the transfers completed)."""
+    late = []
+    for name in names:
+        if out is not None and name in out and out[name].data_ptr() != dest.data_ptr():
+            result[name] = out[name]
+            late.append(name)
+        else:
+            result[name] = dest
+    return late
