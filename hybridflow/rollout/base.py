@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 import torch
 from torch import Tensor, nn
 
+from hybridflow.engine.reshard import GenerationLayout
 from hybridflow.keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS
 from hybridflow.protocol import DataProto
 from hybridflow.rollout.config import ROLLOUT_NAMES, RolloutConfig, SamplingParams
@@ -44,6 +45,15 @@ class Rollout(ABC):
     def weight_dtype(self) -> torch.dtype | None:
         """The dtype `load_weights` stores (None: unknown); weight sync gathers in it."""
         return None
+
+    def generation_layout(self) -> GenerationLayout | None:
+        """How the rollout's weights lie over the ranks when each rank holds only a shard of them
+        (then `shard_tensors` gives them); None: every rank holds every weight whole."""
+        return None
+
+    def shard_tensors(self) -> dict[str, Tensor]:
+        """Name -> the tensor `load_weights` writes (this rank's shard), for resharding in place."""
+        raise NotImplementedError(f"{type(self).__name__} holds whole weights; use load_weights")
 
 
 def step_seed(seed: int, step: int) -> int:

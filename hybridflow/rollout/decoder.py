@@ -18,7 +18,8 @@ Both return fp32 logits of the last position only.
 With a tensor-parallel group (rollout.tensor_model_parallel_size) the static decoder
 runs its share of the heads and of the MLP's columns (Megatron's split: q/k/v and
 gate/up by output rows, o and down by input columns, one all-reduce after each) and
-keeps its share of the KV cache; embedding, norms and LM head stay whole. Every rank
+keeps its share of the KV cache; embedding, norms and LM head stay whole. The module may hold
+the full weights or (the native rollout's case) only this rank's shard of them. Every rank
 of the group must get the same prompts and sample the same tokens (same seed).
 """
 
@@ -33,6 +34,7 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 
 from hybridflow.rollout.kernels import EAGER, DecoderKernels
+from hybridflow.rollout.sharding import own_part
 
 _FAST_MODEL_TYPES = ("llama", "qwen2")
 # Decode steps attend over the whole preallocated cache (unwritten slots masked) when it is at most this
@@ -93,16 +95,17 @@ class _LayerWeights:
 def _cat_bias(*mods: nn.Linear, rank: int = 0, tp: int = 1) -> Tensor | None:
     if all(m.bias is None for m in mods):
         return None
-    return torch.cat([(m.bias if m.bias is not None else m.weight.new_zeros(m.out_features)).chunk(tp)[rank]
-                      for m in mods])
+    return torch.cat([own_part(m.bias, 0, rank, tp, m.out_features) if m.bias is not None
+                      else m.weight.new_zeros(m.out_features // tp) for m in mods])
 
 
 def _layer_weights(layer: nn.Module, rank: int = 0, tp: int = 1) -> _LayerWeights:
     """The layer's fused weights; with tp > 1 this rank's share (heads are contiguous blocks of rows,
-    so chunking rows by tp keeps whole heads). The o/down bias is added once, by tp rank 0."""
+    so chunking rows by tp keeps whole heads), taken from the full weights or, when the native rollout
+    holds only its shard (rollout/sharding.py), used as they are. The o/down bias is added once, by tp rank 0."""
     a, m = layer.self_attn, layer.mlp
-    rows = lambda *mods: torch.cat([mod.weight.chunk(tp)[rank] for mod in mods])  # noqa: E731
-    cols = lambda mod: mod.weight.chunk(tp, dim=1)[rank]  # noqa: E731
+    rows = lambda *mods: torch.cat([own_part(mod.weight, 0, rank, tp, mod.out_features) for mod in mods])  # noqa: E731
+    cols = lambda mod: own_part(mod.weight, 1, rank, tp, mod.in_features)  # noqa: E731
     return _LayerWeights(
         ln1=layer.input_layernorm.weight, ln2=layer.post_attention_layernorm.weight,
         qkv=_Linear(rows(a.q_proj, a.k_proj, a.v_proj), _cat_bias(a.q_proj, a.k_proj, a.v_proj, rank=rank, tp=tp)),
