@@ -59,7 +59,7 @@ def _check_shards(arch: str, train_tp: int, gen_tp: int, fsdp_size: int, rank: i
     """Reshard an engine of `arch` to tp `gen_tp` and compare with chunks of the full weights."""
     path = tiny_model_dir(arch, **KV4)
     full = load_causal_lm(path).state_dict()
-    layout = GenerationLayout(gen_tp, split_dims(load_causal_lm(path)))
+    layout = GenerationLayout(gen_tp, split_dims(load_causal_lm(path), gen_tp))
     stats = ReshardStats()
     shards = reshard(named_weights(_engine(path, train_tp, fsdp_size).module), layout, torch.bfloat16, stats=stats)
     assert set(shards) == set(full)
@@ -109,8 +109,10 @@ def test_plan_takes_own_block_and_spreads_replicas():
 
 def test_rollout_sharding_keeps_one_chunk_and_takes_whole_or_shards():
     model = load_causal_lm(tiny_model_dir("qwen2"))
-    dims = split_dims(model)
+    dims = split_dims(model, 2)
     assert dims["model.layers.0.self_attn.q_proj.bias"] == 0 and dims["model.layers.1.mlp.down_proj.weight"] == 1
+    assert dims["model.embed_tokens.weight"] == dims["lm_head.weight"] == 0  # by vocabulary (49152 rows)
+    assert "model.embed_tokens.weight" not in split_dims(model, 5)  # 5 does not divide the vocabulary
     assert "model.layers.0.self_attn.o_proj.bias" not in dims and "model.norm.weight" not in dims
     q = model.model.layers[0].self_attn.q_proj.weight.detach().clone()
     full = shard_module_(model, dims, rank=1, tp=2)

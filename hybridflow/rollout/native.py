@@ -50,7 +50,7 @@ class NativeRollout(ModuleRollout):
         self.kernels = decoder_kernels(compile=self.use_static and not config.enforce_eager)
         self.tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
         self.tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
-        self.split_dims = split_dims(model) if self.tp_size > 1 else {}
+        self.split_dims = split_dims(model, self.tp_size) if self.tp_size > 1 else {}
         # from here on this rank holds only its generation shard of the decoder layers
         self._full_sizes = shard_module_(model, self.split_dims, self.tp_rank, self.tp_size)
 

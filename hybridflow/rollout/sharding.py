@@ -2,8 +2,9 @@
 
 Megatron's split of a Llama/Qwen2 decoder layer over tp ranks: q/k/v and gate/up by output rows
 (weight dim 0, and their biases), o and down by input columns (weight dim 1; their biases, if any, stay
-whole and only tp rank 0 adds them). Norms, the embedding and the LM head stay whole on every rank.
-Heads are contiguous blocks of rows, so even chunks of rows keep whole heads.
+whole and only tp rank 0 adds them). The embedding and the LM head are split by vocabulary rows
+(when tp divides the vocabulary; else whole); norms stay whole on every rank. Heads are contiguous
+blocks of rows, so even chunks of rows keep whole heads.
 
 With rollout.tensor_model_parallel_size > 1 the native rollout replaces each split weight of its module
 by its own copy of this rank's chunk (`shard_module_`), so after construction a rank holds only its
@@ -21,12 +22,15 @@ COL_SPLIT = ("self_attn.o_proj", "mlp.down_proj")
 """Projections split by input columns: weight along dim 1 (the bias stays whole)."""
 
 
-def split_dims(model: nn.Module) -> dict[str, int]:
-    """Name (as in `model.state_dict()`) -> the dim tensor parallel splits it along, for every split weight."""
+def split_dims(model: nn.Module, tp: int) -> dict[str, int]:
+    """Name (as in `model.state_dict()`) -> the dim tensor parallel over `tp` ranks splits it along, for
+    every split weight; the embedding and LM head are split by vocabulary rows when `tp` divides it."""
+    vocab_split = model.get_input_embeddings().num_embeddings % tp == 0
+    vocab = ("model.embed_tokens", "lm_head") if vocab_split else ()
     dims: dict[str, int] = {}
     for name, _ in model.named_parameters(remove_duplicate=False):
         module, _, leaf = name.rpartition(".")
-        if module.endswith(ROW_SPLIT):
+        if module.endswith(ROW_SPLIT) or module in vocab:
             dims[name] = 0
         elif module.endswith(COL_SPLIT) and leaf == "weight":
             dims[name] = 1

@@ -2,9 +2,11 @@
 
 `role` is any "_"-joined combination of actor, rollout and ref. In the hybrid
 engine ("actor_rollout" / "actor_rollout_ref", the default) one process holds the
-FSDP-sharded training policy, an unsharded rollout copy in the rollout dtype and,
-when KL is used, the frozen reference policy; after every actor update the rollout
-copy is refreshed from the gathered weights before the next generation. With
+FSDP-sharded training policy, a rollout copy in the rollout dtype and, when KL is
+used, the frozen reference policy; after every actor update the rollout copy is
+refreshed before the next generation (hybridflow/rollout/sync.py): from the gathered
+weights, or, with rollout.tensor_model_parallel_size > 1, by resharding the training
+shards to the rollout's generation shard (hybridflow/engine/reshard.py). With
 trainer.mode one_step_off / async the roles are split over two groups ("actor[_ref]"
 and "rollout"), and the weights cross from one to the other over a process group
 spanning both (transfer_weights, hybridflow/rollout/bridge.py).
