@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from hybridflow.engine.reshard import GenerationLayout, Piece, ReshardStats, named_weights, plan_pieces, reshard
+from hybridflow.engine.reshard import (GenerationLayout, Piece, ReshardStats, named_weights, plan_pieces, reshard,
+                                       split_pieces)
 from hybridflow.models import load_causal_lm, load_tokenizer, tiny_model_dir
 from hybridflow.rollout.sharding import chunk_of, own_part, shard_module_, split_dims
 
@@ -61,7 +62,8 @@ def _check_shards(arch: str, train_tp: int, gen_tp: int, fsdp_size: int, rank: i
     full = load_causal_lm(path).state_dict()
     layout = GenerationLayout(gen_tp, split_dims(load_causal_lm(path), gen_tp))
     stats = ReshardStats()
-    shards = reshard(named_weights(_engine(path, train_tp, fsdp_size).module), layout, torch.bfloat16, stats=stats)
+    shards = reshard(named_weights(_engine(path, train_tp, fsdp_size).module), layout, torch.bfloat16, stats=stats,
+                     bucket_bytes=2**18)  # several buckets even on a tiny model
     assert set(shards) == set(full)
     for name, want in full.items():
         if name in layout.split_dims:
@@ -91,7 +93,7 @@ def test_reshard_gives_generation_shards_on_4_ranks(tmp_path):
             s = stats[r][key]
             assert s.local > 0  # the held training shard is reused in place
             assert s.received < model_bytes * 3 / 4  # the plain gather receives 3/4 of the model
-            assert s.peak_buffers < s.allocated  # no full-size buffer beside the shard
+            assert s.peak_buffers <= s.allocated  # buffers beside the shard: at most its size
     assert stats[0]["llama", 2, 2, -1].received < stats[0]["llama", 1, 2, -1].received  # tp shards: only dp pairs trade
 
 
@@ -105,6 +107,9 @@ def test_plan_takes_own_block_and_spreads_replicas():
     for dst in range(4):  # every target covered exactly once
         assert sum((hi0 - lo0) * (hi1 - lo1) for p in pieces if p.dst == dst
                    for (lo0, hi0), (lo1, hi1) in [p.region]) == 4 * 1
+    cut = split_pieces((Piece(0, 1, ((0, 5), (0, 2))), Piece(1, 1, ((5, 9), (0, 2)))), max_elems=4)
+    assert cut == (Piece(0, 1, ((0, 2), (0, 2))), Piece(0, 1, ((2, 4), (0, 2))), Piece(0, 1, ((4, 5), (0, 2))),
+                   Piece(1, 1, ((5, 9), (0, 2))))  # moved pieces cut to 2 rows of 2; local ones kept whole
 
 
 def test_rollout_sharding_keeps_one_chunk_and_takes_whole_or_shards():
@@ -118,6 +123,7 @@ def test_rollout_sharding_keeps_one_chunk_and_takes_whole_or_shards():
     full = shard_module_(model, dims, rank=1, tp=2)
     held = model.model.layers[0].self_attn.q_proj.weight
     assert torch.equal(held, q[32:]) and held.untyped_storage().nbytes() == q.nbytes // 2
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied, one chunk
     name = "model.layers.0.self_attn.q_proj.weight"
     assert own_part(q, 0, 1, 2, full[name]).data_ptr() == q[32:].data_ptr()
     assert own_part(held, 0, 1, 2, full[name]) is held

@@ -2,7 +2,7 @@
 
 Training layout: every weight is a DTensor over the engine's mesh (FSDP2's Shard(0) over dp, times
 DTensor tensor parallel for the tp engine, Replicate over HSDP replicas), or a plain tensor that
-every rank holds whole. A rank's local piece is one block of the full tensor (`held_box`).
+every rank holds whole. A rank's local piece is one block of the full tensor (`held_boxes`).
 Generation layout (`GenerationLayout`): tp groups of `tp` consecutive global ranks (as the rollout's
 `tensor_parallel_group`); a split weight is cut into `tp` even chunks along its split dim, group
 rank i holding chunk i; every other weight is whole on every rank.
@@ -10,11 +10,10 @@ rank i holding chunk i; every other weight is whole on every rank.
 For each weight, each rank's target block is cut by the distinct held blocks; a piece comes from
 the rank itself when it holds that block (a cast-copy, nothing on the wire), else from one of the
 ranks holding it (chosen by receiver rank, which spreads the load over replicas), by point-to-point
-isend/irecv. Every rank derives the same plan from the placements alone, so no exchange is needed
-to match sends and receives. Pieces land straight in the destination tensors (the rollout's own,
-or new ones); the only other memory is the send buffers (a block is cast once however many ranks
-receive it) and receive buffers for pieces not contiguous in the destination (column blocks), all
-freed bucket by bucket. No rank ever materialises a full tensor it does not keep whole.
+isend/irecv, one packed message per pair of ranks and bucket of weights. Every rank derives the same
+plan from the placements alone, so no exchange is needed to match sends and receives. Pieces land in
+the destination tensors (the rollout's own, or new ones); the only other memory is one bucket's
+packed send and receive buffers. No rank materialises a full tensor it does not keep whole.
 
 The plain alternative (`Engine.full_state_dict` on every rank, then slice) receives the whole
 model on every rank; here a rank receives its generation shard less what it already holds.
@@ -35,7 +34,8 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 Box = tuple[tuple[int, int], ...]
 """A block of a tensor: (start, stop) per dim, in the full tensor's coordinates."""
 BUCKET_BYTES = 32 * 2**20
-"""Wait for the transfers every this many bytes of full weights (in the target dtype): bounds the send buffers."""
+"""Complete the transfers every this many bytes on the wire (all ranks' pieces, in the target dtype):
+bounds each rank's send and receive buffers."""
 
 
 @dataclass(frozen=True)
@@ -85,13 +85,16 @@ class ReshardStats:
         return self.allocated + self.peak_buffers
 
 
-def held_box(t: Tensor, rank: int) -> Box:
-    """The block of the full tensor that global `rank` holds of `t` (all of it for a plain tensor)."""
+def held_boxes(t: Tensor, world: int, meshes: dict[int, tuple] | None = None) -> tuple[Box, ...]:
+    """The block of the full tensor that each global rank < `world` holds of `t` (all of it for a plain
+    tensor). `meshes`: a cache of each device mesh's ranks and shape (reading `DeviceMesh.mesh` is slow)."""
     if not isinstance(t, DTensor):
-        return tuple((0, n) for n in t.shape)
-    mesh = t.device_mesh
-    ranks = tuple(mesh.mesh.flatten().tolist())
-    return _held_box(tuple(t.shape), ranks, tuple(mesh.mesh.shape), tuple(t.placements), rank)
+        return (tuple((0, n) for n in t.shape),) * world
+    mesh, meshes = t.device_mesh, meshes if meshes is not None else {}
+    if id(mesh) not in meshes:
+        meshes[id(mesh)] = (tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape))
+    ranks, shape = meshes[id(mesh)]
+    return tuple(_held_box(tuple(t.shape), ranks, shape, tuple(t.placements), r) for r in range(world))
 
 
 @functools.lru_cache(maxsize=None)
@@ -145,50 +148,84 @@ def _volume(box: Box) -> int:
 
 @dataclass
 class _Bucket:
-    """The transfers of one bucket on this rank: posted as the plan goes, completed together."""
+    """The transfers of one bucket on this rank. Local pieces are copied at once; the pieces for (from)
+    each peer are packed into one message per peer and bucket: one isend/irecv pair per peer instead of
+    one per piece (gloo over loopback is bound by messages, not bytes, at a few hundred pieces). A bucket
+    closes once the wire bytes of ALL ranks' pieces in it reach `bucket_bytes`: the same point on every rank."""
 
     rank: int
     stats: ReshardStats
-    works: list[dist.Work] = field(default_factory=list)
-    buffers: list[Tensor] = field(default_factory=list)
-    unpack: list[tuple[Tensor, Tensor]] = field(default_factory=list)
+    dtype: torch.dtype
+    bucket_bytes: int
+    filled: int = 0
+    tag: int = 0
+    sends: dict[int, list[Tensor]] = field(default_factory=dict)
+    receives: dict[int, list[Tensor]] = field(default_factory=dict)
 
-    def move(self, pieces: tuple[Piece, ...], local: Tensor, own: Box, dest: Tensor, dest_box: Box, tag: int) -> None:
-        """Post this rank's sends and receives of one weight's `pieces` (tags from `tag` on, in plan order)."""
-        sent: dict[Box, Tensor] = {}
-        for i, p in enumerate(pieces):
-            if p.src == self.rank and p.dst == self.rank:
+    def add(self, p: Piece, local: Tensor, own: Box, dest: Tensor, dest_box: Box) -> None:
+        """Copy `p` if it is local; else queue it if this rank sends (a view of `local`) or receives it (a view
+        of `dest`), in plan order, which both ends of every pair share."""
+        if p.src == p.dst:
+            if p.src == self.rank:
                 _view(dest, dest_box, p.region).copy_(_view(local, own, p.region))
                 self.stats.local += _volume(p.region) * dest.element_size()
-            elif p.src == self.rank:
-                if p.region not in sent:  # cast once, however many ranks receive this block
-                    sent[p.region] = self._buffer(_view(local, own, p.region), dest.dtype)
-                    sent[p.region].copy_(_view(local, own, p.region))
-                self.works.append(dist.isend(sent[p.region], p.dst, tag=tag + i))
-                self.stats.sent += sent[p.region].nbytes
-            elif p.dst == self.rank:
-                self._receive(_view(dest, dest_box, p.region), p.src, tag + i)
-
-    def _buffer(self, like: Tensor, dtype: torch.dtype) -> Tensor:
-        buf = torch.empty(like.shape, dtype=dtype, device=like.device)
-        self.buffers.append(buf)
-        return buf
-
-    def _receive(self, view: Tensor, src: int, tag: int) -> None:
-        target = view if view.is_contiguous() else self._buffer(view, view.dtype)
-        if target is not view:
-            self.unpack.append((view, target))
-        self.works.append(dist.irecv(target, src, tag=tag))
-        self.stats.received += view.numel() * view.element_size()
+            return
+        if p.src == self.rank:
+            self.sends.setdefault(p.dst, []).append(_view(local, own, p.region))
+        elif p.dst == self.rank:
+            self.receives.setdefault(p.src, []).append(_view(dest, dest_box, p.region))
+        self.filled += _volume(p.region) * dest.element_size()
+        if self.filled >= self.bucket_bytes:
+            self.finish()
 
     def finish(self) -> None:
-        """Wait for every transfer, place the buffered pieces, free the buffers."""
-        for work in self.works:
+        """Send and receive the queued pieces (one flat message per peer, cast while packing), place the
+        received ones, free the buffers."""
+        works, inbox = [], {}
+        for dst, views in self.sends.items():
+            flat = _pack(views, self.dtype)
+            works.append(dist.isend(flat, dst, tag=self.tag))
+            self.stats.sent += flat.nbytes
+            inbox[-1 - dst] = flat  # kept alive until the send completed
+        for src, views in self.receives.items():
+            inbox[src] = torch.empty(sum(v.numel() for v in views), dtype=self.dtype)
+            works.append(dist.irecv(inbox[src], src, tag=self.tag))
+        for work in works:
             work.wait()
-        for view, buf in self.unpack:
-            view.copy_(buf)
-        self.stats.peak_buffers = max(self.stats.peak_buffers, sum(b.nbytes for b in self.buffers))
-        self.works, self.buffers, self.unpack = [], [], []
+        self.stats.peak_buffers = max(self.stats.peak_buffers, sum(b.nbytes for b in inbox.values()))
+        for src, views in self.receives.items():
+            _unpack(inbox[src], views)
+            self.stats.received += inbox[src].nbytes
+        self.sends, self.receives, self.filled, self.tag = {}, {}, 0, self.tag + 1
+
+
+@functools.lru_cache(maxsize=None)
+def split_pieces(pieces: tuple[Piece, ...], max_elems: int) -> tuple[Piece, ...]:
+    """`pieces` with every moved piece larger than `max_elems` cut into blocks of rows no larger (so one
+    big weight spreads over buckets instead of needing buffers its size)."""
+    out = []
+    for p in pieces:
+        (lo, hi), rest = p.region[0], p.region[1:]
+        row = _volume(rest)
+        step = hi - lo if p.src == p.dst else max(1, max_elems // max(row, 1))
+        out += [Piece(p.src, p.dst, ((r, min(r + step, hi)), *rest)) for r in range(lo, hi, step)]
+    return tuple(out)
+
+
+def _pack(views: list[Tensor], dtype: torch.dtype) -> Tensor:
+    flat = torch.empty(sum(v.numel() for v in views), dtype=dtype)
+    offset = 0
+    for v in views:
+        flat[offset : offset + v.numel()].view(v.shape).copy_(v)
+        offset += v.numel()
+    return flat
+
+
+def _unpack(flat: Tensor, views: list[Tensor]) -> None:
+    offset = 0
+    for v in views:
+        v.copy_(flat[offset : offset + v.numel()].view(v.shape))
+        offset += v.numel()
 
 
 def _unique(named: Mapping[str, Tensor]) -> list[tuple[list[str], Tensor]]:
@@ -197,6 +234,15 @@ def _unique(named: Mapping[str, Tensor]) -> list[tuple[list[str], Tensor]]:
     for name, t in named.items():
         groups.setdefault(id(t), ([], t))[0].append(name)
     return list(groups.values())
+
+
+def _local_block(name: str, t: Tensor, box: Box) -> Tensor:
+    """This rank's piece of `t`, checked to be the block `box` claims."""
+    local = t.detach().to_local() if isinstance(t, DTensor) else t.detach()
+    if tuple(local.shape) != tuple(hi - lo for lo, hi in box):
+        raise ValueError(f"reshard: {name}'s local piece {tuple(local.shape)} is not one block {box} of the full "
+                         f"tensor (placements {getattr(t, 'placements', None)})")
+    return local
 
 
 def _destination(names: list[str], shape: tuple[int, ...], dtype: torch.dtype, out: Mapping[str, Tensor] | None,
@@ -228,32 +274,23 @@ def reshard(named: Mapping[str, Tensor], layout: GenerationLayout, dtype: torch.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     stats = stats if stats is not None else ReshardStats()
+    bucket = _Bucket(rank, stats, dtype, bucket_bytes)
+    max_elems = bucket_bytes // torch.empty(0, dtype=dtype).element_size()
     result: dict[str, Tensor] = {}
-    bucket, filled, tag = _Bucket(rank, stats), 0, 0
     late: list[tuple[str, Tensor]] = []
+    meshes: dict[int, tuple] = {}
     for names, t in _unique(named):
-        shape = tuple(t.shape)
-        targets = tuple(layout.target(names[0], shape, r) for r in range(world))
-        held = tuple(held_box(t, r) for r in range(world))
-        pieces = plan_pieces(held, targets)
-        local = t.detach().to_local() if isinstance(t, DTensor) else t.detach()
-        if tuple(local.shape) != tuple(hi - lo for lo, hi in held[rank]):
-            raise ValueError(f"reshard: {names[0]}'s local piece {tuple(local.shape)} is not one block {held[rank]} "
-                             f"of the full tensor (placements {getattr(t, 'placements', None)})")
-        dest_box = targets[rank]
-        dest = _destination(names, tuple(hi - lo for lo, hi in dest_box), dtype, out, stats)
-        bucket.move(pieces, local, held[rank], dest, dest_box, tag)
-        tag += len(pieces)
+        held = held_boxes(t, world, meshes)
+        targets = tuple(layout.target(names[0], tuple(t.shape), r) for r in range(world))
+        local = _local_block(names[0], t, held[rank])
+        dest = _destination(names, tuple(hi - lo for lo, hi in targets[rank]), dtype, out, stats)
+        for piece in split_pieces(plan_pieces(held, targets), max_elems):
+            bucket.add(piece, local, held[rank], dest, targets[rank])
         late += [(name, dest) for name in _alias(names, dest, out, result)]
-        filled += _volume(tuple((0, n) for n in shape)) * dest.element_size()
-        if filled >= bucket_bytes:
-            bucket.finish()
-            filled = 0
     bucket.finish()
     for name, dest in late:
         result[name].copy_(dest)
     return result
-
 
 
 def _alias(names: list[str], dest: Tensor, out: Mapping[str, Tensor] | None, result: dict[str, Tensor]) -> list[str]:

@@ -60,12 +60,15 @@ def shard_module_(model: nn.Module, dims: dict[str, int], rank: int, tp: int) ->
     """Replace every weight named in `dims` by a compact copy of `rank`'s chunk (the full one is freed
     once nothing else holds it); returns each replaced weight's full size along its split dim."""
     full: dict[str, int] = {}
+    parts: dict[int, nn.Parameter] = {}  # tied weights (embedding and LM head) stay one tensor
     with torch.no_grad():
         for name, dim in dims.items():
             path, _, leaf = name.rpartition(".")
             module = model.get_submodule(path)
             weight = getattr(module, leaf)
             full[name] = weight.shape[dim]
-            part = chunk_of(weight.data, dim, rank, tp).clone()
-            setattr(module, leaf, nn.Parameter(part, requires_grad=weight.requires_grad))
+            if id(weight) not in parts:
+                part = chunk_of(weight.data, dim, rank, tp).clone()
+                parts[id(weight)] = nn.Parameter(part, requires_grad=weight.requires_grad)
+            setattr(module, leaf, parts[id(weight)])
     return full
