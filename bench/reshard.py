@@ -19,7 +19,8 @@ leave identical rollout weights.
 
 SmolLM2 has 9 attention heads and 3 kv heads, so tensor parallel sizes are 1 or 3 only: the
 layouts are 3 ranks FSDP dp3 -> tp3, 6 ranks dp2 x tp3 (tensor-parallel engine) -> tp3 x dp2,
-and 6 ranks FSDP dp6 -> tp3 x dp2.
+and 6 ranks FSDP dp6 -> tp3 x dp2, with generation tp groups spaced as the worker spaces them
+({0,2,4}, {1,3,5}: each FSDP shard inside its generation shard) and, for comparison, consecutive.
 
     PYTHONPATH=. .venv/bin/python bench/reshard.py --rounds 3
 """
@@ -38,8 +39,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-LAYOUTS = {"dp3": (3, 1, 3), "dp2xtp3": (6, 3, 3), "dp6": (6, 1, 3)}
-"""name (the training layout) -> (world, training tp, generation tp)."""
+LAYOUTS = {"dp3": (3, 1, 3, True), "dp2xtp3": (6, 3, 3, True), "dp6": (6, 1, 3, True),
+           "dp6-consecutive": (6, 1, 3, False)}
+"""name -> (world, training tp, generation tp, whether generation tp groups are spaced as the worker
+spaces them beside a plain FSDP actor (`aligned_stride`) or, False, consecutive ranks)."""
 
 
 def _trim_and_rss() -> float:
@@ -55,8 +58,9 @@ def _status(key: str) -> float:
         return next(float(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
 
 
-def _build(train_tp: int, gen_tp: int):
+def _build(train_tp: int, gen_tp: int, aligned: bool):
     from hybridflow.engine import EngineConfig, FSDPEngine
+    from hybridflow.engine.reshard import aligned_stride
     from hybridflow.engine.tensor_parallel import TensorParallelEngine
     from hybridflow.models import default_model_dir, load_tokenizer
     from hybridflow.rollout import RolloutConfig, build_rollout
@@ -64,7 +68,9 @@ def _build(train_tp: int, gen_tp: int):
     path = default_model_dir()
     cfg = EngineConfig(param_dtype="bf16", tensor_parallel_size=train_tp, fsdp_size=-1, cpu_keep_freed_memory=False)
     engine = (TensorParallelEngine if train_tp > 1 else FSDPEngine).from_pretrained(path, cfg)
-    rollout = build_rollout(RolloutConfig(dtype="bf16", tensor_model_parallel_size=gen_tp), path, load_tokenizer(path))
+    stride = aligned_stride(dist.get_world_size() if train_tp == 1 else None, gen_tp) if aligned else 1
+    rollout = build_rollout(RolloutConfig(dtype="bf16", tensor_model_parallel_size=gen_tp), path, load_tokenizer(path),
+                            tp_stride=stride)
     return engine, rollout
 
 
@@ -104,12 +110,12 @@ def _snapshot(rollout) -> dict[str, torch.Tensor]:
     return {k: t.detach().clone() for k, t in rollout.shard_tensors().items()}
 
 
-def _worker(rank: int, world: int, port: int, train_tp: int, gen_tp: int, rounds: int, out: str) -> None:
+def _worker(rank: int, world: int, port: int, layout: tuple, rounds: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     _quiet()
     dist.init_process_group("gloo")
-    engine, rollout = _build(train_tp, gen_tp)
+    engine, rollout = _build(*layout[1:])
     variants = _variants(engine, rollout)
     runs: dict[str, list[tuple[float, ...]]] = {name: [] for name in variants}
     for r in range(rounds + 1):  # round 0 warms up and checks the two agree
@@ -142,10 +148,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _layout(world: int, train_tp: int, gen_tp: int) -> str:
+def _layout(world: int, train_tp: int, gen_tp: int, aligned: bool) -> str:
+    from hybridflow.engine.reshard import aligned_stride
+
     train = f"dp{world // train_tp}" + (f"xtp{train_tp}" if train_tp > 1 else "")
     gen = f"tp{gen_tp}" + (f"xdp{world // gen_tp}" if world > gen_tp else "")
-    return f"{train} -> {gen}"
+    stride = aligned_stride(world if train_tp == 1 else None, gen_tp) if aligned else 1
+    groups = "consecutive" if stride == 1 else f"{stride} apart"
+    return f"{train} -> {gen}, generation tp groups {groups}"
 
 
 def _report(name: str, world: int, res: dict) -> str:
@@ -175,9 +185,9 @@ def main() -> None:
           f"cores; medians of {args.rounds} rounds after 1 warm-up, slowest / largest rank", flush=True)
     out = Path(f"/tmp/bench_reshard_{os.getpid()}.pt")
     for name in args.layouts:
-        world, train_tp, gen_tp = LAYOUTS[name]
-        mp.spawn(_worker, args=(world, _free_port(), train_tp, gen_tp, args.rounds, str(out)), nprocs=world)
-        print(_report(_layout(world, train_tp, gen_tp), world, torch.load(out)), flush=True)
+        world = LAYOUTS[name][0]
+        mp.spawn(_worker, args=(world, _free_port(), LAYOUTS[name], args.rounds, str(out)), nprocs=world)
+        print(_report(_layout(*LAYOUTS[name]), world, torch.load(out)), flush=True)
     out.unlink(missing_ok=True)
 
 

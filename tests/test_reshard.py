@@ -16,15 +16,17 @@ import torch.multiprocessing as mp
 from hybridflow.engine.reshard import (GenerationLayout, Piece, ReshardStats, named_weights, plan_pieces, reshard,
                                        split_pieces)
 from hybridflow.models import load_causal_lm, load_tokenizer, tiny_model_dir
+from hybridflow.rollout import build_rollout
 from hybridflow.rollout.sharding import chunk_of, own_part, shard_module_, split_dims
 
 ARCHS = ("llama", "qwen2")
 PRELOAD = ["torch", "transformers", "hybridflow.models", "hybridflow.engine.tensor_parallel", "hybridflow.rollout.native"]
 KV4 = dict(num_heads=4, num_kv_heads=4)  # tp 4 needs 4 kv heads
-CASES_4 = ((1, 2, -1), (2, 2, -1), (4, 2, -1), (1, 4, -1), (1, 2, 2))
-"""(training tp, generation tp, engine.fsdp_size) on 4 ranks: dp4 -> tp2 x dp2, tp2 x dp2 -> tp2 x dp2 (the
-training shard is a generation shard: only the dp pair exchanges), tp4 -> tp2 x dp2, dp4 -> tp4, and HSDP
-(2 replicas of dp2) -> tp2 x dp2."""
+CASES_4 = ((1, 2, -1, 1), (2, 2, -1, 1), (4, 2, -1, 1), (1, 4, -1, 1), (1, 2, 2, 1), (1, 2, -1, 2))
+"""(training tp, generation tp, engine.fsdp_size, generation tp stride) on 4 ranks: dp4 -> tp2 x dp2,
+tp2 x dp2 -> tp2 x dp2 (the training shard is a generation shard: only the dp pair exchanges), tp4 ->
+tp2 x dp2, dp4 -> tp4, HSDP (2 replicas of dp2) -> tp2 x dp2, and dp4 -> tp2 x dp2 with tp groups
+{0,2}, {1,3} (every FSDP shard inside its generation shard)."""
 
 
 def _free_port() -> int:
@@ -56,19 +58,19 @@ def _engine(path: Path, tp: int, fsdp_size: int = -1):
     return (TensorParallelEngine if tp > 1 else FSDPEngine).from_pretrained(path, cfg)
 
 
-def _check_shards(arch: str, train_tp: int, gen_tp: int, fsdp_size: int, rank: int) -> ReshardStats:
+def _check_shards(arch: str, train_tp: int, gen_tp: int, fsdp_size: int, stride: int, rank: int) -> ReshardStats:
     """Reshard an engine of `arch` to tp `gen_tp` and compare with chunks of the full weights."""
     path = tiny_model_dir(arch, **KV4)
     full = load_causal_lm(path).state_dict()
-    layout = GenerationLayout(gen_tp, split_dims(load_causal_lm(path), gen_tp))
+    layout = GenerationLayout(gen_tp, split_dims(load_causal_lm(path), gen_tp), stride)
     stats = ReshardStats()
     shards = reshard(named_weights(_engine(path, train_tp, fsdp_size).module), layout, torch.bfloat16, stats=stats,
                      bucket_bytes=2**18)  # several buckets even on a tiny model
     assert set(shards) == set(full)
     for name, want in full.items():
         if name in layout.split_dims:
-            want = chunk_of(want, layout.split_dims[name], rank % gen_tp, gen_tp)
-        assert torch.equal(shards[name], want.to(torch.bfloat16)), (arch, train_tp, gen_tp, name)
+            want = chunk_of(want, layout.split_dims[name], layout.tp_index(rank), gen_tp)
+        assert torch.equal(shards[name], want.to(torch.bfloat16)), (arch, train_tp, gen_tp, stride, name)
     assert stats.allocated == sum({id(t): t.nbytes for t in shards.values()}.values())
     return stats
 
@@ -79,22 +81,47 @@ def _shards_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     for arch in ARCHS:
         for case in CASES_4:
             result[(arch, *case)] = _check_shards(arch, *case, rank)
+        result[arch, "greedy"] = _greedy_after_sync(arch, rank, stride=2)
     torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+
+
+def _greedy_after_sync(arch: str, rank: int, stride: int) -> torch.Tensor:
+    """A tp2 rollout of `arch` (seed 0; tp groups `stride` ranks apart), synced from an FSDP engine over every
+    rank (seed 1): checks its shards and returns its greedy responses."""
+    from hybridflow.rollout import build_rollout
+    from hybridflow.rollout.sync import sync_weights
+
+    rollout = build_rollout(_rollout_config(2), tiny_model_dir(arch), load_tokenizer(tiny_model_dir(arch)), stride)
+    q = rollout.model.model.layers[0].self_attn.q_proj.weight
+    assert q.shape[0] * 2 == rollout.model.config.num_attention_heads * 16  # holds only its shard
+    sync_weights(rollout, _engine(tiny_model_dir(arch, seed=1), tp=1))  # reshards: FSDP -> tp2
+    new = load_causal_lm(tiny_model_dir(arch, seed=1)).state_dict()
+    index = rollout.generation_layout().tp_index(rank)
+    for name, t in rollout.shard_tensors().items():
+        dim = rollout.split_dims.get(name)
+        assert torch.equal(t, new[name] if dim is None else chunk_of(new[name], dim, index, 2)), name
+    return _greedy(rollout, arch)
 
 
 def test_reshard_gives_generation_shards_on_4_ranks(tmp_path):
     for arch in ARCHS:
-        tiny_model_dir(arch, **KV4)  # build the caches before the workers race for them
+        for kw in (KV4, {}, dict(seed=1)):
+            tiny_model_dir(arch, **kw)  # build the caches before the workers race for them
     _run(_shards_worker, 4, tmp_path)
     stats = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
     model_bytes = sum(t.numel() * 2 for t in load_causal_lm(tiny_model_dir("llama", **KV4)).parameters())
+    for arch in ARCHS:
+        want = _greedy_one_process(arch)
+        assert all(torch.equal(stats[r].pop((arch, "greedy")), want) for r in range(4)), arch
     for key in stats[0]:
         for r in range(4):
             s = stats[r][key]
             assert s.local > 0  # the held training shard is reused in place
             assert s.received < model_bytes * 3 / 4  # the plain gather receives 3/4 of the model
             assert s.peak_buffers <= s.allocated  # buffers beside the shard: at most its size
-    assert stats[0]["llama", 2, 2, -1].received < stats[0]["llama", 1, 2, -1].received  # tp shards: only dp pairs trade
+    assert stats[0]["llama", 2, 2, -1, 1].received < stats[0]["llama", 1, 2, -1, 1].received  # only dp pairs trade
+    most = {stride: max(s["llama", 1, 2, -1, stride].received for s in stats) for stride in (1, 2)}
+    assert most[2] < most[1]  # spaced groups: no rank holds rows outside its shard
 
 
 def test_plan_takes_own_block_and_spreads_replicas():
@@ -132,21 +159,11 @@ def test_rollout_sharding_keeps_one_chunk_and_takes_whole_or_shards():
 
 
 def _generate_worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    from hybridflow.rollout import build_rollout
-    from hybridflow.rollout.sync import sync_weights
-
     _start(rank, world, port)
     res = {}
     for arch in ARCHS:
-        rollout = build_rollout(_rollout_config(2), tiny_model_dir(arch, seed=0), load_tokenizer(tiny_model_dir(arch)))
-        q = rollout.model.model.layers[0].self_attn.q_proj.weight
-        assert q.shape[0] * 2 == rollout.model.config.num_attention_heads * 16  # holds only its shard
-        sync_weights(rollout, _engine(tiny_model_dir(arch, seed=1), tp=1))  # reshards: FSDP dp2 -> tp2
-        new = load_causal_lm(tiny_model_dir(arch, seed=1)).state_dict()
-        for name, t in rollout.shard_tensors().items():
-            dim = rollout.split_dims.get(name)
-            assert torch.equal(t, new[name] if dim is None else chunk_of(new[name], dim, rank, 2)), name
-        res[arch, "reshard"] = _greedy(rollout, arch)
+        res[arch, "reshard"] = _greedy_after_sync(arch, rank, stride=1)  # FSDP dp2 -> tp2
+        rollout = build_rollout(_rollout_config(2), tiny_model_dir(arch), load_tokenizer(tiny_model_dir(arch)))
         rollout.load_weights(load_causal_lm(tiny_model_dir(arch, seed=1)).state_dict())  # whole tensors: chunked
         res[arch, "full"] = _greedy(rollout, arch)
     torch.save(res, Path(out_dir) / f"rank{rank}.pt")
@@ -165,16 +182,18 @@ def _greedy(rollout, arch: str) -> torch.Tensor:
     return rollout.generate_sequences(prompt_batch(load_tokenizer(tiny_model_dir(arch)))).batch[RESPONSES]
 
 
-def test_tp2_rollout_after_reshard_generates_as_one_process(tmp_path):
-    from hybridflow.rollout import build_rollout
+def _greedy_one_process(arch: str) -> torch.Tensor:
+    path = tiny_model_dir(arch, seed=1)
+    return _greedy(build_rollout(_rollout_config(1), path, load_tokenizer(path)), arch)
 
+
+def test_tp2_rollout_after_reshard_generates_as_one_process(tmp_path):
     for arch in ARCHS:
         for seed in (0, 1):
             tiny_model_dir(arch, seed=seed)
     _run(_generate_worker, 2, tmp_path)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for arch in ARCHS:
-        path = tiny_model_dir(arch, seed=1)
-        want = _greedy(build_rollout(_rollout_config(1), path, load_tokenizer(path)), arch)
+        want = _greedy_one_process(arch)
         for got in ranks:
             assert torch.equal(got[arch, "reshard"], want) and torch.equal(got[arch, "full"], want), arch

@@ -3,9 +3,10 @@
 Training layout: every weight is a DTensor over the engine's mesh (FSDP2's Shard(0) over dp, times
 DTensor tensor parallel for the tp engine, Replicate over HSDP replicas), or a plain tensor that
 every rank holds whole. A rank's local piece is one block of the full tensor (`held_boxes`).
-Generation layout (`GenerationLayout`): tp groups of `tp` consecutive global ranks (as the rollout's
-`tensor_parallel_group`); a split weight is cut into `tp` even chunks along its split dim, group
-rank i holding chunk i; every other weight is whole on every rank.
+Generation layout (`GenerationLayout`): tp groups of `tp` global ranks, consecutive or strided (as the
+rollout's `tensor_parallel_group`; `aligned_stride` picks the stride that makes each FSDP shard part of
+its generation shard); a split weight is cut into `tp` even chunks along its split dim, group rank i
+holding chunk i; every other weight is whole on every rank.
 
 For each weight, each rank's target block is cut by the distinct held blocks; a piece comes from
 the rank itself when it holds that block (a cast-copy, nothing on the wire), else from one of the
@@ -40,11 +41,17 @@ bounds each rank's send and receive buffers."""
 
 @dataclass(frozen=True)
 class GenerationLayout:
-    """Generation layout: tp groups of `tp` consecutive ranks; `split_dims[name]` is the dim that weight is
-    cut along (even chunks, group rank i holds chunk i); weights not named stay whole on every rank."""
+    """Generation layout: tp groups of `tp` ranks `stride` apart (1: consecutive ranks; see `tp_index`);
+    `split_dims[name]` is the dim that weight is cut along (even chunks, group rank i holds chunk i);
+    weights not named stay whole on every rank."""
 
     tp: int
     split_dims: Mapping[str, int]
+    stride: int = 1
+
+    def tp_index(self, rank: int) -> int:
+        """Global `rank`'s place in its tp group: ranks are laid out as (outer, tp, stride), stride fastest."""
+        return (rank // self.stride) % self.tp
 
     def target(self, name: str, shape: tuple[int, ...], rank: int) -> Box:
         """The block of weight `name` (full `shape`) that global `rank` holds for generation."""
@@ -53,9 +60,24 @@ class GenerationLayout:
         if dim is not None and self.tp > 1:
             if shape[dim] % self.tp:
                 raise ValueError(f"{name}: dim {dim} of size {shape[dim]} does not split over tp={self.tp}")
-            size, i = shape[dim] // self.tp, rank % self.tp
+            size, i = shape[dim] // self.tp, self.tp_index(rank)
             box[dim] = (i * size, (i + 1) * size)
         return tuple(box)
+
+
+def aligned_stride(fsdp_shard: int | None, tp: int) -> int:
+    """The stride of generation tp groups that puts every rank's FSDP rows inside its generation shard.
+
+    FSDP over a shard group of `fsdp_shard` consecutive ranks gives rank r row chunk r mod fsdp_shard;
+    generation chunk i covers fsdp_shard / tp of those chunks, so the ranks that hold them should be
+    tp index i: tp groups of ranks fsdp_shard / tp apart (dp6 -> tp3 x dp2: {0,2,4}, {1,3,5}; consecutive
+    groups would leave 4 of 6 ranks holding rows outside their shard). 1 (consecutive) when the training
+    layout is not plain FSDP (`fsdp_shard` None, e.g. tensor parallel training, whose tp shards consecutive
+    groups match) or `tp` does not divide the shard group.
+    """
+    if fsdp_shard is None or fsdp_shard % tp:
+        return 1
+    return fsdp_shard // tp
 
 
 @dataclass(frozen=True)

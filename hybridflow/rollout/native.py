@@ -39,7 +39,7 @@ class NativeRollout(ModuleRollout):
     """Batched KV-cache sampler (see module docstring)."""
 
     def __init__(self, config: RolloutConfig, model: nn.Module, tokenizer, use_static: bool | None = None,
-                 tp_group: dist.ProcessGroup | None = None) -> None:
+                 tp_group: dist.ProcessGroup | None = None, tp_stride: int = 1) -> None:
         super().__init__(config, model, tokenizer)
         self.use_static = supports_static_path(model) if use_static is None else use_static
         self.tp_group = tp_group
@@ -49,6 +49,7 @@ class NativeRollout(ModuleRollout):
         self._eos = torch.tensor(self.eos_ids)
         self.kernels = decoder_kernels(compile=self.use_static and not config.enforce_eager)
         self.tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
+        self.tp_stride = tp_stride  # how far apart the group's ranks are (rollout/base.py tensor_parallel_group)
         self.tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
         self.split_dims = split_dims(model, self.tp_size) if self.tp_size > 1 else {}
         # from here on this rank holds only its generation shard of the decoder layers
@@ -70,7 +71,7 @@ class NativeRollout(ModuleRollout):
         """How this rollout lays out its weights over the ranks (None with tp = 1: every rank all of them)."""
         if self.tp_size == 1:
             return None
-        return GenerationLayout(tp=self.tp_size, split_dims=self.split_dims)
+        return GenerationLayout(tp=self.tp_size, split_dims=self.split_dims, stride=self.tp_stride)
 
     def shard_tensors(self) -> dict[str, Tensor]:
         """The tensors `load_weights` writes, by name (this rank's shards of the split weights, the rest
