@@ -1,7 +1,8 @@
 """Resharding the actor's training shards to the rollout's generation layout (engine/reshard.py) on gloo
 ranks gives exactly the generation shards (slices of the full weights) for tiny Llama and Qwen2 (biases)
-at several layouts, reuses the held shard, receives less than the plain full gather, and a tp=2 native
-rollout fed by it generates greedily what one process generates."""
+at several layouts, reuses the held shard, receives less than the plain full gather (less still with
+spaced tp groups beside FSDP), and a tp=2 native rollout fed by it (consecutive or spaced groups, or by
+whole weights) generates greedily what one process generates."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from hybridflow.rollout import build_rollout
 from hybridflow.rollout.sharding import chunk_of, own_part, shard_module_, split_dims
 
 ARCHS = ("llama", "qwen2")
-PRELOAD = ["torch", "transformers", "hybridflow.models", "hybridflow.engine.tensor_parallel", "hybridflow.rollout.native"]
+PRELOAD = ["torch", "transformers", "hybridflow.models", "hybridflow.engine.tensor_parallel",
+           "hybridflow.rollout.native"]
 KV4 = dict(num_heads=4, num_kv_heads=4)  # tp 4 needs 4 kv heads
 CASES_4 = ((1, 2, -1, 1), (2, 2, -1, 1), (4, 2, -1, 1), (1, 4, -1, 1), (1, 2, 2, 1), (1, 2, -1, 2))
 """(training tp, generation tp, engine.fsdp_size, generation tp stride) on 4 ranks: dp4 -> tp2 x dp2,

@@ -18,10 +18,11 @@ Both return fp32 logits of the last position only.
 With a tensor-parallel group (rollout.tensor_model_parallel_size) the static decoder
 runs its share of the heads and of the MLP's columns (Megatron's split: q/k/v and
 gate/up by output rows, o and down by input columns, one all-reduce after each) and
-keeps its share of the KV cache; the embedding and LM head are split by vocabulary rows (when tp divides
-the vocabulary: each rank embeds its own ids, one all-reduce; logits all-gathered), norms stay whole. The module may hold
-the full weights or (the native rollout's case) only this rank's shard of them. Every rank
-of the group must get the same prompts and sample the same tokens (same seed).
+keeps its share of the KV cache; the embedding and LM head are split by vocabulary rows (when
+tp divides the vocabulary: each rank embeds its own ids, one all-reduce; logits all-gathered),
+norms stay whole. The module may hold the full weights or (the native rollout's case) only this
+rank's shard of them. Every rank of the group must get the same prompts and sample the same
+tokens (same seed).
 """
 
 from __future__ import annotations
