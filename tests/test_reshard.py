@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from hybridflow.engine.reshard import (GenerationLayout, Piece, ReshardStats, named_weights, plan_pieces, reshard,
-                                       split_pieces)
+from hybridflow.engine.reshard import (GenerationLayout, Piece, ReshardStats, aligned_stride, group_coords,
+                                       named_weights, plan_pieces, reshard, split_pieces)
 from hybridflow.models import load_causal_lm, load_tokenizer, tiny_model_dir
 from hybridflow.rollout import build_rollout
 from hybridflow.rollout.sharding import chunk_of, own_part, shard_module_, split_dims
@@ -139,6 +139,13 @@ def test_plan_takes_own_block_and_spreads_replicas():
     cut = split_pieces((Piece(0, 1, ((0, 5), (0, 2))), Piece(1, 1, ((5, 9), (0, 2)))), max_elems=4)
     assert cut == (Piece(0, 1, ((0, 2), (0, 2))), Piece(0, 1, ((2, 4), (0, 2))), Piece(0, 1, ((4, 5), (0, 2))),
                    Piece(1, 1, ((5, 9), (0, 2))))  # moved pieces cut to 2 rows of 2; local ones kept whole
+
+
+def test_spaced_generation_groups_match_fsdp_rows():
+    assert aligned_stride(6, 3) == 2 and aligned_stride(None, 3) == aligned_stride(1, 3) == 1
+    # dp6 -> tp3 x dp2, groups {0,2,4}, {1,3,5}: rank r holds FSDP chunk r of 6, inside generation chunk r // 2
+    assert [group_coords(r, 3, 2) for r in range(6)] == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2)]
+    assert [group_coords(r, 3, 1) for r in range(6)] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
 
 
 def test_rollout_sharding_keeps_one_chunk_and_takes_whole_or_shards():

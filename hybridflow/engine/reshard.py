@@ -50,8 +50,8 @@ class GenerationLayout:
     stride: int = 1
 
     def tp_index(self, rank: int) -> int:
-        """Global `rank`'s place in its tp group: ranks are laid out as (outer, tp, stride), stride fastest."""
-        return (rank // self.stride) % self.tp
+        """Global `rank`'s place in its tp group (see `group_coords`)."""
+        return group_coords(rank, self.tp, self.stride)[1]
 
     def target(self, name: str, shape: tuple[int, ...], rank: int) -> Box:
         """The block of weight `name` (full `shape`) that global `rank` holds for generation."""
@@ -63,6 +63,12 @@ class GenerationLayout:
             size, i = shape[dim] // self.tp, self.tp_index(rank)
             box[dim] = (i * size, (i + 1) * size)
         return tuple(box)
+
+
+def group_coords(rank: int, tp: int, stride: int) -> tuple[int, int]:
+    """(dp index, tp index) of global `rank` when tp groups are `tp` ranks `stride` apart: the ranks laid
+    out as (outer, tp, stride), stride fastest (stride 1: groups of consecutive ranks)."""
+    return (rank // (tp * stride)) * stride + rank % stride, (rank // stride) % tp
 
 
 def aligned_stride(fsdp_shard: int | None, tp: int) -> int:

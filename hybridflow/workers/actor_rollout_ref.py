@@ -43,7 +43,7 @@ from hybridflow.controller.decorator import Dispatch, register
 from hybridflow.controller.dispatch import make_nd_compute_dataproto_dispatch_fn
 from hybridflow.controller.worker import Worker, collective_timeout_s
 from hybridflow.engine.config import EngineConfig
-from hybridflow.engine.reshard import GenerationLayout, aligned_stride
+from hybridflow.engine.reshard import aligned_stride, group_coords
 from hybridflow.protocol import DataProto
 from hybridflow.utils.peak_memory import operator_peak
 from hybridflow.rollout.config import RolloutConfig
@@ -82,9 +82,8 @@ class ActorRolloutRefWorker(Worker):
         self.dp_size = self.world_size // self.tp_size
         self._register_dispatch_collect_info(POLICY_MESH, self.rank // self.tp_size, self.rank % self.tp_size == 0)
         self.rollout_stride = self._rollout_stride()
-        layout = GenerationLayout(self.rollout_tp_size, {}, self.rollout_stride)
-        self.rollout_dp_rank = _without_digit(self.rank, self.rollout_tp_size, self.rollout_stride)
-        self._register_dispatch_collect_info(ROLLOUT_MESH, self.rollout_dp_rank, layout.tp_index(self.rank) == 0)
+        self.rollout_dp_rank, tp_index = group_coords(self.rank, self.rollout_tp_size, self.rollout_stride)
+        self._register_dispatch_collect_info(ROLLOUT_MESH, self.rollout_dp_rank, tp_index == 0)
 
     def _rollout_stride(self) -> int:
         """How far apart the ranks of a rollout tp group are: with a plain FSDP actor in the same processes, the
@@ -263,11 +262,6 @@ class ActorRolloutRefWorker(Worker):
         from hybridflow.engine import export_hf
 
         export_hf(self.actor, out_dir, self.tokenizer)
-
-
-def _without_digit(rank: int, size: int, stride: int) -> int:
-    """`rank`'s index among the groups of `size` ranks `stride` apart (its dp rank in such a tp layout)."""
-    return (rank // (size * stride)) * stride + rank % stride
 
 
 def _check_old_log_probs(data: DataProto, own: bool, epochs: int, mini_rows: int) -> None:
