@@ -139,3 +139,18 @@ def test_generation_follows_the_rollout_mesh_not_the_actor_mesh():
     assert [w.rollout.seen for w in group.workers] == [[[0, 1]], [[0, 1]], [[2, 3]], [[2, 3]]]
     assert out.batch["row"].tolist() == [0, 1, 2, 3] and out.batch["by"].tolist() == [0, 0, 2, 2]
     assert group.get_dispatch_info("policy") == [(r, True) for r in range(4)]
+
+
+def test_rollout_groups_are_spaced_beside_a_sharded_fsdp_actor():
+    """Actor FSDP over all 4 ranks, rollout tp 2: tp groups {0,2} and {1,3}, so that each rank's FSDP rows lie in
+    its generation shard (engine/reshard.py aligned_stride); prompts split over dp ranks 0 (ranks 0, 2) and 1."""
+    actor = ActorConfig(engine=EngineConfig(fsdp_size=-1))
+    policy = ClassWithInitArgs(ActorRolloutRefWorker, ModelConfig(), actor,
+                               RolloutConfig(tensor_model_parallel_size=2), RefConfig(), "actor_rollout_ref")
+    group = InProcessGroup(policy, 4)
+    assert [w.rollout_stride for w in group.workers] == [2] * 4
+    for w in group.workers:
+        w.rollout = RecordingRollout(w.rank)
+    out = group.generate_sequences(_rows(4))
+    assert [w.rollout.seen for w in group.workers] == [[[0, 1]], [[2, 3]], [[0, 1]], [[2, 3]]]
+    assert out.batch["row"].tolist() == [0, 1, 2, 3] and out.batch["by"].tolist() == [0, 0, 1, 1]

@@ -117,6 +117,9 @@ def train_ok(tiny_model: str, tmp_path: Path, *extra: str) -> list[dict]:
                          "rollout.tensor_model_parallel_size=2",
                          "algorithm.adv_estimator=gae", "actor.use_kl_loss=true", "trainer.save_freq=2"],
                  ["critic/vf_loss", "actor/kl_loss"], marks=pytest.mark.slow),
+    # FSDP-sharded actor (dp2) -> tp2 rollout holding only its shard: the weight sync reshards (engine/reshard.py)
+    pytest.param("reshard", ["actor.engine.fsdp_size=-1", "rollout.tensor_model_parallel_size=2"],
+                 ["timing_s/weight_sync"], marks=pytest.mark.slow),
 ])
 def test_train_smoke(tiny_model: str, tmp_path: Path, name: str, extra: list[str], expect: list[str]) -> None:
     steps = train_ok(tiny_model, tmp_path, *extra)

@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 import torch
 from torch import Tensor, nn
 
+from hybridflow.engine.reshard import GenerationLayout
 from hybridflow.keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS
 from hybridflow.protocol import DataProto
 from hybridflow.rollout.config import ROLLOUT_NAMES, RolloutConfig, SamplingParams
@@ -44,6 +45,15 @@ class Rollout(ABC):
     def weight_dtype(self) -> torch.dtype | None:
         """The dtype `load_weights` stores (None: unknown); weight sync gathers in it."""
         return None
+
+    def generation_layout(self) -> GenerationLayout | None:
+        """How the rollout's weights lie over the ranks when each rank holds only a shard of them
+        (then `shard_tensors` gives them); None: every rank holds every weight whole."""
+        return None
+
+    def shard_tensors(self) -> dict[str, Tensor]:
+        """Name -> the tensor `load_weights` writes (this rank's shard), for resharding in place."""
+        raise NotImplementedError(f"{type(self).__name__} holds whole weights; use load_weights")
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -157,15 +167,16 @@ def trim_left_padding(ids: Tensor, mask: Tensor, pos: Tensor) -> tuple[Tensor, T
 
 
 def build_rollout(config: RolloutConfig, model_path_or_module: str | os.PathLike | nn.Module,
-                  tokenizer) -> Rollout:
-    """The rollout backend named by `config.name` ("native", "hf" or "vllm")."""
+                  tokenizer, tp_stride: int = 1) -> Rollout:
+    """The rollout backend named by `config.name` ("native", "hf" or "vllm"); `tp_stride`: how far apart
+    the ranks of a tensor-parallel group are (see `tensor_parallel_group`)."""
     if config.name == "native":
         from hybridflow.rollout.native import NativeRollout
 
-        group = tensor_parallel_group(config.tensor_model_parallel_size) if config.tensor_model_parallel_size > 1 \
-            else None
+        tp = config.tensor_model_parallel_size
+        group = tensor_parallel_group(tp, tp_stride) if tp > 1 else None
         model = load_rollout_model(model_path_or_module, config.torch_dtype)
-        return NativeRollout(config, model, tokenizer, tp_group=group)
+        return NativeRollout(config, model, tokenizer, tp_group=group, tp_stride=tp_stride)
     if config.name == "hf":
         from hybridflow.rollout.hf import HFRollout
 
@@ -177,13 +188,18 @@ def build_rollout(config: RolloutConfig, model_path_or_module: str | os.PathLike
     raise ValueError(f"unknown rollout name {config.name!r}; choose one of {ROLLOUT_NAMES}")
 
 
-def tensor_parallel_group(tp: int):
-    """This rank's group of `tp` consecutive ranks of the default group (collective: every rank calls it)."""
+def tensor_parallel_group(tp: int, stride: int = 1):
+    """This rank's group of `tp` ranks of the default group, `stride` apart: the ranks laid out as
+    (outer, tp, stride), stride fastest; 1 gives consecutive ranks (collective: every rank calls it)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.get_world_size()
-    if world % tp:
-        raise ValueError(f"rollout.tensor_model_parallel_size={tp} must divide the number of ranks ({world})")
+    if world % (tp * stride):
+        raise ValueError(f"rollout.tensor_model_parallel_size={tp} (groups {stride} ranks apart) must divide the "
+                         f"number of ranks ({world})")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    return init_device_mesh(device, (world // tp, tp), mesh_dim_names=("dp", "tp")).get_group("tp")
+    if stride == 1:
+        return init_device_mesh(device, (world // tp, tp), mesh_dim_names=("dp", "tp")).get_group("tp")
+    shape = (world // (tp * stride), tp, stride)
+    return init_device_mesh(device, shape, mesh_dim_names=("outer", "tp", "inner")).get_group("tp")

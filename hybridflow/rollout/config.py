@@ -127,7 +127,8 @@ class RolloutConfig(Section):
     tensor_model_parallel_size: int = 1
     """Ranks each generating model is split over (verl: tensor_model_parallel_size; native rollout,
     Llama/Qwen2 only): heads and MLP columns split, one all-reduce per attention and per MLP, the ranks
-    of a group generating the same rows. Must divide the workers and the model's heads and kv heads."""
+    of a group generating the same rows; each rank holds only its shard, which the weight sync reshards
+    the actor into (hybridflow/engine/reshard.py). Must divide the workers and the model's heads and kv heads."""
     gpu_memory_utilization: float = 0.5
     """vllm on a GPU: fraction of the device's memory vllm takes for its weights and KV cache (the actor
     shares the device). vllm on CPU ignores it: its KV cache holds max_batch_size full-length sequences."""

@@ -18,8 +18,11 @@ Both return fp32 logits of the last position only.
 With a tensor-parallel group (rollout.tensor_model_parallel_size) the static decoder
 runs its share of the heads and of the MLP's columns (Megatron's split: q/k/v and
 gate/up by output rows, o and down by input columns, one all-reduce after each) and
-keeps its share of the KV cache; embedding, norms and LM head stay whole. Every rank
-of the group must get the same prompts and sample the same tokens (same seed).
+keeps its share of the KV cache; the embedding and LM head are split by vocabulary rows (when
+tp divides the vocabulary: each rank embeds its own ids, one all-reduce; logits all-gathered),
+norms stay whole. The module may hold the full weights or (the native rollout's case) only this
+rank's shard of them. Every rank of the group must get the same prompts and sample the same
+tokens (same seed).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 
 from hybridflow.rollout.kernels import EAGER, DecoderKernels
+from hybridflow.rollout.sharding import own_part
 
 _FAST_MODEL_TYPES = ("llama", "qwen2")
 # Decode steps attend over the whole preallocated cache (unwritten slots masked) when it is at most this
@@ -93,16 +97,17 @@ class _LayerWeights:
 def _cat_bias(*mods: nn.Linear, rank: int = 0, tp: int = 1) -> Tensor | None:
     if all(m.bias is None for m in mods):
         return None
-    return torch.cat([(m.bias if m.bias is not None else m.weight.new_zeros(m.out_features)).chunk(tp)[rank]
-                      for m in mods])
+    return torch.cat([own_part(m.bias, 0, rank, tp, m.out_features) if m.bias is not None
+                      else m.weight.new_zeros(m.out_features // tp) for m in mods])
 
 
 def _layer_weights(layer: nn.Module, rank: int = 0, tp: int = 1) -> _LayerWeights:
     """The layer's fused weights; with tp > 1 this rank's share (heads are contiguous blocks of rows,
-    so chunking rows by tp keeps whole heads). The o/down bias is added once, by tp rank 0."""
+    so chunking rows by tp keeps whole heads), taken from the full weights or, when the native rollout
+    holds only its shard (rollout/sharding.py), used as they are. The o/down bias is added once, by tp rank 0."""
     a, m = layer.self_attn, layer.mlp
-    rows = lambda *mods: torch.cat([mod.weight.chunk(tp)[rank] for mod in mods])  # noqa: E731
-    cols = lambda mod: mod.weight.chunk(tp, dim=1)[rank]  # noqa: E731
+    rows = lambda *mods: torch.cat([own_part(mod.weight, 0, rank, tp, mod.out_features) for mod in mods])  # noqa: E731
+    cols = lambda mod: own_part(mod.weight, 1, rank, tp, mod.in_features)  # noqa: E731
     return _LayerWeights(
         ln1=layer.input_layernorm.weight, ln2=layer.post_attention_layernorm.weight,
         qkv=_Linear(rows(a.q_proj, a.k_proj, a.v_proj), _cat_bias(a.q_proj, a.k_proj, a.v_proj, rank=rank, tp=tp)),
@@ -169,12 +174,24 @@ class StaticLlamaDecoder:
             raise ValueError(f"rollout.tensor_model_parallel_size={tp} must divide num_attention_heads "
                              f"({cfg.num_attention_heads}) and num_key_value_heads ({cfg.num_key_value_heads})")
         self.layers = [_layer_weights(layer, rank, tp) for layer in model.model.layers]
-        self.lm_head = _Linear(model.lm_head.weight, model.lm_head.bias)
+        self._vocab_weights(model, rank, tp)
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.heads, self.kv_heads = cfg.num_attention_heads // tp, cfg.num_key_value_heads // tp
         self.scaling = model.model.layers[0].self_attn.scaling
         self.eps = cfg.rms_norm_eps
         self.dtype = model.model.embed_tokens.weight.dtype
+
+    def _vocab_weights(self, model: nn.Module, rank: int, tp: int) -> None:
+        """Embedding and LM head: whole, or with tp > 1 (when tp divides the vocabulary) this rank's rows."""
+        embed, head = model.model.embed_tokens, model.lm_head
+        self.vocab_split = tp > 1 and embed.num_embeddings % tp == 0
+        if not self.vocab_split:
+            self.embed, self.lm_head, self.vocab_start = embed.weight, _Linear(head.weight, head.bias), 0
+            return
+        self.embed = own_part(embed.weight, 0, rank, tp, embed.num_embeddings)
+        bias = None if head.bias is None else own_part(head.bias, 0, rank, tp, head.out_features)
+        self.lm_head = _Linear(own_part(head.weight, 0, rank, tp, head.out_features), bias)
+        self.vocab_start = rank * (embed.num_embeddings // tp)
 
     def prefill(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, max_new: int) -> Tensor:
         """Run the prompts [B, P]; reserve cache room for `max_new` more tokens; last-position logits.
@@ -250,7 +267,7 @@ class StaticLlamaDecoder:
 
     def _forward(self, ids: Tensor, positions: Tensor, mask: Tensor, start: int) -> Tensor:
         k, eps = self.kernels, self.eps
-        h = F.embedding(ids, self.model.model.embed_tokens.weight)
+        h = self._embed(ids)
         cos, sin = self.cos[positions][:, :, None], self.sin[positions][:, :, None]
         # each residual add is fused with the norm that follows it (the next layer's; the final one last)
         after_attn = [w.ln2 for w in self.layers]
@@ -260,7 +277,27 @@ class StaticLlamaDecoder:
             h, x = k.add_rms_norm(h, self._attention(i, w, x, cos, sin, mask, start), after_attn[i], eps)
             h, x = k.add_rms_norm(h, self._mlp(w, x), after_mlp[i], eps)
         self.length = start + ids.shape[1]
-        return self.lm_head(x[:, -1]).float()
+        return self._logits(x[:, -1])
+
+    def _embed(self, ids: Tensor) -> Tensor:
+        """Token embeddings; with the vocabulary split, each rank looks up its own ids (zeros elsewhere)
+        and an all-reduce sums them (adding zeros: exact)."""
+        if not self.vocab_split:
+            return F.embedding(ids, self.embed)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.embed.shape[0])
+        h = F.embedding(local.masked_fill(outside, 0), self.embed).masked_fill_(outside[..., None], 0)
+        dist.all_reduce(h, group=self.tp_group)
+        return h
+
+    def _logits(self, x: Tensor) -> Tensor:
+        """fp32 logits [B, V]; with the vocabulary split, each rank's columns gathered."""
+        logits = self.lm_head(x)
+        if self.vocab_split:
+            parts = [torch.empty_like(logits) for _ in range(dist.get_world_size(self.tp_group))]
+            dist.all_gather(parts, logits.contiguous(), group=self.tp_group)
+            logits = torch.cat(parts, dim=-1)
+        return logits.float()
 
     def _attention(self, i: int, w: _LayerWeights, x: Tensor, cos: Tensor, sin: Tensor,
                    mask: Tensor, start: int) -> Tensor:

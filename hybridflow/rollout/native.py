@@ -13,6 +13,8 @@ few steps; until compaction their samples are discarded.)
 Llama-style models (Llama, Qwen2) run on `StaticLlamaDecoder`; other architectures
 fall back to `HFDecoder` (the model's own forward with a DynamicCache). With
 rollout.enforce_eager=False the static decoder's element-wise ops are compiled (rollout/kernels.py).
+With a tensor-parallel group (rollout.tensor_model_parallel_size > 1) the module keeps only this rank's
+shard of the split weights (rollout/sharding.py); the weight sync reshards the actor into them.
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from hybridflow.engine.reshard import GenerationLayout
 from hybridflow.rollout.base import ModuleRollout
 from hybridflow.rollout.config import RolloutConfig, SamplingParams
 from hybridflow.rollout.decoder import HFDecoder, StaticLlamaDecoder, supports_static_path
 from hybridflow.rollout.kernels import decoder_kernels
 from hybridflow.rollout.sampling import sample_next
+from hybridflow.rollout.sharding import own_part, shard_module_, split_dims
 
 COMPACT_FRACTION = 0.125
 """Compact the batch once this fraction of the held rows has finished."""
@@ -35,7 +39,7 @@ class NativeRollout(ModuleRollout):
     """Batched KV-cache sampler (see module docstring)."""
 
     def __init__(self, config: RolloutConfig, model: nn.Module, tokenizer, use_static: bool | None = None,
-                 tp_group: dist.ProcessGroup | None = None) -> None:
+                 tp_group: dist.ProcessGroup | None = None, tp_stride: int = 1) -> None:
         super().__init__(config, model, tokenizer)
         self.use_static = supports_static_path(model) if use_static is None else use_static
         self.tp_group = tp_group
@@ -44,6 +48,35 @@ class NativeRollout(ModuleRollout):
                              f"static decoder); {type(model).__name__} runs on the unsplit HF fallback")
         self._eos = torch.tensor(self.eos_ids)
         self.kernels = decoder_kernels(compile=self.use_static and not config.enforce_eager)
+        self.tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
+        self.tp_stride = tp_stride  # how far apart the group's ranks are (rollout/base.py tensor_parallel_group)
+        self.tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
+        self.split_dims = split_dims(model, self.tp_size) if self.tp_size > 1 else {}
+        # from here on this rank holds only its generation shard of the decoder layers
+        self._full_sizes = shard_module_(model, self.split_dims, self.tp_rank, self.tp_size)
+
+    def load_weights(self, state_dict: dict[str, Tensor], partial: bool = False) -> None:
+        """See `ModuleRollout.load_weights`; with tp > 1 each split weight may come whole (this rank's
+        chunk is taken) or as this rank's shard (what `engine/reshard.py` produces)."""
+        if self.tp_size > 1:
+            state_dict = {name: self._own(name, t) for name, t in state_dict.items()}
+        super().load_weights(state_dict, partial)
+
+    def _own(self, name: str, t: Tensor) -> Tensor:
+        if name not in self.split_dims:
+            return t
+        return own_part(t, self.split_dims[name], self.tp_rank, self.tp_size, self._full_sizes[name])
+
+    def generation_layout(self) -> GenerationLayout | None:
+        """How this rollout lays out its weights over the ranks (None with tp = 1: every rank all of them)."""
+        if self.tp_size == 1:
+            return None
+        return GenerationLayout(tp=self.tp_size, split_dims=self.split_dims, stride=self.tp_stride)
+
+    def shard_tensors(self) -> dict[str, Tensor]:
+        """The tensors `load_weights` writes, by name (this rank's shards of the split weights, the rest
+        whole), for a reshard that writes straight into them."""
+        return dict(self.model.state_dict(keep_vars=True))
 
     def _decoder(self) -> StaticLlamaDecoder | HFDecoder:
         # built per call: the static decoder's fused weights must follow in-place weight updates

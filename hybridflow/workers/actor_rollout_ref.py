@@ -2,9 +2,11 @@
 
 `role` is any "_"-joined combination of actor, rollout and ref. In the hybrid
 engine ("actor_rollout" / "actor_rollout_ref", the default) one process holds the
-FSDP-sharded training policy, an unsharded rollout copy in the rollout dtype and,
-when KL is used, the frozen reference policy; after every actor update the rollout
-copy is refreshed from the gathered weights before the next generation. With
+FSDP-sharded training policy, a rollout copy in the rollout dtype and, when KL is
+used, the frozen reference policy; after every actor update the rollout copy is
+refreshed before the next generation (hybridflow/rollout/sync.py): from the gathered
+weights, or, with rollout.tensor_model_parallel_size > 1, by resharding the training
+shards to the rollout's generation shard (hybridflow/engine/reshard.py). With
 trainer.mode one_step_off / async the roles are split over two groups ("actor[_ref]"
 and "rollout"), and the weights cross from one to the other over a process group
 spanning both (transfer_weights, hybridflow/rollout/bridge.py).
@@ -21,7 +23,9 @@ meta_info["metrics"]. The worker declares two meshes for the N-D dispatch
 and "policy", dp x tp by actor.engine.tensor_parallel_size, which the actor and the reference
 share: the tp ranks of a dp group receive the same rows and only tp rank 0's output is
 collected. With tp = 1 both meshes are the plain DP_COMPUTE_PROTO split. The ranks of a
-rollout tp group sample with the same seed (they must draw the same tokens).
+rollout tp group sample with the same seed (they must draw the same tokens). A rollout tp group
+is consecutive ranks, except beside a plain FSDP-sharded actor, where its ranks are spaced so that
+each rank's training rows lie in its generation shard (`aligned_stride`, engine/reshard.py).
 """
 
 from __future__ import annotations
@@ -31,12 +35,15 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import torch
+
 from hybridflow import keys as K
 from hybridflow.algos.core import masked_mean
 from hybridflow.controller.decorator import Dispatch, register
 from hybridflow.controller.dispatch import make_nd_compute_dataproto_dispatch_fn
 from hybridflow.controller.worker import Worker, collective_timeout_s
 from hybridflow.engine.config import EngineConfig
+from hybridflow.engine.reshard import aligned_stride, group_coords
 from hybridflow.protocol import DataProto
 from hybridflow.utils.peak_memory import operator_peak
 from hybridflow.rollout.config import RolloutConfig
@@ -74,8 +81,19 @@ class ActorRolloutRefWorker(Worker):
                 raise ValueError(f"{key}={tp} must divide the number of ranks ({self.world_size})")
         self.dp_size = self.world_size // self.tp_size
         self._register_dispatch_collect_info(POLICY_MESH, self.rank // self.tp_size, self.rank % self.tp_size == 0)
-        self._register_dispatch_collect_info(ROLLOUT_MESH, self.rank // self.rollout_tp_size,
-                                             self.rank % self.rollout_tp_size == 0)
+        self.rollout_stride = self._rollout_stride()
+        self.rollout_dp_rank, tp_index = group_coords(self.rank, self.rollout_tp_size, self.rollout_stride)
+        self._register_dispatch_collect_info(ROLLOUT_MESH, self.rollout_dp_rank, tp_index == 0)
+
+    def _rollout_stride(self) -> int:
+        """How far apart the ranks of a rollout tp group are: with a plain FSDP actor in the same processes, the
+        stride that makes each rank's training rows part of its generation shard (engine/reshard.py)."""
+        engine = self.actor_cfg.engine
+        if "actor" not in self.roles or "rollout" not in self.roles or self.rollout_tp_size == 1 or \
+                engine.tensor_parallel_size > 1:
+            return 1
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return aligned_stride(engine.resolve_fsdp_size(device, self.world_size), self.rollout_tp_size)
 
     # --- setup ----------------------------------------------------------------
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -94,8 +112,8 @@ class ActorRolloutRefWorker(Worker):
                                                        tensor_parallel_size=self.tp_size))
         if "rollout" in self.roles:
             cfg = self.rollout_cfg
-            seed = cfg.seed + self.rank // self.rollout_tp_size
-            self.rollout = build_rollout(replace(cfg, seed=seed), path, self.tokenizer)
+            seed = cfg.seed + self.rollout_dp_rank
+            self.rollout = build_rollout(replace(cfg, seed=seed), path, self.tokenizer, self.rollout_stride)
 
     # --- rollout ----------------------------------------------------------------
     @register(dispatch_mode=_ON_ROLLOUT_MESH)
