@@ -117,6 +117,11 @@ def train_ok(tiny_model: str, tmp_path: Path, *extra: str) -> list[dict]:
                          "rollout.tensor_model_parallel_size=2",
                          "algorithm.adv_estimator=gae", "actor.use_kl_loss=true", "trainer.save_freq=2"],
                  ["critic/vf_loss", "actor/kl_loss"], marks=pytest.mark.slow),
+    # Ulysses sequence parallel over both workers for actor, reference and critic (one dp group)
+    pytest.param("sp2", ["actor.engine.ulysses_sequence_parallel_size=2",
+                         "critic.engine.ulysses_sequence_parallel_size=2",
+                         "algorithm.adv_estimator=gae", "actor.use_kl_loss=true", "trainer.save_freq=2"],
+                 ["critic/vf_loss", "actor/kl_loss"], marks=pytest.mark.slow),
 ])
 def test_train_smoke(tiny_model: str, tmp_path: Path, name: str, extra: list[str], expect: list[str]) -> None:
     steps = train_ok(tiny_model, tmp_path, *extra)
