@@ -16,8 +16,8 @@ import torch.multiprocessing as mp
 
 from hybridflow import keys
 from hybridflow.engine import EngineConfig, OptimConfig
-from hybridflow.engine.batch import TokenBudget
-from hybridflow.engine.sequence_parallel import SequenceParallelEngine, check_sp_layout, kv_head_splits
+from hybridflow.engine.batch import PackedBatch, TokenBudget
+from hybridflow.engine.sequence_parallel import SequenceParallelEngine, check_sp_layout, kv_head_splits, padded_row
 from hybridflow.models import default_model_dir, load_causal_lm, load_value_model, tiny_model_dir
 from tests.engine_helpers import make_group_batch, reference_log_probs
 
@@ -61,11 +61,12 @@ def _micro(shard: dict, size: int = 2) -> list[dict]:
     return [{k: v[i : i + size] for k, v in shard.items()} for i in range(0, rows, size)]
 
 
-def _worker(rank: int, world: int, sp: int, model: str, port: int, out_dir: str, fsdp_size: int) -> None:
+def _worker(rank: int, world: int, sp: int, model: str, port: int, out_dir: str, fsdp_size: int, gc: bool) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     path, data = tiny_model_dir(**MODELS[model]), _data()
-    cfg = EngineConfig(param_dtype="fp32", ulysses_sequence_parallel_size=sp, fsdp_size=fsdp_size)
+    cfg = EngineConfig(param_dtype="fp32", ulysses_sequence_parallel_size=sp, fsdp_size=fsdp_size,
+                       gradient_checkpointing=gc)
     engine = SequenceParallelEngine.from_pretrained(path, cfg, OptimConfig(**OPTIM))
     dp, rows = engine.dp_size, ROWS // engine.dp_size
     shard = {k: v[engine.dp_rank * rows : (engine.dp_rank + 1) * rows] for k, v in data.items()}
@@ -122,9 +123,10 @@ def _close(got: torch.Tensor, want: torch.Tensor, msg: str = "") -> None:
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4, msg=lambda m: f"{msg}: {m}")
 
 
-def _run(tmp_path: Path, world: int, sp: int, model: str, fsdp_size: int = 1) -> None:
+def _run(tmp_path: Path, world: int, sp: int, model: str, fsdp_size: int = 1, gc: bool = False) -> None:
+    """`gc`: gradient checkpointing (the backward recomputes attention, all-to-alls included)."""
     path = tiny_model_dir(**MODELS[model])  # build the cache once, before the workers race for it
-    mp.spawn(_worker, args=(world, sp, model, _free_port(), str(tmp_path), fsdp_size), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, sp, model, _free_port(), str(tmp_path), fsdp_size, gc), nprocs=world, join=True)
     data, ranks = _data(), [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
     ref, dp, rows = _reference(path, data), world // sp, ROWS // (world // sp)
     assert [(r["dp_rank"], r["sp_rank"]) for r in ranks] == [(d, s) for d in range(dp) for s in range(sp)]
@@ -151,14 +153,27 @@ def test_sp2_llama_matches_one_process(tmp_path):
     _run(tmp_path, world=2, sp=2, model="llama")
 
 
-def test_sp2_qwen2_uneven_kv_groups_match_one_process(tmp_path):
-    _run(tmp_path, world=2, sp=2, model="qwen2-uneven")
+def test_sp2_qwen2_uneven_kv_groups_match_one_process_with_checkpointing(tmp_path):
+    _run(tmp_path, world=2, sp=2, model="qwen2-uneven", gc=True)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fsdp_size", [1, -1], ids=["replicated", "sharded-over-dp-x-sp"])
 def test_dp2_sp2_llama_matches_one_process(tmp_path, fsdp_size):
     _run(tmp_path, world=4, sp=2, model="llama", fsdp_size=fsdp_size)
+
+
+def test_padded_row_has_one_attention_block_per_example_and_one_for_the_padding():
+    rmask = torch.ones(2, 1, dtype=torch.bool)
+    packed = PackedBatch(input_ids=torch.arange(5)[None], position_ids=torch.tensor([[0, 1, 2, 0, 1]]),
+                         predictors=torch.tensor([1, 3]), labels=torch.tensor([2, 4]), response_mask=rmask)
+    ids, pos, blocks = padded_row(packed, 4)
+    assert ids.shape == (1, 8) and pos[0].tolist() == [0, 1, 2, 0, 1, 0, 1, 2]
+    assert blocks == [(0, 3, None), (3, 5, None), (5, 8, None)]
+    shared = replace(packed, attention_mask=torch.ones(1, 1, 5, 5, dtype=torch.bool).tril())
+    _, _, blocks = padded_row(shared, 4)
+    assert [(a, b, None if m is None else m.shape) for a, b, m in blocks] == [(0, 3, (3, 3)), (3, 5, (2, 2)),
+                                                                              (5, 8, None)]
 
 
 def test_head_splits_and_layout_refused_with_the_numbers():

@@ -6,8 +6,9 @@ row (hybridflow/engine/batch.py `pack`, or the shared-prompt row of engine/prefi
 multiple of sp, and each sp rank runs its contiguous 1/sp of those tokens through the embedding,
 norms, projections, MLP and head. Around attention (DeepSpeed-Ulysses, arXiv 2309.14509) an
 all-to-all turns [local tokens, all heads] into [all tokens, this rank's heads] for q, k and v (after
-RoPE, which saw the sliced position ids), attention runs over the whole packed row under a mask that
-keeps examples apart (built from the full position ids), and a second all-to-all turns the output
+RoPE, which saw the sliced position ids), attention runs over the whole packed row block by block
+(each example, or each prompt group of a shared-prompt row, found from the full position ids: no
+token attends across blocks, so no [N, N] mask is built), and a second all-to-all turns the output
 back. FSDP2 shards parameters over all ranks (dp x sp) exactly as `FSDPEngine` does, so checkpoints
 are the plain FSDP layout and load at any sp.
 
@@ -23,13 +24,13 @@ gives each rank sp x the gradient of its own tokens' share; FSDP2 then averages 
 which divides that sp back out: the gradient is the one process's, as with data parallel alone.
 
 Not here: sequence parallel combined with tensor parallel (refused by EngineConfig), LoRA adapters
-(refused), sliding-window attention (refused at load). The attention is a dense masked product over
-the packed row (no varlen kernel on CPU), as with plain packing.
+(refused), sliding-window attention (refused at load). Attention is one SDPA call per block (causal
+for an example, under its own mask for a shared-prompt group): a loop, not a varlen kernel.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -74,9 +75,14 @@ def check_sp_layout(sp: int, world: int, num_heads: int, num_kv_heads: int,
                          + f"; the model has {num_heads} attention heads and {num_kv_heads} kv heads")
 
 
-@dataclass(frozen=True)
+Block = tuple[int, int, "torch.Tensor | None"]
+"""(start, end, mask) of a run of the packed row that attends only within itself: mask None is causal,
+else a [end - start, end - start] bool mask (True: may attend)."""
+
+
+@dataclass
 class SPLayout:
-    """One rank's place in its sp group and how the heads are split over the group."""
+    """One rank's place in its sp group, how the heads are split over the group, and the current row's blocks."""
 
     group: Any
     """The sp process group (the sp ranks of this rank's dp group)."""
@@ -88,6 +94,9 @@ class SPLayout:
     """Query heads each sp rank attends with (whole kv groups' worth)."""
     kv_splits: list[int]
     """Key/value heads each sp rank attends with."""
+    blocks: list[Block] = field(default_factory=list)
+    """Attention blocks of the packed row being run: set by the engine before each forward, and still
+    valid in its backward (which recomputes attention under gradient checkpointing)."""
 
 
 class _AllToAll(torch.autograd.Function):
@@ -137,40 +146,41 @@ def sequence_to_heads(x: torch.Tensor, splits: list[int], sp: SPLayout) -> torch
 
 
 def ulysses_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      attention_mask: torch.Tensor, scaling: float | None = None, dropout: float = 0.0,
+                      attention_mask: None, scaling: float | None = None, dropout: float = 0.0,
                       **_kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers attention function: q/k/v [b, heads, local tokens, d] -> output [b, local tokens, heads, d].
 
-    `attention_mask` is the [b, 1, N, N] bool mask of the whole (padded) packed row, True where a token may
-    attend; the sp layout hangs on the attention module (`SequenceParallelEngine` puts it there)."""
+    The sp layout and the row's attention blocks hang on the attention module (`SequenceParallelEngine` puts
+    them there); transformers builds no mask for this attention implementation (`attention_mask` is None)."""
     sp: SPLayout = module.hybridflow_sp
     q = heads_to_sequence(query, sp.q_splits, sp)
     k = repeat_kv(heads_to_sequence(key, sp.kv_splits, sp), module.num_key_value_groups)
     v = repeat_kv(heads_to_sequence(value, sp.kv_splits, sp), module.num_key_value_groups)
-    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, dropout_p=dropout,
-                                                           scale=scaling)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    out = torch.cat([sdpa(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], attn_mask=mask, is_causal=mask is None,
+                          dropout_p=dropout, scale=scaling) for a, b, mask in sp.blocks], dim=2)
     return sequence_to_heads(out, sp.q_splits, sp).transpose(1, 2).contiguous(), None
 
 
 AttentionInterface.register(ATTENTION_NAME, ulysses_attention)
 
 
-def padded_row(packed: B.PackedBatch, sp: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(input_ids [1, M], position_ids [1, M], mask [1, 1, M, M] bool) of the packed row padded to a multiple
-    M of `sp`. The padding tokens form an example of their own (positions from 0), seen by no real token."""
+def padded_row(packed: B.PackedBatch, sp: int) -> tuple[torch.Tensor, torch.Tensor, list[Block]]:
+    """(input_ids [1, M], position_ids [1, M], attention blocks) of the packed row padded to a multiple M of `sp`.
+
+    A block starts at every position id 0: an example of a plain packed row, or a prompt group of a shared-prompt
+    row (its responses continue the prompt's positions), which keeps its part of the row's mask. The padding
+    tokens form a causal block of their own."""
     n = packed.input_ids.shape[1]
     pad = -n % sp
-    device = packed.input_ids.device
     ids = torch.cat([packed.input_ids, packed.input_ids.new_zeros(1, pad)], dim=1)
-    pos = torch.cat([packed.position_ids, torch.arange(pad, device=device).unsqueeze(0)], dim=1)
+    pos = torch.cat([packed.position_ids, torch.arange(pad, device=ids.device).unsqueeze(0)], dim=1)
+    starts = sorted({0, *(pos[0] == 0).nonzero().flatten().tolist()})
+    bounds = list(zip(starts, starts[1:] + [n + pad]))
     if packed.attention_mask is None:
-        segment = (pos[0] == 0).cumsum(0)
-        causal = torch.ones(n + pad, n + pad, dtype=torch.bool, device=device).tril()
-        return ids, pos, ((segment[:, None] == segment[None, :]) & causal)[None, None]
-    mask = torch.zeros(n + pad, n + pad, dtype=torch.bool, device=device)
-    mask[:n, :n] = packed.attention_mask[0, 0]
-    mask[n:, n:] = torch.ones(pad, pad, dtype=torch.bool, device=device).tril()
-    return ids, pos, mask[None, None]
+        return ids, pos, [(a, b, None) for a, b in bounds]
+    mask = packed.attention_mask[0, 0]
+    return ids, pos, [(a, b, mask[a:b, a:b] if a < n else None) for a, b in bounds]
 
 
 class SequenceParallelEngine(FSDPEngine):
@@ -178,7 +188,7 @@ class SequenceParallelEngine(FSDPEngine):
 
     `rank` / `world_size` stay the global ones; `dp_rank`, `dp_size`, `sp_rank` and `sp_size` give this rank's
     place in the dp x sp layout. Every micro-batch runs packed: `packing` picks plain packing, else
-    `share_prompts` the shared-prompt row (both are dense masked rows here, and sharing never adds tokens).
+    `share_prompts` the shared-prompt row (sharing never adds tokens, and attention runs block by block in both).
     """
 
     def __init__(self, model: nn.Module, config: EngineConfig, optim=None, lora=None) -> None:
@@ -235,13 +245,12 @@ class SequenceParallelEngine(FSDPEngine):
     def _forward_packed(self, packed: B.PackedBatch, temperature: float,
                         calc_entropy: bool) -> dict[str, torch.Tensor]:
         """This rank's slice of the padded packed row through the model; outputs summed over the sp group."""
-        ids, pos, mask = padded_row(packed, self.sp.size)
+        ids, pos, self.sp.blocks = padded_row(packed, self.sp.size)
         width = ids.shape[1] // self.sp.size
         start = self.sp.rank * width
         mine = (packed.predictors >= start) & (packed.predictors < start + width)
         local = packed.predictors[mine] - start
-        row = {"input_ids": ids[:, start : start + width], "position_ids": pos[:, start : start + width],
-               "attention_mask": mask}
+        row = {"input_ids": ids[:, start : start + width], "position_ids": pos[:, start : start + width]}
 
         def place(values: torch.Tensor, link: torch.Tensor) -> torch.Tensor:
             # + link (a zero on the model's graph): a rank whose slice predicts no response token still
