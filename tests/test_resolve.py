@@ -193,8 +193,9 @@ def test_sequence_parallel_layout_is_checked_against_the_model_and_the_workers()
         resolve(load_config(RunConfig, None, ["actor.engine.ulysses_sequence_parallel_size=2",
                                               "trainer.n_workers_per_node=3", "rollout.n=6"]), steps_per_epoch=4)
     with pytest.raises(ConfigError, match=r"critic.engine.ulysses_sequence_parallel_size=4 must be at most"):
-        resolve(load_config(RunConfig, None, ["critic.engine.ulysses_sequence_parallel_size=4", "algorithm.adv_estimator=gae",
-                                              "trainer.n_workers_per_node=4"]), steps_per_epoch=4)
+        resolve(load_config(RunConfig, None, ["critic.engine.ulysses_sequence_parallel_size=4",
+                                              "algorithm.adv_estimator=gae", "trainer.n_workers_per_node=4"]),
+                steps_per_epoch=4)
     with pytest.raises(ConfigError, match="ulysses_sequence_parallel_size > 1 does not combine with actor.lora.rank"):
         resolve(load_config(RunConfig, None, ["actor.engine.ulysses_sequence_parallel_size=2", "actor.lora.rank=4"]),
                 steps_per_epoch=4)

@@ -220,7 +220,8 @@ def check_parallel_layouts(cfg: RunConfig, sets: tuple[WorkerSet, ...]) -> None:
         raise ConfigError("actor.engine.ulysses_sequence_parallel_size > 1 does not combine with actor.lora.rank > 0 "
                           "yet")
     policy, critic_model = ("actor", "ref"), (cfg.critic.model or cfg.model).path
-    checks = [("actor.engine.tensor_parallel_size", engine.tensor_parallel_size, cfg.model.path, policy, check_tp_layout),
+    checks = [("actor.engine.tensor_parallel_size", engine.tensor_parallel_size, cfg.model.path, policy,
+               check_tp_layout),
               ("actor.engine.ulysses_sequence_parallel_size", engine.ulysses_sequence_parallel_size, cfg.model.path,
                policy, check_sp_layout),
               ("rollout.tensor_model_parallel_size", cfg.rollout.tensor_model_parallel_size, cfg.model.path,
