@@ -105,13 +105,14 @@ def run_layout(args) -> None:
         mp.spawn(_layout_rank, args=(args, port, tmp), nprocs=args.ranks, join=True)
         ranks = [torch.load(Path(tmp) / f"rank{r}.pt") for r in range(args.ranks)]
     times = [max(step) for step in zip(*(r["times"] for r in ranks))]
-    m = ranks[0]["metrics"]
+    # dp: each rank's loss is its rows' share x dp, so the mean over ranks is the batch's; tp / sp ranks agree
+    m = {k: sum(r["metrics"][k] for r in ranks) / len(ranks) for k in ("loss", "grad_norm")}
     tokens = args.batch * args.seq
     print(describe_cpu(args.threads))
     print(f"layout {args.layout} x {args.ranks} ranks x {args.threads} threads  batch {args.batch}x{args.seq} "
           f"({args.response} response tokens/row)  micro-batch {args.micro}  compute {args.dtype}  gc {args.gc}")
     print(f"step time  best {min(times):.2f} s  mean {sum(times) / len(times):.2f} s  over {len(times)} steps  "
-          f"(slowest rank; loss {m['loss']:.3f}, grad_norm {m['grad_norm']:.2f})")
+          f"(slowest rank; loss {m['loss']:.3f}, grad_norm {m['grad_norm']:.2f}, means over ranks)")
     print(f"tokens/s   {tokens / min(times):.0f} at the best step, {tokens * len(times) / sum(times):.0f} at the mean")
 
 
