@@ -1,7 +1,8 @@
 """Ulysses sequence parallel x FSDP2 on gloo ranks computes what one plain process computes: log-probs and
 entropy (shared-prompt, plainly packed and token-budget micro-batches of several examples), values, the
 loss, gradients and one AdamW step, the critic's gradient norm; with heads that split evenly over sp and
-with whole kv groups split unevenly (3 kv heads over 2 ranks, as SmolLM2's 9/3 heads)."""
+with whole kv groups split unevenly (3 kv heads over 2 ranks, as SmolLM2's 9/3 heads); the checkpoint
+restores into a one-process engine without sequence parallel."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 import torch.multiprocessing as mp
 
 from hybridflow import keys
-from hybridflow.engine import EngineConfig, OptimConfig
+from hybridflow.engine import EngineConfig, FSDPEngine, OptimConfig
 from hybridflow.engine.batch import PackedBatch, TokenBudget
 from hybridflow.engine.sequence_parallel import SequenceParallelEngine, check_sp_layout, kv_head_splits, padded_row
 from hybridflow.models import default_model_dir, load_causal_lm, load_value_model, tiny_model_dir
@@ -87,6 +88,7 @@ def _worker(rank: int, world: int, sp: int, model: str, port: int, out_dir: str,
     engine.optimizer.zero_grad(set_to_none=True)
     res["metrics"] = engine.train_step(_micro(shard), loss_fn)
     res["trained"] = engine.full_state_dict()
+    engine.save_checkpoint(Path(out_dir) / "ckpt")
     torch.manual_seed(0)  # the value head starts random: the same on every rank and in the reference
     critic = SequenceParallelEngine.from_pretrained(path, cfg, OptimConfig(**OPTIM), value_model=True)
     res["values"] = critic.compute_values(shard, 4)
@@ -147,6 +149,11 @@ def _run(tmp_path: Path, world: int, sp: int, model: str, fsdp_size: int = 1, gc
     assert sum(r["metrics"]["loss"] for r in ranks if r["sp_rank"] == 0) / dp == pytest.approx(ref["loss"], rel=1e-5)
     init = load_causal_lm(path).state_dict()
     assert max((ref["trained"][k] - init[k]).abs().max() for k in init) > 5e-4  # the step moved the weights
+    # the checkpoint is the plain FSDP layout: it restores into a one-process engine without sequence parallel
+    restored = FSDPEngine.from_pretrained(path, EngineConfig(param_dtype="fp32"), OptimConfig(**OPTIM))
+    restored.load_checkpoint(tmp_path / "ckpt")
+    for name, w in restored.full_state_dict().items():
+        torch.testing.assert_close(w, ranks[0]["trained"][name], atol=0, rtol=0, msg=name)
 
 
 def test_sp2_llama_matches_one_process(tmp_path):
