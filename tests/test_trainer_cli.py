@@ -129,11 +129,17 @@ def test_train_smoke(tiny_model: str, tmp_path: Path, name: str, extra: list[str
         assert key in steps[-1], (key, sorted(steps[-1]))
 
 
-def test_train_with_a_reward_model(tiny_model: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("extra", [
+    pytest.param([], id="dp"),
+    # the reward model and the actor split every micro-batch's tokens over both workers (Ulysses)
+    pytest.param(["reward_model.ulysses_sequence_parallel_size=2", "actor.engine.ulysses_sequence_parallel_size=2"],
+                 id="sp2", marks=pytest.mark.slow),
+])
+def test_train_with_a_reward_model(tiny_model: str, tmp_path: Path, extra: list[str]) -> None:
     from tests.test_reward_model import _llama_reward_model_dir
 
     rm_dir = _llama_reward_model_dir(tmp_path / "rm")
-    steps = train_ok(tiny_model, tmp_path, "reward_model.enable=true", f"reward_model.model.path={rm_dir}")
+    steps = train_ok(tiny_model, tmp_path, "reward_model.enable=true", f"reward_model.model.path={rm_dir}", *extra)
     for r in steps:  # the seeded head scores far from 0, and its score is part of critic/score
         assert abs(r["reward_model/score/mean"]) > 1e-3
         rule_mean = r["critic/score/mean"] - r["reward_model/score/mean"]  # arithmetic scores lie in [0, 1]
