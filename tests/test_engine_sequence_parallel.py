@@ -28,6 +28,7 @@ OPTIM = dict(lr=1e-3, weight_decay=0.01, grad_clip=0.5)
 MODELS = {  # name -> tiny_model_dir arguments
     "llama": dict(arch="llama"),  # 4 heads, 2 kv heads: 1 kv group per rank at sp 2
     "qwen2-uneven": dict(arch="qwen2", hidden_size=48, num_heads=6, num_kv_heads=3),  # kv groups 2 + 1
+    "llama-kv6": dict(arch="llama", hidden_size=48, num_heads=6, num_kv_heads=6),  # sp 4: 2 + 2 + 1 + 1 heads
 }
 
 
@@ -168,6 +169,11 @@ def test_sp2_qwen2_uneven_kv_groups_match_one_process_with_checkpointing(tmp_pat
 @pytest.mark.parametrize("fsdp_size", [1, -1], ids=["replicated", "sharded-over-dp-x-sp"])
 def test_dp2_sp2_llama_matches_one_process(tmp_path, fsdp_size):
     _run(tmp_path, world=4, sp=2, model="llama", fsdp_size=fsdp_size)
+
+
+@pytest.mark.slow
+def test_sp4_llama_uneven_heads_matches_one_process(tmp_path):
+    _run(tmp_path, world=4, sp=4, model="llama-kv6")
 
 
 def test_padded_row_has_one_attention_block_per_example_and_one_for_the_padding():
