@@ -21,8 +21,8 @@ meta_info["metrics"]. The worker declares two meshes for the N-D dispatch
 and "policy", dp x tp x sp by actor.engine.tensor_parallel_size and ulysses_sequence_parallel_size,
 which the actor and the reference share: the tp/sp ranks of a dp group receive the same rows and
 only the group's first rank's output is collected. With tp = sp = 1 both meshes are the plain
-DP_COMPUTE_PROTO split. The ranks of a
-rollout tp group sample with the same seed (they must draw the same tokens).
+DP_COMPUTE_PROTO split. The ranks of a rollout tp group sample with the same seed (they must draw
+the same tokens).
 """
 
 from __future__ import annotations

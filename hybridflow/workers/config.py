@@ -200,7 +200,7 @@ class RewardModelConfig(Section):
     ulysses_sequence_parallel_size: int = 1
     """Ranks each micro-batch's tokens are split over (verl's key; see EngineConfig); 1: off."""
 
-    def engine(self) -> EngineConfig:
+    def engine_config(self) -> EngineConfig:
         """The inference engine's settings."""
         return EngineConfig(param_dtype=self.param_dtype,
                             ulysses_sequence_parallel_size=self.ulysses_sequence_parallel_size)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-
 from typing import Any
 
 from hybridflow.engine.base import Engine

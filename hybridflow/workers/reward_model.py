@@ -93,7 +93,7 @@ class RewardModelWorker(Worker):
         super().__init__()
         self.cfg = config
         self.engine = None
-        declare_engine_mesh(self, REWARD_MESH, config.engine(), "reward_model.")
+        declare_engine_mesh(self, REWARD_MESH, config.engine_config(), "reward_model.")
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
@@ -103,7 +103,7 @@ class RewardModelWorker(Worker):
         path = resolve_model_path(self.cfg.model.path)
         check_reward_model_dir(path)
         self.init_process_group()
-        self.engine = build_engine(path, self.cfg.engine(), value_model=True)
+        self.engine = build_engine(path, self.cfg.engine_config(), value_model=True)
 
     @register(dispatch_mode=_ON_REWARD_MESH)
     def compute_rm_score(self, data: DataProto) -> DataProto:
