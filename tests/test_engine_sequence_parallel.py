@@ -2,7 +2,7 @@
 entropy (shared-prompt, plainly packed and token-budget micro-batches of several examples), values, the
 loss, gradients and one AdamW step, the critic's gradient norm; with heads that split evenly over sp and
 with whole kv groups split unevenly (3 kv heads over 2 ranks, as SmolLM2's 9/3 heads); the checkpoint
-restores into a one-process engine without sequence parallel."""
+restores into a one-process engine without sequence parallel; LoRA adapters train as in one process."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 import torch.multiprocessing as mp
 
 from hybridflow import keys
-from hybridflow.engine import EngineConfig, FSDPEngine, OptimConfig
+from hybridflow.engine import EngineConfig, FSDPEngine, LoraConfig, OptimConfig
 from hybridflow.engine.batch import PackedBatch, TokenBudget
 from hybridflow.engine.sequence_parallel import SequenceParallelEngine, check_sp_layout, kv_head_splits, padded_row
 from hybridflow.models import default_model_dir, load_causal_lm, load_value_model, tiny_model_dir
@@ -174,6 +174,42 @@ def test_dp2_sp2_llama_matches_one_process(tmp_path, fsdp_size):
 @pytest.mark.slow
 def test_sp4_llama_uneven_heads_matches_one_process(tmp_path):
     _run(tmp_path, world=4, sp=4, model="llama-kv6")
+
+
+def _lora_run(engine, data: dict) -> dict:
+    """Log-probs with and without the adapters, one step, then the merged weights."""
+    out: dict = {"log_probs": engine.compute_log_probs(data, 2)[0]}
+    with engine.adapters_disabled():
+        out["base"] = engine.compute_log_probs(data, 2)[0]
+    out["metrics"] = engine.train_step(_micro(data), _policy_loss(int(data[keys.ATTENTION_MASK][:, -R:].sum()), 1))
+    out["merged"] = engine.full_state_dict()
+    return out
+
+
+def _lora_worker(rank: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    engine = SequenceParallelEngine.from_pretrained(tiny_model_dir(), EngineConfig(
+        param_dtype="fp32", ulysses_sequence_parallel_size=2), OptimConfig(lr=1e-2), lora=LoraConfig(rank=4))
+    torch.save(_lora_run(engine, _data()), Path(out_dir) / f"rank{rank}.pt")
+
+
+@pytest.mark.slow
+def test_sp2_lora_matches_one_process(tmp_path):
+    """Adapters need nothing of sequence parallel: log-probs with and without them, the step, the merged weights."""
+    tiny_model_dir()
+    mp.spawn(_lora_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    ref = _lora_run(FSDPEngine.from_pretrained(tiny_model_dir(), EngineConfig(param_dtype="fp32"),
+                                               OptimConfig(lr=1e-2), lora=LoraConfig(rank=4)), _data())
+    assert (ref["merged"]["model.layers.0.self_attn.q_proj.weight"]
+            - load_causal_lm(tiny_model_dir()).state_dict()["model.layers.0.self_attn.q_proj.weight"]).abs().max() > 1e-4
+    for r in range(2):
+        got = torch.load(tmp_path / f"rank{r}.pt")
+        _close(got["log_probs"], ref["log_probs"])
+        _close(got["base"], ref["base"])
+        assert got["metrics"]["grad_norm"] == pytest.approx(ref["metrics"]["grad_norm"], rel=1e-4)
+        for name, w in ref["merged"].items():
+            _close(got["merged"][name], w, name)
 
 
 def test_padded_row_has_one_attention_block_per_example_and_one_for_the_padding():

@@ -122,6 +122,9 @@ def train_ok(tiny_model: str, tmp_path: Path, *extra: str) -> list[dict]:
                          "critic.engine.ulysses_sequence_parallel_size=2",
                          "algorithm.adv_estimator=gae", "actor.use_kl_loss=true", "trainer.save_freq=2"],
                  ["critic/vf_loss", "actor/kl_loss"], marks=pytest.mark.slow),
+    pytest.param("sp2_lora", ["actor.engine.ulysses_sequence_parallel_size=2", "actor.lora.rank=8",
+                              "actor.lora.alpha=16", "actor.use_kl_loss=true", "actor.optim.lr=1e-3"],
+                 ["actor/kl_loss", "timing_s/weight_sync"], marks=pytest.mark.slow),
 ])
 def test_train_smoke(tiny_model: str, tmp_path: Path, name: str, extra: list[str], expect: list[str]) -> None:
     steps = train_ok(tiny_model, tmp_path, *extra)

@@ -99,7 +99,7 @@ class EngineConfig(Section):
     ulysses_sequence_parallel_size): the world is laid out as dp x sp (sp fastest), the sp ranks of a dp
     group share its rows, each runs 1/sp of every packed micro-batch's tokens, with all-to-alls around
     attention (hybridflow/engine/sequence_parallel.py); FSDP2 shards over all ranks. 1: off. Must divide
-    the ranks and be <= num_key_value_heads (kv groups may split unevenly); not with tensor parallel or LoRA."""
+    the ranks and be <= num_key_value_heads (kv groups may split unevenly); not with tensor parallel."""
     reshard_after_forward: bool | None = None
     """FSDP2: free gathered parameters after forward (saves memory, costs a re-gather in
     backward). None: False on CPU (gloo gathers are slow, memory is plentiful), True on GPU."""

@@ -23,8 +23,9 @@ sp rank the whole micro-batch's outputs, so every sp rank computes the same loss
 gives each rank sp x the gradient of its own tokens' share; FSDP2 then averages over dp x sp ranks,
 which divides that sp back out: the gradient is the one process's, as with data parallel alone.
 
-Not here: sequence parallel combined with tensor parallel (refused by EngineConfig), LoRA adapters
-(refused), sliding-window attention (refused at load). Attention is one SDPA call per block (causal
+LoRA adapters need nothing here (peft wraps the projections; attention is untouched). Not here:
+sequence parallel combined with tensor parallel (refused by EngineConfig), sliding-window attention
+(refused at load). Attention is one SDPA call per block (causal
 for an example, under its own mask for a shared-prompt group): a loop, not a varlen kernel.
 """
 
@@ -190,12 +191,6 @@ class SequenceParallelEngine(FSDPEngine):
     place in the dp x sp layout. Every micro-batch runs packed: `packing` picks plain packing, else
     `share_prompts` the shared-prompt row (sharing never adds tokens, and attention runs block by block in both).
     """
-
-    def __init__(self, model: nn.Module, config: EngineConfig, optim=None, lora=None) -> None:
-        if lora is not None and lora.enabled:
-            raise ValueError("engine.ulysses_sequence_parallel_size > 1 does not combine with LoRA adapters "
-                             "(lora.rank > 0) yet")
-        super().__init__(model, config, optim, lora)
 
     def _shard(self, model: nn.Module) -> nn.Module:
         hf = model.config
