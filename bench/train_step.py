@@ -9,16 +9,27 @@ engine skips, so it slightly overstates the work done — see the printout).
 With `--lora-rank R` the same batch is then timed on a LoRA engine (adapters of rank R on
 every linear layer), and the full-update / LoRA-update step-time ratio is printed.
 
+With `--layout dp|tp|sp --ranks N` the same global batch is timed on N gloo processes of
+`--threads` threads each: dp splits the rows over the ranks (FSDP2), tp splits every decoder
+layer (tensor_parallel_size=N), sp splits every micro-batch's packed tokens (Ulysses,
+ulysses_sequence_parallel_size=N). Steps are timed on every rank; a step counts as its slowest rank's.
+
     .venv/bin/python bench/train_step.py            # defaults: 8 x 256, bf16, 2 threads
     .venv/bin/python bench/train_step.py --lora-rank 8 --lora-alpha 16
+    .venv/bin/python bench/train_step.py --layout sp --ranks 2 --threads 1
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import socket
+import tempfile
 import time
+from pathlib import Path
 
 import torch
+import torch.multiprocessing as mp
 
 from hybridflow.utils.hardware import describe_cpu, matmul_gflops
 from hybridflow import keys
@@ -62,6 +73,49 @@ def build_engine(args, lora: LoraConfig | None = None) -> FSDPEngine:
     return FSDPEngine.from_pretrained(default_model_dir(), config, OptimConfig(lr=1e-5), lora=lora)
 
 
+LAYOUT_KEYS = {"tp": "tensor_parallel_size", "sp": "ulysses_sequence_parallel_size"}
+"""--layout -> the EngineConfig field set to --ranks (dp sets none)."""
+
+
+def _layout_rank(rank: int, args, port: int, out_dir: str) -> None:
+    """One rank of a --layout run: its share of the batch, timed steps saved to out_dir."""
+    from hybridflow.workers.engines import build_engine as build
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(args.ranks))
+    torch.set_num_threads(args.threads)
+    extra = {LAYOUT_KEYS[args.layout]: args.ranks} if args.layout in LAYOUT_KEYS else {}
+    config = EngineConfig(param_dtype=args.dtype, gradient_checkpointing=args.gc, **extra)
+    engine = build(default_model_dir(), config, OptimConfig(lr=1e-5))
+    dp = config.dp_size(args.ranks)
+    rows = args.batch // dp
+    data = {k: v[rank // (args.ranks // dp) * rows:][:rows]
+            for k, v in make_batch(args.batch, args.seq - args.response, args.response).items()}
+    micro = [{k: v[i : i + args.micro] for k, v in data.items()} for i in range(0, rows, args.micro)]
+    base = token_mean_nll(args.batch * args.response)
+    times, metrics = time_steps(engine, micro, lambda out, m: (base(out, m)[0] * dp, {}), args.steps)
+    torch.save({"times": times, "metrics": metrics}, Path(out_dir) / f"rank{rank}.pt")
+
+
+def run_layout(args) -> None:
+    """Time --steps train steps on --ranks processes laid out as --layout; print the slowest rank's times."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_layout_rank, args=(args, port, tmp), nprocs=args.ranks, join=True)
+        ranks = [torch.load(Path(tmp) / f"rank{r}.pt") for r in range(args.ranks)]
+    times = [max(step) for step in zip(*(r["times"] for r in ranks))]
+    # dp: each rank's loss is its rows' share x dp, so the mean over ranks is the batch's; tp / sp ranks agree
+    m = {k: sum(r["metrics"][k] for r in ranks) / len(ranks) for k in ("loss", "grad_norm")}
+    tokens = args.batch * args.seq
+    print(describe_cpu(args.threads))
+    print(f"layout {args.layout} x {args.ranks} ranks x {args.threads} threads  batch {args.batch}x{args.seq} "
+          f"({args.response} response tokens/row)  micro-batch {args.micro}  compute {args.dtype}  gc {args.gc}")
+    print(f"step time  best {min(times):.2f} s  mean {sum(times) / len(times):.2f} s  over {len(times)} steps  "
+          f"(slowest rank; loss {m['loss']:.3f}, grad_norm {m['grad_norm']:.2f}, means over ranks)")
+    print(f"tokens/s   {tokens / min(times):.0f} at the best step, {tokens * len(times) / sum(times):.0f} at the mean")
+
+
 def main() -> None:
     """Parse flags, time the steps, print step time, FLOP/s and the ratio to the matmul figure."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -75,7 +129,13 @@ def main() -> None:
     ap.add_argument("--gc", action="store_true", help="gradient checkpointing")
     ap.add_argument("--lora-rank", type=int, default=0, help="also time a LoRA update of this rank (0: full only)")
     ap.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA alpha (updates scaled by alpha / rank)")
+    ap.add_argument("--layout", choices=["dp", "tp", "sp"], default=None,
+                    help="time on --ranks gloo processes: rows split (dp), layers split (tp) or tokens split (sp)")
+    ap.add_argument("--ranks", type=int, default=2, help="processes of a --layout run")
     args = ap.parse_args()
+    if args.layout:
+        run_layout(args)
+        return
     torch.set_num_threads(args.threads)
 
     engine = build_engine(args)

@@ -1,5 +1,6 @@
-"""The policy and critic workers declare their dp x tp meshes, and the trainer's calls go through the
-N-D dispatch: rows split over dp groups, replicated to every tp rank of a group, collected from tp rank 0.
+"""The policy, critic and reward-model workers declare their dp x tp x sp meshes, and the trainer's calls go
+through the N-D dispatch: rows split over dp groups, replicated to every tp / sp rank of a group, collected
+from the group's first rank.
 
 The workers here are the real role classes, in one process, with a recording engine in place of the model."""
 
@@ -19,7 +20,8 @@ from hybridflow.engine.config import EngineConfig
 from hybridflow.protocol import DataProto
 from hybridflow.rollout.config import RolloutConfig
 from hybridflow.workers import ActorRolloutRefWorker, CriticWorker
-from hybridflow.workers.config import ActorConfig, CriticConfig, ModelConfig, RefConfig
+from hybridflow.workers.config import ActorConfig, CriticConfig, ModelConfig, RefConfig, RewardModelConfig
+from hybridflow.workers.reward_model import RewardModelWorker
 
 R = 3
 
@@ -37,6 +39,17 @@ class RecordingEngine:
 
     def compute_values(self, batch: Any, micro: Any) -> torch.Tensor:
         return self.compute_log_probs(batch, micro)[0]
+
+
+class ScoringEngine:
+    """Stands in for a reward model's engine: counts the rows it scores, answers with the rank."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.rows = rank, []
+
+    def compute_values(self, batch: Any, micro: Any) -> torch.Tensor:
+        self.rows.append(len(batch[K.INPUT_IDS]))
+        return torch.full(batch[K.RESPONSES].shape, float(self.rank))
 
 
 class InProcessGroup(WorkerGroup):
@@ -83,25 +96,26 @@ class RecordingRollout:
         return DataProto.from_dict({"row": prompts.batch["row"], "by": torch.full((len(prompts),), self.rank)})
 
 
-def _policy(tp: int, rollout_tp: int = 1) -> ClassWithInitArgs:
-    actor = ActorConfig(engine=EngineConfig(tensor_parallel_size=tp))
+def _policy(tp: int, rollout_tp: int = 1, sp: int = 1) -> ClassWithInitArgs:
+    actor = ActorConfig(engine=EngineConfig(tensor_parallel_size=tp, ulysses_sequence_parallel_size=sp))
     rollout = RolloutConfig(tensor_model_parallel_size=rollout_tp)
     return ClassWithInitArgs(ActorRolloutRefWorker, ModelConfig(), actor, rollout, RefConfig(), "actor_rollout_ref")
 
 
-@pytest.mark.parametrize("world,tp", [(4, 2), (2, 2), (4, 1)])
-def test_policy_calls_split_over_dp_and_collect_one_tp_rank(world, tp):
-    group = InProcessGroup(_policy(tp), world)
+@pytest.mark.parametrize("world,tp,sp", [(4, 2, 1), (2, 2, 1), (4, 1, 1), (4, 1, 2), (2, 1, 2)])
+def test_policy_calls_split_over_dp_and_collect_one_rank_per_group(world, tp, sp):
+    group = InProcessGroup(_policy(tp, sp=sp), world)
     for w in group.workers:
         w.actor = w.ref = RecordingEngine(w.rank)
-    dp = world // tp
+    per = tp * sp  # ranks of one dp group
+    dp = world // per
     out = group.compute_log_prob(_rows(8))
-    # each tp rank of dp group d got the d-th contiguous shard, the same rows as its peers
+    # each tp / sp rank of dp group d got the d-th contiguous shard, the same rows as its peers
     for w in group.workers:
-        d, rows = w.rank // tp, 8 // dp
+        d, rows = w.rank // per, 8 // dp
         assert w.actor.seen == [list(range(d * rows, (d + 1) * rows))]
-    # one output per dp group (its tp rank 0), in dp order
-    assert out.batch[K.OLD_LOG_PROBS][:, 0].tolist() == [float(d * tp) for d in range(dp) for _ in range(8 // dp)]
+    # one output per dp group (its first rank), in dp order
+    assert out.batch[K.OLD_LOG_PROBS][:, 0].tolist() == [float(d * per) for d in range(dp) for _ in range(8 // dp)]
     ref = group.compute_ref_log_prob(_rows(6))  # 6 rows: padded to a multiple of dp, padding dropped
     assert len(ref) == 6
     assert [len(w.ref.seen[-1]) for w in group.workers] == [-(-6 // dp)] * world
@@ -125,9 +139,29 @@ def test_colocated_critic_declares_its_own_mesh():
     assert values.batch[K.VALUES][:, 0].tolist() == [0.0, 1.0, 2.0, 3.0]
 
 
-def test_worker_refuses_tp_that_does_not_divide_its_world():
+def test_worker_refuses_tp_or_sp_that_does_not_divide_its_world():
     with pytest.raises(ValueError, match=r"tensor_parallel_size=3 must divide the number of ranks \(4\)"):
         InProcessGroup(_policy(3), 4)
+    with pytest.raises(ValueError, match=r"actor.engine.ulysses_sequence_parallel_size=2 must divide the number of "
+                                         r"ranks \(3\)"):
+        InProcessGroup(_policy(1, sp=2), 3)
+
+
+def test_critic_and_reward_model_replicate_over_their_sp_ranks():
+    """Critic sp 2 and reward model sp 4 on four processes: rows counted per rank, one output per dp group."""
+    critic = InProcessGroup(ClassWithInitArgs(CriticWorker, ModelConfig(), CriticConfig(
+        engine=EngineConfig(ulysses_sequence_parallel_size=2)), 1), 4)
+    for w in critic.workers:
+        w.engine = RecordingEngine(w.rank)
+    values = critic.compute_values(_rows(6))
+    assert [w.engine.seen for w in critic.workers] == [[[0, 1, 2]], [[0, 1, 2]], [[3, 4, 5]], [[3, 4, 5]]]
+    assert values.batch[K.VALUES][:, 0].tolist() == [0.0] * 3 + [2.0] * 3
+    rm = InProcessGroup(ClassWithInitArgs(RewardModelWorker, RewardModelConfig(ulysses_sequence_parallel_size=4)), 4)
+    for w in rm.workers:
+        w.engine = ScoringEngine(w.rank)
+    scores = rm.compute_rm_score(_rows(3))
+    assert [w.engine.rows for w in rm.workers] == [[3]] * 4  # one dp group: every sp rank gets all rows
+    assert scores.batch[K.RM_SCORES][:, -1].tolist() == [0.0] * 3  # collected from sp rank 0
 
 
 def test_generation_follows_the_rollout_mesh_not_the_actor_mesh():

@@ -179,6 +179,34 @@ def test_two_experiments_never_share_a_directory_and_auto_resume_never_crosses_r
         resume_path(shared.config)
 
 
+def test_sequence_parallel_layout_is_checked_against_the_model_and_the_workers():
+    """SmolLM2 has 3 kv heads: sp=2 resolves on 2 workers (kv groups split 2 + 1, one dp group), sp=4 is refused
+    with the numbers, as are sp not dividing the workers, sp with tp, and mini-batches that do not split
+    over the dp groups."""
+    ok = resolve(load_config(RunConfig, None, ["actor.engine.ulysses_sequence_parallel_size=2"]), steps_per_epoch=4)
+    assert ok.config.actor.engine.ulysses_sequence_parallel_size == 2 and ok.config.actor.engine.fsdp_size == 1
+    sp4 = ["actor.engine.ulysses_sequence_parallel_size=4", "trainer.n_workers_per_node=4"]
+    with pytest.raises(ConfigError, match=r"actor.engine.ulysses_sequence_parallel_size=4 must be at most "
+                                          r"num_key_value_heads \(3\).*9 attention heads and 3 kv heads"):
+        resolve(load_config(RunConfig, None, sp4), steps_per_epoch=4)
+    with pytest.raises(ConfigError, match=r"ulysses_sequence_parallel_size=2 must divide the number of ranks \(3\)"):
+        resolve(load_config(RunConfig, None, ["actor.engine.ulysses_sequence_parallel_size=2",
+                                              "trainer.n_workers_per_node=3", "rollout.n=6"]), steps_per_epoch=4)
+    with pytest.raises(ConfigError, match=r"critic.engine.ulysses_sequence_parallel_size=4 must be at most"):
+        resolve(load_config(RunConfig, None, ["critic.engine.ulysses_sequence_parallel_size=4",
+                                              "algorithm.adv_estimator=gae", "trainer.n_workers_per_node=4"]),
+                steps_per_epoch=4)
+    lora = resolve(load_config(RunConfig, None, ["actor.engine.ulysses_sequence_parallel_size=2", "actor.lora.rank=4"]),
+                   steps_per_epoch=4)
+    assert lora.config.actor.lora.rank == 4
+    with pytest.raises(ConfigError, match="does not combine with tensor parallel"):
+        load_config(RunConfig, None, ["actor.engine.ulysses_sequence_parallel_size=2",
+                                      "actor.engine.tensor_parallel_size=2"])
+    with pytest.raises(ConfigError, match=r"= 6 responses must divide evenly over 4 dp groups \(8 workers / 2 actor"):
+        load_config(RunConfig, None, ["actor.engine.ulysses_sequence_parallel_size=2", "trainer.n_workers_per_node=8",
+                                      "actor.ppo_mini_batch_size=2", "data.train_batch_size=2", "rollout.n=3"])
+
+
 def test_tensor_parallel_layout_is_checked_against_the_model_and_the_workers():
     """SmolLM2 (the default model) has 9 attention heads and 3 kv heads: tp=2 is refused with the numbers,
     tp=3 on 3 workers resolves (one dp group); tp that does not divide the workers and tp with LoRA are refused."""

@@ -120,6 +120,14 @@ def train_ok(tiny_model: str, tmp_path: Path, *extra: str) -> list[dict]:
     # FSDP-sharded actor (dp2) -> tp2 rollout holding only its shard: the weight sync reshards (engine/reshard.py)
     pytest.param("reshard", ["actor.engine.fsdp_size=-1", "rollout.tensor_model_parallel_size=2"],
                  ["timing_s/weight_sync"], marks=pytest.mark.slow),
+    # Ulysses sequence parallel over both workers for actor, reference and critic (one dp group)
+    pytest.param("sp2", ["actor.engine.ulysses_sequence_parallel_size=2",
+                         "critic.engine.ulysses_sequence_parallel_size=2",
+                         "algorithm.adv_estimator=gae", "actor.use_kl_loss=true", "trainer.save_freq=2"],
+                 ["critic/vf_loss", "actor/kl_loss"], marks=pytest.mark.slow),
+    pytest.param("sp2_lora", ["actor.engine.ulysses_sequence_parallel_size=2", "actor.lora.rank=8",
+                              "actor.lora.alpha=16", "actor.use_kl_loss=true", "actor.optim.lr=1e-3"],
+                 ["actor/kl_loss", "timing_s/weight_sync"], marks=pytest.mark.slow),
 ])
 def test_train_smoke(tiny_model: str, tmp_path: Path, name: str, extra: list[str], expect: list[str]) -> None:
     steps = train_ok(tiny_model, tmp_path, *extra)
@@ -127,11 +135,17 @@ def test_train_smoke(tiny_model: str, tmp_path: Path, name: str, extra: list[str
         assert key in steps[-1], (key, sorted(steps[-1]))
 
 
-def test_train_with_a_reward_model(tiny_model: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("extra", [
+    pytest.param([], id="dp"),
+    # the reward model and the actor split every micro-batch's tokens over both workers (Ulysses)
+    pytest.param(["reward_model.ulysses_sequence_parallel_size=2", "actor.engine.ulysses_sequence_parallel_size=2"],
+                 id="sp2", marks=pytest.mark.slow),
+])
+def test_train_with_a_reward_model(tiny_model: str, tmp_path: Path, extra: list[str]) -> None:
     from tests.test_reward_model import _llama_reward_model_dir
 
     rm_dir = _llama_reward_model_dir(tmp_path / "rm")
-    steps = train_ok(tiny_model, tmp_path, "reward_model.enable=true", f"reward_model.model.path={rm_dir}")
+    steps = train_ok(tiny_model, tmp_path, "reward_model.enable=true", f"reward_model.model.path={rm_dir}", *extra)
     for r in steps:  # the seeded head scores far from 0, and its score is part of critic/score
         assert abs(r["reward_model/score/mean"]) > 1e-3
         rule_mean = r["critic/score/mean"] - r["reward_model/score/mean"]  # arithmetic scores lie in [0, 1]

@@ -1,4 +1,4 @@
-"""Engines: how one model trains and infers on its process group (FSDP2, and tensor parallel x FSDP2)."""
+"""Engines: how one model trains and infers on its process group (FSDP2, and tensor or sequence parallel x FSDP2)."""
 
 from hybridflow.engine.base import Engine, LossFn, MicroBatch
 from hybridflow.engine.checkpoint import CheckpointError, export_adapter, export_hf, latest_checkpoint

@@ -94,6 +94,12 @@ class EngineConfig(Section):
     world is laid out as dp x tp (tp fastest) and `fsdp_size` shards over the dp ranks. 1: off.
     Must divide the ranks, num_attention_heads and num_key_value_heads (checked when the run is
     resolved); Llama/Qwen2-style layers only, no LoRA (hybridflow/engine/tensor_parallel.py)."""
+    ulysses_sequence_parallel_size: int = 1
+    """Ranks each micro-batch's tokens are split over by Ulysses sequence parallel (verl:
+    ulysses_sequence_parallel_size): the world is laid out as dp x sp (sp fastest), the sp ranks of a dp
+    group share its rows, each runs 1/sp of every packed micro-batch's tokens, with all-to-alls around
+    attention (hybridflow/engine/sequence_parallel.py); FSDP2 shards over all ranks. 1: off. Must divide
+    the ranks and be <= num_key_value_heads (kv groups may split unevenly); not with tensor parallel."""
     reshard_after_forward: bool | None = None
     """FSDP2: free gathered parameters after forward (saves memory, costs a re-gather in
     backward). None: False on CPU (gloo gathers are slow, memory is plentiful), True on GPU."""
@@ -112,6 +118,22 @@ class EngineConfig(Section):
             raise ValueError(f"engine.fsdp_size={size} must divide the number of {what}")
         return size
 
+    @property
+    def ranks_per_dp_group(self) -> int:
+        """Ranks that hold the same rows of the batch (tensor_parallel_size x ulysses_sequence_parallel_size)."""
+        return self.tensor_parallel_size * self.ulysses_sequence_parallel_size
+
+    def dp_size(self, world: int, section: str = "engine.") -> int:
+        """Data-parallel groups (distinct shards of the batch) among `world` ranks: world / (tp x sp).
+        `section`: the key path of this engine in the message ("actor.engine.", ...)."""
+        per = self.ranks_per_dp_group
+        if world % per:
+            keys = [f"{section}{k}={v}" for k, v in (("tensor_parallel_size", self.tensor_parallel_size),
+                                                     ("ulysses_sequence_parallel_size",
+                                                      self.ulysses_sequence_parallel_size)) if v > 1]
+            raise ValueError(f"{' x '.join(keys)} must divide the number of ranks ({world})")
+        return world // per
+
     def resolve_reshard_after_forward(self, device: torch.device) -> bool:
         """`reshard_after_forward`, with None resolved for `device`."""
         if self.reshard_after_forward is None:
@@ -125,6 +147,13 @@ class EngineConfig(Section):
             raise ValueError(f"engine.fsdp_size must be -1, None or >= 1, got {self.fsdp_size}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"engine.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.ulysses_sequence_parallel_size < 1:
+            raise ValueError(f"engine.ulysses_sequence_parallel_size must be >= 1, got "
+                             f"{self.ulysses_sequence_parallel_size}")
+        if self.ulysses_sequence_parallel_size > 1 and self.tensor_parallel_size > 1:
+            raise ValueError(f"engine.ulysses_sequence_parallel_size={self.ulysses_sequence_parallel_size} with "
+                             f"engine.tensor_parallel_size={self.tensor_parallel_size}: sequence parallel does not "
+                             "combine with tensor parallel yet; use one of them")
         if self.cpu_math_attention_max_len < 0:
             raise ValueError(f"engine.cpu_math_attention_max_len must be >= 0, got {self.cpu_math_attention_max_len}")
         if self.logits_chunk_size < 1:

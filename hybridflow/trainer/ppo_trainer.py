@@ -64,8 +64,8 @@ class PPOTrainer:
         self.global_step = 0
         self.resume_from = inputs.resume_from
         self.total_steps = run.total_steps
-        # The batch is split over the actor's dp groups (its tp ranks share their group's rows).
-        self.actor_dp = run.set_of("actor").world_size // self.cfg.actor.engine.tensor_parallel_size
+        # The batch is split over the actor's dp groups (its tp / sp ranks share their group's rows).
+        self.actor_dp = self.cfg.actor.engine.dp_size(run.set_of("actor").world_size)
         self.last_val: dict[str, float] = {}
         self.first_val: dict[str, float] = {}
         self.recovery = recovery

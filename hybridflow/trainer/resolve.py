@@ -15,7 +15,8 @@ Derived here and nowhere else, always from the final merged values:
 - rollout.prompt_length / response_length from data.max_prompt_length / max_response_length;
 - critic.enable and critic.model from the estimator and the policy model;
 - each trained role's engine.fsdp_size and reshard_after_forward from the device and its group size,
-  and its engine.tensor_parallel_size checked against its group size and its model's heads;
+  and its engine.tensor_parallel_size / ulysses_sequence_parallel_size (and the reward model's) checked
+  against its group size and its model's heads;
 - every compute dtype left "auto" (actor/critic engine.param_dtype, rollout.dtype, ref and reward
   model param_dtype): bf16 or fp32 as a matmul probe on trainer.cpus_per_worker threads measures
   (once per machine, hybridflow/utils/hardware.py), bf16 on CUDA;
@@ -112,7 +113,7 @@ def resolve(cfg: RunConfig, steps_per_epoch: int, cpu_count: int | None = None) 
         cfg = resolve_auto_placement(cfg, t.cpus_per_worker or max(1, (cpu_count or os.cpu_count() or 1)
                                                                    // t.n_workers_per_node))
     sets = worker_sets(cfg)
-    check_tensor_parallel(cfg, sets)
+    check_parallel_layouts(cfg, sets)
     trainer = resolve_trainer(cfg.trainer, steps_per_epoch, cpu_count)
     total = trainer.total_training_steps
     device = trainer.device
@@ -136,7 +137,7 @@ def resolve(cfg: RunConfig, steps_per_epoch: int, cpu_count: int | None = None) 
         reward_model=replace(cfg.reward_model,
                              param_dtype=resolve_dtype(cfg.reward_model.param_dtype, device, threads)),
     )
-    actor_dp = sets[0].world_size // cfg.actor.engine.tensor_parallel_size
+    actor_dp = cfg.actor.engine.dp_size(sets[0].world_size)
     return ResolvedRun(freeze(resolved), steps_per_epoch, sets, recompute_old_log_prob(cfg, actor_dp))
 
 
@@ -208,31 +209,42 @@ def resolve_engine(engine: EngineConfig, device: str, world: int, section: str, 
                    param_dtype=resolve_dtype(engine.param_dtype, device, threads))
 
 
-def check_tensor_parallel(cfg: RunConfig, sets: tuple[WorkerSet, ...]) -> None:
-    """Refuse a tensor_parallel_size that does not divide a worker set hosting the role (the reference
-    shares the actor's) or its model's attention / kv heads; reads the model's config only when tp > 1."""
+def check_parallel_layouts(cfg: RunConfig, sets: tuple[WorkerSet, ...]) -> None:
+    """Refuse a tensor_parallel_size / ulysses_sequence_parallel_size that does not divide a worker set hosting
+    the role (the reference shares the actor's) or does not fit its model's attention / kv heads; reads the
+    model's config only when a size is > 1."""
+    from hybridflow.engine.sequence_parallel import check_sp_layout
     from hybridflow.engine.tensor_parallel import check_tp_layout
     from hybridflow.models.loading import load_config
 
-    if cfg.actor.engine.tensor_parallel_size > 1 and cfg.actor.lora.enabled:
+    engine = cfg.actor.engine
+    if cfg.actor.lora.enabled and engine.tensor_parallel_size > 1:
         raise ConfigError("actor.engine.tensor_parallel_size > 1 does not combine with actor.lora.rank > 0 "
                           "(peft wraps the projections tensor parallel splits)")
-    checks = [("actor.engine.tensor_parallel_size", cfg.actor.engine.tensor_parallel_size, cfg.model.path,
-               ("actor", "ref")),
+    policy, critic_model = ("actor", "ref"), (cfg.critic.model or cfg.model).path
+    checks = [("actor.engine.tensor_parallel_size", engine.tensor_parallel_size, cfg.model.path, policy,
+               check_tp_layout),
+              ("actor.engine.ulysses_sequence_parallel_size", engine.ulysses_sequence_parallel_size, cfg.model.path,
+               policy, check_sp_layout),
               ("rollout.tensor_model_parallel_size", cfg.rollout.tensor_model_parallel_size, cfg.model.path,
-               ("rollout",))]
+               ("rollout",), check_tp_layout)]
     if cfg.use_critic:
-        critic_model = (cfg.critic.model or cfg.model).path
-        checks.append(("critic.engine.tensor_parallel_size", cfg.critic.engine.tensor_parallel_size, critic_model,
-                       ("critic",)))
-    for key, tp, path, roles in checks:
-        if tp == 1:
+        checks += [("critic.engine.tensor_parallel_size", cfg.critic.engine.tensor_parallel_size, critic_model,
+                    ("critic",), check_tp_layout),
+                   ("critic.engine.ulysses_sequence_parallel_size", cfg.critic.engine.ulysses_sequence_parallel_size,
+                    critic_model, ("critic",), check_sp_layout)]
+    if cfg.reward_model.enable:
+        rm = cfg.reward_model
+        checks.append(("reward_model.ulysses_sequence_parallel_size", rm.ulysses_sequence_parallel_size,
+                       rm.model.path, ("reward_model",), check_sp_layout))
+    for key, size, path, roles, check in checks:
+        if size == 1:
             continue
         hf = load_config(path)
         for s in sets:
             if set(roles) & set(s.roles):
                 try:
-                    check_tp_layout(tp, s.world_size, hf.num_attention_heads, hf.num_key_value_heads, key)
+                    check(size, s.world_size, hf.num_attention_heads, hf.num_key_value_heads, key)
                 except ValueError as err:
                     raise ConfigError(f"{err} (model {path})") from None
 

@@ -113,12 +113,14 @@ class RunConfig(Section):
                              f"critic.ppo_mini_batch_size ({self.critic.ppo_mini_batch_size})")
         if not w:  # trainer.n_workers_per_node=null: checked again once resolve has chosen it
             return
-        for role, prompts, tp in (("actor", a.ppo_mini_batch_size, a.engine.tensor_parallel_size),
-                                  ("critic", self.critic.ppo_mini_batch_size, self.critic.engine.tensor_parallel_size)):
-            # Mini-batches split over dp groups: a tp group shares its rows (a tp not dividing w fails at resolve).
-            groups = w // tp if w % tp == 0 else w
+        for role, prompts, engine in (("actor", a.ppo_mini_batch_size, a.engine),
+                                      ("critic", self.critic.ppo_mini_batch_size, self.critic.engine)):
+            # Mini-batches split over dp groups: a tp / sp group shares its rows (a size not dividing w fails at
+            # resolve).
+            per = engine.ranks_per_dp_group
+            groups = w // per if w % per == 0 else w
             where = f"{w} workers (trainer.n_workers_per_node * trainer.nnodes)" if groups == w else \
-                f"{groups} dp groups ({w} workers / {role}.engine.tensor_parallel_size={tp})"
+                f"{groups} dp groups ({w} workers / {per} {role}.engine tensor x sequence parallel ranks)"
             if (prompts * n) % groups:
                 raise ValueError(f"{role}.ppo_mini_batch_size ({prompts}) * rollout.n ({n}) = {prompts * n} responses "
                                  f"must divide evenly over {where}")

@@ -119,9 +119,9 @@ class SFTConfig(Section):
         if self.data.train_batch_size % world:
             raise ValueError(f"data.train_batch_size ({self.data.train_batch_size}) must divide evenly over {world} "
                              "workers (trainer.n_workers_per_node * trainer.nnodes)")
-        if self.engine.tensor_parallel_size != 1:
-            raise ValueError("engine.tensor_parallel_size > 1 is for the RL roles (actor/critic); SFT runs "
-                             "data parallel only")
+        if self.engine.ranks_per_dp_group != 1:
+            raise ValueError("engine.tensor_parallel_size / ulysses_sequence_parallel_size > 1 are for the RL roles "
+                             "(actor/critic); SFT runs data parallel only")
         if self.engine.packing and not self.data.packing:
             raise ValueError("engine.packing=true conflicts with data.packing=false: engine.packing is derived; "
                              "set only data.packing")

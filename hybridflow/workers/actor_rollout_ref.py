@@ -20,12 +20,13 @@ Every method receives THIS worker's data-parallel shard and returns a DataProto 
 tensors are laid out as in hybridflow/keys.py, with worker-side metrics under
 meta_info["metrics"]. The worker declares two meshes for the N-D dispatch
 (hybridflow/controller/dispatch.py): "rollout", dp x tp by rollout.tensor_model_parallel_size,
-and "policy", dp x tp by actor.engine.tensor_parallel_size, which the actor and the reference
-share: the tp ranks of a dp group receive the same rows and only tp rank 0's output is
-collected. With tp = 1 both meshes are the plain DP_COMPUTE_PROTO split. The ranks of a
-rollout tp group sample with the same seed (they must draw the same tokens). A rollout tp group
-is consecutive ranks, except beside a plain FSDP-sharded actor, where its ranks are spaced so that
-each rank's training rows lie in its generation shard (`aligned_stride`, engine/reshard.py).
+and "policy", dp x tp x sp by actor.engine.tensor_parallel_size and ulysses_sequence_parallel_size,
+which the actor and the reference share: the tp/sp ranks of a dp group receive the same rows and
+only the group's first rank's output is collected. With tp = sp = 1 both meshes are the plain
+DP_COMPUTE_PROTO split. The ranks of a rollout tp group sample with the same seed (they must draw
+the same tokens). A rollout tp group is consecutive ranks, except beside a plain FSDP-sharded actor,
+where its ranks are spaced so that each rank's training rows lie in its generation shard
+(`aligned_stride`, engine/reshard.py).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from hybridflow.protocol import DataProto
 from hybridflow.utils.peak_memory import operator_peak
 from hybridflow.rollout.config import RolloutConfig
 from hybridflow.workers.config import ActorConfig, ModelConfig, RefConfig
-from hybridflow.workers.engines import build_engine
+from hybridflow.workers.engines import build_engine, declare_engine_mesh
 from hybridflow.workers.losses import actor_loss_builder
 from hybridflow.workers.ppo_update import run_ppo_update
 
@@ -73,14 +74,11 @@ class ActorRolloutRefWorker(Worker):
         self._rollout_has_all_weights = False
         self._update_calls = 0
         # The reference runs on the actor's layout: both are dispatched over the policy mesh.
-        self.tp_size = actor.engine.tensor_parallel_size
+        self.dp_size = declare_engine_mesh(self, POLICY_MESH, actor.engine, "actor.engine.")
         self.rollout_tp_size = rollout.tensor_model_parallel_size
-        for key, tp in (("actor.engine.tensor_parallel_size", self.tp_size),
-                        ("rollout.tensor_model_parallel_size", self.rollout_tp_size)):
-            if self.world_size % tp:
-                raise ValueError(f"{key}={tp} must divide the number of ranks ({self.world_size})")
-        self.dp_size = self.world_size // self.tp_size
-        self._register_dispatch_collect_info(POLICY_MESH, self.rank // self.tp_size, self.rank % self.tp_size == 0)
+        if self.world_size % self.rollout_tp_size:
+            raise ValueError(f"rollout.tensor_model_parallel_size={self.rollout_tp_size} must divide the number of "
+                             f"ranks ({self.world_size})")
         self.rollout_stride = self._rollout_stride()
         self.rollout_dp_rank, tp_index = group_coords(self.rank, self.rollout_tp_size, self.rollout_stride)
         self._register_dispatch_collect_info(ROLLOUT_MESH, self.rollout_dp_rank, tp_index == 0)
@@ -90,7 +88,7 @@ class ActorRolloutRefWorker(Worker):
         stride that makes each rank's training rows part of its generation shard (engine/reshard.py)."""
         engine = self.actor_cfg.engine
         if "actor" not in self.roles or "rollout" not in self.roles or self.rollout_tp_size == 1 or \
-                engine.tensor_parallel_size > 1:
+                engine.ranks_per_dp_group > 1:
             return 1
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return aligned_stride(engine.resolve_fsdp_size(device, self.world_size), self.rollout_tp_size)
@@ -108,8 +106,10 @@ class ActorRolloutRefWorker(Worker):
         if "actor" in self.roles:
             self.actor = build_engine(path, self.actor_cfg.engine, self.actor_cfg.optim, lora=self.actor_cfg.lora)
         if "ref" in self.roles and not self._ref_is_actor_base():
-            self.ref = build_engine(path, EngineConfig(param_dtype=self.ref_cfg.param_dtype,
-                                                       tensor_parallel_size=self.tp_size))
+            engine = self.actor_cfg.engine
+            self.ref = build_engine(path, EngineConfig(
+                param_dtype=self.ref_cfg.param_dtype, tensor_parallel_size=engine.tensor_parallel_size,
+                ulysses_sequence_parallel_size=engine.ulysses_sequence_parallel_size))
         if "rollout" in self.roles:
             cfg = self.rollout_cfg
             seed = cfg.seed + self.rollout_dp_rank

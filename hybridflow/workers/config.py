@@ -197,8 +197,18 @@ class RewardModelConfig(Section):
     """Rows per forward on one worker."""
     param_dtype: str = "auto"
     """Compute dtype of the reward-model forward ("fp32" | "bf16" | "auto": as engine.param_dtype)."""
+    ulysses_sequence_parallel_size: int = 1
+    """Ranks each micro-batch's tokens are split over (verl's key; see EngineConfig); 1: off."""
+
+    def engine_config(self) -> EngineConfig:
+        """The inference engine's settings."""
+        return EngineConfig(param_dtype=self.param_dtype,
+                            ulysses_sequence_parallel_size=self.ulysses_sequence_parallel_size)
 
     def __post_init__(self) -> None:
+        if self.ulysses_sequence_parallel_size < 1:
+            raise ValueError(f"reward_model.ulysses_sequence_parallel_size must be >= 1, got "
+                             f"{self.ulysses_sequence_parallel_size}")
         if self.micro_batch_size_per_device < 1:
             raise ValueError(
                 f"reward_model.micro_batch_size_per_device must be >= 1, got {self.micro_batch_size_per_device}"

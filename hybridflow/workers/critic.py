@@ -12,12 +12,13 @@ from hybridflow.controller.worker import Worker
 from hybridflow.protocol import DataProto
 from hybridflow.utils.peak_memory import operator_peak
 from hybridflow.workers.config import CriticConfig, ModelConfig
-from hybridflow.workers.engines import build_engine
+from hybridflow.workers.engines import build_engine, declare_engine_mesh
 from hybridflow.workers.losses import critic_loss_builder
 from hybridflow.workers.ppo_update import run_ppo_update
 
 CRITIC_MESH = "critic"
-"""The mesh the critic declares for the N-D dispatch: dp x tp by critic.engine.tensor_parallel_size."""
+"""The mesh the critic declares for the N-D dispatch: dp x tp x sp by critic.engine's tensor_parallel_size and
+ulysses_sequence_parallel_size."""
 _ON_CRITIC_MESH = make_nd_compute_dataproto_dispatch_fn(CRITIC_MESH)
 
 
@@ -35,12 +36,7 @@ class CriticWorker(Worker):
         self.rollout_n = rollout_n
         self.engine = None
         self._update_calls = 0
-        tp = critic.engine.tensor_parallel_size
-        if self.world_size % tp:
-            raise ValueError(f"critic.engine.tensor_parallel_size={tp} must divide the number of ranks "
-                             f"({self.world_size})")
-        self.dp_size = self.world_size // tp
-        self._register_dispatch_collect_info(CRITIC_MESH, self.rank // tp, self.rank % tp == 0)
+        self.dp_size = declare_engine_mesh(self, CRITIC_MESH, critic.engine, "critic.engine.")
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:

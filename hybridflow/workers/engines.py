@@ -1,13 +1,15 @@
 """Which `Engine` a role worker builds: one place to plug in another backend.
 
 Role workers never name a backend class; they call `build_engine`, so a tensor-
-parallel or GPU-specific engine is one more entry in `ENGINES`, not a copy of a worker.
+parallel, sequence-parallel or GPU-specific engine is one more entry in `ENGINES`, not a
+copy of a worker; `declare_engine_mesh` gives the worker its dp layout for the N-D dispatch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from hybridflow.engine.base import Engine
 from hybridflow.engine.config import EngineConfig, LoraConfig, OptimConfig
@@ -28,12 +30,20 @@ def _fsdp_tp(path: str | Path, cfg: EngineConfig, optim: OptimConfig | None, val
     return TensorParallelEngine.from_pretrained(path, cfg, optim, value_model=value_model, lora=lora)
 
 
+def _fsdp_sp(path: str | Path, cfg: EngineConfig, optim: OptimConfig | None, value_model: bool,
+             lora: LoraConfig | None) -> Engine:
+    from hybridflow.engine.sequence_parallel import SequenceParallelEngine
+
+    return SequenceParallelEngine.from_pretrained(path, cfg, optim, value_model=value_model, lora=lora)
+
+
 ENGINES: Registry[Callable[[str | Path, EngineConfig, OptimConfig | None, bool, LoraConfig | None], Engine]] = Registry(
     "engine backend", "backend", "add one with hybridflow.workers.engines.ENGINES.register(name, build_fn)"
 )
 """Engine backends by name: build_fn(path, cfg, optim, value_model, lora) -> Engine."""
 ENGINES.register("fsdp", _fsdp)
 ENGINES.register("fsdp_tp", _fsdp_tp)
+ENGINES.register("fsdp_sp", _fsdp_sp)
 
 
 def build_engine(
@@ -46,7 +56,18 @@ def build_engine(
 ) -> Engine:
     """Load the model at `path` into the `backend` engine (optim=None: inference only; `lora` with
     rank > 0: train adapters on a causal LM instead of its weights). `backend` None: "fsdp_tp" when
-    `cfg.tensor_parallel_size` > 1, else "fsdp"."""
+    `cfg.tensor_parallel_size` > 1, "fsdp_sp" when `cfg.ulysses_sequence_parallel_size` > 1, else "fsdp"."""
     if backend is None:
-        backend = "fsdp_tp" if cfg.tensor_parallel_size > 1 else "fsdp"
+        backend = ("fsdp_tp" if cfg.tensor_parallel_size > 1
+                   else "fsdp_sp" if cfg.ulysses_sequence_parallel_size > 1 else "fsdp")
     return ENGINES.get(backend)(path, cfg, optim, value_model, lora)
+
+
+def declare_engine_mesh(worker: Any, mesh_name: str, cfg: EngineConfig, section: str) -> int:
+    """Declare `worker`'s place on the dp x (tp x sp) layout of `cfg` for the N-D dispatch under `mesh_name`:
+    the tp/sp ranks of a dp group receive its rows and the first of them is collected. Returns the dp size;
+    raises ValueError (naming `section`, e.g. "actor.engine.") when tp x sp does not divide the world."""
+    dp_size = cfg.dp_size(worker.world_size, section)
+    per = cfg.ranks_per_dp_group
+    worker._register_dispatch_collect_info(mesh_name, worker.rank // per, worker.rank % per == 0)
+    return dp_size

@@ -20,11 +20,15 @@ import torch
 
 from hybridflow import keys as K
 from hybridflow.controller.decorator import Dispatch, register
+from hybridflow.controller.dispatch import make_nd_compute_dataproto_dispatch_fn
 from hybridflow.controller.worker import Worker
-from hybridflow.engine.config import EngineConfig
 from hybridflow.protocol import DataProto
 from hybridflow.workers.config import RewardModelConfig
-from hybridflow.workers.engines import build_engine
+from hybridflow.workers.engines import build_engine, declare_engine_mesh
+
+REWARD_MESH = "reward_model"
+"""The mesh the reward model declares for the N-D dispatch: dp x sp by reward_model.ulysses_sequence_parallel_size."""
+_ON_REWARD_MESH = make_nd_compute_dataproto_dispatch_fn(REWARD_MESH)
 
 _FIX = (
     "point reward_model.model.path at a directory saved (save_pretrained) from a "
@@ -89,6 +93,7 @@ class RewardModelWorker(Worker):
         super().__init__()
         self.cfg = config
         self.engine = None
+        declare_engine_mesh(self, REWARD_MESH, config.engine_config(), "reward_model.")
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
@@ -98,9 +103,9 @@ class RewardModelWorker(Worker):
         path = resolve_model_path(self.cfg.model.path)
         check_reward_model_dir(path)
         self.init_process_group()
-        self.engine = build_engine(path, EngineConfig(param_dtype=self.cfg.param_dtype), value_model=True)
+        self.engine = build_engine(path, self.cfg.engine_config(), value_model=True)
 
-    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @register(dispatch_mode=_ON_REWARD_MESH)
     def compute_rm_score(self, data: DataProto) -> DataProto:
         """Rows with input_ids/attention_mask/position_ids/responses/response_mask -> rm_scores [b, R]."""
         values = self.engine.compute_values(score_inputs(data.batch), self.cfg.micro_batch_size_per_device)

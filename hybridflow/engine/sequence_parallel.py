@@ -1,0 +1,261 @@
+"""Ulysses sequence parallel x FSDP2: the FSDP engine with every micro-batch's tokens split over sp ranks.
+
+The world of `world` ranks is laid out as dp x sp, sp fastest (global rank = dp_rank * sp + sp_rank):
+the sp ranks of one dp group hold the same rows of the batch. Each micro-batch runs as ONE packed
+row (hybridflow/engine/batch.py `pack`, or the shared-prompt row of engine/prefix.py), padded to a
+multiple of sp, and each sp rank runs its contiguous 1/sp of those tokens through the embedding,
+norms, projections, MLP and head. Around attention (DeepSpeed-Ulysses, arXiv 2309.14509) an
+all-to-all turns [local tokens, all heads] into [all tokens, this rank's heads] for q, k and v (after
+RoPE, which saw the sliced position ids), attention runs over the whole packed row block by block
+(each example, or each prompt group of a shared-prompt row, found from the full position ids: no
+token attends across blocks, so no [N, N] mask is built), and a second all-to-all turns the output
+back. FSDP2 shards parameters over all ranks (dp x sp) exactly as `FSDPEngine` does, so checkpoints
+are the plain FSDP layout and load at any sp.
+
+Heads are split by whole kv groups, as evenly as they go: with 3 kv heads (SmolLM2: 9 q heads) and
+sp = 2, sp rank 0 attends with 2 kv groups (6 q heads) and rank 1 with 1 group (3 q heads), through
+all-to-alls with uneven split sizes. Only sp > num_key_value_heads is refused (a rank would have no
+whole group); plain Ulysses would also refuse sp = 2 there.
+
+Outputs and gradients: each rank computes log-probs / entropy / values for the response tokens its
+slice predicts, and a sum over the sp group (autograd-aware: its backward is the same sum) hands every
+sp rank the whole micro-batch's outputs, so every sp rank computes the same loss. The backward sum
+gives each rank sp x the gradient of its own tokens' share; FSDP2 then averages over dp x sp ranks,
+which divides that sp back out: the gradient is the one process's, as with data parallel alone.
+
+LoRA adapters need nothing here (peft wraps the projections; attention is untouched). Not here:
+sequence parallel combined with tensor parallel (refused by EngineConfig), sliding-window attention
+(refused at load). Attention is one SDPA call per block (causal
+for an example, under its own mask for a shared-prompt group): a loop, not a varlen kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import repeat_kv
+
+from hybridflow.engine import batch as B
+from hybridflow.engine.base import MicroBatch
+from hybridflow.engine.config import EngineConfig
+from hybridflow.engine.fsdp import FSDPEngine
+from hybridflow.engine.prefix import pack_shared_prompts
+
+ATTENTION_NAME = "hybridflow_ulysses"
+"""The attention implementation (transformers AttentionInterface) the engine sets on its model."""
+
+
+def kv_head_splits(num_kv_heads: int, sp: int) -> list[int]:
+    """Whole kv heads per sp rank, as even as possible, the larger shares first: (3, 2) -> [2, 1]."""
+    return [num_kv_heads // sp + (r < num_kv_heads % sp) for r in range(sp)]
+
+
+def check_sp_layout(sp: int, world: int, num_heads: int, num_kv_heads: int,
+                    key: str = "engine.ulysses_sequence_parallel_size") -> None:
+    """Refuse a layout Ulysses cannot run: sp must divide the ranks and be at most the number of kv heads
+    (each rank attends with whole kv groups; `key`: the config key named in the message)."""
+    if sp < 1:
+        raise ValueError(f"{key} must be >= 1, got {sp}")
+    problems = []
+    if world % sp:
+        problems.append(f"must divide the number of ranks ({world})")
+    if sp > num_kv_heads:
+        problems.append(f"must be at most num_key_value_heads ({num_kv_heads}): each sp rank attends with whole "
+                        "kv groups")
+    if num_heads % num_kv_heads:
+        problems.append(f"needs num_attention_heads ({num_heads}) to be a multiple of num_key_value_heads "
+                        f"({num_kv_heads})")
+    if problems:
+        raise ValueError(f"{key}={sp} " + "; ".join(problems)
+                         + f"; the model has {num_heads} attention heads and {num_kv_heads} kv heads")
+
+
+Block = tuple[int, int, "torch.Tensor | None"]
+"""(start, end, mask) of a run of the packed row that attends only within itself: mask None is causal,
+else a [end - start, end - start] bool mask (True: may attend)."""
+
+
+@dataclass
+class SPLayout:
+    """One rank's place in its sp group, how the heads are split over the group, and the current row's blocks."""
+
+    group: Any
+    """The sp process group (the sp ranks of this rank's dp group)."""
+    rank: int
+    """This rank's place in the group."""
+    size: int
+    """Ranks in the group."""
+    q_splits: list[int]
+    """Query heads each sp rank attends with (whole kv groups' worth)."""
+    kv_splits: list[int]
+    """Key/value heads each sp rank attends with."""
+    blocks: list[Block] = field(default_factory=list)
+    """Attention blocks of the packed row being run: set by the engine before each forward, and still
+    valid in its backward (which recomputes attention under gradient checkpointing)."""
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single along dim 0 with split sizes; its backward is the reverse all-to-all."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, send: list[int], recv: list[int], group: Any) -> torch.Tensor:
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        out = x.new_empty((sum(recv), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _AllToAll.apply(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """all_reduce(SUM) whose backward is the same sum of the incoming gradients."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        out = x.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _SumOverGroup.apply(grad, ctx.group), None
+
+
+def heads_to_sequence(x: torch.Tensor, splits: list[int], sp: SPLayout) -> torch.Tensor:
+    """[b, heads, local tokens, d] on every rank -> [b, splits[rank] heads, all tokens, d]."""
+    b, _, s, d = x.shape
+    mine = splits[sp.rank]
+    out = _AllToAll.apply(x.transpose(0, 1), splits, [mine] * sp.size, sp.group)  # [sp * mine, b, s, d]
+    return out.view(sp.size, mine, b, s, d).permute(2, 1, 0, 3, 4).reshape(b, mine, sp.size * s, d)
+
+
+def sequence_to_heads(x: torch.Tensor, splits: list[int], sp: SPLayout) -> torch.Tensor:
+    """The inverse of `heads_to_sequence`: [b, splits[rank] heads, all tokens, d] -> [b, heads, local tokens, d]."""
+    b, mine, n, d = x.shape
+    s = n // sp.size
+    chunks = x.view(b, mine, sp.size, s, d).permute(2, 1, 0, 3, 4).reshape(sp.size * mine, b, s, d)
+    return _AllToAll.apply(chunks, [mine] * sp.size, splits, sp.group).transpose(0, 1)
+
+
+def ulysses_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: None, scaling: float | None = None, dropout: float = 0.0,
+                      **_kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers attention function: q/k/v [b, heads, local tokens, d] -> output [b, local tokens, heads, d].
+
+    The sp layout and the row's attention blocks hang on the attention module (`SequenceParallelEngine` puts
+    them there); transformers builds no mask for this attention implementation (`attention_mask` is None)."""
+    sp: SPLayout = module.hybridflow_sp
+    q = heads_to_sequence(query, sp.q_splits, sp)
+    k = repeat_kv(heads_to_sequence(key, sp.kv_splits, sp), module.num_key_value_groups)
+    v = repeat_kv(heads_to_sequence(value, sp.kv_splits, sp), module.num_key_value_groups)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    out = torch.cat([sdpa(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], attn_mask=mask, is_causal=mask is None,
+                          dropout_p=dropout, scale=scaling) for a, b, mask in sp.blocks], dim=2)
+    return sequence_to_heads(out, sp.q_splits, sp).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTENTION_NAME, ulysses_attention)
+
+
+def padded_row(packed: B.PackedBatch, sp: int) -> tuple[torch.Tensor, torch.Tensor, list[Block]]:
+    """(input_ids [1, M], position_ids [1, M], attention blocks) of the packed row padded to a multiple M of `sp`.
+
+    A block starts at every position id 0: an example of a plain packed row, or a prompt group of a shared-prompt
+    row (its responses continue the prompt's positions), which keeps its part of the row's mask. The padding
+    tokens form a causal block of their own."""
+    n = packed.input_ids.shape[1]
+    pad = -n % sp
+    ids = torch.cat([packed.input_ids, packed.input_ids.new_zeros(1, pad)], dim=1)
+    pos = torch.cat([packed.position_ids, torch.arange(pad, device=ids.device).unsqueeze(0)], dim=1)
+    starts = sorted({0, *(pos[0] == 0).nonzero().flatten().tolist()})
+    bounds = list(zip(starts, starts[1:] + [n + pad]))
+    if packed.attention_mask is None:
+        return ids, pos, [(a, b, None) for a, b in bounds]
+    mask = packed.attention_mask[0, 0]
+    return ids, pos, [(a, b, mask[a:b, a:b] if a < n else None) for a, b in bounds]
+
+
+class SequenceParallelEngine(FSDPEngine):
+    """`FSDPEngine` with each micro-batch's tokens split over `EngineConfig.ulysses_sequence_parallel_size` ranks.
+
+    `rank` / `world_size` stay the global ones; `dp_rank`, `dp_size`, `sp_rank` and `sp_size` give this rank's
+    place in the dp x sp layout. Every micro-batch runs packed: `packing` picks plain packing, else
+    `share_prompts` the shared-prompt row (sharing never adds tokens, and attention runs block by block in both).
+    """
+
+    def _shard(self, model: nn.Module) -> nn.Module:
+        hf = model.config
+        sp, world = self.config.ulysses_sequence_parallel_size, dist.get_world_size()
+        check_sp_layout(sp, world, hf.num_attention_heads, hf.num_key_value_heads)
+        if "sliding_attention" in (getattr(hf, "layer_types", None) or []):
+            raise ValueError("engine.ulysses_sequence_parallel_size > 1: sliding-window attention is not supported")
+        mesh = init_device_mesh(self.device.type, (world // sp, sp), mesh_dim_names=("dp", "sp"))
+        kv = kv_head_splits(hf.num_key_value_heads, sp)
+        groups = hf.num_attention_heads // hf.num_key_value_heads
+        self.sp = SPLayout(mesh["sp"].get_group(), mesh["sp"].get_local_rank(), sp, [n * groups for n in kv], kv)
+        (model.backbone if self._value else model).set_attn_implementation(ATTENTION_NAME)
+        attention = [m for m in model.modules() if hasattr(m, "num_key_value_groups")]
+        if not attention:
+            raise ValueError(f"sequence parallel: found no attention modules in {type(model).__name__}")
+        for m in attention:
+            m.hybridflow_sp = self.sp
+        return super()._shard(model)
+
+    @property
+    def sp_size(self) -> int:
+        """Ranks each micro-batch's tokens are split over."""
+        return self.sp.size
+
+    @property
+    def sp_rank(self) -> int:
+        """This rank's place in its sp group (which slice of the tokens it runs)."""
+        return self.sp.rank
+
+    @property
+    def dp_size(self) -> int:
+        """Number of dp groups (distinct shards of the batch)."""
+        return self.world_size // self.sp_size
+
+    @property
+    def dp_rank(self) -> int:
+        """Which shard of the batch this rank holds."""
+        return self.rank // self.sp_size
+
+    def forward_micro_batch(self, micro: MicroBatch, temperature: float = 1.0,
+                            calc_entropy: bool = False) -> dict[str, torch.Tensor]:
+        inputs = B.select_inputs(micro, self.device)
+        share = self.config.share_prompts and not self.config.packing
+        packed = pack_shared_prompts(inputs) if share else B.pack(inputs)
+        return self._forward_packed(packed, temperature, calc_entropy)
+
+    def _forward_packed(self, packed: B.PackedBatch, temperature: float,
+                        calc_entropy: bool) -> dict[str, torch.Tensor]:
+        """This rank's slice of the padded packed row through the model; outputs summed over the sp group."""
+        ids, pos, self.sp.blocks = padded_row(packed, self.sp.size)
+        width = ids.shape[1] // self.sp.size
+        start = self.sp.rank * width
+        mine = (packed.predictors >= start) & (packed.predictors < start + width)
+        local = packed.predictors[mine] - start
+        row = {"input_ids": ids[:, start : start + width], "position_ids": pos[:, start : start + width]}
+
+        def place(values: torch.Tensor, link: torch.Tensor) -> torch.Tensor:
+            # + link (a zero on the model's graph): a rank whose slice predicts no response token still
+            # runs the whole backward, whose all-to-alls its sp peers wait for.
+            whole = values.new_zeros(mine.shape, dtype=torch.float32).masked_scatter(mine, values.float() + link)
+            return B.unpack_to_response(_SumOverGroup.apply(whole, self.sp.group), packed)
+
+        if self._value:
+            values = self.model(**row, use_cache=False)
+            return {"values": place(values[0, local], values[:, :0].sum())}
+        logits = self.model(**row, logits_to_keep=local, use_cache=False).logits[0]
+        link = logits[:0].sum()
+        return self._token_outputs(logits, packed.labels[mine], lambda v: place(v, link), temperature, calc_entropy)
