@@ -75,3 +75,11 @@ def test_killed_and_resumed_matches_uninterrupted(tmp_path: Path, mode: list[str
     assert sorted(by_step) == [1, 2, 3, 4]
     for want in full:
         assert _untimed(by_step[want["step"]]) == _untimed(want), want["step"]
+
+
+def test_one_step_off_feeds_a_tp2_rollout_whole_weights(tmp_path: Path) -> None:
+    """The bridge sends whole weights; a rollout split over 2 ranks (each holding only its shard) takes its chunks."""
+    records = _run(tmp_path, 2, "trainer.mode=one_step_off", "trainer.placement=split", "trainer.n_workers_per_node=4",
+                   "rollout.tensor_model_parallel_size=2")
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(r["timing_s/weight_transfer"] > 0 for r in records)

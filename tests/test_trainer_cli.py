@@ -70,7 +70,8 @@ def assert_console(proc: subprocess.CompletedProcess, extra: list[str]) -> None:
     else:
         for bar in LIBRARY_BARS:
             assert bar not in proc.stdout + proc.stderr, proc.stderr[-3000:]
-    workers = "1 worker (local)" if "trainer.backend=local" in extra else "2 workers (ray)"
+    n = next((e.split("=")[1] for e in extra if e.startswith("trainer.n_workers_per_node=")), "2")
+    workers = "1 worker (local)" if "trainer.backend=local" in extra else f"{n} workers (ray)"
     phases = [f"starting {workers}", "loading models", "validating (4 prompts)"]
     if "trainer.save_freq=2" in extra:
         phases.append("saving checkpoint global_step_2 in ")
@@ -117,9 +118,10 @@ def train_ok(tiny_model: str, tmp_path: Path, *extra: str) -> list[dict]:
                          "rollout.tensor_model_parallel_size=2",
                          "algorithm.adv_estimator=gae", "actor.use_kl_loss=true", "trainer.save_freq=2"],
                  ["critic/vf_loss", "actor/kl_loss"], marks=pytest.mark.slow),
-    # FSDP-sharded actor (dp2) -> tp2 rollout holding only its shard: the weight sync reshards (engine/reshard.py)
-    pytest.param("reshard", ["actor.engine.fsdp_size=-1", "rollout.tensor_model_parallel_size=2"],
-                 ["timing_s/weight_sync"], marks=pytest.mark.slow),
+    # FSDP-sharded actor (dp4) -> tp2 x dp2 rollout holding only its shard, tp groups {0,2}, {1,3}: the weight
+    # sync reshards (engine/reshard.py)
+    pytest.param("reshard", ["actor.engine.fsdp_size=-1", "rollout.tensor_model_parallel_size=2",
+                             "trainer.n_workers_per_node=4"], ["timing_s/weight_sync"], marks=pytest.mark.slow),
     # Ulysses sequence parallel over both workers for actor, reference and critic (one dp group)
     pytest.param("sp2", ["actor.engine.ulysses_sequence_parallel_size=2",
                          "critic.engine.ulysses_sequence_parallel_size=2",

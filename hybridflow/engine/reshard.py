@@ -216,7 +216,7 @@ class _Bucket:
             self.stats.sent += flat.nbytes
             inbox[-1 - dst] = flat  # kept alive until the send completed
         for src, views in self.receives.items():
-            inbox[src] = torch.empty(sum(v.numel() for v in views), dtype=self.dtype)
+            inbox[src] = torch.empty(sum(v.numel() for v in views), dtype=self.dtype, device=views[0].device)
             works.append(dist.irecv(inbox[src], src, tag=self.tag))
         for work in works:
             work.wait()
@@ -241,7 +241,7 @@ def split_pieces(pieces: tuple[Piece, ...], max_elems: int) -> tuple[Piece, ...]
 
 
 def _pack(views: list[Tensor], dtype: torch.dtype) -> Tensor:
-    flat = torch.empty(sum(v.numel() for v in views), dtype=dtype)
+    flat = torch.empty(sum(v.numel() for v in views), dtype=dtype, device=views[0].device)
     offset = 0
     for v in views:
         flat[offset : offset + v.numel()].view(v.shape).copy_(v)
@@ -274,9 +274,9 @@ def _local_block(name: str, t: Tensor, box: Box) -> Tensor:
 
 
 def _destination(names: list[str], shape: tuple[int, ...], dtype: torch.dtype, out: Mapping[str, Tensor] | None,
-                 stats: ReshardStats) -> Tensor:
+                 stats: ReshardStats, device: torch.device) -> Tensor:
     if out is None:
-        dest = torch.empty(shape, dtype=dtype)
+        dest = torch.empty(shape, dtype=dtype, device=device)
         stats.allocated += dest.nbytes
         return dest
     if names[0] not in out:
@@ -311,7 +311,7 @@ def reshard(named: Mapping[str, Tensor], layout: GenerationLayout, dtype: torch.
         held = held_boxes(t, world, meshes)
         targets = tuple(layout.target(names[0], tuple(t.shape), r) for r in range(world))
         local = _local_block(names[0], t, held[rank])
-        dest = _destination(names, tuple(hi - lo for lo, hi in targets[rank]), dtype, out, stats)
+        dest = _destination(names, tuple(hi - lo for lo, hi in targets[rank]), dtype, out, stats, local.device)
         for piece in split_pieces(plan_pieces(held, targets), max_elems):
             bucket.add(piece, local, held[rank], dest, targets[rank])
         late += [(name, dest) for name in _alias(names, dest, out, result)]

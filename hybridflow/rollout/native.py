@@ -30,6 +30,7 @@ from hybridflow.rollout.decoder import HFDecoder, StaticLlamaDecoder, supports_s
 from hybridflow.rollout.kernels import decoder_kernels
 from hybridflow.rollout.sampling import sample_next
 from hybridflow.rollout.sharding import own_part, shard_module_, split_dims
+from hybridflow.utils.memory import release_freed_memory
 
 COMPACT_FRACTION = 0.125
 """Compact the batch once this fraction of the held rows has finished."""
@@ -54,6 +55,8 @@ class NativeRollout(ModuleRollout):
         self.split_dims = split_dims(model, self.tp_size) if self.tp_size > 1 else {}
         # from here on this rank holds only its generation shard of the decoder layers
         self._full_sizes = shard_module_(model, self.split_dims, self.tp_rank, self.tp_size)
+        if self.tp_size > 1:
+            release_freed_memory()  # the full weights just freed, which malloc may be set to keep (utils/memory.py)
 
     def load_weights(self, state_dict: dict[str, Tensor], partial: bool = False) -> None:
         """See `ModuleRollout.load_weights`; with tp > 1 each split weight may come whole (this rank's

@@ -37,3 +37,15 @@ def keep_freed_memory() -> bool:
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     _applied = bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
     return _applied
+
+
+def release_freed_memory() -> bool:
+    """Hand the heap's free memory back to the system once (glibc `malloc_trim`): after dropping a one-off
+    allocation that `keep_freed_memory` would otherwise keep resident. False where libc is not glibc."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.malloc_trim(0))
+    except (OSError, AttributeError):  # musl and others have no malloc_trim
+        return False
