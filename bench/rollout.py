@@ -10,6 +10,14 @@ they do the same work. The native time is the whole `generate_sequences` call
 alternate between the two, after one short warm-up each; best of `repeats`.
 A third column runs the native rollout with compiled kernels (rollout.enforce_eager=False);
 its compile time (warm-up call minus the eager one's) is printed beside it.
+
+`--layouts dp tp --ranks N` instead runs only the native rollout on N gloo processes of 1 thread
+each, per layout: dp, every rank generates batch / N of the rows with the whole model; tp
+(rollout.tensor_model_parallel_size=N), every rank generates all rows with its 1/N of every layer
+and two all-reduces per layer and step. Tokens/s = the batch's tokens / the slowest rank's time,
+best of `repeats`. SmolLM2's 9 heads / 3 kv heads allow tp 3 only:
+
+    .venv/bin/python bench/rollout.py --layouts dp tp --ranks 3 --dtypes bf16
 """
 
 from __future__ import annotations
@@ -96,6 +104,60 @@ def bench_dtype(dtype: str, args, tokenizer) -> dict[str, float]:
     return best
 
 
+def _layout_rank(rank: int, args, layout: str, port: int, out: str) -> None:
+    """One rank of a `--layouts` run: build the rollout in `layout`, time `repeats` calls, write its times."""
+    import json
+    import os
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=args.ranks)
+    tp = args.ranks if layout == "tp" else 1
+    cfg = RolloutConfig(name="native", dtype=args.dtypes[0], response_length=args.new_tokens, ignore_eos=True,
+                        max_batch_size=args.batch, prompt_length=256, tensor_model_parallel_size=tp)
+    tokenizer = load_tokenizer(default_model_dir())
+    rollout = build_rollout(cfg, default_model_dir(), tokenizer)
+    prompts = make_prompts(tokenizer, args.batch)
+    if layout == "dp":
+        rows = args.batch // args.ranks
+        prompts = prompts[rank * rows:(rank + 1) * rows]
+    native_generate(rollout, prompts[:4])  # warm-up
+    times = []
+    for _ in range(args.repeats):
+        dist.barrier()
+        times.append(timed(lambda: native_generate(rollout, prompts))[0])
+    with open(f"{out}/{rank}.json", "w") as f:
+        json.dump(times, f)
+    dist.destroy_process_group()
+
+
+def run_layouts(args) -> None:
+    """Tokens/s of the native rollout per layout on `args.ranks` processes (see the module docstring)."""
+    import json
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    print(f"SmolLM2-135M native rollout, batch {args.batch}, {args.new_tokens} new tokens, {args.dtypes[0]}, "
+          f"{args.ranks} processes x 1 thread", flush=True)
+    results = {}
+    for layout in args.layouts:
+        with tempfile.TemporaryDirectory() as out, socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+            sock.close()
+            mp.spawn(_layout_rank, args=(args, layout, port, out), nprocs=args.ranks, join=True)
+            per_rank = [json.load(open(f"{out}/{r}.json")) for r in range(args.ranks)]
+        best = min(max(ts) for ts in zip(*per_rank))
+        results[layout] = args.batch * args.new_tokens / best
+        print(f"  {layout}{args.ranks}: best {best:.2f} s, {results[layout]:.1f} tokens/s", flush=True)
+    if "dp" in results:
+        print("  " + ", ".join(f"{k}{args.ranks} {v / results['dp']:.2f}x dp" for k, v in results.items()))
+
+
 def main() -> None:
     """Print tokens/s of both and their ratio for each dtype."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -103,8 +165,12 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=["bf16", "fp32"])
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--layouts", nargs="+", choices=["dp", "tp"], help="native rollout on --ranks processes")
+    parser.add_argument("--ranks", type=int, default=3)
     args = parser.parse_args()
     print(describe_cpu(), flush=True)
+    if args.layouts:
+        return run_layouts(args)
     tokenizer = load_tokenizer(default_model_dir())
     print(f"SmolLM2-135M, batch {args.batch}, {args.new_tokens} new tokens, sampling T=1, "
           f"torch threads {torch.get_num_threads()}", flush=True)
