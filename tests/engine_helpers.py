@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from hybridflow import keys
@@ -57,3 +58,20 @@ def make_group_batch(prompts: int, n: int, prompt_len: int, resp_len: int, seed:
         ids[i, :prompt_len], mask[i, :prompt_len] = ids[src, :prompt_len], mask[src, :prompt_len]
     return {keys.INPUT_IDS: ids, keys.ATTENTION_MASK: mask, keys.POSITION_IDS: (mask.cumsum(-1) - 1).clamp(min=0),
             keys.RESPONSES: ids[:, prompt_len:]}
+
+
+def check_smollm2_one_step(model: torch.nn.Module, data: dict, response_len: int, results: list[dict]) -> None:
+    """Each rank's {"log_probs", "metrics"} after one step of a parallel engine equals one process: its
+    log-probs, the token-mean NLL of the responses (the loss) and the gradient norm of that loss."""
+    want, _ = reference_log_probs(model, data)
+    mask = data[keys.ATTENTION_MASK][:, -response_len:].float()
+    logits = model(input_ids=data[keys.INPUT_IDS], attention_mask=data[keys.ATTENTION_MASK],
+                   position_ids=data[keys.POSITION_IDS]).logits[:, -response_len - 1 : -1]
+    lp = torch.log_softmax(logits.float(), -1).gather(-1, data[keys.RESPONSES].unsqueeze(-1)).squeeze(-1)
+    loss = -(lp * mask).sum() / mask.sum()
+    loss.backward()
+    norm = float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
+    for got in results:
+        torch.testing.assert_close(got["log_probs"], want, atol=1e-4, rtol=1e-4)
+        assert got["metrics"]["loss"] == pytest.approx(float(loss.detach()), rel=1e-5)
+        assert got["metrics"]["grad_norm"] == pytest.approx(norm, rel=1e-4)

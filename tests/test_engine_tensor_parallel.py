@@ -20,7 +20,7 @@ from hybridflow.engine.batch import TokenBudget
 from hybridflow.engine.prefix import sharing_pays
 from hybridflow.engine.tensor_parallel import TensorParallelEngine, check_tp_layout
 from hybridflow.models import default_model_dir, load_causal_lm, load_value_model, tiny_model_dir
-from tests.engine_helpers import make_group_batch, reference_log_probs
+from tests.engine_helpers import check_smollm2_one_step, make_group_batch, reference_log_probs
 
 PROMPTS, N, P, R = 4, 2, 12, 5
 ROWS = PROMPTS * N
@@ -238,16 +238,4 @@ def test_tp3_smollm2_log_probs_loss_and_grad_norm_match_one_process(tmp_path):
     """The default model's own layout (9 heads, 3 kv heads: 3 and 1 per rank) on 3 ranks."""
     mp.spawn(_smollm2_worker, args=(_free_port(), str(tmp_path)), nprocs=3, join=True)
     data, model = _data(), load_causal_lm(default_model_dir())
-    want, _ = reference_log_probs(model, data)
-    mask = data[keys.ATTENTION_MASK][:, -R:].float()
-    logits = model(input_ids=data[keys.INPUT_IDS], attention_mask=data[keys.ATTENTION_MASK],
-                   position_ids=data[keys.POSITION_IDS]).logits[:, -R - 1 : -1]
-    lp = torch.log_softmax(logits.float(), -1).gather(-1, data[keys.RESPONSES].unsqueeze(-1)).squeeze(-1)
-    loss = -(lp * mask).sum() / mask.sum()
-    loss.backward()
-    norm = float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
-    for r in range(3):
-        got = torch.load(tmp_path / f"rank{r}.pt")
-        torch.testing.assert_close(got["log_probs"], want, atol=1e-4, rtol=1e-4)
-        assert got["metrics"]["loss"] == pytest.approx(float(loss), rel=1e-5)
-        assert got["metrics"]["grad_norm"] == pytest.approx(norm, rel=1e-4)
+    check_smollm2_one_step(model, data, R, [torch.load(tmp_path / f"rank{r}.pt") for r in range(3)])
