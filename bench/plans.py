@@ -118,7 +118,7 @@ def predict(name: str, cfg, calib: list[dict], device, threads: int) -> float:
     from dataclasses import asdict, replace
 
     from hybridflow.models.loading import load_config as load_model_config
-    from hybridflow.planner.auto import optimizer_steps
+    from hybridflow.planner.auto import fsdp_sharded, micro_rows, optimizer_steps
     from hybridflow.planner.cost import Workers, costs_from_profile, predict_step_time_v1, without_dp_sync
     from hybridflow.planner.plans import run_roles
     from hybridflow.planner.profile import build_profile
@@ -131,7 +131,8 @@ def predict(name: str, cfg, calib: list[dict], device, threads: int) -> float:
     mc = load_model_config(cfg.model.path)
     w = Workers(threads, 1, device, mc.num_hidden_layers, mc.hidden_size, 4, cfg.data.max_response_length,
                 params=model_params(cfg.model.path), optimizer_steps=optimizer_steps(cfg),
-                param_bytes=2 if device.dtype == "bfloat16" else 4)
+                param_bytes=2 if device.dtype == "bfloat16" else 4,
+                rows=cfg.data.train_batch_size * cfg.rollout.n, micro_rows=micro_rows(cfg), sharded=fsdp_sharded(cfg))
     costs = without_dp_sync(costs_from_profile(rows, 2, forward_ops(calib_cfg)), 2, tokens, w)
     return predict_step_time_v1(plan_of(name, run_roles(cfg)), costs, tokens, response, w)
 

@@ -2,8 +2,9 @@
 
 import pytest
 
-from hybridflow.planner.cost import (OperatorCosts, Workers, costs_from_profile, dp_sync_seconds,
-                                     predict_one_step_off_v1, predict_step_time_v1, without_dp_sync)
+from hybridflow.planner.cost import (OperatorCosts, Workers, costs_from_profile, dp_sync_seconds, micro_batches,
+                                     predict_one_step_off_v1, predict_step_time_v1, sp_collective_seconds,
+                                     tp_collective_seconds, without_dp_sync)
 from hybridflow.planner.device import DevicePoint, DeviceProfile
 from hybridflow.planner.plans import PlacementSet, Plan, RoleParallel
 
@@ -57,6 +58,18 @@ def test_sequence_parallel_adds_all_to_alls_but_not_to_generation():
     fwd = 2 * (1 + 8 * 0.001 + 4 * 2 * 500 * 32 * 0.5 * 1e-9)
     update = 4 + 2 + 2 * (16 * 0.001 + 4 * 2 * 1000 * 32 * 0.5 * 1e-9)  # forward + backward
     assert got == pytest.approx(1 + gen + fwd + update)
+
+
+def test_tp_and_sp_collectives_are_paid_per_micro_batch():
+    one = Workers(device=DEVICE, layers=2, hidden=8, activation_bytes=4)
+    four = Workers(device=DEVICE, layers=2, hidden=8, activation_bytes=4, rows=64, micro_rows={"update_actor": 8})
+    assert micro_batches("update_actor", 2, four) == 4 and micro_batches("old_log_prob", 2, four) == 1
+    # 64 rows over 2 dp groups in micro-batches of 8: 4 micro-batches, each paying every per-layer call
+    extra_calls = 3 * 4 * 2 * 2  # 3 more micro-batches x 4 all-to-alls x 2 layers x 2 passes
+    assert sp_collective_seconds("update_actor", 2, 2, 1000, four) == pytest.approx(
+        sp_collective_seconds("update_actor", 2, 2, 1000, one) + extra_calls * 0.001)
+    assert tp_collective_seconds("update_actor", 2, 2, 1000, 400, four) == pytest.approx(
+        tp_collective_seconds("update_actor", 2, 2, 1000, 400, one) + 3 * 2 * 2 * 2 * 0.001)
 
 
 def test_fsdp_traffic_over_dp_is_charged_and_can_be_taken_out_of_a_measured_run():

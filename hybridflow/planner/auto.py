@@ -78,6 +78,23 @@ def profile_dtype(cfg: RunConfig, threads: int) -> torch.dtype:
     return DTYPES[resolve_dtype(cfg.actor.engine.param_dtype, cfg.trainer.device, threads)]
 
 
+def micro_rows(cfg: RunConfig) -> dict[str, float]:
+    """Rows per micro-batch of each operator (0 where token budgets size them: left out of the count)."""
+    a, c = cfg.actor, cfg.critic
+    rows = {"update_actor": 0 if a.use_dynamic_bsz else a.ppo_micro_batch_size_per_device,
+            "old_log_prob": 0 if a.use_dynamic_bsz else a.log_prob_micro_batch_size_per_device,
+            "ref_log_prob": 0 if cfg.ref.log_prob_use_dynamic_bsz else cfg.ref.log_prob_micro_batch_size_per_device,
+            "update_critic": 0 if c.use_dynamic_bsz else c.ppo_micro_batch_size_per_device,
+            "values": 0 if c.use_dynamic_bsz else c.ppo_micro_batch_size_per_device}
+    return {op: float(n) for op, n in rows.items() if n}
+
+
+def fsdp_sharded(cfg: RunConfig) -> bool:
+    """Whether the actor's FSDP shards the model over its workers (else each holds it whole: CPU's default)."""
+    workers = max(1, cfg.world_size)
+    return cfg.actor.engine.resolve_fsdp_size(torch.device(cfg.trainer.device), workers) > 1
+
+
 def optimizer_steps(cfg: RunConfig) -> float:
     """Optimizer steps of the actor per training step: mini-batches x PPO epochs."""
     return cfg.data.train_batch_size / cfg.actor.ppo_mini_batch_size * cfg.actor.ppo_epochs
@@ -92,7 +109,8 @@ def predicted_placements(cfg: RunConfig, threads: int, device: DeviceProfile) ->
     costs = device_costs(device, threads, cfg)
     collectives = device.allreduce_latency_s > 0 or device.allreduce_s_per_byte > 0
     w = Workers(threads, threads, device, params=_params(cfg) if collectives else 0.0,
-                optimizer_steps=optimizer_steps(cfg), param_bytes=2 if device.dtype == "bfloat16" else 4)
+                optimizer_steps=optimizer_steps(cfg), param_bytes=2 if device.dtype == "bfloat16" else 4,
+                rows=batch, micro_rows=micro_rows(cfg), sharded=fsdp_sharded(cfg))
     return {p: predict_step_time_v1(placement_plan(cfg, p), costs, tokens, response, w) for p in candidates}
 
 

@@ -10,6 +10,7 @@ v0 assumes perfect data-parallel scaling and no dispatch or transfer cost betwee
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -133,32 +134,49 @@ class Workers:
     """Bytes per parameter FSDP all-gathers (the compute dtype)."""
     grad_bytes: int = 4
     """Bytes per gradient element FSDP reduces (engine.reduce_dtype, fp32)."""
+    sharded: bool = True
+    """FSDP shards the model over the dp ranks (gathers per pass, gradient reduce-scatter); False: every rank
+    holds it whole (engine.fsdp_size=1, the CPU default), and the gradients are all-reduced."""
+    rows: float = 0.0
+    """Sequences per step (prompts x samples), to count micro-batches; 0: one micro-batch per operator."""
+    micro_rows: dict[str, float] = field(default_factory=dict)
+    """Per operator: rows per micro-batch of one dp group (the *_micro_batch_size_per_device keys); tensor and
+    sequence parallel pay their per-layer collectives once per micro-batch. Absent: one micro-batch."""
+
+
+def micro_batches(op: str, dp: int, w: Workers) -> float:
+    """Micro-batches `op` runs on each of its `dp` groups in one step (1 when not known)."""
+    per = w.micro_rows.get(op, 0.0)
+    return float(max(1, math.ceil(w.rows / dp / per))) if per and w.rows else 1.0
 
 
 def tp_collective_seconds(op: str, tp: int, dp: int, tokens: float, response_tokens: float, w: Workers) -> float:
-    """Seconds of a tensor-parallel operator's all-reduces: 2 per layer per forward pass (attention and MLP
-    outputs, Megatron-style), twice that for an update (backward), one pass per decode step for generate."""
+    """Seconds of a tensor-parallel operator's all-reduces: 2 per layer per forward pass of each micro-batch
+    (attention and MLP outputs, Megatron-style), twice that for an update (backward), one pass per decode
+    step for generate."""
     if tp == 1 or w.device is None:
         return 0.0
     if op == "generate":
         calls, rows = 2 * w.layers * (w.decode_steps + 1), response_tokens / dp
     else:
         passes = 2 if op.startswith("update") else 1
-        calls, rows = 2 * w.layers * passes, tokens / dp * passes
+        calls, rows = 2 * w.layers * passes * micro_batches(op, dp, w), tokens / dp * passes
     nbytes = 2 * w.layers * rows * w.hidden * w.activation_bytes
     return calls * w.device.allreduce_latency_s + nbytes * w.device.allreduce_s_per_byte
 
 
 def sp_collective_seconds(op: str, sp: int, dp: int, tokens: float, w: Workers) -> float:
-    """Seconds of a Ulysses sequence-parallel operator's all-to-alls: 4 per layer per forward pass (q, k, v to
-    heads-split before attention, the output back to sequence-split after it), twice that for an update;
+    """Seconds of a Ulysses sequence-parallel operator's all-to-alls: 4 per layer per forward pass of each
+    micro-batch (q, k, v to heads-split before attention, the output back to sequence-split after it), twice
+    that for an update. The latency term dominates: every call is a point where the sp ranks wait for each
+    other;
     each moves (sp - 1) / sp of a rank's q/k/v/output activations. Priced with the device profile's
     all-reduce latency and per-byte cost (an all-to-all sends each byte once, a ring all-reduce about twice:
     this over-charges bandwidth, which is small beside latency at these sizes). Generate does not use sp."""
     if sp == 1 or w.device is None or op == "generate":
         return 0.0
     passes = 2 if op.startswith("update") else 1
-    calls = 4 * w.layers * passes
+    calls = 4 * w.layers * passes * micro_batches(op, dp, w)
     per_rank_tokens = tokens / (dp * sp) * passes
     nbytes = 4 * w.layers * per_rank_tokens * w.hidden * w.activation_bytes * (sp - 1) / sp
     return calls * w.device.allreduce_latency_s + nbytes * w.device.allreduce_s_per_byte
@@ -169,9 +187,15 @@ def dp_sync_seconds(op: str, ranks: int, w: Workers) -> float:
     the parameters (the backward again), every optimizer step reduce-scatters the gradients. Each moves
     (ranks - 1) / ranks of the full buffer per rank, priced at the device profile's all-reduce cost per
     byte, which counts a ring all-reduce's two passes: a reduce-scatter or all-gather is about half of it.
-    Per micro-batch re-gathers are left out (one gather per pass): a floor, not a bound."""
+    Per micro-batch re-gathers are left out (one gather per pass): a floor, not a bound. With the model
+    whole on every rank (`Workers.sharded` False) only the gradient all-reduce per optimizer step is paid."""
     if ranks == 1 or w.device is None or not w.params or op == "generate":
         return 0.0
+    if not w.sharded:
+        if not op.startswith("update"):
+            return 0.0
+        return w.optimizer_steps * (w.device.allreduce_latency_s
+                                    + w.params * w.grad_bytes * w.device.allreduce_s_per_byte)
     share = (ranks - 1) / ranks / 2
     gathers = 2 if op.startswith("update") else 1
     gather_bytes = gathers * w.params * w.param_bytes * share
