@@ -40,11 +40,11 @@ def test_auto_resolves_to_a_runnable_placement(device):
 @pytest.mark.parametrize("two_thread_speedup, chosen", [(1.9, 1), (1.2, 2)])
 def test_null_workers_picks_the_layout_the_cost_model_prefers(tmp_path, capsys, two_thread_speedup, chosen):
     # the same per-token costs at 1 thread; at 2 threads faster by `two_thread_speedup`; two workers pay
-    # FSDP's traffic (0.1 s per call + 1 s/GB): a near-linear speedup picks 1 x 2, a poor one 2 x 1
+    # a gradient all-reduce per update (0.5 s per call + 1 s/GB): a near-linear speedup picks 1 x 2, a poor one 2 x 1
     one = DevicePoint(1, 8, 64, 0.01, 0.03, 0.05)
     two = DevicePoint(2, 8, 64, *(x / two_thread_speedup for x in (0.01, 0.03, 0.05)))
     path = tmp_path / "device.json"
-    DeviceProfile("m", "float32", [one, two], allreduce_latency_s=0.1, allreduce_s_per_byte=1e-9).save(path)
+    DeviceProfile("m", "float32", [one, two], allreduce_latency_s=0.5, allreduce_s_per_byte=1e-9).save(path)
     overrides = [o for o in PPO if not o.startswith("trainer.n_workers") and not o.startswith("trainer.cpus")]
     cfg = load_config(RunConfig, None, [*overrides, "trainer.n_workers_per_node=null", f"trainer.device_profile={path}",
                                         f"model.path={tiny_model_dir('llama')}"])

@@ -84,6 +84,10 @@ def test_fsdp_traffic_over_dp_is_charged_and_can_be_taken_out_of_a_measured_run(
     assert plain.seconds_per_token["generate"] == COSTS.seconds_per_token["generate"]
     two = predict_step_time_v1(plan((ROLES, 2)), plain, 1000, 400, w)
     assert two == pytest.approx(predict_step_time_v1(plan((ROLES, 2)), COSTS, 1000, 400, Workers(device=DEVICE)))
+    # every rank holding the model (engine.fsdp_size=1): only a full gradient all-reduce per optimizer step
+    whole = Workers(device=DEVICE, params=1e6, optimizer_steps=2, grad_bytes=4, sharded=False)
+    assert dp_sync_seconds("update_actor", 2, whole) == pytest.approx(2 * (0.001 + 4e6 * 1e-9))
+    assert dp_sync_seconds("old_log_prob", 2, whole) == 0
 
 
 def test_costs_from_profile_subtracts_weight_sync_and_keeps_the_controller_share():
