@@ -18,7 +18,8 @@ best (bars: tau >= 0.8, error <= 25%, same best). The calibration plan's predict
 except for its controller share; the other plans are true predictions.
 
     .venv/bin/python bench/plans.py --tiny --steps 2          # smoke: tiny random model, seconds per run
-    .venv/bin/python bench/plans.py --steps 3 --response-length 64 --batch 8   # SmolLM2, ~15 min idle
+    .venv/bin/python bench/plans.py --steps 4 --response-length 64 --batch 8 --keep runs/plans   # SmolLM2, ~15 min idle
+    .venv/bin/python bench/plans.py --replay runs/plans --response-length 64 --batch 8   # predict again, no runs
 """
 
 from __future__ import annotations
@@ -78,11 +79,14 @@ def plan_of(name: str, roles: tuple[str, ...]):
     return Plan((PlacementSet(roles, devices),), tuple((r, par) for r in roles))
 
 
-def train(name: str, overrides: list[str], out: Path) -> list[dict] | None:
+def train(name: str, overrides: list[str], out: Path, replay: bool = False) -> list[dict] | None:
     """Run one plan; its training-step records, or None when the run refused its config at resolve
-    (e.g. a tp size the model's heads do not allow; the reason is printed). Any other failure aborts."""
-    out.mkdir(parents=True)
+    (e.g. a tp size the model's heads do not allow; the reason is printed). Any other failure aborts.
+    `replay`: read the records an earlier run of the bench left in `out` (--keep) instead of running."""
     logs = out / "logs"
+    if replay:
+        return _step_records(logs) if (logs / "metrics.jsonl").exists() else None
+    out.mkdir(parents=True)
     env = {**os.environ, "HYBRIDFLOW_NO_PROGRESS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "hybridflow.trainer.main", *overrides, f"trainer.log_dir={logs}",
            f"trainer.default_local_dir={out / 'ckpt'}", f"trainer.experiment_name={name}"]
@@ -94,6 +98,10 @@ def train(name: str, overrides: list[str], out: Path) -> list[dict] | None:
             print(f"{name}: refused ({lines[-1]})", flush=True)
             return None
         sys.exit(f"{name} failed ({proc.returncode}); see {out / 'console.log'}")
+    return _step_records(logs)
+
+
+def _step_records(logs: Path) -> list[dict]:
     rows = [json.loads(line) for line in (logs / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return [r for r in rows if "timing_s/step" in r]
 
@@ -151,7 +159,7 @@ def bench_job(args: argparse.Namespace, job: str, tmp: Path, device) -> list[tup
         except ValueError as err:
             print(f"{job} {name}: refused by the config ({err})", flush=True)
             continue
-        records = train(f"{job}-{name}", base + overrides, tmp / job / name)
+        records = train(f"{job}-{name}", base + overrides, tmp / job / name, replay=bool(args.replay))
         if records is None:
             continue
         calib = calib or records  # the first plan (colocate_2x1) calibrates the rest
@@ -183,6 +191,8 @@ def main() -> None:
     parser.add_argument("--plans", default=",".join(PLANS), help="comma-separated; colocate_2x1 must come first")
     parser.add_argument("--profile-repeats", type=int, default=3, help="best of this many per device-profile point")
     parser.add_argument("--device-profile", help="a `hybridflow profile` JSON to use instead of measuring one")
+    parser.add_argument("--keep", help="keep the runs and the device profile in this directory (for --replay)")
+    parser.add_argument("--replay", help="no runs: predict again from the runs and device profile --keep left here")
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")
     args = parser.parse_args()
     from hybridflow.planner.device import DeviceProfile, profile_device
@@ -190,9 +200,10 @@ def main() -> None:
 
     print(describe_cpu(2), flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-plans-") as tmp_name:
-        tmp = Path(tmp_name)
-        if args.device_profile:
-            device = DeviceProfile.load(Path(args.device_profile))
+        tmp = Path(args.replay or args.keep or tmp_name)
+        saved = tmp / "device_profile.json"
+        if args.device_profile or args.replay:
+            device = DeviceProfile.load(Path(args.device_profile or saved))
         else:
             from hybridflow.config_utils import load_config
             from hybridflow.trainer.run_config import RunConfig
@@ -208,6 +219,9 @@ def main() -> None:
                 f"{k} x{device.speedup(k, 2):.2f}" for k in ("forward", "train", "decode")) + " at 2 threads; "
                 f"all-reduce {device.allreduce_latency_s * 1e6:.0f} us + {device.allreduce_s_per_byte * 1e9:.2f} s/GB",
                 flush=True)
+            if args.keep:
+                tmp.mkdir(parents=True, exist_ok=True)
+                device.save(saved)
         results = {job: bench_job(args, job, tmp, device) for job in args.jobs.split(",")}
     for job, rows in results.items():
         report(job, rows)
