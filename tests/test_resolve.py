@@ -207,6 +207,16 @@ def test_sequence_parallel_layout_is_checked_against_the_model_and_the_workers()
                                       "actor.ppo_mini_batch_size=2", "data.train_batch_size=2", "rollout.n=3"])
 
 
+def test_critic_mini_batches_are_checked_only_when_there_is_a_critic():
+    """GRPO on 3 workers: the critic's default mini-batch (4 x 8 = 32 responses) would not split over 3, but
+    there is no critic; with gae it is refused naming the critic."""
+    grpo = ["trainer.n_workers_per_node=3", "actor.ppo_mini_batch_size=3", "data.train_batch_size=6"]
+    assert load_config(RunConfig, None, grpo).world_size == 3
+    with pytest.raises(ConfigError, match=r"critic.ppo_mini_batch_size \(4\) \* rollout.n \(8\) = 32 responses"):
+        load_config(RunConfig, None, [*grpo, "algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=4",
+                                      "data.train_batch_size=12", "actor.ppo_mini_batch_size=3"])
+
+
 def test_tensor_parallel_layout_is_checked_against_the_model_and_the_workers():
     """SmolLM2 (the default model) has 9 attention heads and 3 kv heads: tp=2 is refused with the numbers,
     tp=3 on 3 workers resolves (one dp group); tp that does not divide the workers and tp with LoRA are refused."""

@@ -113,8 +113,10 @@ class RunConfig(Section):
                              f"critic.ppo_mini_batch_size ({self.critic.ppo_mini_batch_size})")
         if not w:  # trainer.n_workers_per_node=null: checked again once resolve has chosen it
             return
-        for role, prompts, engine in (("actor", a.ppo_mini_batch_size, a.engine),
-                                      ("critic", self.critic.ppo_mini_batch_size, self.critic.engine)):
+        roles = [("actor", a.ppo_mini_batch_size, a.engine)]
+        if self.use_critic:  # a run without a critic has no critic mini-batches to split
+            roles.append(("critic", self.critic.ppo_mini_batch_size, self.critic.engine))
+        for role, prompts, engine in roles:
             # Mini-batches split over dp groups: a tp / sp group shares its rows (a size not dividing w fails at
             # resolve).
             per = engine.ranks_per_dp_group
