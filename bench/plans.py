@@ -6,6 +6,8 @@ and is not timed):
 - colocate_2x1: every role on 2 workers of 1 thread (the calibration run: its profile.json gives the
   per-token operator costs the cost model starts from);
 - colocate_1x2: every role on 1 worker of 2 threads;
+- fsdp_2x1: as colocate_2x1, with FSDP sharding the models over the 2 workers (engine.fsdp_size=-1:
+  parameters gathered per pass, gradients reduce-scattered) instead of each worker holding them whole;
 - split_1+1: the actor on one worker, the critic on the other (ppo only: grpo has no second role);
 - tp2: colocate on 2 workers, actor / critic / rollout tensor-parallel over both (refused for models whose
   heads 2 does not divide, e.g. SmolLM2's 9 / 3: skipped with the reason);
@@ -39,6 +41,8 @@ sys.path.insert(0, str(ROOT))
 PLANS = {  # name -> (overrides, threads per worker)
     "colocate_2x1": (["trainer.placement=colocate", "trainer.n_workers_per_node=2", "trainer.cpus_per_worker=1"], 1),
     "colocate_1x2": (["trainer.placement=colocate", "trainer.n_workers_per_node=1", "trainer.cpus_per_worker=2"], 2),
+    "fsdp_2x1": (["trainer.placement=colocate", "trainer.n_workers_per_node=2", "trainer.cpus_per_worker=1",
+                  "actor.engine.fsdp_size=-1", "critic.engine.fsdp_size=-1"], 1),
     "split_1+1": (["trainer.placement=split", "trainer.n_workers_per_node=2", "trainer.cpus_per_worker=1"], 1),
     "tp2": (["trainer.placement=colocate", "trainer.n_workers_per_node=2", "trainer.cpus_per_worker=1",
              "actor.engine.tensor_parallel_size=2", "critic.engine.tensor_parallel_size=2",
@@ -75,6 +79,7 @@ def plan_of(name: str, roles: tuple[str, ...]):
         sets = (PlacementSet(("actor_rollout",), 1), PlacementSet(roles[1:], 1))
         return Plan(sets, tuple((r, RoleParallel(1)) for r in roles))
     devices, par = {"colocate_2x1": (2, RoleParallel(2)), "colocate_1x2": (1, RoleParallel(1)),
+                    "fsdp_2x1": (2, RoleParallel(2)),
                     "tp2": (2, RoleParallel(1, tp=2)), "sp2": (2, RoleParallel(1, sp=2))}[name]
     return Plan((PlacementSet(roles, devices),), tuple((r, par) for r in roles))
 
@@ -141,7 +146,9 @@ def predict(name: str, cfg, calib: list[dict], device, threads: int) -> float:
                 params=model_params(cfg.model.path), optimizer_steps=optimizer_steps(cfg),
                 param_bytes=2 if device.dtype == "bfloat16" else 4,
                 rows=cfg.data.train_batch_size * cfg.rollout.n, micro_rows=micro_rows(cfg), sharded=fsdp_sharded(cfg))
-    costs = without_dp_sync(costs_from_profile(rows, 2, forward_ops(calib_cfg)), 2, tokens, w)
+    calib_w = replace(w, sharded=fsdp_sharded(replace(calib_cfg, actor=replace(
+        cfg.actor, engine=replace(cfg.actor.engine, fsdp_size=None)))))  # colocate_2x1: the engine's default
+    costs = without_dp_sync(costs_from_profile(rows, 2, forward_ops(calib_cfg)), 2, tokens, calib_w)
     return predict_step_time_v1(plan_of(name, run_roles(cfg)), costs, tokens, response, w)
 
 
