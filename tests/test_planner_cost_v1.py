@@ -84,6 +84,9 @@ def test_fsdp_traffic_over_dp_is_charged_and_can_be_taken_out_of_a_measured_run(
     assert plain.seconds_per_token["generate"] == COSTS.seconds_per_token["generate"]
     two = predict_step_time_v1(plan((ROLES, 2)), plain, 1000, 400, w)
     assert two == pytest.approx(predict_step_time_v1(plan((ROLES, 2)), COSTS, 1000, 400, Workers(device=DEVICE)))
+    # FSDP2 gathers again for every micro-batch: 64 rows over 2 ranks in micro-batches of 8 -> 4 x (fwd + bwd)
+    micro = Workers(device=DEVICE, params=1e6, optimizer_steps=2, rows=64, micro_rows={"update_actor": 8})
+    assert dp_sync_seconds("update_actor", 2, micro) == pytest.approx(10 * 0.001 + (8 * 2e6 + 2 * 4e6) / 4 * 1e-9)
     # every rank holding the model (engine.fsdp_size=1): only a full gradient all-reduce per optimizer step
     whole = Workers(device=DEVICE, params=1e6, optimizer_steps=2, grad_bytes=4, sharded=False)
     assert dp_sync_seconds("update_actor", 2, whole) == pytest.approx(2 * (0.001 + 4e6 * 1e-9))

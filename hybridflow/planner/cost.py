@@ -183,24 +183,25 @@ def sp_collective_seconds(op: str, sp: int, dp: int, tokens: float, w: Workers) 
 
 
 def dp_sync_seconds(op: str, ranks: int, w: Workers) -> float:
-    """Seconds of FSDP's own traffic for `op` sharded over `ranks` (dp x sp): every forward pass all-gathers
-    the parameters (the backward again), every optimizer step reduce-scatters the gradients. Each moves
-    (ranks - 1) / ranks of the full buffer per rank, priced at the device profile's all-reduce cost per
-    byte, which counts a ring all-reduce's two passes: a reduce-scatter or all-gather is about half of it.
-    Per micro-batch re-gathers are left out (one gather per pass): a floor, not a bound. With the model
-    whole on every rank (`Workers.sharded` False) only the gradient all-reduce per optimizer step is paid."""
+    """Seconds of FSDP's own traffic for `op` sharded over `ranks` (dp x sp): every micro-batch's forward pass
+    all-gathers the parameters (its backward again: FSDP2 frees them after each use), every optimizer step
+    reduce-scatters the gradients. Each moves (ranks - 1) / ranks of the full buffer per rank, priced at the
+    device profile's all-reduce cost per byte, which counts a ring all-reduce's two passes: a reduce-scatter
+    or all-gather is about half of it. With the model whole on every rank (`Workers.sharded` False) only the
+    gradient all-reduce per optimizer step is paid."""
     if ranks == 1 or w.device is None or not w.params or op == "generate":
         return 0.0
+    update = op.startswith("update")
     if not w.sharded:
-        if not op.startswith("update"):
+        if not update:
             return 0.0
         return w.optimizer_steps * (w.device.allreduce_latency_s
                                     + w.params * w.grad_bytes * w.device.allreduce_s_per_byte)
     share = (ranks - 1) / ranks / 2
-    gathers = 2 if op.startswith("update") else 1
+    gathers = (2 if update else 1) * micro_batches(op, ranks, w)
     gather_bytes = gathers * w.params * w.param_bytes * share
-    reduce_bytes = w.optimizer_steps * w.params * w.grad_bytes * share if op.startswith("update") else 0.0
-    calls = gathers + (w.optimizer_steps if op.startswith("update") else 0)
+    reduce_bytes = w.optimizer_steps * w.params * w.grad_bytes * share if update else 0.0
+    calls = gathers + (w.optimizer_steps if update else 0)
     return calls * w.device.allreduce_latency_s + (gather_bytes + reduce_bytes) * w.device.allreduce_s_per_byte
 
 
