@@ -68,7 +68,12 @@ def test_auto_measures_and_caches_a_device_profile(tmp_path, monkeypatch):
 
     monkeypatch.setattr(default, "cache_root", lambda: tmp_path)
     cfg = load_config(RunConfig, None, [*PPO, "trainer.placement=auto", f"model.path={tiny_model_dir('llama')}"])
-    assert resolve(cfg, 10).config.trainer.placement == "colocate"
+    chosen = resolve(cfg, 10).config.trainer.placement  # which one wins depends on this machine's figures
+    assert chosen in ("colocate", "split")
     (cached,) = (tmp_path / "device_profiles").glob("*.json")
     prof = DeviceProfile.load(cached)
     assert [p.threads for p in prof.points] == [1] and prof.points[0].train_s_per_token > prof.points[0].forward_s_per_token
+    # the collectives FSDP pays between workers are measured too
+    assert prof.allreduce_latency_s > 0 and prof.allgather_s_per_byte > 0 and prof.reducescatter_s_per_byte > 0
+    assert resolve(cfg, 10).config.trainer.placement == chosen  # the cached profile: the same choice, no new file
+    assert len(list((tmp_path / "device_profiles").glob("*.json"))) == 1

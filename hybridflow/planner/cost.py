@@ -197,12 +197,17 @@ def dp_sync_seconds(op: str, ranks: int, w: Workers) -> float:
             return 0.0
         return w.optimizer_steps * (w.device.allreduce_latency_s
                                     + w.params * w.grad_bytes * w.device.allreduce_s_per_byte)
+    d = w.device
     share = (ranks - 1) / ranks / 2
+    # measured gather / scatter costs: per byte of the full buffer between 2 ranks (share 1/4); else half an all-reduce
+    gather_s = d.allgather_s_per_byte * 4 * share if d.allgather_s_per_byte else d.allreduce_s_per_byte * share
+    scatter_s = d.reducescatter_s_per_byte * 4 * share if d.reducescatter_s_per_byte else d.allreduce_s_per_byte * share
     gathers = (2 if update else 1) * micro_batches(op, ranks, w)
-    gather_bytes = gathers * w.params * w.param_bytes * share
-    reduce_bytes = w.optimizer_steps * w.params * w.grad_bytes * share if update else 0.0
+    seconds = gathers * w.params * w.param_bytes * gather_s
+    if update:
+        seconds += w.optimizer_steps * w.params * w.grad_bytes * scatter_s
     calls = gathers + (w.optimizer_steps if update else 0)
-    return calls * w.device.allreduce_latency_s + (gather_bytes + reduce_bytes) * w.device.allreduce_s_per_byte
+    return calls * d.allreduce_latency_s + seconds
 
 
 def without_dp_sync(costs: OperatorCosts, ranks: int, tokens: float, w: Workers) -> OperatorCosts:

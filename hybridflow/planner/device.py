@@ -57,6 +57,12 @@ class DeviceProfile:
     """Seconds of one small (1 KiB) gloo all-reduce between 2 processes."""
     allreduce_s_per_byte: float = 0.0
     """Extra seconds per byte of a large (4 MiB) gloo all-reduce between 2 processes."""
+    allgather_s_per_byte: float = 0.0
+    """Extra seconds per byte of the output of a large gloo all_gather_into_tensor between 2 processes (FSDP's
+    parameter gather; on gloo several times an all-reduce's cost per byte). 0: not measured."""
+    reducescatter_s_per_byte: float = 0.0
+    """Extra seconds per byte of the input of a large gloo reduce_scatter_tensor between 2 processes (FSDP's
+    gradient reduction). 0: not measured."""
 
     def speedup(self, kind: str, threads: int) -> float:
         """How much faster `kind` (forward / train / decode) runs per token on `threads` threads than on 1
@@ -143,20 +149,37 @@ def _allreduce_worker(rank: int, store_dir: str, out: str) -> None:
         return (time.perf_counter() - start) / n
 
     latency, big = timed(small, 20), timed(large, 5)
+    gathered = torch.zeros(2 * large.numel())
+    gather = _timed_call(lambda: dist.all_gather_into_tensor(gathered, large), 5)
+    scatter = _timed_call(lambda: dist.reduce_scatter_tensor(large, gathered), 5)
     if rank == 0:
-        Path(out).write_text(json.dumps([latency, max(0.0, big - latency) / large.numel() / 4]))
+        per_byte = [max(0.0, t - latency) / n / 4 for t, n in ((big, large.numel()), (gather, gathered.numel()),
+                                                               (scatter, gathered.numel()))]
+        Path(out).write_text(json.dumps([latency, *per_byte]))
     dist.destroy_process_group()
 
 
-def measure_allreduce() -> tuple[float, float]:
-    """(latency s, s per byte) of a gloo all-reduce between two local processes."""
+def _timed_call(fn: Callable[[], None], n: int) -> float:
+    """Mean seconds of `fn` (a collective) over `n` calls after one warm-up, ranks lined up by a barrier."""
+    import torch.distributed as dist
+
+    fn()
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - start) / n
+
+
+def measure_allreduce() -> tuple[float, float, float, float]:
+    """(latency s, all-reduce, all-gather and reduce-scatter s per byte) of gloo collectives between two
+    local processes."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         mp.spawn(_allreduce_worker, args=(tmp, out), nprocs=2, join=True)
-        latency, per_byte = json.loads(Path(out).read_text())
-    return latency, per_byte
+        return tuple(json.loads(Path(out).read_text()))
 
 
 def profile_device(model_path: str, threads: Sequence[int], shapes: Sequence[tuple[int, int]],
@@ -171,9 +194,9 @@ def profile_device(model_path: str, threads: Sequence[int], shapes: Sequence[tup
         points = [measure_point(model, t, b, n, vocab, repeats) for t in threads for b, n in shapes]
     finally:
         torch.set_num_threads(saved_threads)
-    latency, per_byte = measure_allreduce() if collectives else (0.0, 0.0)
+    latency, per_byte, gather, scatter = measure_allreduce() if collectives else (0.0, 0.0, 0.0, 0.0)
     return DeviceProfile(model_path, str(dtype).removeprefix("torch."), points, measure_weight_sync(model),
-                         latency, per_byte)
+                         latency, per_byte, gather, scatter)
 
 
 def main(argv: Sequence[str]) -> int:
