@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 import torch
 
@@ -75,3 +77,20 @@ def check_smollm2_one_step(model: torch.nn.Module, data: dict, response_len: int
         torch.testing.assert_close(got["log_probs"], want, atol=1e-4, rtol=1e-4)
         assert got["metrics"]["loss"] == pytest.approx(float(loss.detach()), rel=1e-5)
         assert got["metrics"]["grad_norm"] == pytest.approx(norm, rel=1e-4)
+
+
+def free_port() -> int:
+    """A free TCP port on loopback for a test's process group."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def policy_nll_loss(global_tokens: int, dp_size: int, response_len: int):
+    """Engine loss_fn: the response tokens' NLL summed over a micro-batch, scaled for a token mean over the
+    whole batch (`global_tokens`) across `dp_size` data-parallel groups."""
+    def fn(out, micro):
+        mask = micro[keys.ATTENTION_MASK][:, -response_len:].float()
+        return -(out["log_probs"] * mask).sum() / global_tokens * dp_size, {}
+
+    return fn

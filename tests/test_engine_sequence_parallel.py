@@ -7,7 +7,6 @@ restores into a one-process engine without sequence parallel; LoRA adapters trai
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,7 +19,8 @@ from hybridflow.engine import EngineConfig, FSDPEngine, LoraConfig, OptimConfig
 from hybridflow.engine.batch import PackedBatch, TokenBudget
 from hybridflow.engine.sequence_parallel import SequenceParallelEngine, check_sp_layout, kv_head_splits, padded_row
 from hybridflow.models import default_model_dir, load_causal_lm, load_value_model, tiny_model_dir
-from tests.engine_helpers import check_smollm2_one_step, make_group_batch, reference_log_probs
+from tests.engine_helpers import (check_smollm2_one_step, free_port, make_group_batch, policy_nll_loss,
+                                  reference_log_probs)
 
 PROMPTS, N, P, R = 4, 2, 12, 5
 ROWS = PROMPTS * N
@@ -32,22 +32,8 @@ MODELS = {  # name -> tiny_model_dir arguments
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _data() -> dict[str, torch.Tensor]:
     return make_group_batch(PROMPTS, N, P, R, seed=3)
-
-
-def _policy_loss(global_tokens: int, dp_size: int):
-    def fn(out, micro):
-        mask = micro[keys.ATTENTION_MASK][:, -R:].float()
-        return -(out["log_probs"] * mask).sum() / global_tokens * dp_size, {}
-
-    return fn
 
 
 def _value_loss(global_tokens: int, dp_size: int):
@@ -79,7 +65,7 @@ def _worker(rank: int, world: int, sp: int, model: str, port: int, out_dir: str,
     res["packed"], _ = engine.compute_log_probs(shard, 4)
     engine.config = cfg
     tokens = int(data[keys.ATTENTION_MASK][:, -R:].sum())
-    loss_fn = _policy_loss(tokens, dp)
+    loss_fn = policy_nll_loss(tokens, dp, R)
     res["loss"] = 0.0
     for micro in _micro(shard):
         loss, _ = loss_fn(engine.forward_micro_batch(micro), micro)
@@ -129,7 +115,7 @@ def _close(got: torch.Tensor, want: torch.Tensor, msg: str = "") -> None:
 def _run(tmp_path: Path, world: int, sp: int, model: str, fsdp_size: int = 1, gc: bool = False) -> None:
     """`gc`: gradient checkpointing (the backward recomputes attention, all-to-alls included)."""
     path = tiny_model_dir(**MODELS[model])  # build the cache once, before the workers race for it
-    mp.spawn(_worker, args=(world, sp, model, _free_port(), str(tmp_path), fsdp_size, gc), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, sp, model, free_port(), str(tmp_path), fsdp_size, gc), nprocs=world, join=True)
     data, ranks = _data(), [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
     ref, dp, rows = _reference(path, data), world // sp, ROWS // (world // sp)
     assert [(r["dp_rank"], r["sp_rank"]) for r in ranks] == [(d, s) for d in range(dp) for s in range(sp)]
@@ -181,7 +167,8 @@ def _lora_run(engine, data: dict) -> dict:
     out: dict = {"log_probs": engine.compute_log_probs(data, 2)[0]}
     with engine.adapters_disabled():
         out["base"] = engine.compute_log_probs(data, 2)[0]
-    out["metrics"] = engine.train_step(_micro(data), _policy_loss(int(data[keys.ATTENTION_MASK][:, -R:].sum()), 1))
+    tokens = int(data[keys.ATTENTION_MASK][:, -R:].sum())
+    out["metrics"] = engine.train_step(_micro(data), policy_nll_loss(tokens, 1, R))
     out["merged"] = engine.full_state_dict()
     return out
 
@@ -198,7 +185,7 @@ def _lora_worker(rank: int, port: int, out_dir: str) -> None:
 def test_sp2_lora_matches_one_process(tmp_path):
     """Adapters need nothing of sequence parallel: log-probs with and without them, the step, the merged weights."""
     tiny_model_dir()
-    mp.spawn(_lora_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_lora_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     ref = _lora_run(FSDPEngine.from_pretrained(tiny_model_dir(), EngineConfig(param_dtype="fp32"),
                                                OptimConfig(lr=1e-2), lora=LoraConfig(rank=4)), _data())
     assert (ref["merged"]["model.layers.0.self_attn.q_proj.weight"]
@@ -250,13 +237,13 @@ def _smollm2_worker(rank: int, port: int, out_dir: str) -> None:
     engine = SequenceParallelEngine.from_pretrained(default_model_dir(), EngineConfig(
         param_dtype="fp32", ulysses_sequence_parallel_size=2), OptimConfig(**OPTIM))
     log_probs, _ = engine.compute_log_probs(data, 4)
-    metrics = engine.train_step(_micro(data, 4), _policy_loss(int(data[keys.ATTENTION_MASK][:, -R:].sum()), 1))
+    metrics = engine.train_step(_micro(data, 4), policy_nll_loss(int(data[keys.ATTENTION_MASK][:, -R:].sum()), 1, R))
     torch.save({"log_probs": log_probs, "metrics": metrics}, Path(out_dir) / f"rank{rank}.pt")
 
 
 @pytest.mark.slow
 def test_sp2_smollm2_log_probs_loss_and_grad_norm_match_one_process(tmp_path):
     """The default model (9 heads, 3 kv heads: 6 and 3 query heads per rank) on 2 ranks, one step."""
-    mp.spawn(_smollm2_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_smollm2_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     data, model = _data(), load_causal_lm(default_model_dir())
     check_smollm2_one_step(model, data, R, [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)])

@@ -6,7 +6,6 @@ the same ranks, and exports to HF from the engine and from the checkpoint."""
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,29 +19,16 @@ from hybridflow.engine.batch import TokenBudget
 from hybridflow.engine.prefix import sharing_pays
 from hybridflow.engine.tensor_parallel import TensorParallelEngine, check_tp_layout
 from hybridflow.models import default_model_dir, load_causal_lm, load_value_model, tiny_model_dir
-from tests.engine_helpers import check_smollm2_one_step, make_group_batch, reference_log_probs
+from tests.engine_helpers import (check_smollm2_one_step, free_port, make_group_batch, policy_nll_loss,
+                                  reference_log_probs)
 
 PROMPTS, N, P, R = 4, 2, 12, 5
 ROWS = PROMPTS * N
 OPTIM = dict(lr=1e-3, weight_decay=0.01, grad_clip=0.5)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _data() -> dict[str, torch.Tensor]:
     return make_group_batch(PROMPTS, N, P, R, seed=3)
-
-
-def _loss_fn(global_tokens: int, dp_size: int):
-    def fn(out, micro):
-        mask = micro[keys.ATTENTION_MASK][:, -R:].float()
-        return -(out["log_probs"] * mask).sum() / global_tokens * dp_size, {}
-
-    return fn
 
 
 def _micro(shard: dict, size: int = 2) -> list[dict]:
@@ -72,7 +58,7 @@ def _worker(rank: int, world: int, tp: int, arch: str, port: int, out_dir: str, 
         torch.manual_seed(0)  # the value head starts random: the same on every rank and in the reference
         critic = TensorParallelEngine.from_pretrained(tiny_model_dir(arch), cfg, value_model=True)
         res["values"] = critic.compute_values(shard, 2)
-    loss_fn = _loss_fn(int(data[keys.ATTENTION_MASK][:, -R:].sum()), dp)
+    loss_fn = policy_nll_loss(int(data[keys.ATTENTION_MASK][:, -R:].sum()), dp, R)
     if full:
         res["loss"] = 0.0
         for micro in _micro(shard):
@@ -136,7 +122,7 @@ def _run(tmp_path: Path, world: int, tp: int, arch: str, full: bool = True, fsdp
     """`full`: also the other micro-batch layouts, a value model, and checkpoint -> tp=1 resume and HF
     exports. `fsdp_size`: 1 replicates over the dp groups (HSDP, a 3-D mesh when dp > 1), -1 shards over them."""
     tiny_model_dir(arch)  # build the cache once, before the workers race for it
-    args = (world, tp, arch, _free_port(), str(tmp_path), full, fsdp_size)
+    args = (world, tp, arch, free_port(), str(tmp_path), full, fsdp_size)
     mp.spawn(_worker, args=args, nprocs=world, join=True)
     data, ranks = _data(), [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
     ref, dp, rows = _reference(arch, data), world // tp, ROWS // (world // tp)
@@ -183,7 +169,7 @@ def _check_tp1_resume_and_exports(tmp_path: Path, arch: str, rank0: dict, ref: d
     for name, w in engine.full_state_dict().items():
         torch.testing.assert_close(w, rank0["trained"][name], atol=0, rtol=0, msg=name)
     data = _data()
-    engine.train_step(_micro(data, ROWS), _loss_fn(int(data[keys.ATTENTION_MASK][:, -R:].sum()), 1))
+    engine.train_step(_micro(data, ROWS), policy_nll_loss(int(data[keys.ATTENTION_MASK][:, -R:].sum()), 1, R))
     for name, w in engine.full_state_dict().items():
         _close(w, rank0["continued"][name], name)
         _close(w, ref["continued"][name], name)
@@ -229,13 +215,13 @@ def _smollm2_worker(rank: int, port: int, out_dir: str) -> None:
     engine = TensorParallelEngine.from_pretrained(default_model_dir(), EngineConfig(param_dtype="fp32",
                                                   tensor_parallel_size=3), OptimConfig(**OPTIM))
     log_probs, _ = engine.compute_log_probs(data, 4)
-    metrics = engine.train_step(_micro(data, 4), _loss_fn(int(data[keys.ATTENTION_MASK][:, -R:].sum()), 1))
+    metrics = engine.train_step(_micro(data, 4), policy_nll_loss(int(data[keys.ATTENTION_MASK][:, -R:].sum()), 1, R))
     torch.save({"log_probs": log_probs, "metrics": metrics}, Path(out_dir) / f"rank{rank}.pt")
 
 
 @pytest.mark.slow
 def test_tp3_smollm2_log_probs_loss_and_grad_norm_match_one_process(tmp_path):
     """The default model's own layout (9 heads, 3 kv heads: 3 and 1 per rank) on 3 ranks."""
-    mp.spawn(_smollm2_worker, args=(_free_port(), str(tmp_path)), nprocs=3, join=True)
+    mp.spawn(_smollm2_worker, args=(free_port(), str(tmp_path)), nprocs=3, join=True)
     data, model = _data(), load_causal_lm(default_model_dir())
     check_smollm2_one_step(model, data, R, [torch.load(tmp_path / f"rank{r}.pt") for r in range(3)])
