@@ -131,8 +131,8 @@ def predict(name: str, cfg, calib: list[dict], device, threads: int) -> float:
     from dataclasses import asdict, replace
 
     from hybridflow.models.loading import load_config as load_model_config
-    from hybridflow.planner.auto import fsdp_sharded, micro_rows, optimizer_steps
-    from hybridflow.planner.cost import Workers, costs_from_profile, predict_step_time_v1, without_dp_sync
+    from hybridflow.planner.auto import fsdp_sharded, run_workers
+    from hybridflow.planner.cost import costs_from_profile, predict_step_time_v1, without_dp_sync
     from hybridflow.planner.plans import run_roles
     from hybridflow.planner.profile import build_profile
     from hybridflow.planner.search import forward_ops, model_params
@@ -142,10 +142,8 @@ def predict(name: str, cfg, calib: list[dict], device, threads: int) -> float:
     tokens, response = by["timing_s/step"]["tokens_per_step"], by["timing_s/gen"]["tokens_per_step"]
     calib_cfg = replace(cfg, trainer=replace(cfg.trainer, n_workers_per_node=2, placement="colocate"))
     mc = load_model_config(cfg.model.path)
-    w = Workers(threads, 1, device, mc.num_hidden_layers, mc.hidden_size, 4, cfg.data.max_response_length,
-                params=model_params(cfg.model.path), optimizer_steps=optimizer_steps(cfg),
-                param_bytes=2 if device.dtype == "bfloat16" else 4,
-                rows=cfg.data.train_batch_size * cfg.rollout.n, micro_rows=micro_rows(cfg), sharded=fsdp_sharded(cfg))
+    w = run_workers(cfg, device, threads, 1, model_params(cfg.model.path), layers=mc.num_hidden_layers,
+                    hidden=mc.hidden_size, activation_bytes=4, decode_steps=cfg.data.max_response_length)
     calib_w = replace(w, sharded=fsdp_sharded(replace(calib_cfg, actor=replace(
         cfg.actor, engine=replace(cfg.actor.engine, fsdp_size=None)))))  # colocate_2x1: the engine's default
     costs = without_dp_sync(costs_from_profile(rows, 2, forward_ops(calib_cfg)), 2, tokens, calib_w)

@@ -107,17 +107,20 @@ def predicted_placements(cfg: RunConfig, threads: int, device: DeviceProfile) ->
     batch = d.train_batch_size * cfg.rollout.n
     tokens, response = batch * (d.max_prompt_length + d.max_response_length), batch * d.max_response_length
     costs = device_costs(device, threads, cfg)
+    from hybridflow.planner.search import model_params
+
     collectives = device.allreduce_latency_s > 0 or device.allreduce_s_per_byte > 0
-    w = Workers(threads, threads, device, params=_params(cfg) if collectives else 0.0,
-                optimizer_steps=optimizer_steps(cfg), param_bytes=2 if device.dtype == "bfloat16" else 4,
-                rows=batch, micro_rows=micro_rows(cfg), sharded=fsdp_sharded(cfg))
+    w = run_workers(cfg, device, threads, threads, model_params(cfg.model.path) if collectives else 0.0)
     return {p: predict_step_time_v1(placement_plan(cfg, p), costs, tokens, response, w) for p in candidates}
 
 
-def _params(cfg: RunConfig) -> float:
-    from hybridflow.planner.search import model_params
-
-    return model_params(cfg.model.path)
+def run_workers(cfg: RunConfig, device: DeviceProfile, threads: int, base_threads: int, params: float,
+                **shape: float) -> Workers:
+    """Cost model v1's Workers for a run: its FSDP layout, micro-batches and optimizer steps taken from `cfg`;
+    `shape`: the model-shape fields (layers, hidden, ...) where tensor / sequence parallel needs them."""
+    return Workers(threads, base_threads, device, params=params, optimizer_steps=optimizer_steps(cfg),
+                   param_bytes=2 if device.dtype == "bfloat16" else 4, rows=cfg.data.train_batch_size * cfg.rollout.n,
+                   micro_rows=micro_rows(cfg), sharded=fsdp_sharded(cfg), **shape)
 
 
 def resolve_auto_placement(cfg: RunConfig, threads: int) -> RunConfig:
