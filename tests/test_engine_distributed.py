@@ -118,6 +118,7 @@ def _check_lora(out: Path) -> None:
         torch.testing.assert_close(res["fp32"][key], value, atol=1e-6, rtol=0, msg=key)
         assert torch.equal(res["bf16"][key], res["fp32"][key].to(torch.bfloat16)), key
     assert all(torch.equal(res["changed"][k], res["fp32"][k]) for k in ADAPTED)
+    assert res["fp32"]["lm_head.weight"].data_ptr() == res["fp32"]["model.embed_tokens.weight"].data_ptr()
 
 
 UNEVEN = [torch.arange(15.0).view(5, 3), torch.arange(4.0).view(1, 4), torch.arange(7.0), torch.ones(2, 2)]
@@ -164,6 +165,8 @@ def test_two_rank_fsdp_matches_single_process_and_checkpoint_round_trips(tmp_pat
         torch.testing.assert_close(res["restored"][k], v, atol=0, rtol=0, msg=k)
         # the optimizer state came back too: the step after the load repeats the step before it
         torch.testing.assert_close(res["continued_after_load"][k], res["continued"][k], atol=0, rtol=0)
+    for gathered in (res["trained"], res["trained_bf16"]):  # the tied head is the embedding, gathered once
+        assert gathered["lm_head.weight"].data_ptr() == gathered["model.embed_tokens.weight"].data_ptr()
     assert (tmp_path / "ckpt" / "global_step_2" / "COMPLETE").is_file()
     for got, want in zip(res["uneven"], UNEVEN, strict=True):
         assert got.dtype == torch.bfloat16 and torch.equal(got, want.to(torch.bfloat16))

@@ -42,7 +42,7 @@ from hybridflow.algos.logits import entropy_from_logits, logprobs_from_logits
 from hybridflow.engine import batch as B
 from hybridflow.engine.base import Engine, LossFn, MicroBatch
 from hybridflow.engine.config import EngineConfig, LoraConfig, OptimConfig, dtype_of
-from hybridflow.engine.gather import gather_named
+from hybridflow.engine.gather import gather_named, tied_aliases
 from hybridflow.engine.optim import build_lr_scheduler, build_optimizer
 from hybridflow.engine.prefix import pack_shared_prompts, sharing_pays
 from hybridflow.models.loading import enable_activation_checkpointing
@@ -364,7 +364,8 @@ class FSDPEngine(Engine):
 
             return merged_state_dict(self.model, dtype, changed_only)
         prefix = "backbone." if self._value else ""
-        return gather_named({name.removeprefix(prefix): t for name, t in self.model.state_dict().items()}, dtype)
+        named = {name.removeprefix(prefix): t for name, t in self.model.state_dict().items()}
+        return gather_named(named, dtype, tied_aliases(self.model.config, named))
 
     def hf_config(self) -> Any:
         """The HF config of the model (for exports)."""

@@ -54,11 +54,35 @@ def gather_full(tensors: list[torch.Tensor], dtype: torch.dtype | None = None) -
     return out
 
 
-def gather_named(named: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    """`gather_full` over a name -> tensor dict; a tensor under several names (tied weights) is gathered once."""
-    unique = list({id(t): t for t in named.values()}.values())
+def gather_named(named: dict[str, torch.Tensor], dtype: torch.dtype | None,
+                 aliases: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
+    """`gather_full` over a name -> tensor dict; a tensor under several names is gathered once, and so is
+    each name of `aliases` (name -> the name whose value it shares: tied weights), filled from its source."""
+    aliases = {a: src for a, src in (aliases or {}).items() if a in named and src in named}
+    unique = list({id(t): t for name, t in named.items() if name not in aliases}.values())
     full = dict(zip([id(t) for t in unique], gather_full(unique, dtype)))
-    return {name: full[id(t)] for name, t in named.items()}
+    out = {name: full[id(t)] for name, t in named.items() if name not in aliases}
+    return {name: out[aliases[name]] if name in aliases else out[name] for name in named}
+
+
+TIED_HEAD = {"lm_head.weight": "model.embed_tokens.weight"}
+"""The HF names a model with config.tie_word_embeddings shares (Llama, Qwen2: the LM head is the embedding)."""
+
+
+def tied_aliases(config: object, named: dict[str, torch.Tensor]) -> dict[str, str]:
+    """`gather_named`'s aliases for `named` of a model with this HF config: the tied names whose tensors hold
+    the same storage here. FSDP2 hands out the one tied parameter as two DTensors under the two names, so
+    without this the embedding (28M of SmolLM2's 135M parameters) is gathered twice. An empty local shard
+    cannot show its storage and trusts the config (every rank must make the same choice)."""
+    if not getattr(config, "tie_word_embeddings", False):
+        return {}
+    out = {}
+    for alias, src in TIED_HEAD.items():
+        if alias in named and src in named:
+            a, b = (t.to_local() if isinstance(t, DTensor) else t for t in (named[alias], named[src]))
+            if a.numel() == 0 or (a.data_ptr() == b.data_ptr() and a.shape == b.shape):
+                out[alias] = src
+    return out
 
 
 def broadcastable(t: torch.Tensor) -> bool:

@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from hybridflow.engine.config import LoraConfig
-from hybridflow.engine.gather import detached_full, gather_named
+from hybridflow.engine.gather import detached_full, gather_named, tied_aliases
 
 PEFT_PREFIX = "base_model.model."
 """What `get_peft_model` puts in front of every name of the wrapped HF model."""
@@ -95,7 +95,8 @@ def merged_state_dict(model: nn.Module, dtype: torch.dtype | None, changed_only:
         merged = {f"{name}.base_layer.weight" for name, _ in layers}
         named.update({hf_name(k): t for k, t in model.state_dict().items()
                       if k not in merged and not is_adapter_key(k)})
-    return gather_named(named, dtype)
+    # a merged (adapted) head is a new tensor, not the embedding's storage: tied_aliases leaves it out
+    return gather_named(named, dtype, tied_aliases(getattr(model, "config", None), named))
 
 
 def _merged_rows(layer: LoraLinear, dtype: torch.dtype | None) -> torch.Tensor:
