@@ -18,9 +18,9 @@ def test_profile_command_on_a_tiny_model(tmp_path, capsys):
 
     out = tmp_path / "device.json"
     assert main(["profile", "--model", str(tiny_model_dir("llama")), "--out", str(out), "--threads", "1,2",
-                 "--shapes", "2x16", "--repeats", "1"]) == 0
+                 "--shapes", "2x16", "--repeats", "1", "--decode-rows-per-thread", "3"]) == 0
     prof = DeviceProfile.load(out)
-    assert [(p.threads, p.batch, p.length) for p in prof.points] == [(1, 2, 16), (2, 2, 16)]
+    assert [(p.threads, p.batch, p.length, p.decode_batch) for p in prof.points] == [(1, 2, 16, 3), (2, 2, 16, 6)]
     for p in prof.points:
         assert 0 < p.forward_s_per_token < p.train_s_per_token  # a backward costs more than the forward alone
         assert p.decode_s_per_token > 0
@@ -47,3 +47,31 @@ def test_the_written_plan_trains_end_to_end(tmp_path, capsys):
         assert all(0.05 < r[f"memory/peak_gb/{op}"] < 64 for r in steps), op  # a worker holds > 50 MB
     rows = {r["metric"]: r for r in json.loads((tmp_path / "logs" / "profile.json").read_text())}
     assert rows["timing_s/update_critic_on_worker"]["peak_memory"]["memory/peak_gb/update_critic"] > 0.05
+
+
+def test_device_profile_rounds_interleave_thread_counts_and_keep_each_best(monkeypatch):
+    """Every round measures every thread count before the next round starts (a slow spell hits both sides of
+    a speedup ratio), and each operator keeps its best time over the rounds."""
+    from hybridflow.planner import device
+
+    calls, times = [], iter([3.0, 2.0, 1.0, 4.0, 2.5, 1.5])  # round 1: threads 1, 2; round 2: 1, 2 ...
+    monkeypatch.setattr(device, "measure_point", lambda ops, t, b, n, repeats, decode_batch: (
+        calls.append(t), device.DevicePoint(t, b, n, next(times), 10.0 - len(calls), 1.0, decode_batch))[1])
+    points = device.interleaved_points(None, (1, 2), [(2, 16)], rounds=3, decode_rows_per_thread=4)
+    assert calls == [1, 2, 1, 2, 1, 2]
+    assert sorted(p.decode_batch for p in points) == [4, 8]  # a 2-thread worker decodes twice the rows
+    by = {p.threads: p for p in points}
+    assert by[1].forward_s_per_token == 1.0 and by[2].forward_s_per_token == 1.5  # min of 3.0/1.0/2.5, 2.0/4.0/1.5
+    assert by[1].train_s_per_token == 5.0 and by[2].train_s_per_token == 4.0  # the later rounds' (smaller) values
+
+
+def test_profile_leaves_no_process_group_behind(tmp_path):
+    """The controller profiles for trainer.placement=auto before it starts workers: the engine's world-size-1
+    group must be gone afterwards, or the in-process backend's own init would find one open."""
+    import torch.distributed as dist
+
+    from hybridflow.models import tiny_model_dir
+    from hybridflow.planner.device import profile_device
+
+    prof = profile_device(str(tiny_model_dir("llama")), (1,), [(2, 8)], repeats=1, collectives=False)
+    assert prof.points[0].train_s_per_token > 0 and not dist.is_initialized()

@@ -1,11 +1,10 @@
 """`hybridflow profile --model M [--out device_profile.json]`: per-token costs of the operators on this machine.
 
-Measures, in this process, the model's forward (log-probs), forward + backward (update) and KV-cached
-decode step at each thread count of --threads and each (batch, length) point, the cost of copying its
-weights into a second copy (weight sync), and a gloo all-reduce's latency and bandwidth between two
-processes (what tensor parallel pays per layer). The cost model (planner/cost.py) reads the result:
-how much a worker speeds up with more threads, and what a tensor-parallel layout's collectives cost.
-No optimizer step is timed (Adam's cost per parameter is small beside the backward on these sizes).
+Measures, in this process, the run's own operators (planner/operators.py: the engine's log-prob pass and
+update, the native rollout's decode step) at each thread count of --threads and each (batch, length) point,
+the cost of copying the weights into a second copy (weight sync), and gloo collectives' latency and
+bandwidth between two processes. The cost model (planner/cost.py) reads the result: how much a worker
+speeds up with more threads, and what tensor / sequence parallel and FSDP collectives cost.
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from hybridflow.planner.operators import EngineOperators
 
 @dataclass
 class DevicePoint:
@@ -38,7 +38,11 @@ class DevicePoint:
     train_s_per_token: float
     """Forward + backward (one update pass, no optimizer step)."""
     decode_s_per_token: float
-    """One KV-cached decode step / batch."""
+    """One KV-cached decode step / its rows (decode_batch)."""
+    decode_batch: int = 0
+    """Rows of the decode steps; 0: `batch`. Decode's cost per token falls with the rows per step (each step
+    reads every weight once), so it is measured at the rows a worker of this many threads decodes in the
+    layouts compared: with a fixed batch, a worker of 2 threads gets twice the rows of a 1-thread one."""
 
 
 @dataclass
@@ -91,36 +95,38 @@ def _best_of(fn: Callable[[], None], repeats: int) -> float:
     return min(times)
 
 
-def measure_point(model: torch.nn.Module, threads: int, batch: int, length: int, vocab: int,
-                  repeats: int = 2, decode_steps: int = 4) -> DevicePoint:
-    """Time forward, forward + backward and decode of `model` at one thread count and shape."""
+def measure_point(ops: EngineOperators, threads: int, batch: int, length: int, repeats: int = 2,
+                  decode_steps: int = 16, decode_batch: int = 0) -> DevicePoint:
+    """Time the run's log-prob pass, update and decode step (planner/operators.py) at one thread count and
+    shape. Decode per token: a generate call of decode_steps + 1 new tokens minus one of 1 new token (the
+    prefill), over decode_steps x rows."""
     torch.set_num_threads(threads)
-    ids = torch.randint(0, vocab, (batch, length))
-
-    def forward() -> None:
-        with torch.no_grad():
-            model(ids)
-
-    def train() -> None:
-        model(ids).logits.float().mean().backward()
-        model.zero_grad(set_to_none=True)
-
-    def decode() -> None:
-        with torch.no_grad():
-            out = model(ids, use_cache=True)
-            nxt, cache = ids[:, -1:], out.past_key_values
-            start = time.perf_counter()
-            for _ in range(decode_steps):
-                cache = model(nxt, past_key_values=cache, use_cache=True).past_key_values
-            decode.elapsed = time.perf_counter() - start
-
+    data = ops.batch(batch, length)
     tokens = batch * length
-    fwd, trn = _best_of(forward, repeats) / tokens, _best_of(train, repeats) / tokens
-    elapsed = []
-    for _ in range(repeats):
-        decode()
-        elapsed.append(decode.elapsed)
-    return DevicePoint(threads, batch, length, fwd, trn, min(elapsed) / (decode_steps * batch))
+    fwd, trn = _best_of(ops.log_probs(data), repeats) / tokens, _best_of(ops.update(data), repeats) / tokens
+    rows = decode_batch or batch
+    long, short = ops.generate(rows, length, decode_steps + 1), ops.generate(rows, length, 1)
+    decode = max(0.0, _best_of(long, repeats) - _best_of(short, repeats)) / (decode_steps * rows)
+    return DevicePoint(threads, batch, length, fwd, trn, decode, decode_batch)
+
+
+def interleaved_points(ops: EngineOperators, threads: Sequence[int], shapes: Sequence[tuple[int, int]],
+                       rounds: int, decode_rows_per_thread: int = 0) -> list[DevicePoint]:
+    """Every (threads, shape) point measured once per round, the rounds one after another, each operator's
+    best over the rounds kept. The thread speedups are ratios of points, so their points are measured
+    side by side: a slow spell of the machine lands on every thread count of one round alike, where
+    measuring all of one thread count before the other put it on one side of the ratio (2-thread speedups
+    of two back-to-back sequential profiles differed by up to 25%)."""
+    best: dict[tuple[int, int, int], DevicePoint] = {}
+    for _ in range(max(1, rounds)):
+        for t in threads:
+            for b, n in shapes:
+                p = measure_point(ops, t, b, n, repeats=1, decode_batch=decode_rows_per_thread * t)
+                old = best.get((t, b, n), p)
+                best[(t, b, n)] = DevicePoint(t, b, n, min(p.forward_s_per_token, old.forward_s_per_token),
+                                              min(p.train_s_per_token, old.train_s_per_token),
+                                              min(p.decode_s_per_token, old.decode_s_per_token), p.decode_batch)
+    return list(best.values())
 
 
 def measure_weight_sync(model: torch.nn.Module) -> float:
@@ -183,20 +189,27 @@ def measure_allreduce() -> tuple[float, float, float, float]:
 
 
 def profile_device(model_path: str, threads: Sequence[int], shapes: Sequence[tuple[int, int]],
-                   dtype: torch.dtype = torch.float32, repeats: int = 2, collectives: bool = True) -> DeviceProfile:
-    """Measure every (threads, shape) point, the weight sync and (collectives) the all-reduce for `model_path`."""
-    from hybridflow.models.loading import load_causal_lm
+                   dtype: torch.dtype = torch.float32, repeats: int = 2, collectives: bool = True,
+                   decode_rows_per_thread: int = 0) -> DeviceProfile:
+    """Measure every (threads, shape) point (`repeats` interleaved rounds), the weight sync and (collectives)
+    the all-reduce for `model_path`."""
+    import torch.distributed as dist
 
-    model = load_causal_lm(model_path, dtype=dtype)
-    vocab = model.config.vocab_size
+    had_group = dist.is_initialized()
+    ops = EngineOperators(model_path, dtype)  # opens a world-size-1 process group when none is open
     saved_threads = torch.get_num_threads()
     try:
-        points = [measure_point(model, t, b, n, vocab, repeats) for t in threads for b, n in shapes]
+        points = interleaved_points(ops, threads, shapes, rounds=repeats,
+                                    decode_rows_per_thread=decode_rows_per_thread)
+        weight_sync = measure_weight_sync(ops.rollout_model)
     finally:
         torch.set_num_threads(saved_threads)
+        del ops
+        if not had_group and dist.is_initialized():  # e.g. the controller profiling for placement=auto
+            dist.destroy_process_group()
     latency, per_byte, gather, scatter = measure_allreduce() if collectives else (0.0, 0.0, 0.0, 0.0)
-    return DeviceProfile(model_path, str(dtype).removeprefix("torch."), points, measure_weight_sync(model),
-                         latency, per_byte, gather, scatter)
+    return DeviceProfile(model_path, str(dtype).removeprefix("torch."), points, weight_sync, latency, per_byte,
+                         gather, scatter)
 
 
 def main(argv: Sequence[str]) -> int:
@@ -208,7 +221,10 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--threads", default=f"1,{os.cpu_count() or 1}", help="comma-separated thread counts")
     parser.add_argument("--shapes", default="4x64,8x128", help="comma-separated BATCHxLENGTH points")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2, help="interleaved rounds (each point: best over them)")
+    parser.add_argument("--decode-rows-per-thread", type=int, default=0,
+                        help="decode a batch of this x threads rows (default: each shape's BATCH); a run's rows "
+                             "per worker over its threads per worker")
     args = parser.parse_args(argv)
     threads = sorted({int(t) for t in args.threads.split(",")})
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
@@ -217,7 +233,8 @@ def main(argv: Sequence[str]) -> int:
         from hybridflow.models import default_model_dir
 
         model = str(default_model_dir())
-    prof = profile_device(model, threads, shapes, getattr(torch, args.dtype), args.repeats)
+    prof = profile_device(model, threads, shapes, getattr(torch, args.dtype), args.repeats,
+                          decode_rows_per_thread=args.decode_rows_per_thread)
     prof.save(Path(args.out))
     for p in prof.points:
         print(f"threads {p.threads} {p.batch}x{p.length}: forward {p.forward_s_per_token * 1e3:.3f} ms/token, "
