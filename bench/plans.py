@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -55,8 +56,10 @@ JOBS = {"grpo": [], "ppo": ["algorithm.adv_estimator=gae"]}
 
 def job_args(args: argparse.Namespace, job: str, tmp: Path) -> list[str]:
     """The job's overrides (main job or tiny variant, with the bench's size options)."""
+    # ignore_eos: every response runs to max_response_length, so every plan does the same work step for step
+    # (with EOS the sampled lengths differ by plan and step, by 5-15% of the tokens, which is noise here)
     out = [*JOBS[job], "trainer.logger=[console,jsonl]", "trainer.test_freq=-1", "trainer.val_before_train=false",
-           "trainer.save_freq=-1", f"trainer.total_training_steps={args.steps}"]
+           "trainer.save_freq=-1", f"trainer.total_training_steps={args.steps}", "rollout.ignore_eos=true"]
     if args.response_length:
         out.append(f"data.max_response_length={args.response_length}")
     if args.batch:
@@ -111,14 +114,11 @@ def _step_records(logs: Path) -> list[dict]:
     return [r for r in rows if "timing_s/step" in r]
 
 
-def measured_step(records: list[dict]) -> float:
-    """Median step time after the warm-up step."""
-    return statistics.median(r["timing_s/step"] for r in (records[1:] or records))
-
-
-def kendall_tau(a: list[float], b: list[float]) -> float:
-    """Kendall's tau-a between two equally long lists (ties count as neither concordant nor discordant)."""
-    pairs = [(i, j) for i in range(len(a)) for j in range(i + 1, len(a))]
+def kendall_tau(a: list[float], b: list[float], tied: set[tuple[int, int]] = frozenset()) -> float:
+    """Kendall's tau-a between two equally long lists: (concordant - discordant) / pairs. With `tied` (pairs
+    (i, j), i < j, that `b` cannot order) those pairs are left out of both counts: Goodman and Kruskal's
+    gamma over the pairs `b` orders (1.0 when it orders none)."""
+    pairs = [(i, j) for i in range(len(a)) for j in range(i + 1, len(a)) if (i, j) not in tied]
     if not pairs:
         return 1.0
     score = sum((a[i] - a[j]) * (b[i] - b[j]) > 0 for i, j in pairs) - sum(
@@ -126,8 +126,18 @@ def kendall_tau(a: list[float], b: list[float]) -> float:
     return score / len(pairs)
 
 
+def unseparated(steps: list[list[float]], z: float = 2.0) -> set[tuple[int, int]]:
+    """Pairs of plans (i < j) whose measured medians differ by less than `z` standard errors of the
+    difference (each plan's s.e.: the stdev of its timed steps / sqrt(their number)): the measurement does
+    not order them."""
+    se = [statistics.stdev(s) / math.sqrt(len(s)) if len(s) > 1 else 0.0 for s in steps]
+    med = [statistics.median(s) for s in steps]
+    return {(i, j) for i in range(len(steps)) for j in range(i + 1, len(steps))
+            if abs(med[i] - med[j]) < z * math.hypot(se[i], se[j])}
+
+
 def predict(name: str, cfg, calib: list[dict], device, threads: int) -> float:
-    """Cost model v1's step time of plan `name` from the calibration run's steps after its warm-up."""
+    """Cost model v1's step time of plan `name` from the calibration run's steps (after the warm-up)."""
     from dataclasses import asdict, replace
 
     from hybridflow.models.loading import load_config as load_model_config
@@ -137,7 +147,7 @@ def predict(name: str, cfg, calib: list[dict], device, threads: int) -> float:
     from hybridflow.planner.profile import build_profile
     from hybridflow.planner.search import forward_ops, model_params
 
-    rows = [asdict(p) for p in build_profile(calib[1:] or calib)]
+    rows = [asdict(p) for p in build_profile(calib)]
     by = {r["metric"]: r for r in rows}
     tokens, response = by["timing_s/step"]["tokens_per_step"], by["timing_s/gen"]["tokens_per_step"]
     calib_cfg = replace(cfg, trainer=replace(cfg.trainer, n_workers_per_node=2, placement="colocate"))
@@ -150,8 +160,8 @@ def predict(name: str, cfg, calib: list[dict], device, threads: int) -> float:
     return predict_step_time_v1(plan_of(name, run_roles(cfg)), costs, tokens, response, w)
 
 
-def bench_job(args: argparse.Namespace, job: str, tmp: Path, device) -> list[tuple[str, float, float]]:
-    """(plan, predicted s, measured s) for every plan of `job` that its config accepts."""
+def bench_job(args: argparse.Namespace, job: str, tmp: Path, device) -> list[tuple[str, float, float, list[float]]]:
+    """(plan, predicted s, measured s, timed step times) for every plan of `job` that its config accepts."""
     from hybridflow.config_utils import load_config
     from hybridflow.trainer.run_config import RunConfig
 
@@ -167,34 +177,43 @@ def bench_job(args: argparse.Namespace, job: str, tmp: Path, device) -> list[tup
         records = train(f"{job}-{name}", base + overrides, tmp / job / name, replay=bool(args.replay))
         if records is None:
             continue
-        calib = calib or records  # the first plan (colocate_2x1) calibrates the rest
-        out.append((name, predict(name, cfg, calib, device, threads), measured_step(records)))
+        calib = calib or records[args.warmup:] or records  # the first plan (colocate_2x1) calibrates the rest
+        timed = [r["timing_s/step"] for r in (records[args.warmup:] or records)]
+        out.append((name, predict(name, cfg, calib, device, threads), statistics.median(timed), timed))
         print(f"{job} {name}: predicted {out[-1][1]:.2f} s, measured {out[-1][2]:.2f} s", flush=True)
     return out
 
 
-def report(job: str, results: list[tuple[str, float, float]]) -> None:
-    """The per-plan table and the three bars."""
-    print(f"\n{job}: {'plan':<14}{'predicted s':>12}{'measured s':>12}{'error':>8}")
-    for name, p, m in results:
-        print(f"{'':<{len(job) + 2}}{name:<14}{p:>12.2f}{m:>12.2f}{(p - m) / m:>+8.0%}")
+def report(job: str, results: list[tuple[str, float, float, list[float]]]) -> None:
+    """The per-plan table and the three bars; tau both over all pairs and over the pairs the measurement
+    orders (medians more than 2 standard errors apart)."""
+    print(f"\n{job}: {'plan':<14}{'predicted s':>12}{'measured s':>12}{'error':>8}{'s.e. s':>8}")
+    for name, p, m, steps in results:
+        se = statistics.stdev(steps) / math.sqrt(len(steps)) if len(steps) > 1 else 0.0
+        print(f"{'':<{len(job) + 2}}{name:<14}{p:>12.2f}{m:>12.2f}{(p - m) / m:>+8.0%}{se:>8.2f}")
     pred, meas = [r[1] for r in results], [r[2] for r in results]
-    tau = kendall_tau(pred, meas)
+    ties = unseparated([r[3] for r in results])
     worst = max(abs(p - m) / m for p, m in zip(pred, meas))
     same = min(results, key=lambda r: r[1])[0] == min(results, key=lambda r: r[2])[0]
-    print(f"  Kendall tau {tau:.2f} (bar 0.8), max relative error {worst:.0%} (bar 25%), "
-          f"predicted best {'==' if same else '!='} measured best")
+    n = len(results) * (len(results) - 1) // 2
+    print(f"  Kendall tau {kendall_tau(pred, meas):.2f} over all {n} pairs (bar 0.8); "
+          f"{kendall_tau(pred, meas, ties):.2f} over the {n - len(ties)} pair(s) the measurement orders (medians "
+          f"more than 2 s.e. apart; within: {', '.join(f'{results[i][0]}~{results[j][0]}' for i, j in sorted(ties)) or 'none'})")
+    print(f"  max relative error {worst:.0%} (bar 25%), predicted best {'==' if same else '!='} measured best")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="tiny random model: proves every plan runs")
-    parser.add_argument("--steps", type=int, default=3, help="steps per plan, the first one untimed")
+    parser.add_argument("--steps", type=int, default=3, help="steps per plan, the first --warmup untimed")
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="untimed steps per plan (SmolLM2's second step is still ~40%% slow: use 2)")
     parser.add_argument("--response-length", type=int, help="data.max_response_length (default: the job's)")
     parser.add_argument("--batch", type=int, help="data.train_batch_size = ppo_mini_batch_size (default: the job's)")
     parser.add_argument("--jobs", default="grpo,ppo")
     parser.add_argument("--plans", default=",".join(PLANS), help="comma-separated; colocate_2x1 must come first")
-    parser.add_argument("--profile-repeats", type=int, default=3, help="best of this many per device-profile point")
+    parser.add_argument("--profile-repeats", type=int, default=3, help="interleaved rounds of the device profile (each point: best over the rounds)")
+    parser.add_argument("--profile-shape", help="ROWSxTOKENS of the device profile's point (default 8 x the runs' rows)")
     parser.add_argument("--device-profile", help="a `hybridflow profile` JSON to use instead of measuring one")
     parser.add_argument("--keep", help="keep the runs and the device profile in this directory (for --replay)")
     parser.add_argument("--replay", help="no runs: predict again from the runs and device profile --keep left here")
@@ -217,9 +236,15 @@ def main() -> None:
             from hybridflow.models import resolve_model_path
             from hybridflow.planner.auto import profile_dtype
 
-            shapes = [(2, 32)] if args.tiny else [(4, 128)]
+            # one update micro-batch of the runs: its rows of a response plus the task's prompt (the arithmetic
+            # prompts are 44-46 tokens: metrics prompt_length/mean); thread speedups grow with the rows
+            rows_len = (cfg.actor.ppo_micro_batch_size_per_device, cfg.data.max_response_length + 46)
+            shapes = [(2, 32)] if args.tiny else [tuple(int(x) for x in args.profile_shape.split("x"))
+                                                  if args.profile_shape else rows_len]
+            # decode as the layouts do: the batch's rows over 2 cores (32 rows at 1 thread, 64 at 2)
             device = profile_device(str(resolve_model_path(cfg.model.path)), (1, 2), shapes,
-                                    dtype=profile_dtype(cfg, 1), repeats=args.profile_repeats)
+                                    dtype=profile_dtype(cfg, 1), repeats=args.profile_repeats,
+                                    decode_rows_per_thread=cfg.data.train_batch_size * cfg.rollout.n // 2)
             print(f"device profile ({device.dtype}): " + ", ".join(
                 f"{k} x{device.speedup(k, 2):.2f}" for k in ("forward", "train", "decode")) + " at 2 threads; "
                 f"all-reduce {device.allreduce_latency_s * 1e6:.0f} us + {device.allreduce_s_per_byte * 1e9:.2f} s/GB",
