@@ -17,6 +17,11 @@ ulysses_sequence_parallel_size=N). Steps are timed on every rank; a step counts 
     .venv/bin/python bench/train_step.py            # defaults: 8 x 256, bf16, 2 threads
     .venv/bin/python bench/train_step.py --lora-rank 8 --lora-alpha 16
     .venv/bin/python bench/train_step.py --layout sp --ranks 2 --threads 1
+
+With `--profile` one more step is run under torch.profiler and FlopCounterMode: the ops with the most
+self time, and the GEMMs' (aten::mm / bmm) FLOPs, time and rate beside the matmul figure, i.e. how much
+of a step is GEMM work and how close to the machine's GEMM peak it runs.
+    .venv/bin/python bench/train_step.py --batch 32 --seq 80 --response 32 --micro 16 --profile
 """
 
 from __future__ import annotations
@@ -129,6 +134,7 @@ def main() -> None:
     ap.add_argument("--gc", action="store_true", help="gradient checkpointing")
     ap.add_argument("--lora-rank", type=int, default=0, help="also time a LoRA update of this rank (0: full only)")
     ap.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA alpha (updates scaled by alpha / rank)")
+    ap.add_argument("--profile", action="store_true", help="also profile one step: top ops, GEMM FLOPs and rate")
     ap.add_argument("--layout", choices=["dp", "tp", "sp"], default=None,
                     help="time on --ranks gloo processes: rows split (dp), layers split (tp) or tokens split (sp)")
     ap.add_argument("--ranks", type=int, default=2, help="processes of a --layout run")
@@ -147,6 +153,8 @@ def main() -> None:
     mm = matmul_gflops(torch.bfloat16 if args.dtype == "bf16" else torch.float32, repeats=10) * 1e9
     print(describe_cpu(args.threads))
     _report(args, params, times, mm, metrics)
+    if args.profile:
+        profile_step(engine, micro, loss_fn, mm)
     if args.lora_rank > 0:
         del engine  # one model in memory at a time
         lora = build_engine(args, LoraConfig(rank=args.lora_rank, alpha=args.lora_alpha))
@@ -167,6 +175,29 @@ def _report(args, params: int, times: list[float], mm: float, metrics: dict) -> 
     print(f"matmul     {mm / 1e9:.0f} GFLOP/s  ({args.dtype} 2048^3, best of 10, same run)")
     mean_achieved = 6 * params * tokens / (sum(times) / len(times))
     print(f"ratio      {achieved / mm:.1%} at the best step, {mean_achieved / mm:.1%} at the mean step  (bar: >= 40%)")
+
+
+def profile_step(engine: FSDPEngine, micro: list[dict], loss_fn, mm: float, top: int = 8) -> None:
+    """One step under torch.profiler (op self times) and one under FlopCounterMode (GEMM FLOPs): where the
+    step's time goes, and the GEMMs' achieved rate against the matmul figure `mm` (FLOP/s)."""
+    from torch.profiler import ProfilerActivity, profile
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        engine.train_step(micro, loss_fn)
+    flops = {str(op).split(".")[-1]: n for op, n in counter.get_flop_counts()["Global"].items()}
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        engine.train_step(micro, loss_fn)
+    ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    total = sum(e.self_cpu_time_total for e in ops) / 1e6
+    print(f"profiled step {total:.2f} s of op self time; top ops:")
+    for e in ops[:top]:
+        print(f"  {e.key:<28} {e.self_cpu_time_total / 1e6:6.2f} s  {e.self_cpu_time_total / 1e6 / total:5.1%}  "
+              f"{e.count} calls")
+    gemm_s = sum(e.self_cpu_time_total for e in ops if e.key in ("aten::mm", "aten::bmm")) / 1e6
+    gemm_flops = sum(n for op, n in flops.items() if op in ("mm", "bmm"))
+    print(f"GEMMs      {gemm_flops / 1e12:.3f} TFLOP in {gemm_s:.2f} s = {gemm_flops / gemm_s / 1e9:.0f} GFLOP/s, "
+          f"{gemm_flops / gemm_s / mm:.0%} of the matmul figure; at 100% they would take {gemm_flops / mm:.2f} s")
 
 
 def _report_lora(args, trainable_fraction: float, full: list[float], lora: list[float], metrics: dict) -> None:
