@@ -51,8 +51,14 @@ PROFILE_SHAPE = (8, 64)
 every weight once), so a few rows, not one; small enough to measure SmolLM2 in well under a minute."""
 
 
+PROFILE_VERSION = "engine-ops-1"
+"""In the cache key: profiles measured another way (raw HF passes before this) are measured again."""
+
+
 def cached_device_profile(cfg: RunConfig, threads: int) -> DeviceProfile:
-    """trainer.device_profile, else a profile cached per model directory, thread count and dtype (measured once)."""
+    """trainer.device_profile, else a profile cached per model directory, thread count, dtype and decode rows
+    (measured once). Decode runs at the rows one of `cfg`'s workers generates (decode's cost per token falls
+    with the rows per step), stored per thread so that the key is the same for every layout of one batch."""
     if cfg.trainer.device_profile:
         return DeviceProfile.load(Path(cfg.trainer.device_profile))
     from hybridflow.models import resolve_model_path
@@ -60,11 +66,13 @@ def cached_device_profile(cfg: RunConfig, threads: int) -> DeviceProfile:
 
     model = resolve_model_path(cfg.model.path)
     dtype = profile_dtype(cfg, threads)
-    key = hashlib.sha1(f"{model.resolve()}:{threads}:{dtype}".encode()).hexdigest()[:12]
+    per_thread = max(1, cfg.data.train_batch_size * cfg.rollout.n // max(1, cfg.world_size * threads))
+    key = hashlib.sha1(f"{model.resolve()}:{threads}:{dtype}:{per_thread}:{PROFILE_VERSION}".encode()).hexdigest()[:12]
     path = cache_root() / "device_profiles" / f"{key}.json"
     if path.exists():
         return DeviceProfile.load(path)
-    prof = profile_device(str(model), (threads,), [PROFILE_SHAPE], dtype=dtype, collectives=True)
+    prof = profile_device(str(model), (threads,), [PROFILE_SHAPE], dtype=dtype, collectives=True,
+                          decode_rows_per_thread=per_thread)
     path.parent.mkdir(parents=True, exist_ok=True)
     prof.save(path)
     return prof

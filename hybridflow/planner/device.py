@@ -106,7 +106,9 @@ def measure_point(ops: EngineOperators, threads: int, batch: int, length: int, r
     fwd, trn = _best_of(ops.log_probs(data), repeats) / tokens, _best_of(ops.update(data), repeats) / tokens
     rows = decode_batch or batch
     long, short = ops.generate(rows, length, decode_steps + 1), ops.generate(rows, length, 1)
-    decode = max(0.0, _best_of(long, repeats) - _best_of(short, repeats)) / (decode_steps * rows)
+    long_s, short_s = _best_of(long, repeats), _best_of(short, repeats)
+    # floor: the long call's even share per token, where noise beats the difference (tiny models, loaded machine)
+    decode = max(long_s - short_s, long_s / (decode_steps + 1)) / (decode_steps * rows)
     return DevicePoint(threads, batch, length, fwd, trn, decode, decode_batch)
 
 
