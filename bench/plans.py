@@ -20,8 +20,9 @@ best (bars: tau >= 0.8, error <= 25%, same best). The calibration plan's predict
 except for its controller share; the other plans are true predictions.
 
     .venv/bin/python bench/plans.py --tiny --steps 2          # smoke: tiny random model, seconds per run
-    .venv/bin/python bench/plans.py --steps 4 --response-length 64 --batch 8 --keep runs/plans   # SmolLM2, ~15 min idle
-    .venv/bin/python bench/plans.py --replay runs/plans --response-length 64 --batch 8   # predict again, no runs
+    .venv/bin/python bench/plans.py --steps 7 --warmup 3 --response-length 64 --batch 8 --keep runs/plans   # ~35 min
+    .venv/bin/python bench/plans.py --jobs grpo --rounds 2 --steps 7 --warmup 3 --response-length 64 --batch 8
+    .venv/bin/python bench/plans.py --replay runs/plans --steps 7 --warmup 3 --response-length 64 --batch 8
 """
 
 from __future__ import annotations
@@ -161,25 +162,36 @@ def predict(name: str, cfg, calib: list[dict], device, threads: int) -> float:
 
 
 def bench_job(args: argparse.Namespace, job: str, tmp: Path, device) -> list[tuple[str, float, float, list[float]]]:
-    """(plan, predicted s, measured s, timed step times) for every plan of `job` that its config accepts."""
+    """(plan, predicted s, measured s, timed step times) for every plan of `job` that its config accepts.
+
+    With --rounds R every plan runs R times, the order reversed every other round (A B C, C B A, ...), and
+    each plan's timed steps are pooled: the machine's speed drifts by more than the plans differ over the
+    minutes a round takes (sp2 measured 17% slower than colocate_2x1 in one bench, 3% faster in the next),
+    and alternating orders cancel a steady drift."""
     from hybridflow.config_utils import load_config
     from hybridflow.trainer.run_config import RunConfig
 
     base = job_args(args, job, tmp)
-    out, calib = [], None
+    cfgs = {}
     for name in [p for p in args.plans.split(",") if p in PLANS]:
-        overrides, threads = PLANS[name]
         try:
-            cfg = load_config(RunConfig, None, base + overrides)
+            cfgs[name] = load_config(RunConfig, None, base + PLANS[name][0])
         except ValueError as err:
             print(f"{job} {name}: refused by the config ({err})", flush=True)
-            continue
-        records = train(f"{job}-{name}", base + overrides, tmp / job / name, replay=bool(args.replay))
-        if records is None:
-            continue
-        calib = calib or records[args.warmup:] or records  # the first plan (colocate_2x1) calibrates the rest
-        timed = [r["timing_s/step"] for r in (records[args.warmup:] or records)]
-        out.append((name, predict(name, cfg, calib, device, threads), statistics.median(timed), timed))
+    timed: dict[str, list[dict]] = {name: [] for name in cfgs}
+    for r in range(args.rounds):
+        for name in (list(timed) if r % 2 == 0 else list(timed)[::-1]):
+            run_dir = tmp / job / (name if r == 0 else f"{name}.r{r}")
+            records = train(f"{job}-{name}", base + PLANS[name][0], run_dir, replay=bool(args.replay))
+            if records is None:  # refused at resolve (first round): not a plan of this job
+                del timed[name]
+                continue
+            timed[name] += records[args.warmup:] or records
+    calib = next(iter(timed.values()))  # the first plan (colocate_2x1) calibrates the rest
+    out = []
+    for name, records in timed.items():
+        steps = [rec["timing_s/step"] for rec in records]
+        out.append((name, predict(name, cfgs[name], calib, device, PLANS[name][1]), statistics.median(steps), steps))
         print(f"{job} {name}: predicted {out[-1][1]:.2f} s, measured {out[-1][2]:.2f} s", flush=True)
     return out
 
@@ -210,6 +222,8 @@ def main() -> None:
                         help="untimed steps per plan (SmolLM2's second step is still ~40%% slow: use 2)")
     parser.add_argument("--response-length", type=int, help="data.max_response_length (default: the job's)")
     parser.add_argument("--batch", type=int, help="data.train_batch_size = ppo_mini_batch_size (default: the job's)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every plan this many times, alternating the order, and pool their steps")
     parser.add_argument("--jobs", default="grpo,ppo")
     parser.add_argument("--plans", default=",".join(PLANS), help="comma-separated; colocate_2x1 must come first")
     parser.add_argument("--profile-repeats", type=int, default=3, help="interleaved rounds of the device profile (each point: best over the rounds)")
