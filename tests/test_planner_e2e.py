@@ -65,13 +65,20 @@ def test_device_profile_rounds_interleave_thread_counts_and_keep_each_best(monke
     assert by[1].train_s_per_token == 5.0 and by[2].train_s_per_token == 4.0  # the later rounds' (smaller) values
 
 
-def test_profile_leaves_no_process_group_behind(tmp_path):
+def test_profile_leaves_no_process_group_behind():
     """The controller profiles for trainer.placement=auto before it starts workers: the engine's world-size-1
-    group must be gone afterwards, or the in-process backend's own init would find one open."""
-    import torch.distributed as dist
+    group must be gone afterwards, or the in-process backend's own init would find one open. Run in a fresh
+    process (earlier tests in this one may have left a group open)."""
+    import subprocess
+    import sys
 
     from hybridflow.models import tiny_model_dir
-    from hybridflow.planner.device import profile_device
 
-    prof = profile_device(str(tiny_model_dir("llama")), (1,), [(2, 8)], repeats=1, collectives=False)
-    assert prof.points[0].train_s_per_token > 0 and not dist.is_initialized()
+    code = ("import torch.distributed as dist\n"
+            "from hybridflow.planner.device import profile_device\n"
+            f"prof = profile_device({str(tiny_model_dir('llama'))!r}, (1,), [(2, 8)], repeats=1, collectives=False)\n"
+            "assert prof.points[0].train_s_per_token > 0\n"
+            "print('open after profile:', dist.is_initialized())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "open after profile: False" in out.stdout
