@@ -59,10 +59,10 @@ def gather_named(named: dict[str, torch.Tensor], dtype: torch.dtype | None,
     """`gather_full` over a name -> tensor dict; a tensor under several names is gathered once, and so is
     each name of `aliases` (name -> the name whose value it shares: tied weights), filled from its source."""
     aliases = {a: src for a, src in (aliases or {}).items() if a in named and src in named}
-    unique = list({id(t): t for name, t in named.items() if name not in aliases}.values())
+    kept = {name: t for name, t in named.items() if name not in aliases}
+    unique = list({id(t): t for t in kept.values()}.values())
     full = dict(zip([id(t) for t in unique], gather_full(unique, dtype)))
-    out = {name: full[id(t)] for name, t in named.items() if name not in aliases}
-    return {name: out[aliases[name]] if name in aliases else out[name] for name in named}
+    return {name: full[id(kept[aliases.get(name, name)])] for name in named}
 
 
 TIED_HEAD = {"lm_head.weight": "model.embed_tokens.weight"}

@@ -23,6 +23,7 @@ import torch
 
 from hybridflow.planner.operators import EngineOperators
 
+
 @dataclass
 class DevicePoint:
     """Per-token seconds of the operators at one thread count and shape."""
@@ -36,7 +37,7 @@ class DevicePoint:
     forward_s_per_token: float
     """Forward pass without grad (log-probs, values)."""
     train_s_per_token: float
-    """Forward + backward (one update pass, no optimizer step)."""
+    """One update of one micro-batch: forward, backward and the optimizer step."""
     decode_s_per_token: float
     """One KV-cached decode step / its rows (decode_batch)."""
     decode_batch: int = 0

@@ -58,19 +58,18 @@ class EngineOperators:
         from hybridflow.protocol import DataProto
         from hybridflow.rollout import build_rollout
 
-        if self._rollout_model is None:
-            from hybridflow.rollout.base import load_rollout_model
-
-            self._rollout_model = load_rollout_model(self.model_path, self.rollout_config.torch_dtype)
         cfg = replace(self.rollout_config, response_length=new_tokens, prompt_length=length, max_batch_size=rows)
-        rollout = build_rollout(cfg, self._rollout_model, self.tokenizer)
+        rollout = build_rollout(cfg, self.rollout_model, self.tokenizer)
         data = self.batch(rows, length)
         prompts = DataProto.from_dict({k: data[k] for k in (keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS)})
         return lambda: rollout.generate_sequences(prompts)
 
     @property
     def rollout_model(self) -> torch.nn.Module:
-        """The rollout's model (a plain module in the profile's dtype), loaded by the first `generate`."""
+        """The rollout's model (a plain module in the profile's dtype), loaded on first use and shared by every
+        `generate` call."""
         if self._rollout_model is None:
-            self.generate(1, 1, 1)
+            from hybridflow.rollout.base import load_rollout_model
+
+            self._rollout_model = load_rollout_model(self.model_path, self.rollout_config.torch_dtype)
         return self._rollout_model
