@@ -35,11 +35,20 @@ MODES = {
 def run_args(args: argparse.Namespace, out: Path, mode: str) -> list[str]:
     """One mode's overrides: the main job (or a tiny variant) for --steps steps, no validation."""
     threads = args.threads if mode == "sync" else max(1, args.threads // 2)
-    common = [*MODES[mode], f"trainer.total_training_steps={args.steps}", f"trainer.cpus_per_worker={threads}",
-              f"trainer.log_dir={out / 'logs'}", f"trainer.default_local_dir={out / 'ckpt'}",
-              "trainer.logger=[console,jsonl]", "trainer.test_freq=-1", "trainer.val_before_train=false",
-              "rollout.calculate_log_probs=true", f"algorithm.rollout_is_threshold={args.is_threshold}",
-              "algorithm.rollout_is=true", "trainer.experiment_name=" + mode]
+    common = [
+        *MODES[mode],
+        f"trainer.total_training_steps={args.steps}",
+        f"trainer.cpus_per_worker={threads}",
+        f"trainer.log_dir={out / 'logs'}",
+        f"trainer.default_local_dir={out / 'ckpt'}",
+        "trainer.logger=[console,jsonl]",
+        "trainer.test_freq=-1",
+        "trainer.val_before_train=false",
+        "rollout.calculate_log_probs=true",
+        f"algorithm.rollout_is_threshold={args.is_threshold}",
+        "algorithm.rollout_is=true",
+        "trainer.experiment_name=" + mode,
+    ]
     if mode == "async":
         common.append(f"trainer.max_staleness={args.staleness}")
     if not args.tiny:
@@ -47,9 +56,15 @@ def run_args(args: argparse.Namespace, out: Path, mode: str) -> list[str]:
     from hybridflow.models import tiny_model_dir
 
     return common + [
-        f"model.path={tiny_model_dir('llama')}", f"data.task_dir={out.parent / 'data'}", "data.gen_train_size=64",
-        "data.gen_val_size=4", "data.train_batch_size=4", "data.max_response_length=8", "rollout.n=2",
-        "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size_per_device=2",
+        f"model.path={tiny_model_dir('llama')}",
+        f"data.task_dir={out.parent / 'data'}",
+        "data.gen_train_size=64",
+        "data.gen_val_size=4",
+        "data.train_batch_size=4",
+        "data.max_response_length=8",
+        "rollout.n=2",
+        "actor.ppo_mini_batch_size=2",
+        "actor.ppo_micro_batch_size_per_device=2",
     ]
 
 
@@ -75,8 +90,11 @@ def summarize(records: list[dict]) -> dict[str, float]:
     # gen phase is only the wait for a batch generated ahead, so only this product means anything
     tokens = statistics.median(r.get("perf/gen_tokens_per_s", 0.0) * r["timing_s/gen"] for r in timed)
     transfer = [r["timing_s/weight_transfer"] for r in timed if "timing_s/weight_transfer" in r]
-    return {"step_s": step, "gen_tokens_per_s": tokens / step,
-            "transfer_s": statistics.median(transfer) if transfer else 0.0}
+    return {
+        "step_s": step,
+        "gen_tokens_per_s": tokens / step,
+        "transfer_s": statistics.median(transfer) if transfer else 0.0,
+    }
 
 
 def main() -> None:
@@ -99,8 +117,10 @@ def main() -> None:
     base = results.get("sync", next(iter(results.values())))[0]
     print(f"{'mode':<14}{'step s':>9}{'x sync':>8}{'gen tok/s':>11}{'x sync':>8}{'transfer s':>12}")
     for mode, (s, _) in results.items():
-        print(f"{mode:<14}{s['step_s']:>9.2f}{base['step_s'] / s['step_s']:>8.2f}{s['gen_tokens_per_s']:>11.1f}"
-              f"{s['gen_tokens_per_s'] / base['gen_tokens_per_s']:>8.2f}{s['transfer_s']:>12.3f}")
+        print(
+            f"{mode:<14}{s['step_s']:>9.2f}{base['step_s'] / s['step_s']:>8.2f}{s['gen_tokens_per_s']:>11.1f}"
+            f"{s['gen_tokens_per_s'] / base['gen_tokens_per_s']:>8.2f}{s['transfer_s']:>12.3f}"
+        )
     print("mean reward per step (critic/score/mean):")
     for mode, (_, records) in results.items():
         print(f"  {mode:<14}" + " ".join(f"{r['critic/score/mean']:.3f}" for r in records))

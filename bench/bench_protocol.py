@@ -34,8 +34,10 @@ def main() -> None:
         repeats = 20 if mib < 16 else 5
         for name, obj in [("DataProto", DataProto.from_dict(tensors)), ("dict of tensors", tensors)]:
             seconds = best_round_trip(obj, repeats)
-            print(f"{rows}x{cols} int64 ({mib:.0f} MiB) {name:>16}: {seconds * 1e3:7.2f} ms "
-                  f"({mib / 1024 / seconds:.2f} GiB/s)")
+            print(
+                f"{rows}x{cols} int64 ({mib:.0f} MiB) {name:>16}: {seconds * 1e3:7.2f} ms "
+                f"({mib / 1024 / seconds:.2f} GiB/s)"
+            )
     ray.shutdown()
 
 

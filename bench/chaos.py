@@ -23,8 +23,8 @@ import os
 import random
 import re
 import shutil
-import statistics
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,16 +37,25 @@ from hybridflow.utils.hardware import describe_cpu
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPARED = ("critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/entropy", "actor/grad_norm")
-LENGTH_REWARD = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n" \
-                "    return (len(solution_str) % 7) / 7.0\n"
+LENGTH_REWARD = (
+    "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+    "    return (len(solution_str) % 7) / 7.0\n"
+)
 
 
 def run_args(args: argparse.Namespace, out: Path) -> list[str]:
     """The run's overrides: the main job (or the tiny variant) for --steps steps, checkpoints every --save-freq."""
-    common = [f"trainer.total_training_steps={args.steps}", f"trainer.save_freq={args.save_freq}",
-              f"trainer.default_local_dir={out / 'ckpt'}", f"trainer.log_dir={out / 'logs'}",
-              "trainer.logger=[console,jsonl]", f"trainer.max_restarts={args.kills + 1}",
-              "trainer.test_freq=-1", "trainer.val_before_train=false", "trainer.max_ckpt_to_keep=2"]
+    common = [
+        f"trainer.total_training_steps={args.steps}",
+        f"trainer.save_freq={args.save_freq}",
+        f"trainer.default_local_dir={out / 'ckpt'}",
+        f"trainer.log_dir={out / 'logs'}",
+        "trainer.logger=[console,jsonl]",
+        f"trainer.max_restarts={args.kills + 1}",
+        "trainer.test_freq=-1",
+        "trainer.val_before_train=false",
+        "trainer.max_ckpt_to_keep=2",
+    ]
     if not args.tiny:
         return common
     from hybridflow.models import tiny_model_dir
@@ -54,9 +63,16 @@ def run_args(args: argparse.Namespace, out: Path) -> list[str]:
     reward = out.parent / "length_reward.py"
     reward.write_text(LENGTH_REWARD)
     return common + [
-        f"model.path={tiny_model_dir('llama')}", f"data.task_dir={out.parent / 'data'}", "data.gen_train_size=64",
-        "data.gen_val_size=4", "data.train_batch_size=4", "data.max_response_length=8", "rollout.n=2",
-        "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size_per_device=2", "actor.optim.lr=1e-3",
+        f"model.path={tiny_model_dir('llama')}",
+        f"data.task_dir={out.parent / 'data'}",
+        "data.gen_train_size=64",
+        "data.gen_val_size=4",
+        "data.train_batch_size=4",
+        "data.max_response_length=8",
+        "rollout.n=2",
+        "actor.ppo_mini_batch_size=2",
+        "actor.ppo_micro_batch_size_per_device=2",
+        "actor.optim.lr=1e-3",
         f"reward.custom_reward_function.path={reward}",
     ]
 
@@ -115,7 +131,7 @@ def chaos(args: argparse.Namespace, out: Path, rng: random.Random) -> tuple[floa
     while len(kills) < args.kills:
         done = len(logged_steps(out))
         # a new step since the last kill (so its recovery finished), and room left before the end
-        if not wait_for(lambda: len(logged_steps(out)) > done and len(recoveries(log)) == len(kills), proc):
+        if not wait_for(lambda done=done: len(logged_steps(out)) > done and len(recoveries(log)) == len(kills), proc):
             break
         time.sleep(rng.uniform(0, args.max_delay_s))
         pids = worker_pids(proc.pid)
@@ -124,8 +140,11 @@ def chaos(args: argparse.Namespace, out: Path, rng: random.Random) -> tuple[floa
         pid = rng.choice(pids)
         os.kill(pid, signal.SIGKILL)
         kills.append((time.monotonic() - begin, pid))
-        print(f"kill {len(kills)}: SIGKILL worker pid {pid} at {kills[-1][0]:.1f} s "
-              f"(after step {len(logged_steps(out))})", flush=True)
+        print(
+            f"kill {len(kills)}: SIGKILL worker pid {pid} at {kills[-1][0]:.1f} s "
+            f"(after step {len(logged_steps(out))})",
+            flush=True,
+        )
     proc.wait()
     if proc.returncode != 0:
         sys.exit(f"the chaos run failed (exit {proc.returncode}); see {log}:\n{log.read_text()[-3000:]}")
@@ -136,8 +155,12 @@ def compare(got: list[dict], ref: list[dict]) -> list[str]:
     """Differences between two runs' per-step metrics (empty: equal)."""
     if [r["step"] for r in got] != [r["step"] for r in ref]:
         return [f"steps logged differ: {[r['step'] for r in got]} vs {[r['step'] for r in ref]}"]
-    return [f"step {a['step']} {k}: {a[k]} vs {b[k]}" for a, b in zip(got, ref) for k in COMPARED
-            if abs(a[k] - b[k]) > 1e-6 + 1e-5 * abs(b[k])]
+    return [
+        f"step {a['step']} {k}: {a[k]} vs {b[k]}"
+        for a, b in zip(got, ref)
+        for k in COMPARED
+        if abs(a[k] - b[k]) > 1e-6 + 1e-5 * abs(b[k])
+    ]
 
 
 def main() -> None:
@@ -148,8 +171,11 @@ def main() -> None:
     parser.add_argument("--kills", type=int, default=3)
     parser.add_argument("--max-delay-s", type=float, default=30.0, help="each kill waits uniform(0, this) after a step")
     parser.add_argument("--seed", type=int, default=0, help="seed of the kill times and victims")
-    parser.add_argument("--out", type=Path, help="where both runs write (default: a temporary directory, whose "
-                        "checkpoints are deleted at the end)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="where both runs write (default: a temporary directory, whose checkpoints are deleted at the end)",
+    )
     args = parser.parse_args()
     root = args.out or Path(tempfile.mkdtemp(prefix="hybridflow-chaos-"))
     print(f"{describe_cpu()}; runs under {root}", flush=True)
@@ -173,8 +199,10 @@ def main() -> None:
     restart_s = recovery_seconds(chaos_log)
     if restart_s:
         step_s = statistics.median(r["timing_s/step"] for r in logged_steps(root / "reference"))
-        print(f"restart cost (failure to training again): {', '.join(f'{x:.1f}' for x in restart_s)} s; "
-              f"the rest of the overhead is {redone} redone steps (median step {step_s:.1f} s) and their warm-up")
+        print(
+            f"restart cost (failure to training again): {', '.join(f'{x:.1f}' for x in restart_s)} s; "
+            f"the rest of the overhead is {redone} redone steps (median step {step_s:.1f} s) and their warm-up"
+        )
     print("final metrics equal the reference's: " + ("yes" if not diffs else "NO\n  " + "\n  ".join(diffs[:10])))
     if args.out is None:  # the checkpoints are large (SmolLM2 with optimizer: ~1.6 GB each); logs stay
         for run in ("reference", "chaos"):

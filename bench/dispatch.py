@@ -18,15 +18,16 @@ import argparse
 import random
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import ray
 import torch
 
-from hybridflow.utils.hardware import describe_cpu
 from hybridflow import DataProto, Dispatch, Worker, register
 from hybridflow.controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup, init_local_ray
+from hybridflow.utils.hardware import describe_cpu
 
 WORKERS = 2
 SIZES = [(256, 8), (256, 1024)]

@@ -33,12 +33,16 @@ def main() -> None:
     args = parser.parse_args()
     spec = SPECS[args.spec]
     work = RLWorkload(args.prompts, args.prompt_len, args.response_len)
-    print(f"spec {spec.name}: {spec.bf16_flops / 1e12:.0f} TFLOP/s bf16, {spec.memory_bytes / 1e9:.0f} GB, "
-          f"HBM {spec.hbm_bytes_per_s / 1e12:.2f} TB/s, NVLink {spec.intra_node_bytes_per_s / 1e9:.0f} GB/s, "
-          f"network {spec.inter_node_bytes_per_s / 1e9:.0f} GB/s per GPU; {work.prompts} prompts x "
-          f"{work.prompt_len}+{work.response_len} tokens")
-    print(f"{'model':10} {'GPUs':>4} {'plans':>5} {'best s/step':>11}  {'colocate':>8} {'split':>6} {'standalone':>10} "
-          f"{'1-step-off':>10}  best plan")
+    print(
+        f"spec {spec.name}: {spec.bf16_flops / 1e12:.0f} TFLOP/s bf16, {spec.memory_bytes / 1e9:.0f} GB, "
+        f"HBM {spec.hbm_bytes_per_s / 1e12:.2f} TB/s, NVLink {spec.intra_node_bytes_per_s / 1e9:.0f} GB/s, "
+        f"network {spec.inter_node_bytes_per_s / 1e9:.0f} GB/s per GPU; {work.prompts} prompts x "
+        f"{work.prompt_len}+{work.response_len} tokens"
+    )
+    print(
+        f"{'model':10} {'GPUs':>4} {'plans':>5} {'best s/step':>11}  {'colocate':>8} {'split':>6} {'standalone':>10} "
+        f"{'1-step-off':>10}  best plan"
+    )
     for name in args.shapes.split(","):
         shape = SHAPES[name]
         for n in (int(g) for g in args.gpus.split(",")):
@@ -48,16 +52,23 @@ def main() -> None:
                 continue
             best = ranked[0]
 
-            def rel(plan) -> str:
+            def rel(plan, best=best) -> str:
                 return f"{plan.step_s / best.step_s:.2f}x" if plan else "-"
 
-            named = {k: evaluate(blocks, sizes, shape, work, spec) for k, (blocks, sizes) in named_placements(n, spec).items()}
+            named = {
+                k: evaluate(blocks, sizes, shape, work, spec)
+                for k, (blocks, sizes) in named_placements(n, spec).items()
+            }
             off = one_step_off(shape, work, spec, n)
             off_s = f"{best.step_s / off[0]:.2f}x" if off else "-"
-            print(f"{name:10} {n:>4} {len(ranked):>5} {best.step_s:>11.1f}  {rel(named.get('colocate')):>8} "
-                  f"{rel(named.get('split')):>6} {rel(named.get('standalone')):>10} {off_s:>10}  {best.describe()}")
-    print("colocate/split/standalone: predicted step time relative to the best plan (1.00x = it is the best); "
-          "1-step-off: predicted speedup of trainer.mode=one_step_off over the best synchronous plan")
+            print(
+                f"{name:10} {n:>4} {len(ranked):>5} {best.step_s:>11.1f}  {rel(named.get('colocate')):>8} "
+                f"{rel(named.get('split')):>6} {rel(named.get('standalone')):>10} {off_s:>10}  {best.describe()}"
+            )
+    print(
+        "colocate/split/standalone: predicted step time relative to the best plan (1.00x = it is the best); "
+        "1-step-off: predicted speedup of trainer.mode=one_step_off over the best synchronous plan"
+    )
 
 
 if __name__ == "__main__":

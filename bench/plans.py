@@ -43,14 +43,38 @@ sys.path.insert(0, str(ROOT))
 PLANS = {  # name -> (overrides, threads per worker)
     "colocate_2x1": (["trainer.placement=colocate", "trainer.n_workers_per_node=2", "trainer.cpus_per_worker=1"], 1),
     "colocate_1x2": (["trainer.placement=colocate", "trainer.n_workers_per_node=1", "trainer.cpus_per_worker=2"], 2),
-    "fsdp_2x1": (["trainer.placement=colocate", "trainer.n_workers_per_node=2", "trainer.cpus_per_worker=1",
-                  "actor.engine.fsdp_size=-1", "critic.engine.fsdp_size=-1"], 1),
+    "fsdp_2x1": (
+        [
+            "trainer.placement=colocate",
+            "trainer.n_workers_per_node=2",
+            "trainer.cpus_per_worker=1",
+            "actor.engine.fsdp_size=-1",
+            "critic.engine.fsdp_size=-1",
+        ],
+        1,
+    ),
     "split_1+1": (["trainer.placement=split", "trainer.n_workers_per_node=2", "trainer.cpus_per_worker=1"], 1),
-    "tp2": (["trainer.placement=colocate", "trainer.n_workers_per_node=2", "trainer.cpus_per_worker=1",
-             "actor.engine.tensor_parallel_size=2", "critic.engine.tensor_parallel_size=2",
-             "rollout.tensor_model_parallel_size=2"], 1),
-    "sp2": (["trainer.placement=colocate", "trainer.n_workers_per_node=2", "trainer.cpus_per_worker=1",
-             "actor.engine.ulysses_sequence_parallel_size=2", "critic.engine.ulysses_sequence_parallel_size=2"], 1),
+    "tp2": (
+        [
+            "trainer.placement=colocate",
+            "trainer.n_workers_per_node=2",
+            "trainer.cpus_per_worker=1",
+            "actor.engine.tensor_parallel_size=2",
+            "critic.engine.tensor_parallel_size=2",
+            "rollout.tensor_model_parallel_size=2",
+        ],
+        1,
+    ),
+    "sp2": (
+        [
+            "trainer.placement=colocate",
+            "trainer.n_workers_per_node=2",
+            "trainer.cpus_per_worker=1",
+            "actor.engine.ulysses_sequence_parallel_size=2",
+            "critic.engine.ulysses_sequence_parallel_size=2",
+        ],
+        1,
+    ),
 }
 JOBS = {"grpo": [], "ppo": ["algorithm.adv_estimator=gae"]}
 
@@ -59,19 +83,35 @@ def job_args(args: argparse.Namespace, job: str, tmp: Path) -> list[str]:
     """The job's overrides (main job or tiny variant, with the bench's size options)."""
     # ignore_eos: every response runs to max_response_length, so every plan does the same work step for step
     # (with EOS the sampled lengths differ by plan and step, by 5-15% of the tokens, which is noise here)
-    out = [*JOBS[job], "trainer.logger=[console,jsonl]", "trainer.test_freq=-1", "trainer.val_before_train=false",
-           "trainer.save_freq=-1", f"trainer.total_training_steps={args.steps}", "rollout.ignore_eos=true"]
+    out = [
+        *JOBS[job],
+        "trainer.logger=[console,jsonl]",
+        "trainer.test_freq=-1",
+        "trainer.val_before_train=false",
+        "trainer.save_freq=-1",
+        f"trainer.total_training_steps={args.steps}",
+        "rollout.ignore_eos=true",
+    ]
     if args.response_length:
         out.append(f"data.max_response_length={args.response_length}")
     if args.batch:
-        out += [f"data.train_batch_size={args.batch}", f"actor.ppo_mini_batch_size={args.batch}",
-                f"critic.ppo_mini_batch_size={args.batch}"]
+        out += [
+            f"data.train_batch_size={args.batch}",
+            f"actor.ppo_mini_batch_size={args.batch}",
+            f"critic.ppo_mini_batch_size={args.batch}",
+        ]
     if args.tiny:
         from hybridflow.models import tiny_model_dir
 
-        out += [f"model.path={tiny_model_dir('llama')}", f"data.task_dir={tmp / 'data'}", "data.gen_train_size=64",
-                "data.gen_val_size=4", "rollout.n=2", "actor.ppo_micro_batch_size_per_device=2",
-                "critic.ppo_micro_batch_size_per_device=2"]
+        out += [
+            f"model.path={tiny_model_dir('llama')}",
+            f"data.task_dir={tmp / 'data'}",
+            "data.gen_train_size=64",
+            "data.gen_val_size=4",
+            "rollout.n=2",
+            "actor.ppo_micro_batch_size_per_device=2",
+            "critic.ppo_micro_batch_size_per_device=2",
+        ]
     return out + args.overrides
 
 
@@ -82,9 +122,13 @@ def plan_of(name: str, roles: tuple[str, ...]):
     if name == "split_1+1":
         sets = (PlacementSet(("actor_rollout",), 1), PlacementSet(roles[1:], 1))
         return Plan(sets, tuple((r, RoleParallel(1)) for r in roles))
-    devices, par = {"colocate_2x1": (2, RoleParallel(2)), "colocate_1x2": (1, RoleParallel(1)),
-                    "fsdp_2x1": (2, RoleParallel(2)),
-                    "tp2": (2, RoleParallel(1, tp=2)), "sp2": (2, RoleParallel(1, sp=2))}[name]
+    devices, par = {
+        "colocate_2x1": (2, RoleParallel(2)),
+        "colocate_1x2": (1, RoleParallel(1)),
+        "fsdp_2x1": (2, RoleParallel(2)),
+        "tp2": (2, RoleParallel(1, tp=2)),
+        "sp2": (2, RoleParallel(1, sp=2)),
+    }[name]
     return Plan((PlacementSet(roles, devices),), tuple((r, par) for r in roles))
 
 
@@ -97,8 +141,15 @@ def train(name: str, overrides: list[str], out: Path, replay: bool = False) -> l
         return _step_records(logs) if (logs / "metrics.jsonl").exists() else None
     out.mkdir(parents=True)
     env = {**os.environ, "HYBRIDFLOW_NO_PROGRESS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "hybridflow.trainer.main", *overrides, f"trainer.log_dir={logs}",
-           f"trainer.default_local_dir={out / 'ckpt'}", f"trainer.experiment_name={name}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hybridflow.trainer.main",
+        *overrides,
+        f"trainer.log_dir={logs}",
+        f"trainer.default_local_dir={out / 'ckpt'}",
+        f"trainer.experiment_name={name}",
+    ]
     with (out / "console.log").open("w") as log:
         proc = subprocess.run(cmd, cwd=out, env=env, stdout=log, stderr=subprocess.STDOUT)
     if proc.returncode:
@@ -123,7 +174,8 @@ def kendall_tau(a: list[float], b: list[float], tied: set[tuple[int, int]] = fro
     if not pairs:
         return 1.0
     score = sum((a[i] - a[j]) * (b[i] - b[j]) > 0 for i, j in pairs) - sum(
-        (a[i] - a[j]) * (b[i] - b[j]) < 0 for i, j in pairs)
+        (a[i] - a[j]) * (b[i] - b[j]) < 0 for i, j in pairs
+    )
     return score / len(pairs)
 
 
@@ -133,8 +185,12 @@ def unseparated(steps: list[list[float]], z: float = 2.0) -> set[tuple[int, int]
     not order them."""
     se = [statistics.stdev(s) / math.sqrt(len(s)) if len(s) > 1 else 0.0 for s in steps]
     med = [statistics.median(s) for s in steps]
-    return {(i, j) for i in range(len(steps)) for j in range(i + 1, len(steps))
-            if abs(med[i] - med[j]) < z * math.hypot(se[i], se[j])}
+    return {
+        (i, j)
+        for i in range(len(steps))
+        for j in range(i + 1, len(steps))
+        if abs(med[i] - med[j]) < z * math.hypot(se[i], se[j])
+    }
 
 
 def predict(name: str, cfg, calib: list[dict], device, threads: int) -> float:
@@ -153,10 +209,23 @@ def predict(name: str, cfg, calib: list[dict], device, threads: int) -> float:
     tokens, response = by["timing_s/step"]["tokens_per_step"], by["timing_s/gen"]["tokens_per_step"]
     calib_cfg = replace(cfg, trainer=replace(cfg.trainer, n_workers_per_node=2, placement="colocate"))
     mc = load_model_config(cfg.model.path)
-    w = run_workers(cfg, device, threads, 1, model_params(cfg.model.path), layers=mc.num_hidden_layers,
-                    hidden=mc.hidden_size, activation_bytes=4, decode_steps=cfg.data.max_response_length)
-    calib_w = replace(w, sharded=fsdp_sharded(replace(calib_cfg, actor=replace(
-        cfg.actor, engine=replace(cfg.actor.engine, fsdp_size=None)))))  # colocate_2x1: the engine's default
+    w = run_workers(
+        cfg,
+        device,
+        threads,
+        1,
+        model_params(cfg.model.path),
+        layers=mc.num_hidden_layers,
+        hidden=mc.hidden_size,
+        activation_bytes=4,
+        decode_steps=cfg.data.max_response_length,
+    )
+    calib_w = replace(
+        w,
+        sharded=fsdp_sharded(
+            replace(calib_cfg, actor=replace(cfg.actor, engine=replace(cfg.actor.engine, fsdp_size=None)))
+        ),
+    )  # colocate_2x1: the engine's default
     costs = without_dp_sync(costs_from_profile(rows, 2, forward_ops(calib_cfg)), 2, tokens, calib_w)
     return predict_step_time_v1(plan_of(name, run_roles(cfg)), costs, tokens, response, w)
 
@@ -180,13 +249,13 @@ def bench_job(args: argparse.Namespace, job: str, tmp: Path, device) -> list[tup
             print(f"{job} {name}: refused by the config ({err})", flush=True)
     timed: dict[str, list[dict]] = {name: [] for name in cfgs}
     for r in range(args.rounds):
-        for name in (list(timed) if r % 2 == 0 else list(timed)[::-1]):
+        for name in list(timed) if r % 2 == 0 else list(timed)[::-1]:
             run_dir = tmp / job / (name if r == 0 else f"{name}.r{r}")
             records = train(f"{job}-{name}", base + PLANS[name][0], run_dir, replay=bool(args.replay))
             if records is None:  # refused at resolve (first round): not a plan of this job
                 del timed[name]
                 continue
-            timed[name] += records[args.warmup:] or records
+            timed[name] += records[args.warmup :] or records
     calib = next(iter(timed.values()))  # the first plan (colocate_2x1) calibrates the rest
     out = []
     for name, records in timed.items():
@@ -208,9 +277,11 @@ def report(job: str, results: list[tuple[str, float, float, list[float]]]) -> No
     worst = max(abs(p - m) / m for p, m in zip(pred, meas))
     same = min(results, key=lambda r: r[1])[0] == min(results, key=lambda r: r[2])[0]
     n = len(results) * (len(results) - 1) // 2
-    print(f"  Kendall tau {kendall_tau(pred, meas):.2f} over all {n} pairs (bar 0.8); "
-          f"{kendall_tau(pred, meas, ties):.2f} over the {n - len(ties)} pair(s) the measurement orders (medians "
-          f"more than 2 s.e. apart; within: {', '.join(f'{results[i][0]}~{results[j][0]}' for i, j in sorted(ties)) or 'none'})")
+    print(
+        f"  Kendall tau {kendall_tau(pred, meas):.2f} over all {n} pairs (bar 0.8); "
+        f"{kendall_tau(pred, meas, ties):.2f} over the {n - len(ties)} pair(s) the measurement orders (medians "
+        f"more than 2 s.e. apart; within: {', '.join(f'{results[i][0]}~{results[j][0]}' for i, j in sorted(ties)) or 'none'})"
+    )
     print(f"  max relative error {worst:.0%} (bar 25%), predicted best {'==' if same else '!='} measured best")
 
 
@@ -218,16 +289,31 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="tiny random model: proves every plan runs")
     parser.add_argument("--steps", type=int, default=3, help="steps per plan, the first --warmup untimed")
-    parser.add_argument("--warmup", type=int, default=1,
-                        help="untimed steps per plan (SmolLM2's second step is still ~40%% slow: use 2)")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help="untimed steps per plan (SmolLM2's second step is still ~40%% slow: use 2)",
+    )
     parser.add_argument("--response-length", type=int, help="data.max_response_length (default: the job's)")
     parser.add_argument("--batch", type=int, help="data.train_batch_size = ppo_mini_batch_size (default: the job's)")
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="run every plan this many times, alternating the order, and pool their steps")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every plan this many times, alternating the order, and pool their steps",
+    )
     parser.add_argument("--jobs", default="grpo,ppo")
     parser.add_argument("--plans", default=",".join(PLANS), help="comma-separated; colocate_2x1 must come first")
-    parser.add_argument("--profile-repeats", type=int, default=3, help="interleaved rounds of the device profile (each point: best over the rounds)")
-    parser.add_argument("--profile-shape", help="ROWSxTOKENS of the device profile's point (default 8 x the runs' rows)")
+    parser.add_argument(
+        "--profile-repeats",
+        type=int,
+        default=3,
+        help="interleaved rounds of the device profile (each point: best over the rounds)",
+    )
+    parser.add_argument(
+        "--profile-shape", help="ROWSxTOKENS of the device profile's point (default 8 x the runs' rows)"
+    )
     parser.add_argument("--device-profile", help="a `hybridflow profile` JSON to use instead of measuring one")
     parser.add_argument("--keep", help="keep the runs and the device profile in this directory (for --replay)")
     parser.add_argument("--replay", help="no runs: predict again from the runs and device profile --keep left here")
@@ -253,16 +339,27 @@ def main() -> None:
             # one update micro-batch of the runs: its rows of a response plus the task's prompt (the arithmetic
             # prompts are 44-46 tokens: metrics prompt_length/mean); thread speedups grow with the rows
             rows_len = (cfg.actor.ppo_micro_batch_size_per_device, cfg.data.max_response_length + 46)
-            shapes = [(2, 32)] if args.tiny else [tuple(int(x) for x in args.profile_shape.split("x"))
-                                                  if args.profile_shape else rows_len]
+            shapes = (
+                [(2, 32)]
+                if args.tiny
+                else [tuple(int(x) for x in args.profile_shape.split("x")) if args.profile_shape else rows_len]
+            )
             # decode as the layouts do: the batch's rows over 2 cores (32 rows at 1 thread, 64 at 2)
-            device = profile_device(str(resolve_model_path(cfg.model.path)), (1, 2), shapes,
-                                    dtype=profile_dtype(cfg, 1), repeats=args.profile_repeats,
-                                    decode_rows_per_thread=cfg.data.train_batch_size * cfg.rollout.n // 2)
-            print(f"device profile ({device.dtype}): " + ", ".join(
-                f"{k} x{device.speedup(k, 2):.2f}" for k in ("forward", "train", "decode")) + " at 2 threads; "
+            device = profile_device(
+                str(resolve_model_path(cfg.model.path)),
+                (1, 2),
+                shapes,
+                dtype=profile_dtype(cfg, 1),
+                repeats=args.profile_repeats,
+                decode_rows_per_thread=cfg.data.train_batch_size * cfg.rollout.n // 2,
+            )
+            print(
+                f"device profile ({device.dtype}): "
+                + ", ".join(f"{k} x{device.speedup(k, 2):.2f}" for k in ("forward", "train", "decode"))
+                + " at 2 threads; "
                 f"all-reduce {device.allreduce_latency_s * 1e6:.0f} us + {device.allreduce_s_per_byte * 1e9:.2f} s/GB",
-                flush=True)
+                flush=True,
+            )
             if args.keep:
                 tmp.mkdir(parents=True, exist_ok=True)
                 device.save(saved)

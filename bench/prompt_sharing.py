@@ -52,8 +52,12 @@ def group_batch(args, seed: int) -> dict[str, torch.Tensor]:
         ids[i, : args.prompt] = ids[(i // args.n) * args.n, : args.prompt]
         r = int(torch.randint(args.min_response, args.response + 1, (1,), generator=g))
         mask[i, : args.prompt + r] = 1
-    return {keys.INPUT_IDS: ids, keys.ATTENTION_MASK: mask, keys.POSITION_IDS: (mask.cumsum(-1) - 1).clamp(min=0),
-            keys.RESPONSES: ids[:, args.prompt :]}
+    return {
+        keys.INPUT_IDS: ids,
+        keys.ATTENTION_MASK: mask,
+        keys.POSITION_IDS: (mask.cumsum(-1) - 1).clamp(min=0),
+        keys.RESPONSES: ids[:, args.prompt :],
+    }
 
 
 def _loss(out, micro):
@@ -78,8 +82,10 @@ def _worker(rank: int, port: int, args) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     names = args.variants.split(",")
-    engines = {n: FSDPEngine(load_causal_lm(default_model_dir()), EngineConfig(**VARIANTS[n]), OptimConfig(lr=1e-6))
-               for n in names}
+    engines = {
+        n: FSDPEngine(load_causal_lm(default_model_dir()), EngineConfig(**VARIANTS[n]), OptimConfig(lr=1e-6))
+        for n in names
+    }
     data = group_batch(args, seed=rank)
     times: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for r in range(args.rounds + 1):
@@ -98,12 +104,19 @@ def _worker(rank: int, port: int, args) -> None:
 def _report(times: dict, data: dict, args) -> None:
     real = int(data[keys.ATTENTION_MASK].sum())
     shared = real - (args.n - 1) * args.prompts * args.prompt
-    print(f"2 ranks x 1 thread, gloo; per rank {args.prompts} prompts x {args.n} samples, {args.prompt} prompt + "
-          f"{args.min_response}-{args.response} response tokens ({real} real tokens, {shared} with shared prompts), "
-          f"{args.minis} mini-batches; median of {args.rounds} rounds (slower rank), seconds")
-    base = {k: statistics.median(t[i] for t in times["trimmed"]) for i, k in enumerate(("upd", "lp"))} \
-        if "trimmed" in times else None
-    print(f"{'variant':8s} {'update':>8s} {'speedup':>8s} {'logprob':>8s} {'speedup':>8s}   all rounds (update/logprob)")
+    print(
+        f"2 ranks x 1 thread, gloo; per rank {args.prompts} prompts x {args.n} samples, {args.prompt} prompt + "
+        f"{args.min_response}-{args.response} response tokens ({real} real tokens, {shared} with shared prompts), "
+        f"{args.minis} mini-batches; median of {args.rounds} rounds (slower rank), seconds"
+    )
+    base = (
+        {k: statistics.median(t[i] for t in times["trimmed"]) for i, k in enumerate(("upd", "lp"))}
+        if "trimmed" in times
+        else None
+    )
+    print(
+        f"{'variant':8s} {'update':>8s} {'speedup':>8s} {'logprob':>8s} {'speedup':>8s}   all rounds (update/logprob)"
+    )
     for name, t in times.items():
         upd, lp = statistics.median(x[0] for x in t), statistics.median(x[1] for x in t)
         su = f"{base['upd'] / upd:8.2f} {lp:8.2f} {base['lp'] / lp:8.2f}" if base else f"{'':8s} {lp:8.2f} {'':8s}"

@@ -39,8 +39,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-LAYOUTS = {"dp3": (3, 1, 3, True), "dp2xtp3": (6, 3, 3, True), "dp6": (6, 1, 3, True),
-           "dp6-consecutive": (6, 1, 3, False)}
+LAYOUTS = {
+    "dp3": (3, 1, 3, True),
+    "dp2xtp3": (6, 3, 3, True),
+    "dp6": (6, 1, 3, True),
+    "dp6-consecutive": (6, 1, 3, False),
+}
 """name -> (world, training tp, generation tp, whether generation tp groups are spaced as the worker
 spaces them beside a plain FSDP actor (`aligned_stride`) or, False, consecutive ranks)."""
 
@@ -69,8 +73,9 @@ def _build(train_tp: int, gen_tp: int, aligned: bool):
     cfg = EngineConfig(param_dtype="bf16", tensor_parallel_size=train_tp, fsdp_size=-1, cpu_keep_freed_memory=False)
     engine = (TensorParallelEngine if train_tp > 1 else FSDPEngine).from_pretrained(path, cfg)
     stride = aligned_stride(dist.get_world_size() if train_tp == 1 else None, gen_tp) if aligned else 1
-    rollout = build_rollout(RolloutConfig(dtype="bf16", tensor_model_parallel_size=gen_tp), path, load_tokenizer(path),
-                            tp_stride=stride)
+    rollout = build_rollout(
+        RolloutConfig(dtype="bf16", tensor_model_parallel_size=gen_tp), path, load_tokenizer(path), tp_stride=stride
+    )
     return engine, rollout
 
 
@@ -100,8 +105,9 @@ def _timed(fn) -> tuple[float, ...]:
     start = time.perf_counter()
     extra, received = fn()
     dist.barrier()
-    row = torch.tensor([time.perf_counter() - start, float(extra), _status("VmHWM") - base, float(received)],
-                       dtype=torch.float64)
+    row = torch.tensor(
+        [time.perf_counter() - start, float(extra), _status("VmHWM") - base, float(received)], dtype=torch.float64
+    )
     dist.all_reduce(row, op=dist.ReduceOp.MAX)
     return tuple(row.tolist())
 
@@ -118,6 +124,7 @@ def _worker(rank: int, world: int, port: int, layout: tuple, rounds: int, out: s
     engine, rollout = _build(*layout[1:])
     variants = _variants(engine, rollout)
     runs: dict[str, list[tuple[float, ...]]] = {name: [] for name in variants}
+    first: dict[str, torch.Tensor] = {}
     for r in range(rounds + 1):  # round 0 warms up and checks the two agree
         for name, fn in variants.items():
             runs[name].append(_timed(fn))
@@ -162,13 +169,16 @@ def _report(name: str, world: int, res: dict) -> str:
     med = {v: [statistics.median(x[i] for x in runs[1:]) for i in range(4)] for v, runs in res["runs"].items()}
     (pt, pe, prss, _), (rt, re_, rrss, received) = med["plain"], med["reshard"]
     mib, shard = 2**20, res["shard"]
-    return "\n".join([
-        f"{name} ({world} ranks)",
-        f"  time      plain {pt:6.3f} s    reshard {rt:6.3f} s    ratio {rt / pt:4.2f}x",
-        f"  extra     plain {pe / mib:6.1f} MiB  reshard {re_ / mib:6.1f} MiB  ratio {re_ / pe:4.2f}x  "
-        f"(generation shard {shard / mib:.1f} MiB; reshard extra / shard {re_ / shard:4.2f})",
-        f"  RSS peak  plain {prss / mib:6.1f} MiB  reshard {rrss / mib:6.1f} MiB  ratio {rrss / max(prss, 1):4.2f}x",
-        f"  a rank receives at most {received / mib:.1f} MiB by reshard (plain: the full model less its own shard)"])
+    return "\n".join(
+        [
+            f"{name} ({world} ranks)",
+            f"  time      plain {pt:6.3f} s    reshard {rt:6.3f} s    ratio {rt / pt:4.2f}x",
+            f"  extra     plain {pe / mib:6.1f} MiB  reshard {re_ / mib:6.1f} MiB  ratio {re_ / pe:4.2f}x  "
+            f"(generation shard {shard / mib:.1f} MiB; reshard extra / shard {re_ / shard:4.2f})",
+            f"  RSS peak  plain {prss / mib:6.1f} MiB  reshard {rrss / mib:6.1f} MiB  ratio {rrss / max(prss, 1):4.2f}x",
+            f"  a rank receives at most {received / mib:.1f} MiB by reshard (plain: the full model less its own shard)",
+        ]
+    )
 
 
 def main() -> None:
@@ -181,8 +191,11 @@ def main() -> None:
 
     print(describe_cpu(1), flush=True)
     default_model_dir()  # convert once before the workers race for it
-    print(f"SmolLM2-135M, training fp32 shards -> bf16 generation shards; 1 thread per rank on {os.cpu_count()} "
-          f"cores; medians of {args.rounds} rounds after 1 warm-up, slowest / largest rank", flush=True)
+    print(
+        f"SmolLM2-135M, training fp32 shards -> bf16 generation shards; 1 thread per rank on {os.cpu_count()} "
+        f"cores; medians of {args.rounds} rounds after 1 warm-up, slowest / largest rank",
+        flush=True,
+    )
     out = Path(f"/tmp/bench_reshard_{os.getpid()}.pt")
     for name in args.layouts:
         world = LAYOUTS[name][0]

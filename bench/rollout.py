@@ -29,34 +29,49 @@ from dataclasses import replace
 
 import torch
 
-from hybridflow.utils.hardware import describe_cpu
 from hybridflow.keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, RESPONSES
 from hybridflow.models import default_model_dir, load_causal_lm, load_tokenizer
 from hybridflow.protocol import DataProto
 from hybridflow.rollout import RolloutConfig, build_rollout
+from hybridflow.utils.hardware import describe_cpu
 
 QUESTIONS = [
-    "What is 12 plus 7?", "Write a haiku about autumn.", "Explain what a prime number is.",
-    "Name three colours of the rainbow.", "How many legs does a spider have?",
-    "Give me a short greeting in French.", "What is the capital of Japan?", "Count from one to five.",
+    "What is 12 plus 7?",
+    "Write a haiku about autumn.",
+    "Explain what a prime number is.",
+    "Name three colours of the rainbow.",
+    "How many legs does a spider have?",
+    "Give me a short greeting in French.",
+    "What is the capital of Japan?",
+    "Count from one to five.",
 ]
 
 
 def make_prompts(tokenizer, batch: int) -> DataProto:
     """`batch` chat-templated questions, left-padded."""
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
-                                           tokenize=False, add_generation_prompt=True) for i in range(batch)]
+    texts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}], tokenize=False, add_generation_prompt=True
+        )
+        for i in range(batch)
+    ]
     enc = tokenizer(texts, padding=True, return_tensors="pt")
     pos = (enc["attention_mask"].cumsum(-1) - 1).clamp(min=0)
-    return DataProto.from_dict({INPUT_IDS: enc["input_ids"], ATTENTION_MASK: enc["attention_mask"],
-                                POSITION_IDS: pos})
+    return DataProto.from_dict({INPUT_IDS: enc["input_ids"], ATTENTION_MASK: enc["attention_mask"], POSITION_IDS: pos})
 
 
 def hf_generate(model, prompts: DataProto, new_tokens: int, pad_id: int) -> int:
     """Sample with transformers generate; returns the number of generated tokens."""
     gc = copy.deepcopy(model.generation_config)
-    gc.update(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=new_tokens,
-              eos_token_id=None, pad_token_id=pad_id)
+    gc.update(
+        do_sample=True,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        max_new_tokens=new_tokens,
+        eos_token_id=None,
+        pad_token_id=pad_id,
+    )
     ids = prompts.batch[INPUT_IDS]
     with torch.inference_mode():
         seqs = model.generate(ids, attention_mask=prompts.batch[ATTENTION_MASK], generation_config=gc)
@@ -79,8 +94,14 @@ def bench_dtype(dtype: str, args, tokenizer) -> dict[str, float]:
     """Best tokens/s of transformers generate, the native rollout, and the native rollout with compiled
     kernels (rollout.enforce_eager=False) in one dtype; also "compile_s", the compiled rollout's warm-up
     call minus the eager one's (the compilation, paid once per process)."""
-    cfg = RolloutConfig(name="native", dtype=dtype, response_length=args.new_tokens, ignore_eos=True,
-                        max_batch_size=args.batch, prompt_length=256)
+    cfg = RolloutConfig(
+        name="native",
+        dtype=dtype,
+        response_length=args.new_tokens,
+        ignore_eos=True,
+        max_batch_size=args.batch,
+        prompt_length=256,
+    )
     model = load_causal_lm(default_model_dir(), dtype=cfg.torch_dtype).eval()
     rollouts = {"native": build_rollout(cfg, model, tokenizer)}
     prompts = make_prompts(tokenizer, args.batch)
@@ -88,7 +109,7 @@ def bench_dtype(dtype: str, args, tokenizer) -> dict[str, float]:
     warm_s = {}
     for name, eager in (("native", True), ("compiled", False)):
         warm = replace(cfg, response_length=4, enforce_eager=eager)
-        warm_s[name], _ = timed(lambda: native_generate(build_rollout(warm, model, tokenizer), prompts))
+        warm_s[name], _ = timed(lambda warm=warm: native_generate(build_rollout(warm, model, tokenizer), prompts))
     rollouts["compiled"] = build_rollout(replace(cfg, enforce_eager=False), model, tokenizer)
     if not rollouts["compiled"].kernels.compiled:
         print("  torch.compile is unavailable here: the compiled row runs eagerly")
@@ -115,14 +136,21 @@ def _layout_rank(rank: int, args, layout: str, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=args.ranks)
     tp = args.ranks if layout == "tp" else 1
-    cfg = RolloutConfig(name="native", dtype=args.dtypes[0], response_length=args.new_tokens, ignore_eos=True,
-                        max_batch_size=args.batch, prompt_length=256, tensor_model_parallel_size=tp)
+    cfg = RolloutConfig(
+        name="native",
+        dtype=args.dtypes[0],
+        response_length=args.new_tokens,
+        ignore_eos=True,
+        max_batch_size=args.batch,
+        prompt_length=256,
+        tensor_model_parallel_size=tp,
+    )
     tokenizer = load_tokenizer(default_model_dir())
     rollout = build_rollout(cfg, default_model_dir(), tokenizer)
     prompts = make_prompts(tokenizer, args.batch)
     if layout == "dp":
         rows = args.batch // args.ranks
-        prompts = prompts[rank * rows:(rank + 1) * rows]
+        prompts = prompts[rank * rows : (rank + 1) * rows]
     native_generate(rollout, prompts[:4])  # warm-up
     times = []
     for _ in range(args.repeats):
@@ -141,8 +169,11 @@ def run_layouts(args) -> None:
 
     import torch.multiprocessing as mp
 
-    print(f"SmolLM2-135M native rollout, batch {args.batch}, {args.new_tokens} new tokens, {args.dtypes[0]}, "
-          f"{args.ranks} processes x 1 thread", flush=True)
+    print(
+        f"SmolLM2-135M native rollout, batch {args.batch}, {args.new_tokens} new tokens, {args.dtypes[0]}, "
+        f"{args.ranks} processes x 1 thread",
+        flush=True,
+    )
     results = {}
     for layout in args.layouts:
         with tempfile.TemporaryDirectory() as out, socket.socket() as sock:
@@ -172,14 +203,21 @@ def main() -> None:
     if args.layouts:
         return run_layouts(args)
     tokenizer = load_tokenizer(default_model_dir())
-    print(f"SmolLM2-135M, batch {args.batch}, {args.new_tokens} new tokens, sampling T=1, "
-          f"torch threads {torch.get_num_threads()}", flush=True)
+    print(
+        f"SmolLM2-135M, batch {args.batch}, {args.new_tokens} new tokens, sampling T=1, "
+        f"torch threads {torch.get_num_threads()}",
+        flush=True,
+    )
     rows = [(dtype, bench_dtype(dtype, args, tokenizer)) for dtype in args.dtypes]
-    print(f"{'dtype':>6} {'generate tok/s':>15} {'native tok/s':>13} {'ratio':>6} {'compiled tok/s':>15} "
-          f"{'ratio':>6} {'compile s':>10}")
+    print(
+        f"{'dtype':>6} {'generate tok/s':>15} {'native tok/s':>13} {'ratio':>6} {'compiled tok/s':>15} "
+        f"{'ratio':>6} {'compile s':>10}"
+    )
     for dtype, b in rows:
-        print(f"{dtype:>6} {b['hf']:15.1f} {b['native']:13.1f} {b['native'] / b['hf']:6.2f} {b['compiled']:15.1f} "
-              f"{b['compiled'] / b['hf']:6.2f} {b['compile_s']:10.1f}")
+        print(
+            f"{dtype:>6} {b['hf']:15.1f} {b['native']:13.1f} {b['native'] / b['hf']:6.2f} {b['compiled']:15.1f} "
+            f"{b['compiled'] / b['hf']:6.2f} {b['compile_s']:10.1f}"
+        )
 
 
 if __name__ == "__main__":

@@ -36,10 +36,10 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from hybridflow.utils.hardware import describe_cpu, matmul_gflops
 from hybridflow import keys
 from hybridflow.engine import EngineConfig, FSDPEngine, LoraConfig, OptimConfig
 from hybridflow.models import default_model_dir
+from hybridflow.utils.hardware import describe_cpu, matmul_gflops
 
 
 def make_batch(rows: int, prompt_len: int, resp_len: int) -> dict[str, torch.Tensor]:
@@ -47,15 +47,19 @@ def make_batch(rows: int, prompt_len: int, resp_len: int) -> dict[str, torch.Ten
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 49152, (rows, prompt_len + resp_len), generator=g)
     mask = torch.ones_like(ids)
-    return {keys.INPUT_IDS: ids, keys.ATTENTION_MASK: mask,
-            keys.POSITION_IDS: mask.cumsum(-1) - 1, keys.RESPONSES: ids[:, prompt_len:]}
+    return {
+        keys.INPUT_IDS: ids,
+        keys.ATTENTION_MASK: mask,
+        keys.POSITION_IDS: mask.cumsum(-1) - 1,
+        keys.RESPONSES: ids[:, prompt_len:],
+    }
 
 
 def token_mean_nll(total_tokens: int):
     """-sum(log p) / total_tokens per micro-batch (global-token normalisation, one rank)."""
 
     def loss_fn(out, micro):
-        mask = micro[keys.ATTENTION_MASK][:, -micro[keys.RESPONSES].shape[1]:]
+        mask = micro[keys.ATTENTION_MASK][:, -micro[keys.RESPONSES].shape[1] :]
         return -(out["log_probs"] * mask).sum() / total_tokens, {}
 
     return loss_fn
@@ -93,8 +97,10 @@ def _layout_rank(rank: int, args, port: int, out_dir: str) -> None:
     engine = build(default_model_dir(), config, OptimConfig(lr=1e-5))
     dp = config.dp_size(args.ranks)
     rows = args.batch // dp
-    data = {k: v[rank // (args.ranks // dp) * rows:][:rows]
-            for k, v in make_batch(args.batch, args.seq - args.response, args.response).items()}
+    data = {
+        k: v[rank // (args.ranks // dp) * rows :][:rows]
+        for k, v in make_batch(args.batch, args.seq - args.response, args.response).items()
+    }
     micro = [{k: v[i : i + args.micro] for k, v in data.items()} for i in range(0, rows, args.micro)]
     base = token_mean_nll(args.batch * args.response)
     times, metrics = time_steps(engine, micro, lambda out, m: (base(out, m)[0] * dp, {}), args.steps)
@@ -114,10 +120,14 @@ def run_layout(args) -> None:
     m = {k: sum(r["metrics"][k] for r in ranks) / len(ranks) for k in ("loss", "grad_norm")}
     tokens = args.batch * args.seq
     print(describe_cpu(args.threads))
-    print(f"layout {args.layout} x {args.ranks} ranks x {args.threads} threads  batch {args.batch}x{args.seq} "
-          f"({args.response} response tokens/row)  micro-batch {args.micro}  compute {args.dtype}  gc {args.gc}")
-    print(f"step time  best {min(times):.2f} s  mean {sum(times) / len(times):.2f} s  over {len(times)} steps  "
-          f"(slowest rank; loss {m['loss']:.3f}, grad_norm {m['grad_norm']:.2f}, means over ranks)")
+    print(
+        f"layout {args.layout} x {args.ranks} ranks x {args.threads} threads  batch {args.batch}x{args.seq} "
+        f"({args.response} response tokens/row)  micro-batch {args.micro}  compute {args.dtype}  gc {args.gc}"
+    )
+    print(
+        f"step time  best {min(times):.2f} s  mean {sum(times) / len(times):.2f} s  over {len(times)} steps  "
+        f"(slowest rank; loss {m['loss']:.3f}, grad_norm {m['grad_norm']:.2f}, means over ranks)"
+    )
     print(f"tokens/s   {tokens / min(times):.0f} at the best step, {tokens * len(times) / sum(times):.0f} at the mean")
 
 
@@ -135,8 +145,12 @@ def main() -> None:
     ap.add_argument("--lora-rank", type=int, default=0, help="also time a LoRA update of this rank (0: full only)")
     ap.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA alpha (updates scaled by alpha / rank)")
     ap.add_argument("--profile", action="store_true", help="also profile one step: top ops, GEMM FLOPs and rate")
-    ap.add_argument("--layout", choices=["dp", "tp", "sp"], default=None,
-                    help="time on --ranks gloo processes: rows split (dp), layers split (tp) or tokens split (sp)")
+    ap.add_argument(
+        "--layout",
+        choices=["dp", "tp", "sp"],
+        default=None,
+        help="time on --ranks gloo processes: rows split (dp), layers split (tp) or tokens split (sp)",
+    )
     ap.add_argument("--ranks", type=int, default=2, help="processes of a --layout run")
     args = ap.parse_args()
     if args.layout:
@@ -167,10 +181,14 @@ def _report(args, params: int, times: list[float], mm: float, metrics: dict) -> 
     tokens = args.batch * args.seq
     best = min(times)
     achieved = 6 * params * tokens / best
-    print(f"model params {params:,}  batch {args.batch}x{args.seq} ({args.response} response tokens/row)  "
-          f"micro-batch {args.micro}  compute {args.dtype}  threads {args.threads}  gc {args.gc}")
-    print(f"step time  best {best:.2f} s  mean {sum(times) / len(times):.2f} s  over {len(times)} steps  "
-          f"(loss {metrics['loss']:.3f}, grad_norm {metrics['grad_norm']:.2f})")
+    print(
+        f"model params {params:,}  batch {args.batch}x{args.seq} ({args.response} response tokens/row)  "
+        f"micro-batch {args.micro}  compute {args.dtype}  threads {args.threads}  gc {args.gc}"
+    )
+    print(
+        f"step time  best {best:.2f} s  mean {sum(times) / len(times):.2f} s  over {len(times)} steps  "
+        f"(loss {metrics['loss']:.3f}, grad_norm {metrics['grad_norm']:.2f})"
+    )
     print(f"achieved   {achieved / 1e9:.0f} GFLOP/s  (6 * params * tokens / best step time)")
     print(f"matmul     {mm / 1e9:.0f} GFLOP/s  ({args.dtype} 2048^3, best of 10, same run)")
     mean_achieved = 6 * params * tokens / (sum(times) / len(times))
@@ -192,21 +210,31 @@ def profile_step(engine: FSDPEngine, micro: list[dict], loss_fn, mm: float, top:
     total = sum(e.self_cpu_time_total for e in ops) / 1e6
     print(f"profiled step {total:.2f} s of op self time; top ops:")
     for e in ops[:top]:
-        print(f"  {e.key:<28} {e.self_cpu_time_total / 1e6:6.2f} s  {e.self_cpu_time_total / 1e6 / total:5.1%}  "
-              f"{e.count} calls")
+        print(
+            f"  {e.key:<28} {e.self_cpu_time_total / 1e6:6.2f} s  {e.self_cpu_time_total / 1e6 / total:5.1%}  "
+            f"{e.count} calls"
+        )
     gemm_s = sum(e.self_cpu_time_total for e in ops if e.key in ("aten::mm", "aten::bmm")) / 1e6
     gemm_flops = sum(n for op, n in flops.items() if op in ("mm", "bmm"))
-    print(f"GEMMs      {gemm_flops / 1e12:.3f} TFLOP in {gemm_s:.2f} s = {gemm_flops / gemm_s / 1e9:.0f} GFLOP/s, "
-          f"{gemm_flops / gemm_s / mm:.0%} of the matmul figure; at 100% they would take {gemm_flops / mm:.2f} s")
+    print(
+        f"GEMMs      {gemm_flops / 1e12:.3f} TFLOP in {gemm_s:.2f} s = {gemm_flops / gemm_s / 1e9:.0f} GFLOP/s, "
+        f"{gemm_flops / gemm_s / mm:.0%} of the matmul figure; at 100% they would take {gemm_flops / mm:.2f} s"
+    )
 
 
 def _report_lora(args, trainable_fraction: float, full: list[float], lora: list[float], metrics: dict) -> None:
-    print(f"lora       rank {args.lora_rank} alpha {args.lora_alpha:g} on all linear layers, "
-          f"{trainable_fraction:.2%} of the params trainable")
-    print(f"lora step  best {min(lora):.2f} s  mean {sum(lora) / len(lora):.2f} s  over {len(lora)} steps  "
-          f"(loss {metrics['loss']:.3f}, grad_norm {metrics['grad_norm']:.2f})")
-    print(f"full/lora  {min(full) / min(lora):.2f}x at the best step, "
-          f"{sum(full) / sum(lora):.2f}x at the mean step (same batch, same run)")
+    print(
+        f"lora       rank {args.lora_rank} alpha {args.lora_alpha:g} on all linear layers, "
+        f"{trainable_fraction:.2%} of the params trainable"
+    )
+    print(
+        f"lora step  best {min(lora):.2f} s  mean {sum(lora) / len(lora):.2f} s  over {len(lora)} steps  "
+        f"(loss {metrics['loss']:.3f}, grad_norm {metrics['grad_norm']:.2f})"
+    )
+    print(
+        f"full/lora  {min(full) / min(lora):.2f}x at the best step, "
+        f"{sum(full) / sum(lora):.2f}x at the mean step (same batch, same run)"
+    )
 
 
 if __name__ == "__main__":

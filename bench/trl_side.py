@@ -87,8 +87,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--precision", choices=sorted(PRECISIONS), default="bf16-autocast")
     p.add_argument("--loss-type", default="dapo", help="TRL loss_type (dapo = token mean over the batch)")
     p.add_argument("--gradient-checkpointing", action="store_true", help="TRL's default; off here (faster)")
-    p.add_argument("--omp-wait-policy", choices=["passive", "active", "inherit"], default="passive",
-                   help="OMP_WAIT_POLICY; passive is ~10x faster at generation on an oversubscribed machine")
+    p.add_argument(
+        "--omp-wait-policy",
+        choices=["passive", "active", "inherit"],
+        default="passive",
+        help="OMP_WAIT_POLICY; passive is ~10x faster at generation on an oversubscribed machine",
+    )
     p.add_argument("--lora-rank", type=int, default=0, help="train peft LoRA adapters of this rank (0: full)")
     p.add_argument("--lora-alpha", type=float, default=16.0)
     p.add_argument("--out", required=True, help="where to write the JSON results")
@@ -139,8 +143,10 @@ def load_prompts(path: str, tokenizer: Any, max_prompt_length: int, needed: int)
         text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
         n = len(tokenizer(text, add_special_tokens=False)["input_ids"])
         if n > max_prompt_length:
-            sys.exit(f"{path} row {i}: prompt is {n} tokens > --max-prompt-length {max_prompt_length}; "
-                     "TRL does not truncate prompts, so use shorter prompts or raise the limit on both sides")
+            sys.exit(
+                f"{path} row {i}: prompt is {n} tokens > --max-prompt-length {max_prompt_length}; "
+                "TRL does not truncate prompts, so use shorter prompts or raise the limit on both sides"
+            )
     return datasets.Dataset.from_dict({"prompt": prompts, "ground_truth": truths})
 
 
@@ -195,8 +201,11 @@ class Recorder:
             def on_log(self, args, state, control, logs=None, **kwargs):
                 if logs and "reward" in logs:
                     rec.logs.append({k: v for k, v in logs.items() if isinstance(v, (int, float))})
-                    print(f"[trl] step {state.global_step}: {rec.step_times[-1]:.2f}s "
-                          f"reward {logs['reward']:.3f} tokens {rec.gen_tokens[-1]}", flush=True)
+                    print(
+                        f"[trl] step {state.global_step}: {rec.step_times[-1]:.2f}s "
+                        f"reward {logs['reward']:.3f} tokens {rec.gen_tokens[-1]}",
+                        flush=True,
+                    )
 
         return StepTimer()
 
@@ -208,15 +217,33 @@ def grpo_config(args: argparse.Namespace, out_dir: str):
 
     completions = args.prompts_per_step * args.num_generations
     return GRPOConfig(
-        output_dir=out_dir, use_cpu=True, seed=args.seed, data_seed=args.seed,
-        learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-        max_steps=args.steps, per_device_train_batch_size=completions, gradient_accumulation_steps=1,
-        num_generations=args.num_generations, max_completion_length=args.max_completion_length,
-        num_iterations=1, beta=0.0, loss_type=args.loss_type, temperature=1.0, top_p=1.0, top_k=0,
-        shuffle_dataset=False, bf16=args.precision != "fp32",
+        output_dir=out_dir,
+        use_cpu=True,
+        seed=args.seed,
+        data_seed=args.seed,
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_steps=args.steps,
+        per_device_train_batch_size=completions,
+        gradient_accumulation_steps=1,
+        num_generations=args.num_generations,
+        max_completion_length=args.max_completion_length,
+        num_iterations=1,
+        beta=0.0,
+        loss_type=args.loss_type,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        shuffle_dataset=False,
+        bf16=args.precision != "fp32",
         gradient_checkpointing=args.gradient_checkpointing,
         model_init_kwargs={"dtype": "bfloat16" if args.precision == "bf16" else "float32"},
-        logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
         dataloader_num_workers=0,
     )
 
@@ -227,8 +254,13 @@ def peft_config(args: argparse.Namespace):
         return None
     from peft import LoraConfig
 
-    return LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, target_modules="all-linear",
-                      lora_dropout=0.0, task_type="CAUSAL_LM")
+    return LoraConfig(
+        r=args.lora_rank,
+        lora_alpha=args.lora_alpha,
+        target_modules="all-linear",
+        lora_dropout=0.0,
+        task_type="CAUSAL_LM",
+    )
 
 
 def summary(rec: Recorder) -> dict[str, float]:
@@ -252,32 +284,53 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from trl import GRPOTrainer
 
     if not (Path(args.model_dir) / "config.json").is_file():
-        sys.exit(f"--model-dir {args.model_dir}: no config.json; pass an HF model directory "
-                 "(hybridflow.models.default_model_dir() prints the default one)")
+        sys.exit(
+            f"--model-dir {args.model_dir}: no config.json; pass an HF model directory "
+            "(hybridflow.models.default_model_dir() prints the default one)"
+        )
     start = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir, padding_side="left", truncation_side="left")
-    dataset = load_prompts(args.train_parquet, tokenizer, args.max_prompt_length,
-                           args.steps * args.prompts_per_step)
+    dataset = load_prompts(args.train_parquet, tokenizer, args.max_prompt_length, args.steps * args.prompts_per_step)
     rec = Recorder()
     with tempfile.TemporaryDirectory(prefix="trl_side_") as out_dir:
-        trainer = GRPOTrainer(model=args.model_dir, reward_funcs=rec.reward_func(),
-                              args=grpo_config(args, out_dir), train_dataset=dataset,
-                              processing_class=tokenizer, callbacks=[rec.callback()], peft_config=peft_config(args))
+        trainer = GRPOTrainer(
+            model=args.model_dir,
+            reward_funcs=rec.reward_func(),
+            args=grpo_config(args, out_dir),
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            callbacks=[rec.callback()],
+            peft_config=peft_config(args),
+        )
         rec.time_generate(trainer.model)
         init_time, rss_after_init = time.perf_counter() - start, rss_mb()
         trainer.train()
     return {
-        "framework": "trl", "version": trl.__version__,
-        "transformers_version": transformers.__version__, "torch_version": torch.__version__,
-        "dtype": args.precision, "dtype_note": PRECISIONS[args.precision],
-        "config": {**{k: v for k, v in vars(args).items() if k != "out"},
-                   "completions_per_step": args.prompts_per_step * args.num_generations,
-                   "beta": 0.0, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "shuffle": False,
-                   "torch_threads": torch.get_num_threads(),
-                   "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "")},
-        "step_times": rec.step_times, "gen_times": rec.gen_times, "gen_tokens": rec.gen_tokens,
-        "rewards": rec.rewards, **summary(rec),
-        "init_time_s": init_time, "rss_after_init_mb": rss_after_init, "peak_rss_mb": rss_mb(),
+        "framework": "trl",
+        "version": trl.__version__,
+        "transformers_version": transformers.__version__,
+        "torch_version": torch.__version__,
+        "dtype": args.precision,
+        "dtype_note": PRECISIONS[args.precision],
+        "config": {
+            **{k: v for k, v in vars(args).items() if k != "out"},
+            "completions_per_step": args.prompts_per_step * args.num_generations,
+            "beta": 0.0,
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "top_k": 0,
+            "shuffle": False,
+            "torch_threads": torch.get_num_threads(),
+            "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", ""),
+        },
+        "step_times": rec.step_times,
+        "gen_times": rec.gen_times,
+        "gen_tokens": rec.gen_tokens,
+        "rewards": rec.rewards,
+        **summary(rec),
+        "init_time_s": init_time,
+        "rss_after_init_mb": rss_after_init,
+        "peak_rss_mb": rss_mb(),
         "trl_logs": rec.logs,
     }
 
@@ -288,8 +341,11 @@ def main(argv: list[str] | None = None) -> None:
     result = run(args)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
-    print(f"[trl] median step {result['median_step_time_s']:.2f}s, {result['tokens_per_s']:.1f} tokens/s, "
-          f"peak RSS {result['peak_rss_mb']:.0f} MiB -> {args.out}", flush=True)
+    print(
+        f"[trl] median step {result['median_step_time_s']:.2f}s, {result['tokens_per_s']:.1f} tokens/s, "
+        f"peak RSS {result['peak_rss_mb']:.0f} MiB -> {args.out}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -35,10 +35,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import DeviceMesh
 
-from hybridflow.utils.hardware import describe_cpu
 from hybridflow import keys
 from hybridflow.engine import EngineConfig, FSDPEngine, OptimConfig
 from hybridflow.models import default_model_dir, load_causal_lm
+from hybridflow.utils.hardware import describe_cpu
 
 VARIANTS = ("before", "after", "1-rank")
 
@@ -77,8 +77,12 @@ def make_batch(rows: int, prompt: int, response: int, seed: int) -> dict[str, to
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 49152, (rows, prompt + response), generator=g)
     mask = torch.ones_like(ids)
-    return {keys.INPUT_IDS: ids, keys.ATTENTION_MASK: mask,
-            keys.POSITION_IDS: mask.cumsum(-1) - 1, keys.RESPONSES: ids[:, prompt:]}
+    return {
+        keys.INPUT_IDS: ids,
+        keys.ATTENTION_MASK: mask,
+        keys.POSITION_IDS: mask.cumsum(-1) - 1,
+        keys.RESPONSES: ids[:, prompt:],
+    }
 
 
 def _loss(out, micro):
@@ -116,7 +120,9 @@ def _profile(engine: FSDPEngine, data: dict, args, name: str) -> None:
         _run(engine, data, args)
     if dist.get_rank() == 0:
         print(f"--- profile rank 0, {name} (update + log-prob pass), top by total CPU time ---")
-        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=args.profile_rows, max_name_column_width=48))
+        print(
+            prof.key_averages().table(sort_by="cpu_time_total", row_limit=args.profile_rows, max_name_column_width=48)
+        )
 
 
 def _worker(rank: int, port: int, args) -> None:
@@ -144,11 +150,15 @@ def _worker(rank: int, port: int, args) -> None:
 
 
 def _report(times: dict, args) -> None:
-    print(f"2 ranks x 1 thread, gloo; per rank {args.rows} rows x ({args.prompt} prompt + {args.response} "
-          f"response) tokens, {args.minis} mini-batches, micro-batch {args.micro}; "
-          f"median of {args.rounds} rounds (slower rank), seconds")
+    print(
+        f"2 ranks x 1 thread, gloo; per rank {args.rows} rows x ({args.prompt} prompt + {args.response} "
+        f"response) tokens, {args.minis} mini-batches, micro-batch {args.micro}; "
+        f"median of {args.rounds} rounds (slower rank), seconds"
+    )
     ref = {k: statistics.median(t[i] for t in times["1-rank"]) for i, k in enumerate(("upd", "lp"))}
-    print(f"{'variant':8s} {'update':>8s} {'x1-rank':>8s} {'logprob':>8s} {'x1-rank':>8s}   all rounds (update/logprob)")
+    print(
+        f"{'variant':8s} {'update':>8s} {'x1-rank':>8s} {'logprob':>8s} {'x1-rank':>8s}   all rounds (update/logprob)"
+    )
     for name in VARIANTS:
         upd = statistics.median(t[0] for t in times[name])
         lp = statistics.median(t[1] for t in times[name])

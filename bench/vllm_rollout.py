@@ -36,8 +36,14 @@ from hybridflow.utils.hardware import describe_cpu  # noqa: E402
 
 def build(name: str, args, tokenizer):
     """A rollout `name` (native or vllm) for up to max(batches) sequences of `new_tokens` sampled tokens."""
-    cfg = RolloutConfig(name=name, dtype=args.dtype, response_length=args.new_tokens, ignore_eos=True,
-                        max_batch_size=max(args.batches), prompt_length=64)
+    cfg = RolloutConfig(
+        name=name,
+        dtype=args.dtype,
+        response_length=args.new_tokens,
+        ignore_eos=True,
+        max_batch_size=max(args.batches),
+        prompt_length=64,
+    )
     model = default_model_dir()
     if name == "native":
         model = load_causal_lm(model, dtype=cfg.torch_dtype).eval()
@@ -75,8 +81,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
     print(describe_cpu(), flush=True)
-    print(f"SmolLM2-135M {args.dtype}, {args.new_tokens} new tokens, T=1, torch threads {torch.get_num_threads()}",
-          flush=True)
+    print(
+        f"SmolLM2-135M {args.dtype}, {args.new_tokens} new tokens, T=1, torch threads {torch.get_num_threads()}",
+        flush=True,
+    )
     tokenizer = load_tokenizer(default_model_dir())
     rollouts = {name: build(name, args, tokenizer) for name in ("native", "vllm")}
     # clones: a tensor copied onto itself is skipped by torch, which would time nothing for native
@@ -91,10 +99,15 @@ def main() -> None:
         for _ in range(args.repeats):
             for name, generate in gens.items():
                 best[name] = max(best[name], tokens_per_s(generate, prompts))
-        print(f"{batch:>5} {best['native']:13.1f} {best['vllm']:11.1f} {best['generate']:15.1f} "
-              f"{best['native'] / best['vllm']:12.2f}", flush=True)
-    print(f"weight sync (load_weights, full state dict, {args.dtype}): native {syncs['native']:.3f} s, "
-          f"vllm {syncs['vllm']:.3f} s")
+        print(
+            f"{batch:>5} {best['native']:13.1f} {best['vllm']:11.1f} {best['generate']:15.1f} "
+            f"{best['native'] / best['vllm']:12.2f}",
+            flush=True,
+        )
+    print(
+        f"weight sync (load_weights, full state dict, {args.dtype}): native {syncs['native']:.3f} s, "
+        f"vllm {syncs['vllm']:.3f} s"
+    )
 
 
 if __name__ == "__main__":

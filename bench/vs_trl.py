@@ -63,29 +63,73 @@ def run_measured(cmd: list[str], env: dict[str, str], cwd: Path) -> tuple[float,
 
 def trl_side(args, model_dir: str, parquet: str, prompts: int, work: Path) -> dict:
     out = work / f"trl_{prompts}.json"
-    cmd = [str(ROOT / ".venv-trl/bin/python"), str(ROOT / "bench/trl_side.py"), "--model-dir", model_dir,
-           "--train-parquet", parquet, "--prompts-per-step", str(prompts), "--num-generations", "4",
-           "--max-prompt-length", "64", "--max-completion-length", "32", "--lr", str(args.lr),
-           "--steps", str(args.steps), "--threads", "2", "--seed", "0", "--out", str(out),
-           "--lora-rank", str(args.lora_rank), "--lora-alpha", str(args.lora_alpha)]
+    cmd = [
+        str(ROOT / ".venv-trl/bin/python"),
+        str(ROOT / "bench/trl_side.py"),
+        "--model-dir",
+        model_dir,
+        "--train-parquet",
+        parquet,
+        "--prompts-per-step",
+        str(prompts),
+        "--num-generations",
+        "4",
+        "--max-prompt-length",
+        "64",
+        "--max-completion-length",
+        "32",
+        "--lr",
+        str(args.lr),
+        "--steps",
+        str(args.steps),
+        "--threads",
+        "2",
+        "--seed",
+        "0",
+        "--out",
+        str(out),
+        "--lora-rank",
+        str(args.lora_rank),
+        "--lora-alpha",
+        str(args.lora_alpha),
+    ]
     peak, _ = run_measured(cmd, dict(os.environ), work)
     res = json.loads(out.read_text())
     tokens = sum(res["gen_tokens"])
-    return {"step_times": res["step_times"], "gen_times": res["gen_times"], "gen_tokens": res["gen_tokens"],
-            "rewards": res["rewards"], "peak_mb": peak, "tokens": tokens}
+    return {
+        "step_times": res["step_times"],
+        "gen_times": res["gen_times"],
+        "gen_tokens": res["gen_tokens"],
+        "rewards": res["rewards"],
+        "peak_mb": peak,
+        "tokens": tokens,
+    }
 
 
 def hybridflow_side(args, parquet: str, prompts: int, work: Path, workers: int) -> dict:
     run_dir = work / f"hf_{prompts}_{workers}w"
     overrides = [
-        f"data.train_files=[{parquet}]", f"data.val_files=[{parquet}]", "data.shuffle=false",
-        f"data.train_batch_size={prompts}", "data.max_prompt_length=64", "data.max_response_length=32",
-        "rollout.n=4", f"actor.ppo_mini_batch_size={prompts}", "actor.ppo_micro_batch_size_per_device=16",
-        f"actor.optim.lr={args.lr}", f"trainer.total_training_steps={args.steps}", "trainer.val_before_train=false",
-        "trainer.test_freq=-1", "trainer.logger=[jsonl]", f"trainer.log_dir={run_dir}",
-        f"trainer.default_local_dir={run_dir / 'ckpt'}", f"trainer.n_workers_per_node={workers}",
-        f"trainer.cpus_per_worker={2 // workers}", f"actor.lora.rank={args.lora_rank}",
-        f"actor.lora.alpha={args.lora_alpha}", *args.overrides,
+        f"data.train_files=[{parquet}]",
+        f"data.val_files=[{parquet}]",
+        "data.shuffle=false",
+        f"data.train_batch_size={prompts}",
+        "data.max_prompt_length=64",
+        "data.max_response_length=32",
+        "rollout.n=4",
+        f"actor.ppo_mini_batch_size={prompts}",
+        "actor.ppo_micro_batch_size_per_device=16",
+        f"actor.optim.lr={args.lr}",
+        f"trainer.total_training_steps={args.steps}",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+        "trainer.logger=[jsonl]",
+        f"trainer.log_dir={run_dir}",
+        f"trainer.default_local_dir={run_dir / 'ckpt'}",
+        f"trainer.n_workers_per_node={workers}",
+        f"trainer.cpus_per_worker={2 // workers}",
+        f"actor.lora.rank={args.lora_rank}",
+        f"actor.lora.alpha={args.lora_alpha}",
+        *args.overrides,
     ]
     env = {**os.environ, "HYBRIDFLOW_NO_PROGRESS": "1"}
     peak, _ = run_measured([sys.executable, "-m", "hybridflow.trainer.main", *overrides], env, work)
@@ -93,9 +137,15 @@ def hybridflow_side(args, parquet: str, prompts: int, work: Path, workers: int) 
     rows = [r for r in rows if "timing_s/step" in r]
     completions = prompts * 4
     gen_tokens = [r["response_length/mean"] * completions for r in rows]
-    return {"step_times": [r["timing_s/step"] for r in rows], "gen_times": [r["timing_s/gen"] for r in rows],
-            "gen_tokens": gen_tokens, "rewards": [r["critic/score/mean"] for r in rows], "peak_mb": peak,
-            "tokens": sum(gen_tokens), "phases": phase_medians(rows)}
+    return {
+        "step_times": [r["timing_s/step"] for r in rows],
+        "gen_times": [r["timing_s/gen"] for r in rows],
+        "gen_tokens": gen_tokens,
+        "rewards": [r["critic/score/mean"] for r in rows],
+        "peak_mb": peak,
+        "tokens": sum(gen_tokens),
+        "phases": phase_medians(rows),
+    }
 
 
 def phase_medians(rows: list[dict]) -> dict[str, float]:
@@ -105,12 +155,15 @@ def phase_medians(rows: list[dict]) -> dict[str, float]:
 
 
 def summarize(r: dict) -> dict:
-    return {"median_step_s": statistics.median(r["step_times"]),
-            "gen_tok_per_s": r["tokens"] / sum(r["gen_times"]),
-            "e2e_tok_per_s": r["tokens"] / sum(r["step_times"]),
-            "peak_mb": r["peak_mb"], "mean_reward": statistics.mean(r["rewards"]),
-            # standard error of the mean over steps: how far apart two runs' means may be by sampling alone
-            "reward_se": statistics.stdev(r["rewards"]) / len(r["rewards"]) ** 0.5}
+    return {
+        "median_step_s": statistics.median(r["step_times"]),
+        "gen_tok_per_s": r["tokens"] / sum(r["gen_times"]),
+        "e2e_tok_per_s": r["tokens"] / sum(r["step_times"]),
+        "peak_mb": r["peak_mb"],
+        "mean_reward": statistics.mean(r["rewards"]),
+        # standard error of the mean over steps: how far apart two runs' means may be by sampling alone
+        "reward_se": statistics.stdev(r["rewards"]) / len(r["rewards"]) ** 0.5,
+    }
 
 
 def main() -> None:
@@ -118,12 +171,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--sizes", default="2,8", help="prompts per step (x4 samples), comma-separated")
     parser.add_argument("--lr", type=float, default=1e-6)
-    parser.add_argument("--workers", default="1,2",
-                        help="hybridflow layouts to run, as workers sharing the 2 threads (1: one worker with "
-                             "2 threads; 2: two workers with 1 thread each), comma-separated")
+    parser.add_argument(
+        "--workers",
+        default="1,2",
+        help="hybridflow layouts to run, as workers sharing the 2 threads (1: one worker with "
+        "2 threads; 2: two workers with 1 thread each), comma-separated",
+    )
     parser.add_argument("--skip-trl", action="store_true", help="run only the hybridflow side (quick checks)")
-    parser.add_argument("--lora-rank", type=int, default=0,
-                        help="both sides train LoRA adapters of this rank on every linear layer (0: full weights)")
+    parser.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="both sides train LoRA adapters of this rank on every linear layer (0: full weights)",
+    )
     parser.add_argument("--lora-alpha", type=float, default=16.0)
     parser.add_argument("overrides", nargs="*", help="extra hybridflow key=value overrides")
     args = parser.parse_args()
@@ -151,22 +211,31 @@ def print_table(runs: dict[str, dict]) -> None:
     s = {name: summarize(r) for name, r in runs.items()}
     names = list(runs)
     print(f"{'':22}" + "".join(f"{n:>12}" for n in names))
-    for label, key, fmt in [("median step (s)", "median_step_s", "12.2f"), ("gen tokens/s (gen)", "gen_tok_per_s", "12.1f"),
-                            ("gen tokens/s (e2e)", "e2e_tok_per_s", "12.1f"), ("peak memory (MiB)", "peak_mb", "12.0f"),
-                            ("mean reward", "mean_reward", "12.3f"), ("  s.e. over steps", "reward_se", "12.3f")]:
+    for label, key, fmt in [
+        ("median step (s)", "median_step_s", "12.2f"),
+        ("gen tokens/s (gen)", "gen_tok_per_s", "12.1f"),
+        ("gen tokens/s (e2e)", "e2e_tok_per_s", "12.1f"),
+        ("peak memory (MiB)", "peak_mb", "12.0f"),
+        ("mean reward", "mean_reward", "12.3f"),
+        ("  s.e. over steps", "reward_se", "12.3f"),
+    ]:
         print(f"{label:22}" + "".join(format(s[n][key], fmt) for n in names))
     if "TRL" in s:
         t = s["TRL"]
         for n in names[1:]:
-            print(f"{n}: step {t['median_step_s'] / s[n]['median_step_s']:.2f}x faster than TRL, generated "
-                  f"tokens/s {s[n]['gen_tok_per_s'] / t['gen_tok_per_s']:.2f}x (gen), "
-                  f"{s[n]['e2e_tok_per_s'] / t['e2e_tok_per_s']:.2f}x (e2e)")
+            print(
+                f"{n}: step {t['median_step_s'] / s[n]['median_step_s']:.2f}x faster than TRL, generated "
+                f"tokens/s {s[n]['gen_tok_per_s'] / t['gen_tok_per_s']:.2f}x (gen), "
+                f"{s[n]['e2e_tok_per_s'] / t['e2e_tok_per_s']:.2f}x (e2e)"
+            )
     for n, r in runs.items():
         print(f"reward per step  {n:>8}: " + " ".join(f"{x:.2f}" for x in r["rewards"]))
     for n, r in runs.items():
         if "phases" in r:
-            print(f"{n} median phase times (s): " + ", ".join(
-                f"{k.removeprefix('timing_s/')} {v:.2f}" for k, v in r["phases"].items()))
+            print(
+                f"{n} median phase times (s): "
+                + ", ".join(f"{k.removeprefix('timing_s/')} {v:.2f}" for k, v in r["phases"].items())
+            )
 
 
 if __name__ == "__main__":

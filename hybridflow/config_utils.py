@@ -22,8 +22,9 @@ import difflib
 import re
 import types
 import typing
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence, TypeVar
+from typing import Any, TypeVar
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
@@ -47,8 +48,10 @@ class Section:
 
     def __setattr__(self, name: str, value: Any) -> None:
         if self._frozen:
-            raise FrozenConfigError(f"{type(self).__name__}.{name} is read-only: this config is resolved and "
-                                    "frozen; set the value in the YAML file or a key=value override instead")
+            raise FrozenConfigError(
+                f"{type(self).__name__}.{name} is read-only: this config is resolved and "
+                "frozen; set the value in the YAML file or a key=value override instead"
+            )
         super().__setattr__(name, value)
 
 
@@ -119,8 +122,10 @@ def check_keys(cls: type, data: Any, prefix: str = "", source: str = "config") -
         if key not in names:
             near = difflib.get_close_matches(str(key), names, n=3, cutoff=0.6)
             hint = f"; did you mean {[prefix + n for n in near]}?" if near else ""
-            raise ConfigError(f"{source}: unknown config key {prefix + str(key)!r}{hint} "
-                              f"Known keys in {prefix.rstrip('.') or cls.__name__}: {names}")
+            raise ConfigError(
+                f"{source}: unknown config key {prefix + str(key)!r}{hint} "
+                f"Known keys in {prefix.rstrip('.') or cls.__name__}: {names}"
+            )
         sub = _dataclass_type(hints[key])
         if sub is not None and value is not None:
             check_keys(sub, value, f"{prefix}{key}.", source)

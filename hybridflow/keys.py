@@ -44,5 +44,7 @@ META_DO_SAMPLE = "do_sample"  # bool: False means greedy (validation)
 META_N = "n"  # int: samples per prompt for this generate call
 META_GLOBAL_STEP = "global_step"  # int: training step (prompts and the generated batch); the rollout reseeds from it
 META_GLOBAL_TOKEN_NUM = "global_token_num"  # list[int]: valid tokens per sample, for throughput metrics
-META_OWN_OLD_LOG_PROB = "own_old_log_prob"  # bool: update_actor uses its own forward's detached log-probs as the old ones
+META_OWN_OLD_LOG_PROB = (
+    "own_old_log_prob"  # bool: update_actor uses its own forward's detached log-probs as the old ones
+)
 META_METRICS = "metrics"  # dict[str, float | list[float]]: metrics returned by a worker call

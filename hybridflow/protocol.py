@@ -18,15 +18,22 @@ import copy
 import os
 import pickle
 import sys
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 from tensordict import TensorDict
 
 from hybridflow.protocol_utils import (
-    as_list, check_keys, merge_meta, numpy_to_tensor, object_array, same_value, tensor_to_numpy,
+    as_list,
+    check_keys,
+    merge_meta,
+    numpy_to_tensor,
+    object_array,
+    same_value,
+    tensor_to_numpy,
 )
 from hybridflow.utils.atomic import atomic_file
 
@@ -73,20 +80,26 @@ class DataProto:
     # --- construction -------------------------------------------------------
     @classmethod
     def from_dict(
-        cls, tensors: dict[str, torch.Tensor], non_tensors: dict[str, Any] | None = None,
+        cls,
+        tensors: dict[str, torch.Tensor],
+        non_tensors: dict[str, Any] | None = None,
         meta_info: dict[str, Any] | None = None,
     ) -> DataProto:
         """Build from a dict of tensors (dim 0 = batch) and a dict of per-row values."""
         tensors, non_tensors = tensors or {}, non_tensors or {}
         for key, value in non_tensors.items():
             if key in tensors or isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
-                raise ValueError(f"DataProto.from_dict: non_tensors[{key!r}] must be a per-row list or array "
-                                 "under a key not used by a tensor; put batch-wide values in meta_info")
+                raise ValueError(
+                    f"DataProto.from_dict: non_tensors[{key!r}] must be a per-row list or array "
+                    "under a key not used by a tensor; put batch-wide values in meta_info"
+                )
         sizes = {k: (v.shape[0] if v.dim() else None) for k, v in tensors.items()}
         sizes |= {k: len(v) for k, v in non_tensors.items()}
         if len(set(sizes.values())) > 1 or None in sizes.values():
-            raise ValueError(f"DataProto.from_dict: keys have different batch sizes {sizes}; "
-                             "every tensor and list needs the same length along dim 0")
+            raise ValueError(
+                f"DataProto.from_dict: keys have different batch sizes {sizes}; "
+                "every tensor and list needs the same length along dim 0"
+            )
         batch_size = [next(iter(sizes.values()), 0)]
         return cls(TensorDict(dict(tensors), batch_size=batch_size), dict(non_tensors), meta_info)
 
@@ -106,8 +119,9 @@ class DataProto:
         if isinstance(item, (int, np.integer)):
             if not -len(self) <= item < len(self):
                 raise IndexError(f"DataProto index {item} out of range for length {len(self)}")
-            return DataProtoItem(self.batch[int(item)], {k: v[item] for k, v in self.non_tensor_batch.items()},
-                                 self.meta_info)
+            return DataProtoItem(
+                self.batch[int(item)], {k: v[item] for k, v in self.non_tensor_batch.items()}, self.meta_info
+            )
         if isinstance(item, slice):
             return self.slice(item.start, item.stop, item.step)
         if isinstance(item, (list, tuple, np.ndarray, torch.Tensor)):
@@ -119,13 +133,16 @@ class DataProto:
         idx = torch.as_tensor(np.asarray(idxs) if isinstance(idxs, (list, tuple)) else idxs)
         if idx.dtype == torch.bool:
             if idx.shape != (len(self),):
-                raise ValueError(f"DataProto.select_idxs: bool mask of shape {tuple(idx.shape)} "
-                                 f"does not match the batch size {len(self)}")
+                raise ValueError(
+                    f"DataProto.select_idxs: bool mask of shape {tuple(idx.shape)} "
+                    f"does not match the batch size {len(self)}"
+                )
             idx = idx.nonzero().squeeze(-1)
         idx = idx.long().cpu().reshape(-1)
         np_idx = idx.numpy()
-        return DataProto(self.batch[idx], {k: v[np_idx] for k, v in self.non_tensor_batch.items()},
-                         dict(self.meta_info))
+        return DataProto(
+            self.batch[idx], {k: v[np_idx] for k, v in self.non_tensor_batch.items()}, dict(self.meta_info)
+        )
 
     def slice(self, start: int | None = None, end: int | None = None, step: int | None = None) -> DataProto:
         """Rows start:end:step as views of this batch."""
@@ -134,8 +151,11 @@ class DataProto:
 
     # --- keys -------------------------------------------------------------------
     def select(
-        self, batch_keys: Iterable[str] | None = None, non_tensor_batch_keys: Iterable[str] | None = None,
-        meta_info_keys: Iterable[str] | None = None, deepcopy: bool = False,
+        self,
+        batch_keys: Iterable[str] | None = None,
+        non_tensor_batch_keys: Iterable[str] | None = None,
+        meta_info_keys: Iterable[str] | None = None,
+        deepcopy: bool = False,
     ) -> DataProto:
         """A DataProto with only the named keys (None keeps all keys of that part)."""
         b_keys = list(self.batch.keys()) if batch_keys is None else as_list(batch_keys)
@@ -144,14 +164,19 @@ class DataProto:
         check_keys("DataProto.batch", b_keys, self.batch.keys())
         check_keys("DataProto.non_tensor_batch", n_keys, self.non_tensor_batch)
         check_keys("DataProto.meta_info", m_keys, self.meta_info)
-        out = DataProto(self.batch.select(*b_keys), {k: self.non_tensor_batch[k] for k in n_keys},
-                        {k: self.meta_info[k] for k in m_keys})
+        out = DataProto(
+            self.batch.select(*b_keys),
+            {k: self.non_tensor_batch[k] for k in n_keys},
+            {k: self.meta_info[k] for k in m_keys},
+        )
         if deepcopy:
             out = DataProto(out.batch.clone(), copy.deepcopy(out.non_tensor_batch), copy.deepcopy(out.meta_info))
         return out
 
     def pop(
-        self, batch_keys: Iterable[str] | None = None, non_tensor_batch_keys: Iterable[str] | None = None,
+        self,
+        batch_keys: Iterable[str] | None = None,
+        non_tensor_batch_keys: Iterable[str] | None = None,
         meta_info_keys: Iterable[str] | None = None,
     ) -> DataProto:
         """Remove the named keys from this DataProto and return them as a new one."""
@@ -182,8 +207,11 @@ class DataProto:
         """Add other's keys to self in place; a key in both must hold equal values. Returns self."""
         if len(self) != len(other):
             raise ValueError(f"DataProto.union: batch sizes differ ({len(self)} vs {len(other)})")
-        parts = [("batch", self.batch, other.batch), ("non_tensor_batch", self.non_tensor_batch,
-                 other.non_tensor_batch), ("meta_info", self.meta_info, other.meta_info)]
+        parts = [
+            ("batch", self.batch, other.batch),
+            ("non_tensor_batch", self.non_tensor_batch, other.non_tensor_batch),
+            ("meta_info", self.meta_info, other.meta_info),
+        ]
         for part, mine, theirs in parts:
             for key in theirs.keys():
                 if key in mine.keys() and not same_value(mine[key], theirs[key]):
@@ -224,7 +252,8 @@ class DataProto:
             if set(d.batch.keys()) != keys0 or set(d.non_tensor_batch) != nkeys0:
                 raise ValueError(
                     f"DataProto.concat: part {i} has keys {sorted(d.batch.keys())} + {sorted(d.non_tensor_batch)}"
-                    f" but part 0 has {sorted(keys0)} + {sorted(nkeys0)}")
+                    f" but part 0 has {sorted(keys0)} + {sorted(nkeys0)}"
+                )
         _check_row_shapes(data)
         batch = torch.cat([d.batch for d in data], dim=0)
         non_tensor = {k: np.concatenate([d.non_tensor_batch[k] for d in data]) for k in data[0].non_tensor_batch}
@@ -240,8 +269,10 @@ class DataProto:
         """Permute the rows in place: row i becomes old row indices[i]."""
         idx = torch.as_tensor(np.asarray(indices)).long().reshape(-1).cpu()
         if not torch.equal(idx.sort().values, torch.arange(len(self))):
-            raise ValueError(f"DataProto.reorder: indices must be a permutation of range({len(self)}), "
-                             f"got {len(idx)} indices {idx[:8].tolist()}...")
+            raise ValueError(
+                f"DataProto.reorder: indices must be a permutation of range({len(self)}), "
+                f"got {len(idx)} indices {idx[:8].tolist()}..."
+            )
         self.batch = self.batch[idx]
         self.non_tensor_batch = {k: v[idx.numpy()] for k, v in self.non_tensor_batch.items()}
 
@@ -253,8 +284,12 @@ class DataProto:
     # --- serialisation ----------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
         tensors = {k: tensor_to_numpy(v) for k, v in self.batch.items(include_nested=True, leaves_only=True)}
-        return {"length": len(self), "tensors": tensors, "non_tensor_batch": self.non_tensor_batch,
-                "meta_info": self.meta_info}
+        return {
+            "length": len(self),
+            "tensors": tensors,
+            "non_tensor_batch": self.non_tensor_batch,
+            "meta_info": self.meta_info,
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.batch = TensorDict({}, batch_size=[state["length"]])
@@ -285,14 +320,17 @@ class DataProto:
         for key, t in self.batch.items(include_nested=True, leaves_only=True):
             nbytes = t.numel() * t.element_size()
             total += nbytes
-            lines.append(f"  batch[{key!r}]: {str(t.dtype).removeprefix('torch.')} {list(t.shape)} "
-                         f"{nbytes / 2**20:.2f} MiB")
+            lines.append(
+                f"  batch[{key!r}]: {str(t.dtype).removeprefix('torch.')} {list(t.shape)} {nbytes / 2**20:.2f} MiB"
+            )
         for key, v in self.non_tensor_batch.items():
             nbytes = v.nbytes + sum(sys.getsizeof(x) for x in v.flat)
             total += nbytes
             kinds = sorted({type(x).__name__ for x in v.flat[:64]})
-            lines.append(f"  non_tensor_batch[{key!r}]: object {list(v.shape)} of {'/'.join(kinds) or '-'} "
-                         f"~{nbytes / 2**20:.2f} MiB")
+            lines.append(
+                f"  non_tensor_batch[{key!r}]: object {list(v.shape)} of {'/'.join(kinds) or '-'} "
+                f"~{nbytes / 2**20:.2f} MiB"
+            )
         lines.append(f"  meta_info keys: {list(self.meta_info)}")
         lines.append(f"  total ~{total / 2**20:.2f} MiB")
         return "\n".join(lines)
@@ -304,10 +342,11 @@ class DataProto:
         return text
 
     def __repr__(self) -> str:
-        tensors = ", ".join(f"{k}: {str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
-                            for k, t in self.batch.items())
-        return (f"DataProto(len={len(self)}, batch={{{tensors}}}, "
-                f"non_tensor_batch={list(self.non_tensor_batch)}, meta_info={list(self.meta_info)})")
+        tensors = ", ".join(f"{k}: {str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for k, t in self.batch.items())
+        return (
+            f"DataProto(len={len(self)}, batch={{{tensors}}}, "
+            f"non_tensor_batch={list(self.non_tensor_batch)}, meta_info={list(self.meta_info)})"
+        )
 
 
 def _check_row_shapes(data: Sequence[DataProto]) -> None:
@@ -346,5 +385,4 @@ def collate_fn(rows: Sequence[dict[str, Any]]) -> DataProto:
 # Re-exported so callers need only `hybridflow.protocol`; that module imports nothing from here at load time.
 from hybridflow.protocol_future import DataProtoFuture, pad_dataproto_to_divisor, unpad_dataproto  # noqa: E402
 
-__all__ = ["DataProto", "DataProtoFuture", "DataProtoItem", "collate_fn", "pad_dataproto_to_divisor",
-           "unpad_dataproto"]
+__all__ = ["DataProto", "DataProtoFuture", "DataProtoItem", "collate_fn", "pad_dataproto_to_divisor", "unpad_dataproto"]

@@ -8,8 +8,9 @@ re-exports these names, and importing it must not start Ray.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -75,9 +76,12 @@ class DataProtoFuture:
         if chunks < 1:
             raise ValueError(f"DataProtoFuture.chunk: chunks must be >= 1, got {chunks}")
         return [
-            DataProtoFuture(self.collect_fn, self.futures,
-                            functools.partial(_select_chunk, index=i, chunks=chunks, before=self.dispatch_fn),
-                            self.fetch_fn)
+            DataProtoFuture(
+                self.collect_fn,
+                self.futures,
+                functools.partial(_select_chunk, index=i, chunks=chunks, before=self.dispatch_fn),
+                self.fetch_fn,
+            )
             for i in range(chunks)
         ]
 

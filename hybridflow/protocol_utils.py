@@ -4,7 +4,8 @@ module has no import cycle with `hybridflow.protocol`."""
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 import torch

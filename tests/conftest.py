@@ -54,8 +54,11 @@ def loopback_cluster(patch):
     # Added nodes look for the head at the machine's address unless this says loopback.
     patch.setattr(ray_services, "get_node_ip_address", lambda *a, **k: "127.0.0.1")
     patch.setenv("PYTHONPATH", TESTS_DIR, prepend=":")  # raylets pass it on to workers
-    cluster = Cluster(initialize_head=True, connect=True,
-                      head_node_args={"num_cpus": 1, "node_ip_address": "127.0.0.1", "include_dashboard": False})
+    cluster = Cluster(
+        initialize_head=True,
+        connect=True,
+        head_node_args={"num_cpus": 1, "node_ip_address": "127.0.0.1", "include_dashboard": False},
+    )
     cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")
     cluster.wait_for_nodes()
     yield cluster

@@ -37,11 +37,14 @@ def reference_log_probs(model: torch.nn.Module, data: dict, temperature: float =
     """Plain full-padding forward, full logits, fp32 log_softmax: (log_probs, entropy) [B, R]."""
     resp = data[keys.RESPONSES].shape[1]
     with torch.no_grad():
-        logits = model(
-            input_ids=data[keys.INPUT_IDS],
-            attention_mask=data[keys.ATTENTION_MASK],
-            position_ids=data[keys.POSITION_IDS],
-        ).logits.float() / temperature
+        logits = (
+            model(
+                input_ids=data[keys.INPUT_IDS],
+                attention_mask=data[keys.ATTENTION_MASK],
+                position_ids=data[keys.POSITION_IDS],
+            ).logits.float()
+            / temperature
+        )
     logits = logits[:, -resp - 1 : -1]
     logp = torch.log_softmax(logits, -1)
     lp = logp.gather(-1, data[keys.RESPONSES].unsqueeze(-1)).squeeze(-1)
@@ -58,8 +61,12 @@ def make_group_batch(prompts: int, n: int, prompt_len: int, resp_len: int, seed:
     for i in range(prompts * n):
         src = (i // n) * n
         ids[i, :prompt_len], mask[i, :prompt_len] = ids[src, :prompt_len], mask[src, :prompt_len]
-    return {keys.INPUT_IDS: ids, keys.ATTENTION_MASK: mask, keys.POSITION_IDS: (mask.cumsum(-1) - 1).clamp(min=0),
-            keys.RESPONSES: ids[:, prompt_len:]}
+    return {
+        keys.INPUT_IDS: ids,
+        keys.ATTENTION_MASK: mask,
+        keys.POSITION_IDS: (mask.cumsum(-1) - 1).clamp(min=0),
+        keys.RESPONSES: ids[:, prompt_len:],
+    }
 
 
 def check_smollm2_one_step(model: torch.nn.Module, data: dict, response_len: int, results: list[dict]) -> None:
@@ -67,8 +74,9 @@ def check_smollm2_one_step(model: torch.nn.Module, data: dict, response_len: int
     log-probs, the token-mean NLL of the responses (the loss) and the gradient norm of that loss."""
     want, _ = reference_log_probs(model, data)
     mask = data[keys.ATTENTION_MASK][:, -response_len:].float()
-    logits = model(input_ids=data[keys.INPUT_IDS], attention_mask=data[keys.ATTENTION_MASK],
-                   position_ids=data[keys.POSITION_IDS]).logits[:, -response_len - 1 : -1]
+    logits = model(
+        input_ids=data[keys.INPUT_IDS], attention_mask=data[keys.ATTENTION_MASK], position_ids=data[keys.POSITION_IDS]
+    ).logits[:, -response_len - 1 : -1]
     lp = torch.log_softmax(logits.float(), -1).gather(-1, data[keys.RESPONSES].unsqueeze(-1)).squeeze(-1)
     loss = -(lp * mask).sum() / mask.sum()
     loss.backward()
@@ -89,6 +97,7 @@ def free_port() -> int:
 def policy_nll_loss(global_tokens: int, dp_size: int, response_len: int):
     """Engine loss_fn: the response tokens' NLL summed over a micro-batch, scaled for a token mean over the
     whole batch (`global_tokens`) across `dp_size` data-parallel groups."""
+
     def fn(out, micro):
         mask = micro[keys.ATTENTION_MASK][:, -response_len:].float()
         return -(out["log_probs"] * mask).sum() / global_tokens * dp_size, {}

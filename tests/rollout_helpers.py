@@ -25,16 +25,20 @@ def prompt_batch(tokenizer, texts: list[str] = PROMPTS, **meta) -> DataProto:
     mask = enc["attention_mask"]
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     uids = np.array([f"p{i}" for i in range(len(texts))], dtype=object)
-    return DataProto.from_dict({INPUT_IDS: enc["input_ids"], ATTENTION_MASK: mask, POSITION_IDS: pos},
-                               {"uid": uids}, dict(meta))
+    return DataProto.from_dict(
+        {INPUT_IDS: enc["input_ids"], ATTENTION_MASK: mask, POSITION_IDS: pos}, {"uid": uids}, dict(meta)
+    )
 
 
 def full_forward_logits(model: nn.Module, out: DataProto) -> Tensor:
     """fp32 logits [B, R, V] predicting each response token, from one forward of the final sequences."""
     width = out.batch[RESPONSES].shape[1]
     with torch.no_grad():
-        logits = model(input_ids=out.batch[INPUT_IDS], attention_mask=out.batch[ATTENTION_MASK],
-                       position_ids=out.batch[POSITION_IDS]).logits.float()
+        logits = model(
+            input_ids=out.batch[INPUT_IDS],
+            attention_mask=out.batch[ATTENTION_MASK],
+            position_ids=out.batch[POSITION_IDS],
+        ).logits.float()
     return logits[:, -width - 1 : -1]
 
 

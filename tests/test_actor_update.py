@@ -21,10 +21,24 @@ from tests.engine_helpers import make_batch
 
 def _actor(**kwargs) -> LocalWorkerGroup:
     kwargs = {"ppo_mini_batch_size": 4, **kwargs}
-    cfg = ActorConfig(ppo_micro_batch_size_per_device=2, log_prob_micro_batch_size_per_device=4,
-                      optim=OptimConfig(lr=1e-3), engine=EngineConfig(param_dtype="fp32"), **kwargs)
-    group = LocalWorkerGroup(None, ClassWithInitArgs(ActorRolloutRefWorker, ModelConfig(path=str(tiny_model_dir("llama"))),
-                                                     cfg, RolloutConfig(n=1), RefConfig(), "actor"))
+    cfg = ActorConfig(
+        ppo_micro_batch_size_per_device=2,
+        log_prob_micro_batch_size_per_device=4,
+        optim=OptimConfig(lr=1e-3),
+        engine=EngineConfig(param_dtype="fp32"),
+        **kwargs,
+    )
+    group = LocalWorkerGroup(
+        None,
+        ClassWithInitArgs(
+            ActorRolloutRefWorker,
+            ModelConfig(path=str(tiny_model_dir("llama"))),
+            cfg,
+            RolloutConfig(n=1),
+            RefConfig(),
+            "actor",
+        ),
+    )
     group.init_model()
     return group
 
@@ -74,13 +88,16 @@ def test_update_without_old_log_probs_is_refused_unless_the_plan_says_so():
         _actor().update_actor(_rollout_batch(own_old_log_prob=False))
 
 
-@pytest.mark.parametrize("overrides, needed", [
-    ([], False),  # the default job: one optimizer step per batch
-    (["actor.old_log_prob=recompute"], True),
-    (["actor.ppo_epochs=2"], True),
-    (["actor.ppo_mini_batch_size=4"], True),  # two mini-batches of the 8 prompts
-    (["algorithm.use_kl_in_reward=true"], True),
-])
+@pytest.mark.parametrize(
+    "overrides, needed",
+    [
+        ([], False),  # the default job: one optimizer step per batch
+        (["actor.old_log_prob=recompute"], True),
+        (["actor.ppo_epochs=2"], True),
+        (["actor.ppo_mini_batch_size=4"], True),  # two mini-batches of the 8 prompts
+        (["algorithm.use_kl_in_reward=true"], True),
+    ],
+)
 def test_old_log_prob_pass_is_skipped_only_for_one_step_updates(overrides, needed):
     cfg = load_config(RunConfig, None, ["data.train_batch_size=8", "actor.ppo_mini_batch_size=8", *overrides])
     assert resolve(cfg, steps_per_epoch=4).recompute_old_log_prob is needed

@@ -213,7 +213,10 @@ def test_registry_lists_looks_up_and_rejects():
         "gpg",
     }
     assert expected <= set(names) and names == sorted(names)
-    with pytest.raises(ValueError, match="algorithm.adv_estimator='grpoo' is not a registered advantage estimator; known: .*grpo, grpo_passk"):
+    with pytest.raises(
+        ValueError,
+        match="algorithm.adv_estimator='grpoo' is not a registered advantage estimator; known: .*grpo, grpo_passk",
+    ):
         get_advantage_estimator("grpoo")
 
 

@@ -54,7 +54,9 @@ def test_straight_through_suffix_keeps_value_takes_k2_gradient():
 
 
 def test_unknown_kl_type_lists_the_valid_ones():
-    with pytest.raises(ValueError, match="kl_type='full' is not a registered KL estimator; known: abs, k1, k2, k3, kl, low_var_kl, mse"):
+    with pytest.raises(
+        ValueError, match="kl_type='full' is not a registered KL estimator; known: abs, k1, k2, k3, kl, low_var_kl, mse"
+    ):
         kl_penalty(LOGP, REF, "full")
 
 
@@ -98,7 +100,9 @@ def test_get_kl_controller():
     assert isinstance(ctrl, AdaptiveKLController) and ctrl.value == 0.1
     with pytest.raises(ValueError, match="needs kl_ctrl.target_kl and kl_ctrl.horizon"):
         get_kl_controller("adaptive", 0.1)
-    with pytest.raises(ValueError, match="algorithm.kl_ctrl.type='pid' is not a registered KL controller; known: adaptive, fixed"):
+    with pytest.raises(
+        ValueError, match="algorithm.kl_ctrl.type='pid' is not a registered KL controller; known: adaptive, fixed"
+    ):
         get_kl_controller("pid", 0.1)
     with pytest.raises(ValueError, match="kl_coef must be >= 0"):
         get_kl_controller("fixed", -1.0)

@@ -169,7 +169,9 @@ def test_policy_loss_config_rejects_bad_combinations():
 def test_registry_lists_looks_up_and_rejects():
     names = list_policy_losses()
     assert {"vanilla", "gspo", "gpg", "clip_cov", "kl_cov", "cispo", "sapo"} <= set(names)
-    with pytest.raises(ValueError, match="actor.policy_loss_mode='ppo' is not a registered policy loss; known: cispo, clip_cov"):
+    with pytest.raises(
+        ValueError, match="actor.policy_loss_mode='ppo' is not a registered policy loss; known: cispo, clip_cov"
+    ):
         get_policy_loss_fn("ppo")
 
 

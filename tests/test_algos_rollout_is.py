@@ -92,13 +92,16 @@ def test_apply_rollout_is_on_a_batch() -> None:
     torch.testing.assert_close(batch.batch[K.ROLLOUT_IS_WEIGHTS][1], torch.tensor([1.5, 1.0, 0.0]))
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["algorithm.rollout_is_threshold=0.9"], "must be > 1"),
-    (["algorithm.rollout_is_threshold_lower=0.5"], "needs algorithm.rollout_is_threshold"),
-    (["algorithm.rollout_is_threshold=2", "algorithm.rollout_is_level=geometric"], "rollout_is_level"),
-    (["algorithm.rollout_is_threshold=2", "algorithm.rollout_is_mode=clip"], "rollout_is_mode"),
-    (["algorithm.rollout_is_threshold=2"], "rollout.calculate_log_probs=false"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["algorithm.rollout_is_threshold=0.9"], "must be > 1"),
+        (["algorithm.rollout_is_threshold_lower=0.5"], "needs algorithm.rollout_is_threshold"),
+        (["algorithm.rollout_is_threshold=2", "algorithm.rollout_is_level=geometric"], "rollout_is_level"),
+        (["algorithm.rollout_is_threshold=2", "algorithm.rollout_is_mode=clip"], "rollout_is_mode"),
+        (["algorithm.rollout_is_threshold=2"], "rollout.calculate_log_probs=false"),
+    ],
+)
 def test_config_refuses(overrides: list[str], message: str) -> None:
     with pytest.raises(Exception, match=message):
         load_config(RunConfig, None, overrides)

@@ -7,30 +7,46 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from test_trainer_cli import base_overrides, read_metrics, run_cli
 
 from hybridflow.models import tiny_model_dir
-from test_trainer_cli import base_overrides, read_metrics, run_cli
 
 pytestmark = pytest.mark.slow
 
 # One thread per worker in every run, so the matmuls of the 1-worker sync run and of the 1 + 1 worker
 # async run are the same computations (a different thread count may change float reduction order).
-COMMON = ["trainer.test_freq=-1", "trainer.val_before_train=false", "actor.optim.lr=1e-3",
-          "trainer.cpus_per_worker=1", "rollout.calculate_log_probs=true"]
+COMMON = [
+    "trainer.test_freq=-1",
+    "trainer.val_before_train=false",
+    "actor.optim.lr=1e-3",
+    "trainer.cpus_per_worker=1",
+    "rollout.calculate_log_probs=true",
+]
 OFF_POLICY = ["trainer.placement=split", "trainer.n_workers_per_node=2"]
 
 
 def _untimed(record: dict) -> dict:
     """The record without wall-clock values (and without the metrics only off-policy modes log)."""
-    timed = ("timing_s/", "perf/time_per_step", "perf/throughput", "perf/gen_tokens_per_s", "async/",
-             "weight_transfer/", "_time", "time")
+    timed = (
+        "timing_s/",
+        "perf/time_per_step",
+        "perf/throughput",
+        "perf/gen_tokens_per_s",
+        "async/",
+        "weight_transfer/",
+        "_time",
+        "time",
+    )
     return {k: v for k, v in record.items() if not any(k.startswith(t) or k == t for t in timed)}
 
 
 def _run(tmp: Path, steps: int, *extra: str, env: dict[str, str] | None = None, ok: bool = True) -> list[dict]:
     tmp.mkdir(parents=True, exist_ok=True)
-    args = base_overrides(str(tiny_model_dir("llama")), tmp) + [f"trainer.total_training_steps={steps}",
-                                                                *COMMON, *extra]
+    args = base_overrides(str(tiny_model_dir("llama")), tmp) + [
+        f"trainer.total_training_steps={steps}",
+        *COMMON,
+        *extra,
+    ]
     proc = run_cli(args, tmp, env=env)
     assert (proc.returncode == 0) == ok, proc.stdout[-3000:] + proc.stderr[-5000:]
     return [r for r in read_metrics(tmp) if "actor/pg_loss" in r]
@@ -47,19 +63,30 @@ def test_async_with_staleness_zero_is_sync(tmp_path: Path) -> None:
 
 
 def test_async_staleness_never_exceeds_the_cap(tmp_path: Path) -> None:
-    records = _run(tmp_path, 4, "trainer.mode=async", "trainer.max_staleness=2", *OFF_POLICY,
-                   "algorithm.rollout_is_threshold=2.0", "algorithm.rollout_is=true")
+    records = _run(
+        tmp_path,
+        4,
+        "trainer.mode=async",
+        "trainer.max_staleness=2",
+        *OFF_POLICY,
+        "algorithm.rollout_is_threshold=2.0",
+        "algorithm.rollout_is=true",
+    )
     assert [r["async/staleness/max"] for r in records] == [0.0, 1.0, 2.0, 2.0]
     assert all(r["async/staleness_hist/2"] in (0.0, 1.0) for r in records)
     assert all("mismatch/kl" in r and "mismatch/rollout_is_mean" in r for r in records)
 
 
-@pytest.mark.parametrize("mode, queued, staleness", [
-    (["trainer.mode=one_step_off"], ["step_3.pkl"], [0.0, 1.0, 1.0, 1.0]),
-    (["trainer.mode=async", "trainer.max_staleness=2"], ["step_3.pkl", "step_4.pkl"], [0.0, 1.0, 2.0, 2.0]),
-])
-def test_killed_and_resumed_matches_uninterrupted(tmp_path: Path, mode: list[str], queued: list[str],
-                                                  staleness: list[float]) -> None:
+@pytest.mark.parametrize(
+    "mode, queued, staleness",
+    [
+        (["trainer.mode=one_step_off"], ["step_3.pkl"], [0.0, 1.0, 1.0, 1.0]),
+        (["trainer.mode=async", "trainer.max_staleness=2"], ["step_3.pkl", "step_4.pkl"], [0.0, 1.0, 2.0, 2.0]),
+    ],
+)
+def test_killed_and_resumed_matches_uninterrupted(
+    tmp_path: Path, mode: list[str], queued: list[str], staleness: list[float]
+) -> None:
     """The actor is SIGKILLed in step 3's update (a later batch is then being generated); the rerun of the
     same command resumes from global_step_2, whose checkpoint holds the batches generated ahead of it."""
     mode = [*mode, *OFF_POLICY, "trainer.save_freq=2", "trainer.max_restarts=0"]
@@ -79,7 +106,13 @@ def test_killed_and_resumed_matches_uninterrupted(tmp_path: Path, mode: list[str
 
 def test_one_step_off_feeds_a_tp2_rollout_whole_weights(tmp_path: Path) -> None:
     """The bridge sends whole weights; a rollout split over 2 ranks (each holding only its shard) takes its chunks."""
-    records = _run(tmp_path, 2, "trainer.mode=one_step_off", "trainer.placement=split", "trainer.n_workers_per_node=4",
-                   "rollout.tensor_model_parallel_size=2")
+    records = _run(
+        tmp_path,
+        2,
+        "trainer.mode=one_step_off",
+        "trainer.placement=split",
+        "trainer.n_workers_per_node=4",
+        "rollout.tensor_model_parallel_size=2",
+    )
     assert [r["step"] for r in records] == [1, 2]
     assert all(r["timing_s/weight_transfer"] > 0 for r in records)

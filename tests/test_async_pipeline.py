@@ -26,8 +26,9 @@ SPLIT = ["trainer.placement=split"]
 def test_off_policy_worker_sets() -> None:
     sets = worker_sets(load_config(RunConfig, None, SPLIT + ["trainer.mode=one_step_off"]))
     assert [(s.pool, s.world_size, s.roles) for s in sets] == [(0, 1, ("actor",)), (1, 1, ("rollout",))]
-    cfg = load_config(RunConfig, None, SPLIT + ["trainer.mode=async", "actor.use_kl_loss=true",
-                                                "trainer.n_workers_per_node=4"])
+    cfg = load_config(
+        RunConfig, None, SPLIT + ["trainer.mode=async", "actor.use_kl_loss=true", "trainer.n_workers_per_node=4"]
+    )
     assert [(s.world_size, s.roles) for s in worker_sets(cfg)] == [(2, ("actor", "ref")), (2, ("rollout",))]
 
 
@@ -41,15 +42,18 @@ def test_max_staleness_derived_from_mode() -> None:
     assert staleness(mode="async", placement="split", max_staleness=3) == 3
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["trainer.mode=async"], "set trainer.placement=split"),
-    (["trainer.mode=eager"], "trainer.mode must be one of"),
-    (SPLIT + ["trainer.mode=one_step_off", "trainer.max_staleness=2"], "use trainer.mode=async"),
-    (["trainer.max_staleness=1"], "trainer.mode=sync means trainer.max_staleness=0"),
-    (SPLIT + ["trainer.mode=async", "trainer.max_staleness=-1"], "must be >= 0"),
-    (SPLIT + ["trainer.mode=async", "algorithm.adv_estimator=remax"], "remax"),
-    (SPLIT + ["trainer.mode=async", "trainer.backend=local", "trainer.n_workers_per_node=1"], "at least 2 workers"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["trainer.mode=async"], "set trainer.placement=split"),
+        (["trainer.mode=eager"], "trainer.mode must be one of"),
+        (SPLIT + ["trainer.mode=one_step_off", "trainer.max_staleness=2"], "use trainer.mode=async"),
+        (["trainer.max_staleness=1"], "trainer.mode=sync means trainer.max_staleness=0"),
+        (SPLIT + ["trainer.mode=async", "trainer.max_staleness=-1"], "must be >= 0"),
+        (SPLIT + ["trainer.mode=async", "algorithm.adv_estimator=remax"], "remax"),
+        (SPLIT + ["trainer.mode=async", "trainer.backend=local", "trainer.n_workers_per_node=1"], "at least 2 workers"),
+    ],
+)
 def test_bad_combinations_refused_at_load(overrides: list[str], message: str) -> None:
     with pytest.raises(Exception, match=message):
         load_config(RunConfig, None, overrides)
@@ -57,8 +61,13 @@ def test_bad_combinations_refused_at_load(overrides: list[str], message: str) ->
 
 def test_staleness_metrics_and_cap() -> None:
     m = staleness_metrics(torch.tensor([0, 0, 1, 1]), step=3, cap=2)  # trained by version 2
-    assert m == {"async/staleness/mean": 1.5, "async/staleness/max": 2.0, "async/staleness_hist/0": 0.0,
-                 "async/staleness_hist/1": 0.5, "async/staleness_hist/2": 0.5}
+    assert m == {
+        "async/staleness/mean": 1.5,
+        "async/staleness/max": 2.0,
+        "async/staleness_hist/0": 0.0,
+        "async/staleness_hist/1": 0.5,
+        "async/staleness_hist/2": 0.5,
+    }
     with pytest.raises(RuntimeError, match="above trainer.max_staleness=1"):
         staleness_metrics(torch.tensor([0, 1]), step=3, cap=1)
     with pytest.raises(RuntimeError, match="from the future"):
@@ -101,8 +110,9 @@ class FakeRollout:
         assert method == "generate_sequences"
         self.log.append(("gen", prompts.meta_info[K.META_GLOBAL_STEP]))
         rows = prompts.batch["prompt_id"].repeat_interleave(2)
-        return DataProto.from_dict({"prompt_id": rows, "made_by": torch.full_like(rows, self.weights)},
-                                   meta_info={K.META_METRICS: {}})
+        return DataProto.from_dict(
+            {"prompt_id": rows, "made_by": torch.full_like(rows, self.weights)}, meta_info={K.META_METRICS: {}}
+        )
 
     def join_weight_bridge(self, *args) -> list:
         return []

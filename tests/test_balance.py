@@ -14,8 +14,9 @@ def _batch(lengths: list[int], uids: list[str]) -> DataProto:
     mask = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
     for i, n in enumerate(lengths):
         mask[i, :n] = 1
-    return DataProto.from_dict({K.ATTENTION_MASK: mask, "row": torch.arange(len(lengths))},
-                               non_tensors={K.UID: np.array(uids, dtype=object)})
+    return DataProto.from_dict(
+        {K.ATTENTION_MASK: mask, "row": torch.arange(len(lengths))}, non_tensors={K.UID: np.array(uids, dtype=object)}
+    )
 
 
 def test_groups_are_dealt_heaviest_first_to_the_lightest_worker():
@@ -44,7 +45,9 @@ def test_rows_balance_alone_when_groups_cannot_split_evenly():
 def test_token_budget_micro_batches_fill_in_order():
     assert token_bounds([10] * 8, 25) == [0, 2, 4, 6, 8]
     assert token_bounds([10, 50, 10, 10, 10, 10], 40) == [0, 1, 2, 6]  # a longer row goes alone
-    data = {K.INPUT_IDS: torch.zeros(4, 5), K.ATTENTION_MASK: torch.tensor([[1] * 5, [1] * 2 + [0] * 3,
-                                                                           [1] * 3 + [0] * 2, [1] * 5])}
+    data = {
+        K.INPUT_IDS: torch.zeros(4, 5),
+        K.ATTENTION_MASK: torch.tensor([[1] * 5, [1] * 2 + [0] * 3, [1] * 3 + [0] * 2, [1] * 5]),
+    }
     assert [m[K.INPUT_IDS].shape[0] for m in split_micro_batches(data, TokenBudget(7))] == [2, 1, 1]
     assert [m[K.INPUT_IDS].shape[0] for m in split_micro_batches(data, 3)] == [3, 1]

@@ -29,14 +29,17 @@ trl_side = _load_trl_side()
 _PIECES = st.sampled_from(["####", " ", "\n", "-", ",", ".", "/", "$", "=", "+", "answer", "1", "9", "0", "42"])
 
 
-@pytest.mark.parametrize("response, truth, expected", [
-    ("#### 101", "101", 1.0),
-    ("The answer is 101.", "101", 1.0),
-    ("101 #### 100", "101", 0.0),
-    ("12 + 7 = 19\n#### 19", "19", 1.0),
-    ("#### -5", "-5", 1.0),
-    ("no number at all", "3", 0.0),
-])
+@pytest.mark.parametrize(
+    "response, truth, expected",
+    [
+        ("#### 101", "101", 1.0),
+        ("The answer is 101.", "101", 1.0),
+        ("101 #### 100", "101", 0.0),
+        ("12 + 7 = 19\n#### 19", "19", 1.0),
+        ("#### -5", "-5", 1.0),
+        ("no number at all", "3", 0.0),
+    ],
+)
 def test_scorer_examples(response: str, truth: str, expected: float) -> None:
     assert trl_side.arithmetic_score(response, truth) == expected
     assert compute_score(response, truth) == expected

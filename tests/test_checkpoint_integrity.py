@@ -24,12 +24,21 @@ def _save(root: Path, step: int, run: str = "hybridflow/run") -> Path:
     return C.step_dir(root, step)
 
 
-@pytest.mark.parametrize("damage, phrase", [
-    (lambda p: (p / "actor" / "shard.distcp").write_bytes(bytes(range(256)) * 63), "has 16128 bytes, the manifest says 16384"),
-    (lambda p: (p / "actor" / "shard.distcp").write_bytes(bytes(reversed(range(256))) * 64), "does not match its checksum"),
-    (lambda p: (p / "trainer_state.json").unlink(), "trainer_state.json is missing"),
-    (lambda p: (p / "actor" / "stray.bin").write_bytes(b"?"), "actor/stray.bin is not in the manifest"),
-])
+@pytest.mark.parametrize(
+    "damage, phrase",
+    [
+        (
+            lambda p: (p / "actor" / "shard.distcp").write_bytes(bytes(range(256)) * 63),
+            "has 16128 bytes, the manifest says 16384",
+        ),
+        (
+            lambda p: (p / "actor" / "shard.distcp").write_bytes(bytes(reversed(range(256))) * 64),
+            "does not match its checksum",
+        ),
+        (lambda p: (p / "trainer_state.json").unlink(), "trainer_state.json is missing"),
+        (lambda p: (p / "actor" / "stray.bin").write_bytes(b"?"), "actor/stray.bin is not in the manifest"),
+    ],
+)
 def test_manifest_catches_every_kind_of_damage(tmp_path, damage, phrase):
     path = _save(tmp_path, 2)
     assert (path / MANIFEST).is_file() and C.damage(path) is None
@@ -51,8 +60,9 @@ def test_resume_skips_a_damaged_newest_checkpoint_with_one_line(tmp_path, caplog
 def test_an_explicit_damaged_resume_path_is_refused(tmp_path):
     path = _save(tmp_path, 2)
     (path / "trainer_state.json").write_text("{}")
-    cfg = resolve(load_config(RunConfig, None, ["trainer.resume_mode=resume_path",
-                                                f"trainer.resume_from_path={path}"]), 4).config
+    cfg = resolve(
+        load_config(RunConfig, None, ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={path}"]), 4
+    ).config
     with pytest.raises(ValueError, match="is damaged: trainer_state.json has 2 bytes"):
         resume_path(cfg)
 

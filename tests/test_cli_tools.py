@@ -54,11 +54,14 @@ def test_data_writes_verl_parquet_with_difficulty_knobs(tmp_path: Path, order: s
     assert max(answers) < 100, answers
 
 
-@pytest.mark.parametrize("args, message", [
-    (["arithmetic", "--out", "OUT", "digits=1"], "no difficulty setting 'digits'"),
-    (["sudoku", "--out", "OUT"], "sudoku"),
-    (["arithmetic", "--out", "OUT", "--bogus", "3"], "unrecognized arguments: --bogus"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["arithmetic", "--out", "OUT", "digits=1"], "no difficulty setting 'digits'"),
+        (["sudoku", "--out", "OUT"], "sudoku"),
+        (["arithmetic", "--out", "OUT", "--bogus", "3"], "unrecognized arguments: --bogus"),
+    ],
+)
 def test_data_bad_input_is_one_clear_error(tmp_path: Path, args: list[str], message: str):
     proc = cli("data", *[str(tmp_path / "d") if a == "OUT" else a for a in args], cwd=tmp_path)
     assert message in one_line_error(proc, "data")
@@ -77,8 +80,9 @@ def trained_checkpoint(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]
 
 def test_export_writes_a_loadable_hf_directory_with_the_trained_weights(tmp_path: Path, trained_checkpoint):
     ckpt, weights = trained_checkpoint
-    proc = cli("export", str(ckpt), "--out", str(tmp_path / "hf"), "--tokenizer", str(tiny_model_dir("llama")),
-               cwd=tmp_path)
+    proc = cli(
+        "export", str(ckpt), "--out", str(tmp_path / "hf"), "--tokenizer", str(tiny_model_dir("llama")), cwd=tmp_path
+    )
     assert proc.returncode == 0, proc.stderr
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
     loaded = model.state_dict()
@@ -95,16 +99,36 @@ def test_export_of_a_missing_checkpoint_is_one_clear_error(tmp_path: Path):
 
 def test_generate_scores_every_prompt_of_an_exported_checkpoint(tmp_path: Path, trained_checkpoint):
     ckpt, _ = trained_checkpoint
-    assert cli("data", "arithmetic", "--out", str(tmp_path / "d"), "--train-size", "2", "--test-size", "5",
-               cwd=tmp_path).returncode == 0
+    assert (
+        cli(
+            "data", "arithmetic", "--out", str(tmp_path / "d"), "--train-size", "2", "--test-size", "5", cwd=tmp_path
+        ).returncode
+        == 0
+    )
     data = tmp_path / "d" / "arithmetic_test.parquet"
     out = tmp_path / "gen.jsonl"
     # A bare checkpoint has no trainer_state.json naming the model: export needs the tokenizer from there.
     hf = tmp_path / "hf"
-    assert cli("export", str(ckpt), "--out", str(hf), "--tokenizer", str(tiny_model_dir("llama")),
-               cwd=tmp_path).returncode == 0
-    proc = cli("generate", "--model", str(hf), "--data", str(data), "--n", "2", "--max-response-length", "4",
-               "--batch-size", "3", "--out", str(out), cwd=tmp_path)
+    assert (
+        cli("export", str(ckpt), "--out", str(hf), "--tokenizer", str(tiny_model_dir("llama")), cwd=tmp_path).returncode
+        == 0
+    )
+    proc = cli(
+        "generate",
+        "--model",
+        str(hf),
+        "--data",
+        str(data),
+        "--n",
+        "2",
+        "--max-response-length",
+        "4",
+        "--batch-size",
+        "3",
+        "--out",
+        str(out),
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 10 and {r["uid"] for r in rows} == {str(i) for i in range(5)}

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
-from typing import Optional
 
 import pytest
 
@@ -34,7 +32,7 @@ class Outer:
 
     inner: Inner = field(default_factory=Inner)
     """The nested section."""
-    maybe: Optional[Inner] = None
+    maybe: Inner | None = None
     """An optional section."""
     tag: str = "x"
     """A string."""
@@ -71,15 +69,18 @@ def test_defaults_yaml_then_overrides(tmp_path):
     assert cfg.maybe == Inner(lr=2.0)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["inner.step=3"], r"unknown config key 'inner.step'; did you mean \['inner.steps'\]"),
-    (["tga=y"], r"unknown config key 'tga'; did you mean \['tag'\]"),
-    (["inner.steps=many"], r"command-line overrides: bad value for config key 'inner.steps'"),
-    (["inner.lr=-1"], r"config section 'inner': lr must be > 0"),
-    (["maybe.lr=-1"], r"config section 'maybe': lr must be > 0"),
-    (["tag=bad"], r"config section 'Outer': tag=bad needs inner.steps <= 5"),
-    (["inner.steps"], r"override 'inner.steps' is not of the form key.sub=value"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["inner.step=3"], r"unknown config key 'inner.step'; did you mean \['inner.steps'\]"),
+        (["tga=y"], r"unknown config key 'tga'; did you mean \['tag'\]"),
+        (["inner.steps=many"], r"command-line overrides: bad value for config key 'inner.steps'"),
+        (["inner.lr=-1"], r"config section 'inner': lr must be > 0"),
+        (["maybe.lr=-1"], r"config section 'maybe': lr must be > 0"),
+        (["tag=bad"], r"config section 'Outer': tag=bad needs inner.steps <= 5"),
+        (["inner.steps"], r"override 'inner.steps' is not of the form key.sub=value"),
+    ],
+)
 def test_errors_name_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(Outer, None, overrides)
@@ -101,9 +102,18 @@ def test_yaml_errors_name_the_file(tmp_path):
 
 
 def test_run_sections_load_and_round_trip(tmp_path):
-    cfg = load_config(Run, None, ["data.train_batch_size=8", "data.task_kwargs.max_digits=1",
-                                  "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_penalty=low_var_kl+", "trainer.logger=[console,jsonl]",
-                                  "data.train_files=/x/train.parquet"])
+    cfg = load_config(
+        Run,
+        None,
+        [
+            "data.train_batch_size=8",
+            "data.task_kwargs.max_digits=1",
+            "algorithm.kl_ctrl.type=adaptive",
+            "algorithm.kl_penalty=low_var_kl+",
+            "trainer.logger=[console,jsonl]",
+            "data.train_files=/x/train.parquet",
+        ],
+    )
     assert cfg.data.train_batch_size == 8 and cfg.data.task_kwargs == {"max_digits": 1}
     assert cfg.data.train_files == ["/x/train.parquet"]
     assert cfg.algorithm.kl_ctrl.type == "adaptive" and cfg.trainer.logger == ["console", "jsonl"]
@@ -114,29 +124,41 @@ def test_run_sections_load_and_round_trip(tmp_path):
     assert load_config(Run, saved) == cfg
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["data.task=null"], "set data.train_files to parquet file.*or data.task"),
-    (["data.task=sudoku"], "data.task='sudoku' is not a registered task"),
-    (["data.task_kwargs.digits=3"], "no difficulty setting 'digits'"),
-    (["data.truncation=middle"], r"data.truncation must be one of \['error', 'left', 'right'\]"),
-    (["data.train_batch_size=0"], "data.train_batch_size must be >= 1"),
-    (["data.train_files=3"], "data.train_files must be a path or a list of paths"),
-    (["reward.custom_reward_function.path=/no/such.py"], r"custom_reward_function.path '/no/such.py' does not exist"),
-    (["algorithm.adv_estimator=ppo2"], r"algorithm.adv_estimator='ppo2' is not a registered advantage estimator; known: .*grpo"),
-    (["algorithm.kl_penalty=l2"], "algorithm.kl_penalty must be one of"),
-    (["algorithm.kl_penalty=full"], "algorithm.kl_penalty must be one of"),
-    (["algorithm.kl_ctrl.type=pid"], "algorithm.kl_ctrl.type must be one of"),
-    (["algorithm.gamma=1.5"], "algorithm.gamma and algorithm.lam must lie in"),
-    (["trainer.resume_mode=resume_path"], "needs trainer.resume_from_path"),
-    (["trainer.logger=[console,tensorbord]"], r"trainer.logger='tensorbord' is not a registered logger; known: console"),
-    (["trainer.placement=split", "trainer.n_workers_per_node=1"], "placement=split needs at least 2 workers"),
-    (["trainer.test_freq=0"], "trainer.test_freq must be -1"),
-    (["trainer.backend=slurm"], "trainer.backend must be one of"),
-    (["trainer.total_epochs=two"], "bad value for config key 'trainer.total_epochs'"),
-    (["trainer.cpus_per_worker=0"], "trainer.cpus_per_worker must be >= 1"),
-    (["trainer.call_timeout_s=0"], r"trainer.call_timeout_s must be > 0 seconds \(null: the device's default\)"),
-    (["trainer.collective_timeout_s=-5"], "trainer.collective_timeout_s must be > 0 seconds"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["data.task=null"], "set data.train_files to parquet file.*or data.task"),
+        (["data.task=sudoku"], "data.task='sudoku' is not a registered task"),
+        (["data.task_kwargs.digits=3"], "no difficulty setting 'digits'"),
+        (["data.truncation=middle"], r"data.truncation must be one of \['error', 'left', 'right'\]"),
+        (["data.train_batch_size=0"], "data.train_batch_size must be >= 1"),
+        (["data.train_files=3"], "data.train_files must be a path or a list of paths"),
+        (
+            ["reward.custom_reward_function.path=/no/such.py"],
+            r"custom_reward_function.path '/no/such.py' does not exist",
+        ),
+        (
+            ["algorithm.adv_estimator=ppo2"],
+            r"algorithm.adv_estimator='ppo2' is not a registered advantage estimator; known: .*grpo",
+        ),
+        (["algorithm.kl_penalty=l2"], "algorithm.kl_penalty must be one of"),
+        (["algorithm.kl_penalty=full"], "algorithm.kl_penalty must be one of"),
+        (["algorithm.kl_ctrl.type=pid"], "algorithm.kl_ctrl.type must be one of"),
+        (["algorithm.gamma=1.5"], "algorithm.gamma and algorithm.lam must lie in"),
+        (["trainer.resume_mode=resume_path"], "needs trainer.resume_from_path"),
+        (
+            ["trainer.logger=[console,tensorbord]"],
+            r"trainer.logger='tensorbord' is not a registered logger; known: console",
+        ),
+        (["trainer.placement=split", "trainer.n_workers_per_node=1"], "placement=split needs at least 2 workers"),
+        (["trainer.test_freq=0"], "trainer.test_freq must be -1"),
+        (["trainer.backend=slurm"], "trainer.backend must be one of"),
+        (["trainer.total_epochs=two"], "bad value for config key 'trainer.total_epochs'"),
+        (["trainer.cpus_per_worker=0"], "trainer.cpus_per_worker must be >= 1"),
+        (["trainer.call_timeout_s=0"], r"trainer.call_timeout_s must be > 0 seconds \(null: the device's default\)"),
+        (["trainer.collective_timeout_s=-5"], "trainer.collective_timeout_s must be > 0 seconds"),
+    ],
+)
 def test_run_section_checks(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(Run, None, overrides)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import ray
 from conftest import loopback_cluster
 from controller_workers import Probe, rows
 

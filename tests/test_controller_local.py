@@ -140,8 +140,9 @@ def test_call_nonblocking_issues_a_blocking_method_as_a_future(group):
     future = group.call_nonblocking("affine", rows(4), scale=3)
     assert isinstance(future, LocalFuture)
     assert torch.equal(future.get().batch["y"], group.affine(rows(4), scale=3).batch["y"])
-    roles = LocalWorkerGroup(None, create_colocated_worker_cls(
-        {"actor": ClassWithInitArgs(ActorRole, 100), "critic": CriticRole})).spawn({"actor", "critic"})
+    roles = LocalWorkerGroup(
+        None, create_colocated_worker_cls({"actor": ClassWithInitArgs(ActorRole, 100), "critic": CriticRole})
+    ).spawn({"actor", "critic"})
     shifted = roles["actor"].call_nonblocking("shift", rows(2)).get()  # a spawned view finds its role's method
     assert torch.equal(shifted.batch["x"], rows(2).batch["x"] + 100)
     with pytest.raises(AttributeError, match="no registered method 'negate'"):

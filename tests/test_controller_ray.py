@@ -10,7 +10,7 @@ import ray
 import torch
 from controller_workers import ActorRole, CriticRole, MeshWorker, Probe, rows
 
-from hybridflow import ClassWithInitArgs, DataProto, DataProtoFuture
+from hybridflow import ClassWithInitArgs, DataProtoFuture
 from hybridflow.controller.local import LocalWorkerGroup
 from hybridflow.controller.ray import (
     RayClassWithInitArgs,

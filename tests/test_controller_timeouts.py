@@ -26,8 +26,12 @@ def make_staller(ray_local):
 
     def make(name: str, call_s: float, collective_s: float = 60.0, stuck_rank: int = 1) -> RayWorkerGroup:
         pool = RayResourcePool([2], num_cpus_per_process=0.5, name_prefix=f"{name}_")
-        group = RayWorkerGroup(pool, RayClassWithInitArgs(Staller, stuck_rank=stuck_rank), name_prefix=name,
-                               timeouts=Timeouts(call_s, collective_s, SETTING))
+        group = RayWorkerGroup(
+            pool,
+            RayClassWithInitArgs(Staller, stuck_rank=stuck_rank),
+            name_prefix=name,
+            timeouts=Timeouts(call_s, collective_s, SETTING),
+        )
         made.append((pool, group))
         ray.get([w.__ray_ready__.remote() for w in group.workers], timeout=60)
         return group
@@ -42,8 +46,11 @@ def test_a_stuck_rank_in_a_blocking_call_times_out_naming_it_and_is_killed(make_
     group = make_staller("stuck", call_s=3)
     assert group.rank_of() == [0, 1]  # a call well under the timeout is unaffected
     start = time.monotonic()
-    with pytest.raises(WorkerTimeoutError, match=r"group stuck method stall: rank\(s\) \[1\] did not return "
-                                                 r"within 3 s .*rank\(s\) \[0\] did.*killed.*" + SETTING):
+    with pytest.raises(
+        WorkerTimeoutError,
+        match=r"group stuck method stall: rank\(s\) \[1\] did not return "
+        r"within 3 s .*rank\(s\) \[0\] did.*killed.*" + SETTING,
+    ):
         group.stall()
     assert 3 <= time.monotonic() - start < 10
     start = time.monotonic()
@@ -57,8 +64,11 @@ def test_a_stuck_rank_behind_a_future_times_out_naming_it(make_staller):
     start = time.monotonic()
     future = group.stall_async(rows(4))
     assert isinstance(future, DataProtoFuture)
-    with pytest.raises(WorkerTimeoutError, match=r"group stuck_future method stall_async: rank\(s\) \[1\] "
-                                                 r"did not return within 3 s .*rank\(s\) \[0\] did"):
+    with pytest.raises(
+        WorkerTimeoutError,
+        match=r"group stuck_future method stall_async: rank\(s\) \[1\] "
+        r"did not return within 3 s .*rank\(s\) \[0\] did",
+    ):
         future.chunk(2)[0].get()  # a chunk keeps the call's deadline
     assert 3 <= time.monotonic() - start < 10
 

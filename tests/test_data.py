@@ -36,8 +36,11 @@ def test_builder_writes_deterministic_verl_parquet(tmp_path, task):
     df, df_test = pd.read_parquet(train), pd.read_parquet(test)
     assert list(df.columns) == VERL_COLUMNS and len(df) == 40 and len(df_test) == 10
     assert df.equals(pd.read_parquet(again))
-    assert not df["prompt"].map(lambda p: p[0]["content"]).equals(
-        pd.read_parquet(other)["prompt"].map(lambda p: p[0]["content"]))
+    assert (
+        not df["prompt"]
+        .map(lambda p: p[0]["content"])
+        .equals(pd.read_parquet(other)["prompt"].map(lambda p: p[0]["content"]))
+    )
     row = df.iloc[0]
     assert row["data_source"] == TASKS[task].data_source
     assert list(row["prompt"][0]) == ["role", "content"] and row["prompt"][0]["role"] == "user"
@@ -50,8 +53,11 @@ def test_builder_writes_deterministic_verl_parquet(tmp_path, task):
 
 def test_generated_reference_answers_score_one(tmp_path):
     """Each task's worked solution passes its scorer; arithmetic truths match an independent evaluator."""
-    for task, solution in (("gsm8k", lambda e: e["answer"]), ("countdown", lambda e: "#### " + e["solution"]),
-                           ("arithmetic", lambda e: f"#### {evaluate(e['expression'])[0]}")):
+    for task, solution in (
+        ("gsm8k", lambda e: e["answer"]),
+        ("countdown", lambda e: "#### " + e["solution"]),
+        ("arithmetic", lambda e: f"#### {evaluate(e['expression'])[0]}"),
+    ):
         train, _ = build_task(task, tmp_path, train_size=30, test_size=2, seed=0)
         for _, row in pd.read_parquet(train).iterrows():
             truth = row["reward_model"]["ground_truth"]
@@ -59,8 +65,9 @@ def test_generated_reference_answers_score_one(tmp_path):
 
 
 def test_difficulty_knobs_and_errors(tmp_path, caplog):
-    train, _ = build_task("arithmetic", tmp_path, 50, 5, seed=0, num_operands=3, min_digits=3, max_digits=3,
-                          operators="+-*")
+    train, _ = build_task(
+        "arithmetic", tmp_path, 50, 5, seed=0, num_operands=3, min_digits=3, max_digits=3, operators="+-*"
+    )
     exprs = pd.read_parquet(train)["extra_info"].map(lambda e: e["expression"].split())
     assert all(len(e) == 5 and all(len(n) == 3 for n in e[::2]) for e in exprs)
     assert {op for e in exprs for op in e[1::2]} == {"+", "-", "*"}
@@ -99,8 +106,15 @@ def test_dataset_left_pads_and_collates(tmp_path, tokenizer):
 
 
 def _lengths(ds_rows, tokenizer):
-    return [len(tokenizer(tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False),
-                          add_special_tokens=False)["input_ids"]) for r in ds_rows]
+    return [
+        len(
+            tokenizer(
+                tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False),
+                add_special_tokens=False,
+            )["input_ids"]
+        )
+        for r in ds_rows
+    ]
 
 
 def test_overlong_prompts_filter_error_truncate(tmp_path, tokenizer, caplog):
@@ -184,7 +198,6 @@ def test_loader_over_dataset_yields_dataproto(tmp_path, tokenizer):
     seen = sorted(i for b in batches for i in b.non_tensor_batch["index"])
     assert seen == list(range(8))
     assert batches[0].batch[keys.ATTENTION_MASK].dtype == torch.long
-
 
 
 def test_task_files_generate_once_atomically_into_the_cache(tmp_path, monkeypatch):

@@ -11,8 +11,9 @@ from tests.engine_helpers import make_batch
 
 
 def _trained_engine(value_model: bool = False) -> FSDPEngine:
-    engine = FSDPEngine.from_pretrained(tiny_model_dir("llama"), EngineConfig(param_dtype="fp32"),
-                                        OptimConfig(lr=1e-2), value_model=value_model)
+    engine = FSDPEngine.from_pretrained(
+        tiny_model_dir("llama"), EngineConfig(param_dtype="fp32"), OptimConfig(lr=1e-2), value_model=value_model
+    )
     data = make_batch(2, 6, 4, seed=8)
     key = "values" if value_model else "log_probs"
     engine.train_step([data], lambda out, micro: (-out[key].sum(), {}))
@@ -42,8 +43,11 @@ def test_interrupted_save_is_never_loaded(tmp_path):
 def _hf_logits(path, data):
     model = AutoModelForCausalLM.from_pretrained(path)
     with torch.no_grad():
-        return model(input_ids=data[keys.INPUT_IDS], attention_mask=data[keys.ATTENTION_MASK],
-                     position_ids=data[keys.POSITION_IDS]).logits
+        return model(
+            input_ids=data[keys.INPUT_IDS],
+            attention_mask=data[keys.ATTENTION_MASK],
+            position_ids=data[keys.POSITION_IDS],
+        ).logits
 
 
 def test_export_hf_from_engine_and_from_checkpoint(tmp_path):

@@ -57,8 +57,9 @@ def _worker(rank: int, port: int, out_dir: str, fsdp_size: int) -> None:
     data = make_batch(ROWS, P, R, seed=7)
     global_tokens = int(data[keys.ATTENTION_MASK][:, -R:].sum())
     shard = {k: v[rank * ROWS // 2 : (rank + 1) * ROWS // 2] for k, v in data.items()}
-    engine = FSDPEngine.from_pretrained(tiny_model_dir("llama"), EngineConfig(param_dtype="fp32", fsdp_size=fsdp_size),
-                                        OptimConfig(**OPTIM))
+    engine = FSDPEngine.from_pretrained(
+        tiny_model_dir("llama"), EngineConfig(param_dtype="fp32", fsdp_size=fsdp_size), OptimConfig(**OPTIM)
+    )
     loss_fn = _loss_fn(global_tokens, engine.world_size)
     _token_budget_agrees_across_ranks(engine, shard, rank)
     _steps(engine, shard, loss_fn, STEPS)
@@ -74,9 +75,18 @@ def _worker(rank: int, port: int, out_dir: str, fsdp_size: int) -> None:
     uneven = _gather_uneven_shards()
     torch.save(_lora_update(shard, loss_fn, fsdp_size), out / f"lora_rank{rank}.pt")
     if rank == 0:
-        torch.save({"uneven": uneven, "trained": trained, "trained_bf16": trained_bf16, "restored": restored, "continued": continued,
-                    "continued_after_load": continued_after_load, "extra": extra},
-                   out / "result.pt")
+        torch.save(
+            {
+                "uneven": uneven,
+                "trained": trained,
+                "trained_bf16": trained_bf16,
+                "restored": restored,
+                "continued": continued,
+                "continued_after_load": continued_after_load,
+                "extra": extra,
+            },
+            out / "result.pt",
+        )
     assert extra == {"rank": rank}
     dist.barrier()
     # No process-group teardown: about 1 replicated (HSDP) run in 40 aborted in it with
@@ -97,12 +107,17 @@ def _token_budget_agrees_across_ranks(engine: FSDPEngine, shard: dict, rank: int
 
 def _lora_update(shard: dict, loss_fn, fsdp_size: int) -> dict[str, dict[str, torch.Tensor]]:
     """A LoRA engine on the same ranks after one update: its adapters and its merged weights, gathered 3 ways."""
-    engine = FSDPEngine.from_pretrained(tiny_model_dir("llama"), EngineConfig(param_dtype="fp32", fsdp_size=fsdp_size),
-                                        OptimConfig(**OPTIM), lora=LORA)
+    engine = FSDPEngine.from_pretrained(
+        tiny_model_dir("llama"), EngineConfig(param_dtype="fp32", fsdp_size=fsdp_size), OptimConfig(**OPTIM), lora=LORA
+    )
     _steps(engine, shard, loss_fn, 1)
     adapters = {k: v.full_tensor() for k, v in engine.module.state_dict().items() if is_adapter_key(k)}
-    return {"fp32": engine.full_state_dict(), "bf16": engine.full_state_dict(torch.bfloat16),
-            "changed": engine.full_state_dict(changed_only=True), "adapters": adapters}
+    return {
+        "fp32": engine.full_state_dict(),
+        "bf16": engine.full_state_dict(torch.bfloat16),
+        "changed": engine.full_state_dict(changed_only=True),
+        "adapters": adapters,
+    }
 
 
 def _check_lora(out: Path) -> None:
@@ -138,8 +153,11 @@ def _reference(data: dict) -> dict[str, torch.Tensor]:
     opt = torch.optim.AdamW(model.parameters(), lr=OPTIM["lr"], weight_decay=OPTIM["weight_decay"])
     mask = data[keys.ATTENTION_MASK][:, -R:].float()
     for _ in range(STEPS):
-        logits = model(input_ids=data[keys.INPUT_IDS], attention_mask=data[keys.ATTENTION_MASK],
-                       position_ids=data[keys.POSITION_IDS]).logits[:, -R - 1 : -1]
+        logits = model(
+            input_ids=data[keys.INPUT_IDS],
+            attention_mask=data[keys.ATTENTION_MASK],
+            position_ids=data[keys.POSITION_IDS],
+        ).logits[:, -R - 1 : -1]
         lp = torch.log_softmax(logits.float(), -1).gather(-1, data[keys.RESPONSES].unsqueeze(-1)).squeeze(-1)
         loss = -(lp * mask).sum() / mask.sum()
         loss.backward()

@@ -30,7 +30,7 @@ def _engine(lora: LoraConfig | None = LORA, dtype: str = "fp32") -> FSDPEngine:
 
 
 def _loss(out, micro):
-    mask = micro[keys.ATTENTION_MASK][:, -micro[keys.RESPONSES].shape[1]:].float()
+    mask = micro[keys.ATTENTION_MASK][:, -micro[keys.RESPONSES].shape[1] :].float()
     return -(out["log_probs"] * mask).sum() / mask.sum(), {}
 
 
@@ -90,11 +90,14 @@ def test_bf16_update_after_a_first_forward_without_adapters():
     assert any(not torch.equal(v, before[k]) for k, v in _adapters(engine).items())
 
 
-@pytest.mark.parametrize("targets, message", [
-    (["embed_tokens"], "embed_tokens is of type Embedding; adapters are supported on linear layers only"),
-    (["lm_head"], "lm_head shares its weight with another layer"),
-    (["q_prj"], r"lora.target_modules=\['q_prj'\] does not fit LlamaForCausalLM"),
-])
+@pytest.mark.parametrize(
+    "targets, message",
+    [
+        (["embed_tokens"], "embed_tokens is of type Embedding; adapters are supported on linear layers only"),
+        (["lm_head"], "lm_head shares its weight with another layer"),
+        (["q_prj"], r"lora.target_modules=\['q_prj'\] does not fit LlamaForCausalLM"),
+    ],
+)
 def test_adapters_the_merge_cannot_express_are_refused(targets, message):
     with pytest.raises(ValueError, match=message):
         apply_lora(load_causal_lm(tiny_model_dir("llama")), LoraConfig(rank=2, target_modules=targets))
@@ -152,8 +155,11 @@ def test_checkpoint_holds_only_the_adapters_and_resumes_exactly(tmp_path):
 
 def _logits(model, data):
     with torch.no_grad():
-        return model(input_ids=data[keys.INPUT_IDS], attention_mask=data[keys.ATTENTION_MASK],
-                     position_ids=data[keys.POSITION_IDS]).logits
+        return model(
+            input_ids=data[keys.INPUT_IDS],
+            attention_mask=data[keys.ATTENTION_MASK],
+            position_ids=data[keys.POSITION_IDS],
+        ).logits
 
 
 def test_merged_and_adapter_exports_give_the_adapted_model(trained, tmp_path):
@@ -177,4 +183,3 @@ def test_merged_and_adapter_exports_give_the_adapted_model(trained, tmp_path):
         export_hf(step / "actor", tmp_path / "nobase")
     export_hf(engine, tmp_path / "from_engine")  # what the worker's export_hf does: merged too
     torch.testing.assert_close(_logits(load_causal_lm(tmp_path / "from_engine"), data), merged, atol=0, rtol=0)
-

@@ -80,8 +80,14 @@ def test_gradients_equal_the_padded_forward():
 
 
 def test_sharing_is_chosen_by_estimated_flops():
-    smollm2 = SimpleNamespace(hidden_size=576, num_hidden_layers=30, intermediate_size=1536,
-                              num_key_value_heads=3, num_attention_heads=9, head_dim=64)
+    smollm2 = SimpleNamespace(
+        hidden_size=576,
+        num_hidden_layers=30,
+        intermediate_size=1536,
+        num_key_value_heads=3,
+        num_attention_heads=9,
+        head_dim=64,
+    )
     # the main job's shape: 2 prompts of 45 tokens x 8 samples of <= 23 tokens: sharing pays
     assert sharing_pays(make_group_batch(2, 8, 46, 24, seed=7), smollm2)
     # 16 different unpadded 150 + 20-token rows: one dense 2720-token row would cost more than 16 rows

@@ -19,8 +19,13 @@ from hybridflow.engine import EngineConfig, FSDPEngine, LoraConfig, OptimConfig
 from hybridflow.engine.batch import PackedBatch, TokenBudget
 from hybridflow.engine.sequence_parallel import SequenceParallelEngine, check_sp_layout, kv_head_splits, padded_row
 from hybridflow.models import default_model_dir, load_causal_lm, load_value_model, tiny_model_dir
-from tests.engine_helpers import (check_smollm2_one_step, free_port, make_group_batch, policy_nll_loss,
-                                  reference_log_probs)
+from tests.engine_helpers import (
+    check_smollm2_one_step,
+    free_port,
+    make_group_batch,
+    policy_nll_loss,
+    reference_log_probs,
+)
 
 PROMPTS, N, P, R = 4, 2, 12, 5
 ROWS = PROMPTS * N
@@ -53,8 +58,9 @@ def _worker(rank: int, world: int, sp: int, model: str, port: int, out_dir: str,
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     path, data = tiny_model_dir(**MODELS[model]), _data()
-    cfg = EngineConfig(param_dtype="fp32", ulysses_sequence_parallel_size=sp, fsdp_size=fsdp_size,
-                       gradient_checkpointing=gc)
+    cfg = EngineConfig(
+        param_dtype="fp32", ulysses_sequence_parallel_size=sp, fsdp_size=fsdp_size, gradient_checkpointing=gc
+    )
     engine = SequenceParallelEngine.from_pretrained(path, cfg, OptimConfig(**OPTIM))
     dp, rows = engine.dp_size, ROWS // engine.dp_size
     shard = {k: v[engine.dp_rank * rows : (engine.dp_rank + 1) * rows] for k, v in data.items()}
@@ -86,15 +92,18 @@ def _worker(rank: int, world: int, sp: int, model: str, port: int, out_dir: str,
 def _reference(path: Path, data: dict) -> dict:
     """One process, no FSDP, whole batch, plain AdamW: the ground truth."""
     mask = data[keys.ATTENTION_MASK][:, -R:].float()
-    inputs = dict(input_ids=data[keys.INPUT_IDS], attention_mask=data[keys.ATTENTION_MASK],
-                  position_ids=data[keys.POSITION_IDS])
+    inputs = dict(
+        input_ids=data[keys.INPUT_IDS], attention_mask=data[keys.ATTENTION_MASK], position_ids=data[keys.POSITION_IDS]
+    )
     torch.manual_seed(0)
     critic = load_value_model(path)
     values = critic(**inputs)[:, -R - 1 : -1]
     vloss = ((values - 1.0) ** 2 * mask).sum() / mask.sum()
     vloss.backward()
-    ref: dict = {"values": torch.where(mask.bool(), values.detach(), 0.0),
-                 "critic_norm": float(torch.nn.utils.get_total_norm([p.grad for p in critic.parameters()]))}
+    ref: dict = {
+        "values": torch.where(mask.bool(), values.detach(), 0.0),
+        "critic_norm": float(torch.nn.utils.get_total_norm([p.grad for p in critic.parameters()])),
+    }
     model = load_causal_lm(path)
     ref["log_probs"], ref["entropy"] = reference_log_probs(model, data)
     logits = model(**inputs).logits[:, -R - 1 : -1]
@@ -176,8 +185,12 @@ def _lora_run(engine, data: dict) -> dict:
 def _lora_worker(rank: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
     torch.set_num_threads(1)
-    engine = SequenceParallelEngine.from_pretrained(tiny_model_dir(), EngineConfig(
-        param_dtype="fp32", ulysses_sequence_parallel_size=2), OptimConfig(lr=1e-2), lora=LoraConfig(rank=4))
+    engine = SequenceParallelEngine.from_pretrained(
+        tiny_model_dir(),
+        EngineConfig(param_dtype="fp32", ulysses_sequence_parallel_size=2),
+        OptimConfig(lr=1e-2),
+        lora=LoraConfig(rank=4),
+    )
     torch.save(_lora_run(engine, _data()), Path(out_dir) / f"rank{rank}.pt")
 
 
@@ -186,10 +199,16 @@ def test_sp2_lora_matches_one_process(tmp_path):
     """Adapters need nothing of sequence parallel: log-probs with and without them, the step, the merged weights."""
     tiny_model_dir()
     mp.spawn(_lora_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
-    ref = _lora_run(FSDPEngine.from_pretrained(tiny_model_dir(), EngineConfig(param_dtype="fp32"),
-                                               OptimConfig(lr=1e-2), lora=LoraConfig(rank=4)), _data())
-    assert (ref["merged"]["model.layers.0.self_attn.q_proj.weight"]
-            - load_causal_lm(tiny_model_dir()).state_dict()["model.layers.0.self_attn.q_proj.weight"]).abs().max() > 1e-4
+    ref = _lora_run(
+        FSDPEngine.from_pretrained(
+            tiny_model_dir(), EngineConfig(param_dtype="fp32"), OptimConfig(lr=1e-2), lora=LoraConfig(rank=4)
+        ),
+        _data(),
+    )
+    assert (
+        ref["merged"]["model.layers.0.self_attn.q_proj.weight"]
+        - load_causal_lm(tiny_model_dir()).state_dict()["model.layers.0.self_attn.q_proj.weight"]
+    ).abs().max() > 1e-4
     for r in range(2):
         got = torch.load(tmp_path / f"rank{r}.pt")
         _close(got["log_probs"], ref["log_probs"])
@@ -201,22 +220,33 @@ def test_sp2_lora_matches_one_process(tmp_path):
 
 def test_padded_row_has_one_attention_block_per_example_and_one_for_the_padding():
     rmask = torch.ones(2, 1, dtype=torch.bool)
-    packed = PackedBatch(input_ids=torch.arange(5)[None], position_ids=torch.tensor([[0, 1, 2, 0, 1]]),
-                         predictors=torch.tensor([1, 3]), labels=torch.tensor([2, 4]), response_mask=rmask)
+    packed = PackedBatch(
+        input_ids=torch.arange(5)[None],
+        position_ids=torch.tensor([[0, 1, 2, 0, 1]]),
+        predictors=torch.tensor([1, 3]),
+        labels=torch.tensor([2, 4]),
+        response_mask=rmask,
+    )
     ids, pos, blocks = padded_row(packed, 4)
     assert ids.shape == (1, 8) and pos[0].tolist() == [0, 1, 2, 0, 1, 0, 1, 2]
     assert blocks == [(0, 3, None), (3, 5, None), (5, 8, None)]
     shared = replace(packed, attention_mask=torch.ones(1, 1, 5, 5, dtype=torch.bool).tril())
     _, _, blocks = padded_row(shared, 4)
-    assert [(a, b, None if m is None else m.shape) for a, b, m in blocks] == [(0, 3, (3, 3)), (3, 5, (2, 2)),
-                                                                              (5, 8, None)]
+    assert [(a, b, None if m is None else m.shape) for a, b, m in blocks] == [
+        (0, 3, (3, 3)),
+        (3, 5, (2, 2)),
+        (5, 8, None),
+    ]
 
 
 def test_head_splits_and_layout_refused_with_the_numbers():
     assert kv_head_splits(3, 2) == [2, 1] and kv_head_splits(2, 2) == [1, 1] and kv_head_splits(9, 4) == [3, 2, 2, 2]
     check_sp_layout(2, 2, 9, 3)  # SmolLM2 at sp 2: 6 + 3 query heads
-    with pytest.raises(ValueError, match=r"ulysses_sequence_parallel_size=4 must be at most num_key_value_heads "
-                                         r"\(3\).*the model has 9 attention heads and 3 kv heads"):
+    with pytest.raises(
+        ValueError,
+        match=r"ulysses_sequence_parallel_size=4 must be at most num_key_value_heads "
+        r"\(3\).*the model has 9 attention heads and 3 kv heads",
+    ):
         check_sp_layout(4, 4, 9, 3)
     with pytest.raises(ValueError, match=r"=2 must divide the number of ranks \(3\)"):
         check_sp_layout(2, 3, 4, 2)
@@ -224,8 +254,11 @@ def test_head_splits_and_layout_refused_with_the_numbers():
         EngineConfig(tensor_parallel_size=2, ulysses_sequence_parallel_size=2)
     with pytest.raises(ValueError, match="ulysses_sequence_parallel_size must be >= 1"):
         EngineConfig(ulysses_sequence_parallel_size=0)
-    with pytest.raises(ValueError, match=r"actor.engine.ulysses_sequence_parallel_size=2 must divide the number "
-                                         r"of ranks \(3\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"actor.engine.ulysses_sequence_parallel_size=2 must divide the number "
+        r"of ranks \(3\)",
+    ):
         EngineConfig(ulysses_sequence_parallel_size=2).dp_size(3, "actor.engine.")
     assert EngineConfig(ulysses_sequence_parallel_size=2).dp_size(4) == 2
 
@@ -234,8 +267,9 @@ def _smollm2_worker(rank: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
     torch.set_num_threads(1)
     data = _data()
-    engine = SequenceParallelEngine.from_pretrained(default_model_dir(), EngineConfig(
-        param_dtype="fp32", ulysses_sequence_parallel_size=2), OptimConfig(**OPTIM))
+    engine = SequenceParallelEngine.from_pretrained(
+        default_model_dir(), EngineConfig(param_dtype="fp32", ulysses_sequence_parallel_size=2), OptimConfig(**OPTIM)
+    )
     log_probs, _ = engine.compute_log_probs(data, 4)
     metrics = engine.train_step(_micro(data, 4), policy_nll_loss(int(data[keys.ATTENTION_MASK][:, -R:].sum()), 1, R))
     torch.save({"log_probs": log_probs, "metrics": metrics}, Path(out_dir) / f"rank{rank}.pt")

@@ -19,8 +19,13 @@ from hybridflow.engine.batch import TokenBudget
 from hybridflow.engine.prefix import sharing_pays
 from hybridflow.engine.tensor_parallel import TensorParallelEngine, check_tp_layout
 from hybridflow.models import default_model_dir, load_causal_lm, load_value_model, tiny_model_dir
-from tests.engine_helpers import (check_smollm2_one_step, free_port, make_group_batch, policy_nll_loss,
-                                  reference_log_probs)
+from tests.engine_helpers import (
+    check_smollm2_one_step,
+    free_port,
+    make_group_batch,
+    policy_nll_loss,
+    reference_log_probs,
+)
 
 PROMPTS, N, P, R = 4, 2, 12, 5
 ROWS = PROMPTS * N
@@ -80,8 +85,11 @@ def _save_and_continue(engine: TensorParallelEngine, shard: dict, loss_fn, out: 
     engine.train_step(_micro(shard), loss_fn)
     res["continued"] = engine.full_state_dict()
     # the same checkpoint into plain FSDP over all these ranks (tp 1, dp = world, parameters sharded)
-    dp_only = FSDPEngine.from_pretrained(tiny_model_dir(engine.model.config.model_type), EngineConfig(
-        param_dtype="fp32", fsdp_size=-1), OptimConfig(**OPTIM))
+    dp_only = FSDPEngine.from_pretrained(
+        tiny_model_dir(engine.model.config.model_type),
+        EngineConfig(param_dtype="fp32", fsdp_size=-1),
+        OptimConfig(**OPTIM),
+    )
     dp_only.load_checkpoint(out / "ckpt")
     res["loaded_dp_only"] = dp_only.full_state_dict()
 
@@ -90,16 +98,20 @@ def _reference(arch: str, data: dict) -> dict:
     """One process, no FSDP, no tp, whole batch, plain AdamW: the ground truth."""
     torch.manual_seed(0)
     with torch.no_grad():
-        values = load_value_model(tiny_model_dir(arch))(data[keys.INPUT_IDS], data[keys.ATTENTION_MASK],
-                                                       data[keys.POSITION_IDS])[:, -R - 1 : -1]
+        values = load_value_model(tiny_model_dir(arch))(
+            data[keys.INPUT_IDS], data[keys.ATTENTION_MASK], data[keys.POSITION_IDS]
+        )[:, -R - 1 : -1]
     ref: dict = {"values": torch.where(data[keys.ATTENTION_MASK][:, -R:].bool(), values, 0.0)}
     model = load_causal_lm(tiny_model_dir(arch))
     ref["log_probs"], ref["entropy"] = reference_log_probs(model, data)
     mask = data[keys.ATTENTION_MASK][:, -R:].float()
     opt = torch.optim.AdamW(model.parameters(), lr=OPTIM["lr"], weight_decay=OPTIM["weight_decay"])
     for step in range(2):
-        logits = model(input_ids=data[keys.INPUT_IDS], attention_mask=data[keys.ATTENTION_MASK],
-                       position_ids=data[keys.POSITION_IDS]).logits[:, -R - 1 : -1]
+        logits = model(
+            input_ids=data[keys.INPUT_IDS],
+            attention_mask=data[keys.ATTENTION_MASK],
+            position_ids=data[keys.POSITION_IDS],
+        ).logits[:, -R - 1 : -1]
         lp = torch.log_softmax(logits.float(), -1).gather(-1, data[keys.RESPONSES].unsqueeze(-1)).squeeze(-1)
         loss = -(lp * mask).sum() / mask.sum()
         loss.backward()
@@ -196,8 +208,11 @@ def test_dp2_tp2_llama_matches_one_process_and_resumes_at_tp1(tmp_path, fsdp_siz
 
 
 def test_layout_refused_with_the_numbers():
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 must divide num_attention_heads \(9\), "
-                                         r"num_key_value_heads \(3\); the model has 9 attention heads"):
+    with pytest.raises(
+        ValueError,
+        match=r"tensor_parallel_size=2 must divide num_attention_heads \(9\), "
+        r"num_key_value_heads \(3\); the model has 9 attention heads",
+    ):
         check_tp_layout(2, 2, 9, 3)
     with pytest.raises(ValueError, match=r"must divide the number of ranks \(3\)"):
         check_tp_layout(2, 3, 4, 2)
@@ -212,8 +227,9 @@ def _smollm2_worker(rank: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="3")
     torch.set_num_threads(1)
     data = _data()
-    engine = TensorParallelEngine.from_pretrained(default_model_dir(), EngineConfig(param_dtype="fp32",
-                                                  tensor_parallel_size=3), OptimConfig(**OPTIM))
+    engine = TensorParallelEngine.from_pretrained(
+        default_model_dir(), EngineConfig(param_dtype="fp32", tensor_parallel_size=3), OptimConfig(**OPTIM)
+    )
     log_probs, _ = engine.compute_log_probs(data, 4)
     metrics = engine.train_step(_micro(data, 4), policy_nll_loss(int(data[keys.ATTENTION_MASK][:, -R:].sum()), 1, R))
     torch.save({"log_probs": log_probs, "metrics": metrics}, Path(out_dir) / f"rank{rank}.pt")

@@ -19,8 +19,9 @@ def test_constant_schedule_with_warmup():
 
 
 def test_cosine_schedule_hits_peak_and_floor():
-    cfg = OptimConfig(lr=1.0, lr_scheduler="cosine", lr_warmup_steps_ratio=0.1,
-                      min_lr_ratio=0.1, total_training_steps=20)
+    cfg = OptimConfig(
+        lr=1.0, lr_scheduler="cosine", lr_warmup_steps_ratio=0.1, min_lr_ratio=0.1, total_training_steps=20
+    )
     assert lr_factor(0, cfg) == pytest.approx(0.5)
     assert lr_factor(2, cfg) == pytest.approx(1.0)
     assert lr_factor(11, cfg) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
@@ -30,8 +31,11 @@ def test_cosine_schedule_hits_peak_and_floor():
 
 @pytest.mark.parametrize(
     "kwargs, key",
-    [(dict(lr_scheduler="linear"), "lr_scheduler"), (dict(lr_warmup_steps_ratio=1.5), "lr_warmup"),
-     (dict(min_lr_ratio=-0.1), "min_lr_ratio")],
+    [
+        (dict(lr_scheduler="linear"), "lr_scheduler"),
+        (dict(lr_warmup_steps_ratio=1.5), "lr_warmup"),
+        (dict(min_lr_ratio=-0.1), "min_lr_ratio"),
+    ],
 )
 def test_bad_optim_config_names_the_key(kwargs, key):
     with pytest.raises(ValueError, match=key):
@@ -57,16 +61,18 @@ def test_cosine_without_run_length_is_rejected():
 
 
 def _pg_loss(out, micro):
-    mask = micro[keys.ATTENTION_MASK][:, -micro[keys.RESPONSES].shape[1]:].float()
+    mask = micro[keys.ATTENTION_MASK][:, -micro[keys.RESPONSES].shape[1] :].float()
     return -(out["log_probs"] * mask).sum() / mask.sum() / 2, {"seen": 1.0}
 
 
 def _train_once(gc: bool, data: dict, math_max_len: int = 128) -> tuple[dict, dict]:
     config = EngineConfig(param_dtype="fp32", gradient_checkpointing=gc, cpu_math_attention_max_len=math_max_len)
-    engine = FSDPEngine.from_pretrained(tiny_model_dir("qwen2"), config,
-                                        OptimConfig(lr=1e-3, lr_warmup_steps_ratio=0.5, total_training_steps=4))
-    metrics = engine.train_step([{k: v[:2] for k, v in data.items()}, {k: v[2:] for k, v in data.items()}],
-                                _pg_loss, calc_entropy=True)
+    engine = FSDPEngine.from_pretrained(
+        tiny_model_dir("qwen2"), config, OptimConfig(lr=1e-3, lr_warmup_steps_ratio=0.5, total_training_steps=4)
+    )
+    metrics = engine.train_step(
+        [{k: v[:2] for k, v in data.items()}, {k: v[2:] for k, v in data.items()}], _pg_loss, calc_entropy=True
+    )
     metrics["next_lr"] = engine.lr_scheduler_step()
     return metrics, engine.full_state_dict()
 

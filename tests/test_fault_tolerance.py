@@ -17,14 +17,23 @@ import time
 from pathlib import Path
 
 import pytest
-
 from test_trainer_cli import base_overrides, cli_env, read_metrics, run_cli
+
 from hybridflow.models import tiny_model_dir
 
-COMPARED = ("critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/entropy", "actor/grad_norm",
-            "actor/ppo_kl", "critic/advantages/mean")
-REWARD = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n" \
-         "    return (len(solution_str) % 7) / 7.0\n"
+COMPARED = (
+    "critic/score/mean",
+    "response_length/mean",
+    "actor/pg_loss",
+    "actor/entropy",
+    "actor/grad_norm",
+    "actor/ppo_kl",
+    "critic/advantages/mean",
+)
+REWARD = (
+    "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+    "    return (len(solution_str) % 7) / 7.0\n"
+)
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +47,14 @@ def setup(tmp_path_factory) -> tuple[str, Path]:
 def overrides(setup: tuple[str, Path], tmp: Path, *extra: str) -> list[str]:
     model, reward = setup
     return base_overrides(model, tmp) + [
-        "trainer.total_training_steps=4", "trainer.save_freq=2", "trainer.test_freq=-1",
-        "trainer.val_before_train=false", "actor.optim.lr=1e-3", f"reward.custom_reward_function.path={reward}",
-        "trainer.cpus_per_worker=1", *extra,
+        "trainer.total_training_steps=4",
+        "trainer.save_freq=2",
+        "trainer.test_freq=-1",
+        "trainer.val_before_train=false",
+        "actor.optim.lr=1e-3",
+        f"reward.custom_reward_function.path={reward}",
+        "trainer.cpus_per_worker=1",
+        *extra,
     ]
 
 
@@ -122,8 +136,9 @@ def test_a_deadlocked_rank_times_out_and_the_run_recovers(setup, reference, tmp_
 
 
 @pytest.mark.slow  # two runs
-def test_without_restarts_the_cli_names_the_worker_and_the_fix_and_the_same_command_resumes(setup, reference,
-                                                                                            tmp_path: Path):
+def test_without_restarts_the_cli_names_the_worker_and_the_fix_and_the_same_command_resumes(
+    setup, reference, tmp_path: Path
+):
     faults = "update_actor@3:0"
     args = overrides(setup, tmp_path, "trainer.max_restarts=0")
     failed = run_cli(args, tmp_path, env=fault_env(tmp_path, faults))
@@ -161,9 +176,14 @@ def _descendants(pid: int) -> list[int]:
 def test_controller_killed_mid_save_resumes_from_the_last_complete_checkpoint(setup, reference, tmp_path: Path):
     faults = "save_checkpoint@4:0:hang"  # rank 0 stays inside the step-4 save until the controller is killed
     args = overrides(setup, tmp_path)
-    proc = subprocess.Popen([sys.executable, "-m", "hybridflow.trainer.main", *args], cwd=tmp_path,
-                            env=cli_env(**fault_env(tmp_path, faults)), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hybridflow.trainer.main", *args],
+        cwd=tmp_path,
+        env=cli_env(**fault_env(tmp_path, faults)),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     marker = tmp_path / "faults" / f"{faults}"
     deadline = time.monotonic() + 400
     while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
@@ -204,15 +224,19 @@ def _kill_the_worker_on(node_id: str, markers: list[Path], timeout_s: float = 40
     while not all(m.exists() for m in markers):
         assert time.monotonic() < deadline, "the ranks never reached the hang point"
         time.sleep(0.5)
-    (pid,) = [a["Pid"] for a in state.actors().values() if a["State"] == "ALIVE"
-              and a["Address"]["NodeID"] == node_id and "Worker" in a["ActorClassName"]]
+    (pid,) = [
+        a["Pid"]
+        for a in state.actors().values()
+        if a["State"] == "ALIVE" and a["Address"]["NodeID"] == node_id and "Worker" in a["ActorClassName"]
+    ]
     os.kill(pid, signal.SIGKILL)
     return pid
 
 
 @pytest.mark.slow  # a 2-node cluster and a restart: ~2 min on 2 cores
-def test_a_two_node_run_recovers_when_the_worker_on_the_second_node_dies(setup, reference, tmp_path: Path,
-                                                                         two_nodes, monkeypatch, caplog):
+def test_a_two_node_run_recovers_when_the_worker_on_the_second_node_dies(
+    setup, reference, tmp_path: Path, two_nodes, monkeypatch, caplog
+):
     import logging
     import threading
 

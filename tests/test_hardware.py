@@ -16,8 +16,10 @@ def cache_home(tmp_path, monkeypatch):
     hardware.auto_compute_dtype.cache_clear()
 
 
-@pytest.mark.parametrize(("bf16", "fp32", "choice"), [(300.0, 170.0, "bf16"), (240.0, 170.0, "fp32"),
-                                                      (255.0, 170.0, "bf16"), (20.0, 160.0, "fp32")])
+@pytest.mark.parametrize(
+    ("bf16", "fp32", "choice"),
+    [(300.0, 170.0, "bf16"), (240.0, 170.0, "fp32"), (255.0, 170.0, "bf16"), (20.0, 160.0, "fp32")],
+)
 def test_bf16_is_chosen_only_where_it_pays_1_5x(monkeypatch, bf16, fp32, choice):
     rates = {"torch.bfloat16": bf16, "torch.float32": fp32}
     monkeypatch.setattr(hardware, "matmul_gflops", lambda dtype, shape, repeats: rates[str(dtype)])
@@ -26,8 +28,11 @@ def test_bf16_is_chosen_only_where_it_pays_1_5x(monkeypatch, bf16, fp32, choice)
 
 def test_probe_runs_once_per_machine_and_is_kept_on_disk(cache_home, monkeypatch):
     calls = []
-    monkeypatch.setattr(hardware, "probe_compute_dtype",
-                        lambda threads: calls.append(threads) or {"bf16": 9.0, "fp32": 1.0, "choice": "bf16"})
+    monkeypatch.setattr(
+        hardware,
+        "probe_compute_dtype",
+        lambda threads: calls.append(threads) or {"bf16": 9.0, "fp32": 1.0, "choice": "bf16"},
+    )
     assert hardware.auto_compute_dtype("cpu", 1) == "bf16"
     hardware.auto_compute_dtype.cache_clear()  # a new process: reads the file, does not probe again
     assert hardware.auto_compute_dtype("cpu", 1) == "bf16"

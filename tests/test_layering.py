@@ -44,8 +44,14 @@ def test_imported_modules_resolves_absolute_relative_and_from_package_imports():
         "    from hybridflow.trainer.cli import cmd_data\n"
     )
     found = imported_modules(source, "hybridflow.trainer")
-    assert {"os", "hybridflow.trainer.cli", "hybridflow.trainer.main", "hybridflow.trainer.checkpointing",
-            "hybridflow.protocol", "hybridflow.trainer.cli.cmd_data"} <= found
+    assert {
+        "os",
+        "hybridflow.trainer.cli",
+        "hybridflow.trainer.main",
+        "hybridflow.trainer.checkpointing",
+        "hybridflow.protocol",
+        "hybridflow.trainer.cli.cmd_data",
+    } <= found
 
 
 def test_no_library_module_imports_the_cli():

@@ -69,15 +69,17 @@ def test_tiny_model_is_deterministic_with_real_tokenizer(arch):
     assert tiny_model_dir(arch) == path
     torch.manual_seed(0)
     again = type(model)(model.config)  # a fresh init from the same seed reproduces the weights
-    torch.testing.assert_close(again.state_dict()["model.layers.0.mlp.up_proj.weight"],
-                               model.state_dict()["model.layers.0.mlp.up_proj.weight"])
+    torch.testing.assert_close(
+        again.state_dict()["model.layers.0.mlp.up_proj.weight"], model.state_dict()["model.layers.0.mlp.up_proj.weight"]
+    )
 
 
 def test_value_model_starts_from_the_actor_backbone(tmp_path):
     path = tiny_model_dir("llama")
     actor, critic = load_causal_lm(path), load_value_model(path)
-    torch.testing.assert_close(critic.backbone.model.layers[1].mlp.down_proj.weight,
-                               actor.model.layers[1].mlp.down_proj.weight)
+    torch.testing.assert_close(
+        critic.backbone.model.layers[1].mlp.down_proj.weight, actor.model.layers[1].mlp.down_proj.weight
+    )
     ids = torch.randint(0, 49152, (2, 5))
     values = critic(ids, torch.ones_like(ids))
     assert values.shape == (2, 5) and values.dtype == torch.float32
@@ -93,5 +95,5 @@ def test_default_model_answers_a_chat_prompt():
     msgs = [{"role": "user", "content": "What is 2+3?"}]
     inputs = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     out = model.generate(**inputs, max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id)
-    text = tok.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    text = tok.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     assert text.strip(), "the default model produced no text"

@@ -9,9 +9,17 @@ from hybridflow.planner.device import DevicePoint, DeviceProfile
 from hybridflow.trainer.resolve import resolve
 from hybridflow.trainer.run_config import RunConfig
 
-PPO = ["algorithm.adv_estimator=gae", "trainer.n_workers_per_node=2", "trainer.cpus_per_worker=1",
-       "data.train_batch_size=4", "rollout.n=2", "data.max_prompt_length=8", "data.max_response_length=4",
-       "actor.ppo_mini_batch_size=4", "critic.ppo_mini_batch_size=4"]
+PPO = [
+    "algorithm.adv_estimator=gae",
+    "trainer.n_workers_per_node=2",
+    "trainer.cpus_per_worker=1",
+    "data.train_batch_size=4",
+    "rollout.n=2",
+    "data.max_prompt_length=8",
+    "data.max_response_length=4",
+    "actor.ppo_mini_batch_size=4",
+    "critic.ppo_mini_batch_size=4",
+]
 
 
 @pytest.fixture
@@ -46,8 +54,16 @@ def test_null_workers_picks_the_layout_the_cost_model_prefers(tmp_path, capsys, 
     path = tmp_path / "device.json"
     DeviceProfile("m", "float32", [one, two], allreduce_latency_s=0.5, allreduce_s_per_byte=1e-9).save(path)
     overrides = [o for o in PPO if not o.startswith("trainer.n_workers") and not o.startswith("trainer.cpus")]
-    cfg = load_config(RunConfig, None, [*overrides, "trainer.n_workers_per_node=null", f"trainer.device_profile={path}",
-                                        f"model.path={tiny_model_dir('llama')}"])
+    cfg = load_config(
+        RunConfig,
+        None,
+        [
+            *overrides,
+            "trainer.n_workers_per_node=null",
+            f"trainer.device_profile={path}",
+            f"model.path={tiny_model_dir('llama')}",
+        ],
+    )
     assert cfg.world_size == 0  # not chosen yet: the batch checks wait for resolve
     run = resolve(cfg, 10, cpu_count=2)
     assert run.config.trainer.n_workers_per_node == chosen and run.config.trainer.cpus_per_worker == 2 // chosen
@@ -72,7 +88,9 @@ def test_auto_measures_and_caches_a_device_profile(tmp_path, monkeypatch):
     assert chosen in ("colocate", "split")
     (cached,) = (tmp_path / "device_profiles").glob("*.json")
     prof = DeviceProfile.load(cached)
-    assert [p.threads for p in prof.points] == [1] and prof.points[0].train_s_per_token > prof.points[0].forward_s_per_token
+    assert [p.threads for p in prof.points] == [1] and prof.points[0].train_s_per_token > prof.points[
+        0
+    ].forward_s_per_token
     # the collectives FSDP pays between workers are measured too
     assert prof.allreduce_latency_s > 0 and prof.allgather_s_per_byte > 0 and prof.reducescatter_s_per_byte > 0
     assert resolve(cfg, 10).config.trainer.placement == chosen  # the cached profile: the same choice, no new file

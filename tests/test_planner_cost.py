@@ -5,8 +5,17 @@ import pytest
 from hybridflow.planner.cost import OperatorCosts, costs_from_profile, phase_seconds, predict_step_time
 from hybridflow.planner.plans import PlacementSet, Plan, RoleParallel, enumerate_plans
 
-COSTS = OperatorCosts({"generate": 0.01, "old_log_prob": 0.001, "ref_log_prob": 0.001, "values": 0.002,
-                       "update_actor": 0.004, "update_critic": 0.003}, {"weight_sync": 0.5})
+COSTS = OperatorCosts(
+    {
+        "generate": 0.01,
+        "old_log_prob": 0.001,
+        "ref_log_prob": 0.001,
+        "values": 0.002,
+        "update_actor": 0.004,
+        "update_critic": 0.003,
+    },
+    {"weight_sync": 0.5},
+)
 ROLES = ("actor_rollout", "ref", "critic")
 
 
@@ -27,8 +36,9 @@ def test_split_sets_overlap_within_a_phase():
     assert phase_seconds(p, COSTS, 1000, 400) == pytest.approx([4.5, 0.0, 2.0, 4.0])
     assert predict_step_time(p, COSTS, 1000, 400) == pytest.approx(10.5)
     # critic on 3 devices, actor+ref on 1: forwards max(2, 0.667), updates max(4, 1)
-    assert predict_step_time(plan((("actor_rollout", "ref"), 1), (("critic",), 3)), COSTS, 1000, 400) \
-        == pytest.approx(4.5 + 2.0 + 4.0)
+    assert predict_step_time(plan((("actor_rollout", "ref"), 1), (("critic",), 3)), COSTS, 1000, 400) == pytest.approx(
+        4.5 + 2.0 + 4.0
+    )
 
 
 def test_best_plan_on_two_devices_is_colocated_here():
@@ -47,7 +57,8 @@ def test_costs_from_profile():
     ]
     costs = costs_from_profile(profile, devices=2, forward_ops=("old_log_prob", "ref_log_prob"))
     assert costs.seconds_per_token == pytest.approx(
-        {"generate": 0.018, "old_log_prob": 0.002, "ref_log_prob": 0.002, "update_actor": 0.008})
+        {"generate": 0.018, "old_log_prob": 0.002, "ref_log_prob": 0.002, "update_actor": 0.008}
+    )
     assert costs.fixed_s == {"weight_sync": 0.3}  # the gen phase's 3 s include it: (3 - 0.3) * 2 / 300 = 0.018
     # the run it came from: colocated on 2 devices -> its own phases back (3.0 + 2.0 + 4.0)
     p = plan((("actor_rollout", "ref"), 2))

@@ -2,23 +2,40 @@
 
 import pytest
 
-from hybridflow.planner.cost import (OperatorCosts, Workers, costs_from_profile, dp_sync_seconds, micro_batches,
-                                     predict_one_step_off_v1, predict_step_time_v1, sp_collective_seconds,
-                                     tp_collective_seconds, without_dp_sync)
+from hybridflow.planner.cost import (
+    OperatorCosts,
+    Workers,
+    costs_from_profile,
+    dp_sync_seconds,
+    micro_batches,
+    predict_one_step_off_v1,
+    predict_step_time_v1,
+    sp_collective_seconds,
+    tp_collective_seconds,
+    without_dp_sync,
+)
 from hybridflow.planner.device import DevicePoint, DeviceProfile
 from hybridflow.planner.plans import PlacementSet, Plan, RoleParallel
 
-COSTS = OperatorCosts({"generate": 0.02, "old_log_prob": 0.002, "values": 0.002, "update_actor": 0.008,
-                       "update_critic": 0.004}, {"controller": 1.0})
+COSTS = OperatorCosts(
+    {"generate": 0.02, "old_log_prob": 0.002, "values": 0.002, "update_actor": 0.008, "update_critic": 0.004},
+    {"controller": 1.0},
+)
 # per-token seconds at 1 and 2 threads: speedups forward 2, train 1.6, decode 1.5
-DEVICE = DeviceProfile("tiny", "float32", [DevicePoint(1, 4, 64, 1.0, 2.0, 3.0), DevicePoint(2, 4, 64, 0.5, 1.25, 2.0)],
-                       allreduce_latency_s=0.001, allreduce_s_per_byte=1e-9)
+DEVICE = DeviceProfile(
+    "tiny",
+    "float32",
+    [DevicePoint(1, 4, 64, 1.0, 2.0, 3.0), DevicePoint(2, 4, 64, 0.5, 1.25, 2.0)],
+    allreduce_latency_s=0.001,
+    allreduce_s_per_byte=1e-9,
+)
 ROLES = ("actor_rollout", "critic")
 
 
 def plan(*sets, par=None):
-    return Plan(tuple(PlacementSet(r, n) for r, n in sets),
-                tuple((x, par or RoleParallel(n)) for r, n in sets for x in r))
+    return Plan(
+        tuple(PlacementSet(r, n) for r, n in sets), tuple((x, par or RoleParallel(n)) for r, n in sets for x in r)
+    )
 
 
 def test_speedup_is_the_ratio_of_per_token_costs():
@@ -34,7 +51,9 @@ def test_one_worker_of_two_threads():
 
 def test_split_overlaps_sets_within_a_phase():
     # gen 8 on the actor's worker; forward max(2, 2); update max(8, 4); controller 1
-    got = predict_step_time_v1(plan((("actor_rollout",), 1), (("critic",), 1)), COSTS, 1000, 400, Workers(device=DEVICE))
+    got = predict_step_time_v1(
+        plan((("actor_rollout",), 1), (("critic",), 1)), COSTS, 1000, 400, Workers(device=DEVICE)
+    )
     assert got == pytest.approx(1 + 8 + 2 + 8)
 
 
@@ -46,8 +65,9 @@ def test_tensor_parallel_adds_all_reduces():
     update = 4 + 2 + 2 * (8 * 0.001 + 2 * 2 * 2000 * 32 * 1e-9)  # forward + backward: twice the traffic
     assert got == pytest.approx(1 + gen + fwd + update)
     # without a device profile collectives are free and threads change nothing
-    assert predict_step_time_v1(plan((ROLES, 2), par=RoleParallel(1, tp=2)), COSTS, 1000, 400,
-                                Workers(layers=2, hidden=8)) == pytest.approx(1 + 4 + 2 + 6)
+    assert predict_step_time_v1(
+        plan((ROLES, 2), par=RoleParallel(1, tp=2)), COSTS, 1000, 400, Workers(layers=2, hidden=8)
+    ) == pytest.approx(1 + 4 + 2 + 6)
 
 
 def test_sequence_parallel_adds_all_to_alls_but_not_to_generation():
@@ -67,9 +87,11 @@ def test_tp_and_sp_collectives_are_paid_per_micro_batch():
     # 64 rows over 2 dp groups in micro-batches of 8: 4 micro-batches, each paying every per-layer call
     extra_calls = 3 * 4 * 2 * 2  # 3 more micro-batches x 4 all-to-alls x 2 layers x 2 passes
     assert sp_collective_seconds("update_actor", 2, 2, 1000, four) == pytest.approx(
-        sp_collective_seconds("update_actor", 2, 2, 1000, one) + extra_calls * 0.001)
+        sp_collective_seconds("update_actor", 2, 2, 1000, one) + extra_calls * 0.001
+    )
     assert tp_collective_seconds("update_actor", 2, 2, 1000, 400, four) == pytest.approx(
-        tp_collective_seconds("update_actor", 2, 2, 1000, 400, one) + 3 * 2 * 2 * 2 * 0.001)
+        tp_collective_seconds("update_actor", 2, 2, 1000, 400, one) + 3 * 2 * 2 * 2 * 0.001
+    )
 
 
 def test_fsdp_traffic_over_dp_is_charged_and_can_be_taken_out_of_a_measured_run():
@@ -80,7 +102,9 @@ def test_fsdp_traffic_over_dp_is_charged_and_can_be_taken_out_of_a_measured_run(
     assert dp_sync_seconds("generate", 2, w) == 0 and dp_sync_seconds("update_actor", 1, w) == 0
     # a 2-rank run's costs, traffic taken out, then predicted on 1 rank: no traffic; on 2 ranks: the run itself
     plain = without_dp_sync(COSTS, 2, 1000, w)
-    assert plain.seconds_per_token["update_actor"] == pytest.approx(0.008 - dp_sync_seconds("update_actor", 2, w) * 2 / 1000)
+    assert plain.seconds_per_token["update_actor"] == pytest.approx(
+        0.008 - dp_sync_seconds("update_actor", 2, w) * 2 / 1000
+    )
     assert plain.seconds_per_token["generate"] == COSTS.seconds_per_token["generate"]
     two = predict_step_time_v1(plan((ROLES, 2)), plain, 1000, 400, w)
     assert two == pytest.approx(predict_step_time_v1(plan((ROLES, 2)), COSTS, 1000, 400, Workers(device=DEVICE)))
@@ -94,11 +118,13 @@ def test_fsdp_traffic_over_dp_is_charged_and_can_be_taken_out_of_a_measured_run(
 
 
 def test_costs_from_profile_subtracts_weight_sync_and_keeps_the_controller_share():
-    rows = [{"metric": "timing_s/step", "median_s": 12.0, "tokens_per_step": 1000.0},
-            {"metric": "timing_s/gen", "median_s": 4.0, "tokens_per_step": 400.0},
-            {"metric": "timing_s/weight_sync", "median_s": 1.0, "tokens_per_step": 0.0},
-            {"metric": "timing_s/old_log_prob_ref_values", "median_s": 2.0, "tokens_per_step": 1000.0},
-            {"metric": "timing_s/update", "median_s": 5.5, "tokens_per_step": 1000.0}]
+    rows = [
+        {"metric": "timing_s/step", "median_s": 12.0, "tokens_per_step": 1000.0},
+        {"metric": "timing_s/gen", "median_s": 4.0, "tokens_per_step": 400.0},
+        {"metric": "timing_s/weight_sync", "median_s": 1.0, "tokens_per_step": 0.0},
+        {"metric": "timing_s/old_log_prob_ref_values", "median_s": 2.0, "tokens_per_step": 1000.0},
+        {"metric": "timing_s/update", "median_s": 5.5, "tokens_per_step": 1000.0},
+    ]
     costs = costs_from_profile(rows, 2, ("old_log_prob",))
     assert costs.seconds_per_token["generate"] == pytest.approx(3 * 2 / 400)
     assert costs.seconds_per_token["update_actor"] == pytest.approx(5.5 * 2 / 1000)

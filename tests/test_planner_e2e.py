@@ -4,21 +4,39 @@ trained through `hybridflow train --config plan.yaml`, its profile carrying peak
 import json
 
 import pytest
+from test_planner_search import PROFILE
+from test_trainer_cli import base_overrides, read_metrics, run_cli
 
 from hybridflow.config_utils import load_config
 from hybridflow.planner.device import DeviceProfile
 from hybridflow.trainer.cli import main
 from hybridflow.trainer.run_config import RunConfig
-from test_planner_search import PROFILE
-from test_trainer_cli import base_overrides, read_metrics, run_cli
 
 
 def test_profile_command_on_a_tiny_model(tmp_path, capsys):
     from hybridflow.models import tiny_model_dir
 
     out = tmp_path / "device.json"
-    assert main(["profile", "--model", str(tiny_model_dir("llama")), "--out", str(out), "--threads", "1,2",
-                 "--shapes", "2x16", "--repeats", "1", "--decode-rows-per-thread", "3"]) == 0
+    assert (
+        main(
+            [
+                "profile",
+                "--model",
+                str(tiny_model_dir("llama")),
+                "--out",
+                str(out),
+                "--threads",
+                "1,2",
+                "--shapes",
+                "2x16",
+                "--repeats",
+                "1",
+                "--decode-rows-per-thread",
+                "3",
+            ]
+        )
+        == 0
+    )
     prof = DeviceProfile.load(out)
     assert [(p.threads, p.batch, p.length, p.decode_batch) for p in prof.points] == [(1, 2, 16, 3), (2, 2, 16, 6)]
     for p in prof.points:
@@ -34,10 +52,30 @@ def test_the_written_plan_trains_end_to_end(tmp_path, capsys):
 
     profile, plan = tmp_path / "profile.json", tmp_path / "plan.yaml"
     profile.write_text(json.dumps(PROFILE))
-    overrides = [*base_overrides(str(tiny_model_dir("llama")), tmp_path), "algorithm.adv_estimator=gae",
-                 "trainer.backend=ray", "trainer.n_workers_per_node=2", "trainer.test_freq=-1"]
-    assert main(["plan", "--profile", str(profile), "--params", "1e6", "--device-memory-gb", "10",
-                 "--out", str(plan), *overrides]) == 0
+    overrides = [
+        *base_overrides(str(tiny_model_dir("llama")), tmp_path),
+        "algorithm.adv_estimator=gae",
+        "trainer.backend=ray",
+        "trainer.n_workers_per_node=2",
+        "trainer.test_freq=-1",
+    ]
+    assert (
+        main(
+            [
+                "plan",
+                "--profile",
+                str(profile),
+                "--params",
+                "1e6",
+                "--device-memory-gb",
+                "10",
+                "--out",
+                str(plan),
+                *overrides,
+            ]
+        )
+        == 0
+    )
     assert load_config(RunConfig, plan).trainer.placement == "colocate"
     proc = run_cli(["--config", str(plan)], tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -55,8 +93,14 @@ def test_device_profile_rounds_interleave_thread_counts_and_keep_each_best(monke
     from hybridflow.planner import device
 
     calls, times = [], iter([3.0, 2.0, 1.0, 4.0, 2.5, 1.5])  # round 1: threads 1, 2; round 2: 1, 2 ...
-    monkeypatch.setattr(device, "measure_point", lambda ops, t, b, n, repeats, decode_batch: (
-        calls.append(t), device.DevicePoint(t, b, n, next(times), 10.0 - len(calls), 1.0, decode_batch))[1])
+    monkeypatch.setattr(
+        device,
+        "measure_point",
+        lambda ops, t, b, n, repeats, decode_batch: (
+            calls.append(t),
+            device.DevicePoint(t, b, n, next(times), 10.0 - len(calls), 1.0, decode_batch),
+        )[1],
+    )
     points = device.interleaved_points(None, (1, 2), [(2, 16)], rounds=3, decode_rows_per_thread=4)
     assert calls == [1, 2, 1, 2, 1, 2]
     assert sorted(p.decode_batch for p in points) == [4, 8]  # a 2-thread worker decodes twice the rows
@@ -74,11 +118,13 @@ def test_profile_leaves_no_process_group_behind():
 
     from hybridflow.models import tiny_model_dir
 
-    code = ("import torch.distributed as dist\n"
-            "from hybridflow.planner.device import profile_device\n"
-            f"prof = profile_device({str(tiny_model_dir('llama'))!r}, (1,), [(2, 8)], repeats=1, collectives=False)\n"
-            "assert prof.points[0].train_s_per_token > 0\n"
-            "print('open after profile:', dist.is_initialized())\n")
+    code = (
+        "import torch.distributed as dist\n"
+        "from hybridflow.planner.device import profile_device\n"
+        f"prof = profile_device({str(tiny_model_dir('llama'))!r}, (1,), [(2, 8)], repeats=1, collectives=False)\n"
+        "assert prof.points[0].train_s_per_token > 0\n"
+        "print('open after profile:', dist.is_initialized())\n"
+    )
     import os
 
     # a controller has no rendezvous variables; earlier tests in this process may have set them

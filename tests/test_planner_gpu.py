@@ -5,13 +5,30 @@ from __future__ import annotations
 
 import pytest
 
-from hybridflow.planner.gpu import (SHAPES, SPECS, GpuSpec, ModelShape, RLWorkload, forward_seconds,
-                                    generate_seconds, reshard_seconds, train_seconds)
+from hybridflow.planner.gpu import (
+    SHAPES,
+    SPECS,
+    GpuSpec,
+    ModelShape,
+    RLWorkload,
+    forward_seconds,
+    generate_seconds,
+    reshard_seconds,
+    train_seconds,
+)
 from hybridflow.planner.gpu_search import PPO_ROLES, evaluate, named_placements, one_step_off, search
 from hybridflow.trainer.cli import main as cli_main
 
-SPEC = GpuSpec("test", bf16_flops=100e12, memory_bytes=80e9, hbm_bytes_per_s=1e12, intra_node_bytes_per_s=100e9,
-               inter_node_bytes_per_s=10e9, gpus_per_node=8, collective_latency_s=0.0)
+SPEC = GpuSpec(
+    "test",
+    bf16_flops=100e12,
+    memory_bytes=80e9,
+    hbm_bytes_per_s=1e12,
+    intra_node_bytes_per_s=100e9,
+    inter_node_bytes_per_s=10e9,
+    gpus_per_node=8,
+    collective_latency_s=0.0,
+)
 SHAPE = ModelShape("test", layers=2, hidden=1024, heads=8, kv_heads=8, ffn=4096, vocab=1000)
 WORK = RLWorkload(prompts=64, prompt_len=100, response_len=50)
 

@@ -4,9 +4,22 @@ from math import comb
 
 import pytest
 
-from hybridflow.planner.plans import (PlacementSet, Plan, RoleModel, RoleParallel, Workload, allocations,
-                                      enumerate_plans, feasible_plans, fits, memory_per_device, peak_memory,
-                                      role_memory_bytes, run_roles, set_partitions)
+from hybridflow.planner.plans import (
+    PlacementSet,
+    Plan,
+    RoleModel,
+    RoleParallel,
+    Workload,
+    allocations,
+    enumerate_plans,
+    feasible_plans,
+    fits,
+    memory_per_device,
+    peak_memory,
+    role_memory_bytes,
+    run_roles,
+    set_partitions,
+)
 
 ROLES = ("actor_rollout", "ref", "critic", "reward_model")
 
@@ -61,8 +74,10 @@ def test_plan_memory_and_pruning():
     colocated = Plan((PlacementSet(ROLES[:3], 2),), tuple((r, RoleParallel(2)) for r in ROLES[:3]))
     # per device: actor 8e6 + 5e4, ref 2e6, critic 12e6
     assert peak_memory(colocated, WORK) == 8e6 + 5e4 + 2e6 + 12e6
-    split = Plan((PlacementSet(("actor_rollout", "ref"), 1), PlacementSet(("critic",), 1)),
-                 (("actor_rollout", RoleParallel(1)), ("ref", RoleParallel(1)), ("critic", RoleParallel(1))))
+    split = Plan(
+        (PlacementSet(("actor_rollout", "ref"), 1), PlacementSet(("critic",), 1)),
+        (("actor_rollout", RoleParallel(1)), ("ref", RoleParallel(1)), ("critic", RoleParallel(1))),
+    )
     mem = memory_per_device(split, WORK)
     assert mem[split.sets[0]] == 16e6 + 1e5 + 4e6 and mem[split.sets[1]] == 24e6
     assert fits(colocated, WORK, 23e6) and not fits(split, WORK, 23e6)
@@ -76,7 +91,11 @@ def test_run_roles_follow_the_config():
     from hybridflow.config_utils import load_config
     from hybridflow.trainer.run_config import RunConfig
 
-    assert run_roles(load_config(RunConfig, None, ["algorithm.adv_estimator=grpo", "actor.use_kl_loss=false"])) \
-        == ("actor_rollout",)
-    assert run_roles(load_config(RunConfig, None, ["algorithm.adv_estimator=gae", "actor.use_kl_loss=true"])) \
-        == ("actor_rollout", "ref", "critic")
+    assert run_roles(load_config(RunConfig, None, ["algorithm.adv_estimator=grpo", "actor.use_kl_loss=false"])) == (
+        "actor_rollout",
+    )
+    assert run_roles(load_config(RunConfig, None, ["algorithm.adv_estimator=gae", "actor.use_kl_loss=true"])) == (
+        "actor_rollout",
+        "ref",
+        "critic",
+    )

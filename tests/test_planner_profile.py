@@ -8,15 +8,39 @@ from hybridflow.planner.profile import build_profile, to_markdown, write_profile
 
 ROWS = [
     {"step": 0, "val/score": 0.1},  # validation row: no timing_s/step, not a training step
-    {"step": 1, "timing_s/step": 10.0, "timing_s/gen": 4.0, "perf/gen_tokens_per_s": 100.0,
-     "perf/total_num_tokens": 1000.0, "timing_s/update": 5.0, "timing_s/reward": 0.5},
-    {"step": 2, "timing_s/step": 6.0, "timing_s/gen": 2.0, "perf/gen_tokens_per_s": 150.0,
-     "perf/total_num_tokens": 1200.0, "timing_s/update": 3.0, "timing_s/reward": 0.5,
-     "timing_s/weight_sync": 0.2, "memory/actor_peak_mb": 900.0},
-    {"step": 3, "timing_s/step": 8.0, "timing_s/gen": 3.0, "perf/gen_tokens_per_s": 100.0,
-     "perf/total_num_tokens": 800.0, "timing_s/update": 4.0, "timing_s/reward": 0.5,
-     "timing_s/weight_sync": 0.4, "memory/actor_peak_mb": 1100.0, "memory/peak_gb/generate": 1.5,
-     "memory/peak_gb/update_actor": 2.5},
+    {
+        "step": 1,
+        "timing_s/step": 10.0,
+        "timing_s/gen": 4.0,
+        "perf/gen_tokens_per_s": 100.0,
+        "perf/total_num_tokens": 1000.0,
+        "timing_s/update": 5.0,
+        "timing_s/reward": 0.5,
+    },
+    {
+        "step": 2,
+        "timing_s/step": 6.0,
+        "timing_s/gen": 2.0,
+        "perf/gen_tokens_per_s": 150.0,
+        "perf/total_num_tokens": 1200.0,
+        "timing_s/update": 3.0,
+        "timing_s/reward": 0.5,
+        "timing_s/weight_sync": 0.2,
+        "memory/actor_peak_mb": 900.0,
+    },
+    {
+        "step": 3,
+        "timing_s/step": 8.0,
+        "timing_s/gen": 3.0,
+        "perf/gen_tokens_per_s": 100.0,
+        "perf/total_num_tokens": 800.0,
+        "timing_s/update": 4.0,
+        "timing_s/reward": 0.5,
+        "timing_s/weight_sync": 0.4,
+        "memory/actor_peak_mb": 1100.0,
+        "memory/peak_gb/generate": 1.5,
+        "memory/peak_gb/update_actor": 2.5,
+    },
 ]
 
 
@@ -47,13 +71,20 @@ def test_tokens_per_step_and_rate():
 
 def test_peak_memory_is_the_max_over_steps():
     prof = by_metric()
-    assert prof["timing_s/step"].peak_memory == {"memory/actor_peak_mb": 1100.0, "memory/peak_gb/generate": 1.5,
-                                                 "memory/peak_gb/update_actor": 2.5}
+    assert prof["timing_s/step"].peak_memory == {
+        "memory/actor_peak_mb": 1100.0,
+        "memory/peak_gb/generate": 1.5,
+        "memory/peak_gb/update_actor": 2.5,
+    }
     assert prof["timing_s/gen"].peak_memory == {"memory/peak_gb/generate": 1.5}
     assert prof["timing_s/update"].peak_memory == {"memory/peak_gb/update_actor": 2.5}
     assert prof["timing_s/reward"].peak_memory == {}
     md = to_markdown(build_profile(ROWS))
-    assert "memory/actor_peak_mb 1100" in md and "| 300 | 100.0 | 1.50 |" in md and "| 0.500 | 1.50 | 1000 | 2000.0 | - |" in md
+    assert (
+        "memory/actor_peak_mb 1100" in md
+        and "| 300 | 100.0 | 1.50 |" in md
+        and "| 0.500 | 1.50 | 1000 | 2000.0 | - |" in md
+    )
     assert "memory/peak_gb/update_actor 2.5" in md
 
 

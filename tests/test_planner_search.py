@@ -2,8 +2,6 @@
 
 import json
 
-import pytest
-
 from hybridflow.config_utils import load_config
 from hybridflow.planner.plans import PlacementSet, Plan, RoleParallel
 from hybridflow.planner.search import forward_ops, placement_of
@@ -34,8 +32,12 @@ def test_plan_cli_ranks_and_writes_a_loadable_plan(tmp_path, capsys):
     profile = tmp_path / "profile.json"
     profile.write_text(json.dumps(PROFILE))
     out = tmp_path / "plan.yaml"
-    assert main(["plan", "--profile", str(profile), "--params", "1e8", "--device-memory-gb", "10",
-                 "--out", str(out), *PPO]) == 0
+    assert (
+        main(
+            ["plan", "--profile", str(profile), "--params", "1e8", "--device-memory-gb", "10", "--out", str(out), *PPO]
+        )
+        == 0
+    )
     lines = capsys.readouterr().out.splitlines()
     assert forward_ops(load_config(RunConfig, None, PPO)) == ("old_log_prob", "values")
     # costs per token per device: gen 4*2/400 = 0.02; the forward phase split between old log-probs and
@@ -53,8 +55,23 @@ def test_plan_cli_memory_pruning_and_bad_profile(tmp_path, capsys):
     profile = tmp_path / "profile.json"
     profile.write_text(json.dumps(PROFILE))
     # 1e8 params, fp32 trained: 1.6 GB per model unsharded; colocate x2 = 0.8 + 0.8, split = 1.6
-    assert main(["plan", "--profile", str(profile), "--params", "1e8", "--device-memory-gb", "1.0",
-                 "--out", str(tmp_path / "p.yaml"), *PPO]) == 1
+    assert (
+        main(
+            [
+                "plan",
+                "--profile",
+                str(profile),
+                "--params",
+                "1e8",
+                "--device-memory-gb",
+                "1.0",
+                "--out",
+                str(tmp_path / "p.yaml"),
+                *PPO,
+            ]
+        )
+        == 1
+    )
     assert "no plan fits" in capsys.readouterr().out
     profile.write_text(json.dumps(PROFILE[2:]))
     assert main(["plan", "--profile", str(profile), "--params", "1e8", *PPO]) == 2

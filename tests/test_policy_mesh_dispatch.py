@@ -81,8 +81,15 @@ class InProcessGroup(WorkerGroup):
 def _rows(n: int) -> DataProto:
     ids = torch.zeros(n, 5, dtype=torch.long)
     mask = torch.ones(n, 5, dtype=torch.long)
-    return DataProto.from_dict({"row": torch.arange(n), K.INPUT_IDS: ids, K.ATTENTION_MASK: mask,
-                                K.RESPONSES: ids[:, -R:], K.RESPONSE_MASK: mask[:, -R:]})
+    return DataProto.from_dict(
+        {
+            "row": torch.arange(n),
+            K.INPUT_IDS: ids,
+            K.ATTENTION_MASK: mask,
+            K.RESPONSES: ids[:, -R:],
+            K.RESPONSE_MASK: mask[:, -R:],
+        }
+    )
 
 
 class RecordingRollout:
@@ -125,8 +132,9 @@ def test_policy_calls_split_over_dp_and_collect_one_rank_per_group(world, tp, sp
 def test_colocated_critic_declares_its_own_mesh():
     """Actor tp 2 and critic tp 1 in the same four processes: each role's calls follow its own mesh."""
     critic = CriticConfig(engine=EngineConfig(tensor_parallel_size=1))
-    fused = create_colocated_worker_cls({"policy": _policy(2),
-                                         "critic": ClassWithInitArgs(CriticWorker, ModelConfig(), critic, 1)})
+    fused = create_colocated_worker_cls(
+        {"policy": _policy(2), "critic": ClassWithInitArgs(CriticWorker, ModelConfig(), critic, 1)}
+    )
     groups = InProcessGroup(fused, 4).spawn(["policy", "critic"])
     workers = groups["policy"].workers
     for w in workers:
@@ -142,15 +150,22 @@ def test_colocated_critic_declares_its_own_mesh():
 def test_worker_refuses_tp_or_sp_that_does_not_divide_its_world():
     with pytest.raises(ValueError, match=r"tensor_parallel_size=3 must divide the number of ranks \(4\)"):
         InProcessGroup(_policy(3), 4)
-    with pytest.raises(ValueError, match=r"actor.engine.ulysses_sequence_parallel_size=2 must divide the number of "
-                                         r"ranks \(3\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"actor.engine.ulysses_sequence_parallel_size=2 must divide the number of "
+        r"ranks \(3\)",
+    ):
         InProcessGroup(_policy(1, sp=2), 3)
 
 
 def test_critic_and_reward_model_replicate_over_their_sp_ranks():
     """Critic sp 2 and reward model sp 4 on four processes: rows counted per rank, one output per dp group."""
-    critic = InProcessGroup(ClassWithInitArgs(CriticWorker, ModelConfig(), CriticConfig(
-        engine=EngineConfig(ulysses_sequence_parallel_size=2)), 1), 4)
+    critic = InProcessGroup(
+        ClassWithInitArgs(
+            CriticWorker, ModelConfig(), CriticConfig(engine=EngineConfig(ulysses_sequence_parallel_size=2)), 1
+        ),
+        4,
+    )
     for w in critic.workers:
         w.engine = RecordingEngine(w.rank)
     values = critic.compute_values(_rows(6))
@@ -179,8 +194,14 @@ def test_rollout_groups_are_spaced_beside_a_sharded_fsdp_actor():
     """Actor FSDP over all 4 ranks, rollout tp 2: tp groups {0,2} and {1,3}, so that each rank's FSDP rows lie in
     its generation shard (engine/reshard.py aligned_stride); prompts split over dp ranks 0 (ranks 0, 2) and 1."""
     actor = ActorConfig(engine=EngineConfig(fsdp_size=-1))
-    policy = ClassWithInitArgs(ActorRolloutRefWorker, ModelConfig(), actor,
-                               RolloutConfig(tensor_model_parallel_size=2), RefConfig(), "actor_rollout_ref")
+    policy = ClassWithInitArgs(
+        ActorRolloutRefWorker,
+        ModelConfig(),
+        actor,
+        RolloutConfig(tensor_model_parallel_size=2),
+        RefConfig(),
+        "actor_rollout_ref",
+    )
     group = InProcessGroup(policy, 4)
     assert [w.rollout_stride for w in group.workers] == [2] * 4
     for w in group.workers:

@@ -105,8 +105,14 @@ def test_int_index_gives_one_row_item():
 
 @pytest.mark.parametrize(
     "index",
-    [slice(1, 4), torch.tensor([4, 0, 2]), np.array([4, 0, 2]), [4, 0, 2],
-     torch.tensor([True, False, True, False, True]), np.array([True, False, True, False, True])],
+    [
+        slice(1, 4),
+        torch.tensor([4, 0, 2]),
+        np.array([4, 0, 2]),
+        [4, 0, 2],
+        torch.tensor([True, False, True, False, True]),
+        np.array([True, False, True, False, True]),
+    ],
 )
 def test_slice_and_index_arrays_match_numpy_indexing(index):
     d = make(5)
@@ -315,8 +321,15 @@ def test_pickle_ships_each_tensor_once_out_of_band():
 def test_summary_print_size_and_repr(capsys):
     d = make(3)
     text = d.summary()
-    for part in ["3 rows", "batch['ids']: int64 [3, 3]", "batch['h']: bfloat16 [3, 4]", "bool",
-                 "non_tensor_batch['uid']: object [3] of str", "meta_info keys: ['temperature']", "MiB"]:
+    for part in [
+        "3 rows",
+        "batch['ids']: int64 [3, 3]",
+        "batch['h']: bfloat16 [3, 4]",
+        "bool",
+        "non_tensor_batch['uid']: object [3] of str",
+        "meta_info keys: ['temperature']",
+        "MiB",
+    ]:
         assert part in text, part
     assert d.print_size() == text and text in capsys.readouterr().out
     assert repr(d).startswith("DataProto(len=3, batch={ids: int64[3, 3]") and "uid" in repr(d)

@@ -46,23 +46,33 @@ def test_a_worker_error_pickles_with_where_it_happened():
     import pickle
 
     err = pickle.loads(pickle.dumps(WorkerTimeoutError("stuck", "actor", (1, 2), "update_actor")))
-    assert (type(err), str(err), err.group, err.ranks, err.method) == (WorkerTimeoutError, "stuck", "actor", (1, 2),
-                                                                       "update_actor")
+    assert (type(err), str(err), err.group, err.ranks, err.method) == (
+        WorkerTimeoutError,
+        "stuck",
+        "actor",
+        (1, 2),
+        "update_actor",
+    )
 
 
 def test_a_failure_seen_by_a_surviving_rank_names_the_dead_one_and_the_method():
     err = _task_error(RuntimeError("[/x/gloo/pair.cc:553] Connection closed by peer [127.0.0.1]:1234"))
     err.add_note("hybridflow: raised in group g_actor rank 0 method update_actor; rank(s) [1] still running")
     text = describe(err, [], ["group g_actor rank 1 (pid 77, node abcd1234)"])
-    assert text == ("group g_actor rank 1 (pid 77, node abcd1234) died in update_actor (rank 0 saw RuntimeError: "
-                    "Connection closed by peer [127.0.0.1]:1234)"), text
-    assert describe(err, [], []) == ("group g_actor rank 0 method update_actor raised RuntimeError: Connection "
-                                     "closed by peer [127.0.0.1]:1234")
+    assert text == (
+        "group g_actor rank 1 (pid 77, node abcd1234) died in update_actor (rank 0 saw RuntimeError: "
+        "Connection closed by peer [127.0.0.1]:1234)"
+    ), text
+    assert describe(err, [], []) == (
+        "group g_actor rank 0 method update_actor raised RuntimeError: Connection closed by peer [127.0.0.1]:1234"
+    )
 
 
 def test_fault_points_parse_and_find_the_calls_step():
     assert parse_faults("update_actor@3:1, save_checkpoint@2:0:hang") == (
-        FaultPoint("update_actor", 3, 1, "kill"), FaultPoint("save_checkpoint", 2, 0, "hang"))
+        FaultPoint("update_actor", 3, 1, "kill"),
+        FaultPoint("save_checkpoint", 2, 0, "hang"),
+    )
     for bad in ("update_actor@3", "update_actor@x:1", "update_actor@3:1:explode"):
         with pytest.raises(ValueError, match="METHOD@STEP:RANK"):
             parse_faults(bad)
@@ -87,9 +97,12 @@ def test_exhausted_restarts_name_the_worker_and_the_fix(tmp_path: Path):
     from hybridflow.trainer.recovery import Failure
 
     failure = Failure("group g rank 1 (pid 7, node ab) died in update_actor", 3, WorkerError("died"))
-    with pytest.raises(RunFailedError, match=r"worker failure at step 3: group g rank 1 \(pid 7, node ab\) died "
-                                             r"in update_actor; trainer.max_restarts=0\. Running the same command "
-                                             r"again starts again from step 0.*raise trainer.max_restarts"):
+    with pytest.raises(
+        RunFailedError,
+        match=r"worker failure at step 3: group g rank 1 \(pid 7, node ab\) died "
+        r"in update_actor; trainer.max_restarts=0\. Running the same command "
+        r"again starts again from step 0.*raise trainer.max_restarts",
+    ):
         recovery.restart(failure, rewind=lambda step: None)
 
 
@@ -114,7 +127,9 @@ def test_max_restarts_is_checked_and_resolved_per_backend():
     with pytest.raises(ValueError, match="trainer.restart_window_s must be > 0"):
         load_config(RunConfig, None, ["trainer.restart_window_s=0"])
     with pytest.raises(ValueError, match="trainer.max_restarts=2 needs trainer.backend=ray"):
-        load_config(RunConfig, None, ["trainer.backend=local", "trainer.n_workers_per_node=1", "trainer.max_restarts=2"])
+        load_config(
+            RunConfig, None, ["trainer.backend=local", "trainer.n_workers_per_node=1", "trainer.max_restarts=2"]
+        )
     ray_t = load_config(RunConfig, None, []).trainer
     local_t = load_config(RunConfig, None, ["trainer.backend=local", "trainer.n_workers_per_node=1"]).trainer
     assert resolve_trainer(ray_t, 10).max_restarts == 3 and resolve_trainer(local_t, 10).max_restarts == 0

@@ -14,15 +14,29 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from hybridflow.engine.reshard import (GenerationLayout, Piece, ReshardStats, aligned_stride, group_coords,
-                                       named_weights, plan_pieces, reshard, split_pieces)
+from hybridflow.engine.reshard import (
+    GenerationLayout,
+    Piece,
+    ReshardStats,
+    aligned_stride,
+    group_coords,
+    named_weights,
+    plan_pieces,
+    reshard,
+    split_pieces,
+)
 from hybridflow.models import load_causal_lm, load_tokenizer, tiny_model_dir
 from hybridflow.rollout import build_rollout
 from hybridflow.rollout.sharding import chunk_of, own_part, shard_module_, split_dims
 
 ARCHS = ("llama", "qwen2")
-PRELOAD = ["torch", "transformers", "hybridflow.models", "hybridflow.engine.tensor_parallel",
-           "hybridflow.rollout.native"]
+PRELOAD = [
+    "torch",
+    "transformers",
+    "hybridflow.models",
+    "hybridflow.engine.tensor_parallel",
+    "hybridflow.rollout.native",
+]
 KV4 = dict(num_heads=4, num_kv_heads=4)  # tp 4 needs 4 kv heads
 CASES_4 = ((1, 2, -1, 1), (2, 2, -1, 1), (4, 2, -1, 1), (1, 4, -1, 1), (1, 2, 2, 1), (1, 2, -1, 2))
 """(training tp, generation tp, engine.fsdp_size, generation tp stride) on 4 ranks: dp4 -> tp2 x dp2,
@@ -66,8 +80,13 @@ def _check_shards(arch: str, train_tp: int, gen_tp: int, fsdp_size: int, stride:
     full = load_causal_lm(path).state_dict()
     layout = GenerationLayout(gen_tp, split_dims(load_causal_lm(path), gen_tp), stride)
     stats = ReshardStats()
-    shards = reshard(named_weights(_engine(path, train_tp, fsdp_size).module), layout, torch.bfloat16, stats=stats,
-                     bucket_bytes=2**18)  # several buckets even on a tiny model
+    shards = reshard(
+        named_weights(_engine(path, train_tp, fsdp_size).module),
+        layout,
+        torch.bfloat16,
+        stats=stats,
+        bucket_bytes=2**18,
+    )  # several buckets even on a tiny model
     assert set(shards) == set(full)
     for name, want in full.items():
         if name in layout.split_dims:
@@ -134,11 +153,17 @@ def test_plan_takes_own_block_and_spreads_replicas():
     assert Piece(0, 0, ((0, 2), (0, 1))) in pieces and Piece(2, 0, ((2, 4), (0, 1))) in pieces
     assert Piece(3, 1, ((2, 4), (1, 2))) in pieces  # receiver 1 takes replica 1 of the rows it lacks
     for dst in range(4):  # every target covered exactly once
-        assert sum((hi0 - lo0) * (hi1 - lo1) for p in pieces if p.dst == dst
-                   for (lo0, hi0), (lo1, hi1) in [p.region]) == 4 * 1
+        assert (
+            sum((hi0 - lo0) * (hi1 - lo1) for p in pieces if p.dst == dst for (lo0, hi0), (lo1, hi1) in [p.region])
+            == 4 * 1
+        )
     cut = split_pieces((Piece(0, 1, ((0, 5), (0, 2))), Piece(1, 1, ((5, 9), (0, 2)))), max_elems=4)
-    assert cut == (Piece(0, 1, ((0, 2), (0, 2))), Piece(0, 1, ((2, 4), (0, 2))), Piece(0, 1, ((4, 5), (0, 2))),
-                   Piece(1, 1, ((5, 9), (0, 2))))  # moved pieces cut to 2 rows of 2; local ones kept whole
+    assert cut == (
+        Piece(0, 1, ((0, 2), (0, 2))),
+        Piece(0, 1, ((2, 4), (0, 2))),
+        Piece(0, 1, ((4, 5), (0, 2))),
+        Piece(1, 1, ((5, 9), (0, 2))),
+    )  # moved pieces cut to 2 rows of 2; local ones kept whole
 
 
 def test_spaced_generation_groups_match_fsdp_rows():

@@ -34,8 +34,11 @@ def _load(tmp_path: Path, source: str, overrides: list[str]) -> RunConfig:
 
 @pytest.mark.parametrize("source", ["cli", "yaml"])
 def test_names_and_layout_derive_from_the_final_values(tmp_path, source):
-    cfg = _load(tmp_path, source, ["trainer.project_name=p", "trainer.experiment_name=b",
-                                   "trainer.n_workers_per_node=1", "trainer.nnodes=2"])
+    cfg = _load(
+        tmp_path,
+        source,
+        ["trainer.project_name=p", "trainer.experiment_name=b", "trainer.n_workers_per_node=1", "trainer.nnodes=2"],
+    )
     t = resolve(cfg, steps_per_epoch=10, cpu_count=8).config.trainer
     assert t.default_local_dir == "checkpoints/p/b" and t.log_dir == "outputs/p/b"
     assert t.cpus_per_worker == 8  # 8 cores / 1 worker per node, not the default 2 workers' 4
@@ -44,9 +47,18 @@ def test_names_and_layout_derive_from_the_final_values(tmp_path, source):
 
 
 def test_user_values_are_kept_not_overwritten():
-    cfg = load_config(RunConfig, None, ["trainer.default_local_dir=/ck", "trainer.log_dir=/lg",
-                                        "trainer.cpus_per_worker=3", "actor.optim.total_training_steps=100",
-                                        "trainer.total_training_steps=7", "trainer.call_timeout_s=90"])
+    cfg = load_config(
+        RunConfig,
+        None,
+        [
+            "trainer.default_local_dir=/ck",
+            "trainer.log_dir=/lg",
+            "trainer.cpus_per_worker=3",
+            "actor.optim.total_training_steps=100",
+            "trainer.total_training_steps=7",
+            "trainer.call_timeout_s=90",
+        ],
+    )
     run = resolve(cfg, steps_per_epoch=10, cpu_count=2)
     t = run.config.trainer
     assert (t.default_local_dir, t.log_dir, t.cpus_per_worker) == ("/ck", "/lg", 3)
@@ -55,12 +67,15 @@ def test_user_values_are_kept_not_overwritten():
     assert run.total_steps == 7 and t.total_epochs == 1
 
 
-@pytest.mark.parametrize("overrides, steps, epochs", [
-    ([], 10, 1),
-    (["trainer.total_epochs=3"], 30, 3),
-    (["trainer.total_training_steps=25"], 25, 3),
-    (["trainer.total_training_steps=15", "trainer.total_epochs=2"], 15, 2),
-])
+@pytest.mark.parametrize(
+    "overrides, steps, epochs",
+    [
+        ([], 10, 1),
+        (["trainer.total_epochs=3"], 30, 3),
+        (["trainer.total_training_steps=25"], 25, 3),
+        (["trainer.total_training_steps=15", "trainer.total_epochs=2"], 15, 2),
+    ],
+)
 def test_run_length_and_lr_schedule_derive_from_steps_or_epochs(overrides, steps, epochs):
     cfg = load_config(RunConfig, None, ["algorithm.adv_estimator=gae", "trainer.total_training_steps=null", *overrides])
     run = resolve(cfg, steps_per_epoch=10)
@@ -91,26 +106,43 @@ def test_rollout_lengths_and_critic_derive_and_the_result_is_frozen():
 
 
 def test_worker_sets_follow_the_placement():
-    split = resolve(load_config(RunConfig, None, ["trainer.placement=split", "trainer.n_workers_per_node=4",
-                                                  "algorithm.adv_estimator=gae", "actor.use_kl_loss=true"]), 4)
+    split = resolve(
+        load_config(
+            RunConfig,
+            None,
+            [
+                "trainer.placement=split",
+                "trainer.n_workers_per_node=4",
+                "algorithm.adv_estimator=gae",
+                "actor.use_kl_loss=true",
+            ],
+        ),
+        4,
+    )
     assert [(s.pool, s.world_size, s.roles) for s in split.worker_sets] == [
-        (0, 2, ("actor", "rollout")), (1, 2, ("ref", "critic"))]
+        (0, 2, ("actor", "rollout")),
+        (1, 2, ("ref", "critic")),
+    ]
     assert split.set_of("critic").pool == 1 and split.set_of("reward_model") is None
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["rollout.response_length=64", "data.max_response_length=32"],
-     r"rollout.response_length=64 conflicts with data.max_response_length=32"),
-    (["actor.policy_loss.tis_imp_ratio_cap=2.0"],
-     r"tis_imp_ratio_cap=2.0 .*rollout.calculate_log_probs=false"),
-    (["ref.param_dtype=fp16"], r"ref.param_dtype must be one of \['bf16', 'fp32', 'auto'\]"),
-    (["trainer.experiment_name=a/b"], r"trainer.experiment_name names a directory level"),
-    (["actor.loss_agg_mode=sum"], r"actor.loss_agg_mode='sum' is unknown; valid: \['token-mean'"),
-    (["trainer.device=cuda"], r"trainer.device=cuda but torch sees no CUDA device"),
-    (["rollout.name=vllm"], r"rollout.name=vllm needs the vllm package"),
-    (["actor.lora.rank=8", "rollout.name=vllm"], r"actor.lora.rank=8 with rollout.name=vllm is not supported"),
-    (["actor.lora.target_modules=q_proj"], r"lora.target_modules must be 'all-linear' or a non-empty list"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["rollout.response_length=64", "data.max_response_length=32"],
+            r"rollout.response_length=64 conflicts with data.max_response_length=32",
+        ),
+        (["actor.policy_loss.tis_imp_ratio_cap=2.0"], r"tis_imp_ratio_cap=2.0 .*rollout.calculate_log_probs=false"),
+        (["ref.param_dtype=fp16"], r"ref.param_dtype must be one of \['bf16', 'fp32', 'auto'\]"),
+        (["trainer.experiment_name=a/b"], r"trainer.experiment_name names a directory level"),
+        (["actor.loss_agg_mode=sum"], r"actor.loss_agg_mode='sum' is unknown; valid: \['token-mean'"),
+        (["trainer.device=cuda"], r"trainer.device=cuda but torch sees no CUDA device"),
+        (["rollout.name=vllm"], r"rollout.name=vllm needs the vllm package"),
+        (["actor.lora.rank=8", "rollout.name=vllm"], r"actor.lora.rank=8 with rollout.name=vllm is not supported"),
+        (["actor.lora.target_modules=q_proj"], r"lora.target_modules must be 'all-linear' or a non-empty list"),
+    ],
+)
 def test_cross_section_problems_are_refused_at_load(overrides, message):
     pytest.importorskip("torch")
     import importlib.util
@@ -126,8 +158,9 @@ def test_cross_section_problems_are_refused_at_load(overrides, message):
 
 
 def test_lora_settings_load_from_overrides():
-    cfg = load_config(RunConfig, None, ["actor.lora.rank=8", "actor.lora.alpha=16",
-                                        "actor.lora.target_modules=[q_proj,v_proj]"])
+    cfg = load_config(
+        RunConfig, None, ["actor.lora.rank=8", "actor.lora.alpha=16", "actor.lora.target_modules=[q_proj,v_proj]"]
+    )
     assert cfg.actor.lora.enabled and cfg.actor.lora.target_modules == ["q_proj", "v_proj"]
     assert cfg.actor.lora.alpha == 16 and not load_config(RunConfig, None, []).actor.lora.enabled
 
@@ -144,9 +177,21 @@ def test_dead_engine_field_is_gone():
 
 
 def test_step_plan():
-    run = resolve(load_config(RunConfig, None, ["algorithm.adv_estimator=gae", "trainer.critic_warmup=1",
-                                                "trainer.total_training_steps=4", "trainer.test_freq=3",
-                                                "trainer.save_freq=2", "algorithm.use_kl_in_reward=true"]), 10)
+    run = resolve(
+        load_config(
+            RunConfig,
+            None,
+            [
+                "algorithm.adv_estimator=gae",
+                "trainer.critic_warmup=1",
+                "trainer.total_training_steps=4",
+                "trainer.test_freq=3",
+                "trainer.save_freq=2",
+                "algorithm.use_kl_in_reward=true",
+            ],
+        ),
+        10,
+    )
     plans = [plan_step(run, s) for s in range(1, 5)]
     assert [p.update_actor for p in plans] == [False, True, True, True]
     assert all(p.update_critic and p.values and p.ref_log_prob and p.old_log_prob for p in plans)
@@ -173,8 +218,12 @@ def test_two_experiments_never_share_a_directory_and_auto_resume_never_crosses_r
     ckpt = _fake_checkpoint(Path(a.trainer.default_local_dir), "hybridflow/a")
     assert resume_path(a) == ckpt
     assert resume_path(b) is None  # its own directory is empty
-    shared = resolve(load_config(RunConfig, None, ["trainer.experiment_name=b",
-                                                   f"trainer.default_local_dir={a.trainer.default_local_dir}"]), 4)
+    shared = resolve(
+        load_config(
+            RunConfig, None, ["trainer.experiment_name=b", f"trainer.default_local_dir={a.trainer.default_local_dir}"]
+        ),
+        4,
+    )
     with pytest.raises(ValueError, match=r"holds checkpoints of run 'hybridflow/a', but this run is 'hybridflow/b'"):
         resume_path(shared.config)
 
@@ -186,25 +235,55 @@ def test_sequence_parallel_layout_is_checked_against_the_model_and_the_workers()
     ok = resolve(load_config(RunConfig, None, ["actor.engine.ulysses_sequence_parallel_size=2"]), steps_per_epoch=4)
     assert ok.config.actor.engine.ulysses_sequence_parallel_size == 2 and ok.config.actor.engine.fsdp_size == 1
     sp4 = ["actor.engine.ulysses_sequence_parallel_size=4", "trainer.n_workers_per_node=4"]
-    with pytest.raises(ConfigError, match=r"actor.engine.ulysses_sequence_parallel_size=4 must be at most "
-                                          r"num_key_value_heads \(3\).*9 attention heads and 3 kv heads"):
+    with pytest.raises(
+        ConfigError,
+        match=r"actor.engine.ulysses_sequence_parallel_size=4 must be at most "
+        r"num_key_value_heads \(3\).*9 attention heads and 3 kv heads",
+    ):
         resolve(load_config(RunConfig, None, sp4), steps_per_epoch=4)
     with pytest.raises(ConfigError, match=r"ulysses_sequence_parallel_size=2 must divide the number of ranks \(3\)"):
-        resolve(load_config(RunConfig, None, ["actor.engine.ulysses_sequence_parallel_size=2",
-                                              "trainer.n_workers_per_node=3", "rollout.n=6"]), steps_per_epoch=4)
+        resolve(
+            load_config(
+                RunConfig,
+                None,
+                ["actor.engine.ulysses_sequence_parallel_size=2", "trainer.n_workers_per_node=3", "rollout.n=6"],
+            ),
+            steps_per_epoch=4,
+        )
     with pytest.raises(ConfigError, match=r"critic.engine.ulysses_sequence_parallel_size=4 must be at most"):
-        resolve(load_config(RunConfig, None, ["critic.engine.ulysses_sequence_parallel_size=4",
-                                              "algorithm.adv_estimator=gae", "trainer.n_workers_per_node=4"]),
-                steps_per_epoch=4)
-    lora = resolve(load_config(RunConfig, None, ["actor.engine.ulysses_sequence_parallel_size=2", "actor.lora.rank=4"]),
-                   steps_per_epoch=4)
+        resolve(
+            load_config(
+                RunConfig,
+                None,
+                [
+                    "critic.engine.ulysses_sequence_parallel_size=4",
+                    "algorithm.adv_estimator=gae",
+                    "trainer.n_workers_per_node=4",
+                ],
+            ),
+            steps_per_epoch=4,
+        )
+    lora = resolve(
+        load_config(RunConfig, None, ["actor.engine.ulysses_sequence_parallel_size=2", "actor.lora.rank=4"]),
+        steps_per_epoch=4,
+    )
     assert lora.config.actor.lora.rank == 4
     with pytest.raises(ConfigError, match="does not combine with tensor parallel"):
-        load_config(RunConfig, None, ["actor.engine.ulysses_sequence_parallel_size=2",
-                                      "actor.engine.tensor_parallel_size=2"])
+        load_config(
+            RunConfig, None, ["actor.engine.ulysses_sequence_parallel_size=2", "actor.engine.tensor_parallel_size=2"]
+        )
     with pytest.raises(ConfigError, match=r"= 6 responses must divide evenly over 4 dp groups \(8 workers / 2 actor"):
-        load_config(RunConfig, None, ["actor.engine.ulysses_sequence_parallel_size=2", "trainer.n_workers_per_node=8",
-                                      "actor.ppo_mini_batch_size=2", "data.train_batch_size=2", "rollout.n=3"])
+        load_config(
+            RunConfig,
+            None,
+            [
+                "actor.engine.ulysses_sequence_parallel_size=2",
+                "trainer.n_workers_per_node=8",
+                "actor.ppo_mini_batch_size=2",
+                "data.train_batch_size=2",
+                "rollout.n=3",
+            ],
+        )
 
 
 def test_critic_mini_batches_are_checked_only_when_there_is_a_critic():
@@ -213,15 +292,27 @@ def test_critic_mini_batches_are_checked_only_when_there_is_a_critic():
     grpo = ["trainer.n_workers_per_node=3", "actor.ppo_mini_batch_size=3", "data.train_batch_size=6"]
     assert load_config(RunConfig, None, grpo).world_size == 3
     with pytest.raises(ConfigError, match=r"critic.ppo_mini_batch_size \(4\) \* rollout.n \(8\) = 32 responses"):
-        load_config(RunConfig, None, [*grpo, "algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=4",
-                                      "data.train_batch_size=12", "actor.ppo_mini_batch_size=3"])
+        load_config(
+            RunConfig,
+            None,
+            [
+                *grpo,
+                "algorithm.adv_estimator=gae",
+                "critic.ppo_mini_batch_size=4",
+                "data.train_batch_size=12",
+                "actor.ppo_mini_batch_size=3",
+            ],
+        )
 
 
 def test_tensor_parallel_layout_is_checked_against_the_model_and_the_workers():
     """SmolLM2 (the default model) has 9 attention heads and 3 kv heads: tp=2 is refused with the numbers,
     tp=3 on 3 workers resolves (one dp group); tp that does not divide the workers and tp with LoRA are refused."""
-    with pytest.raises(ConfigError, match=r"actor.engine.tensor_parallel_size=2 must divide num_attention_heads "
-                                          r"\(9\), num_key_value_heads \(3\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"actor.engine.tensor_parallel_size=2 must divide num_attention_heads "
+        r"\(9\), num_key_value_heads \(3\)",
+    ):
         resolve(load_config(RunConfig, None, ["actor.engine.tensor_parallel_size=2"]), steps_per_epoch=4)
     tp3 = ["actor.engine.tensor_parallel_size=3", "trainer.n_workers_per_node=3", "rollout.n=6"]
     ok = resolve(load_config(RunConfig, None, tp3), steps_per_epoch=4)

@@ -100,8 +100,11 @@ def test_worker_scores_equal_transformers_sequence_classifier(tmp_path):
 
 def test_causal_lm_as_reward_model_is_refused_with_the_fix():
     group = _rm_group(tiny_model_dir("llama"))
-    with pytest.raises(ValueError, match=r"reward_model\.model\.path=.*LlamaForCausalLM.*no trained score head"
-                                         r".*ForSequenceClassification or \*ForTokenClassification.*num_labels=1"):
+    with pytest.raises(
+        ValueError,
+        match=r"reward_model\.model\.path=.*LlamaForCausalLM.*no trained score head"
+        r".*ForSequenceClassification or \*ForTokenClassification.*num_labels=1",
+    ):
         group.init_model()
 
 
@@ -136,8 +139,17 @@ def test_llama_sequence_classifier_keeps_its_head_as_value_model(tmp_path):
 
 
 def _gpt2_config(**kw) -> GPT2Config:
-    return GPT2Config(vocab_size=128, n_positions=64, n_embd=32, n_layer=2, n_head=2,
-                      bos_token_id=1, eos_token_id=1, pad_token_id=0, **kw)
+    return GPT2Config(
+        vocab_size=128,
+        n_positions=64,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        bos_token_id=1,
+        eos_token_id=1,
+        pad_token_id=0,
+        **kw,
+    )
 
 
 def test_gpt2_causal_lm_loads_as_value_model_with_fresh_classifier(tmp_path):

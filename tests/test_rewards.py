@@ -9,17 +9,26 @@ import torch
 
 from hybridflow import keys
 from hybridflow.protocol import DataProto
-from hybridflow.rewards import RewardManager, default_compute_score, load_custom_reward_fn
-from hybridflow.rewards import countdown, gsm8k, math_boxed
+from hybridflow.rewards import RewardManager, countdown, default_compute_score, gsm8k, load_custom_reward_fn, math_boxed
 from tests.data_helpers import smol_tokenizer
 
 CD_TRUTH = json.dumps({"target": 24, "numbers": [4, 6, 1, 5]})
 
 
-@pytest.mark.parametrize("response, score", [
-    ("#### 19", 1.0), ("12 + 7 = 19", 1.0), ("The answer is 19.", 1.0), ("#### 19\nor maybe 20", 1.0),
-    ("12 + 7 = 8", 0.0), ("#### 18", 0.0), ("nineteen", 0.0), ("", 0.0), ("19 or 20", 0.0),
-])
+@pytest.mark.parametrize(
+    "response, score",
+    [
+        ("#### 19", 1.0),
+        ("12 + 7 = 19", 1.0),
+        ("The answer is 19.", 1.0),
+        ("#### 19\nor maybe 20", 1.0),
+        ("12 + 7 = 8", 0.0),
+        ("#### 18", 0.0),
+        ("nineteen", 0.0),
+        ("", 0.0),
+        ("19 or 20", 0.0),
+    ],
+)
 def test_arithmetic(response, score):
     assert default_compute_score("arithmetic", response, "19") == score
 
@@ -29,14 +38,17 @@ def test_arithmetic_negative_answers():
     assert default_compute_score("arithmetic", "3 - 10 = 7", "-7") == 0.0
 
 
-@pytest.mark.parametrize("response, strict, flexible", [
-    ("so 3 * 4 = 12\n#### 12", 1.0, 1.0),
-    ("#### 1,200", 0.0, 0.0),
-    ("The answer is 12.", 0.0, 1.0),
-    ("#### 12.0", 1.0, 1.0),
-    ("#### 13\nthen 12", 0.0, 1.0),
-    ("#### twelve", 0.0, 0.0),
-])
+@pytest.mark.parametrize(
+    "response, strict, flexible",
+    [
+        ("so 3 * 4 = 12\n#### 12", 1.0, 1.0),
+        ("#### 1,200", 0.0, 0.0),
+        ("The answer is 12.", 0.0, 1.0),
+        ("#### 12.0", 1.0, 1.0),
+        ("#### 13\nthen 12", 0.0, 1.0),
+        ("#### twelve", 0.0, 0.0),
+    ],
+)
 def test_gsm8k_strict_and_flexible(response, strict, flexible):
     assert gsm8k.compute_score(response, "12", method="strict") == strict
     assert gsm8k.compute_score(response, "12", method="flexible") == flexible
@@ -49,34 +61,44 @@ def test_gsm8k_thousands_separator():
         gsm8k.compute_score("#### 1", "1", method="loose")
 
 
-@pytest.mark.parametrize("response", [
-    "#### 4 * 6", "#### (5 + 1) * 4", "#### 6 * (5 - 1)", "#### 6 * 4 = 24", "#### 4 / 1 * 6",
-    "(1 + 5) * 4 = 24",  # no ####: the last equation-like line counts
-    "#### 4 / (1 - 5 / 6)",  # all four numbers; needs exact fractions
-])
+@pytest.mark.parametrize(
+    "response",
+    [
+        "#### 4 * 6",
+        "#### (5 + 1) * 4",
+        "#### 6 * (5 - 1)",
+        "#### 6 * 4 = 24",
+        "#### 4 / 1 * 6",
+        "(1 + 5) * 4 = 24",  # no ####: the last equation-like line counts
+        "#### 4 / (1 - 5 / 6)",  # all four numbers; needs exact fractions
+    ],
+)
 def test_countdown_accepts_correct(response):
     assert default_compute_score("countdown", response, CD_TRUTH) == 1.0
 
 
-@pytest.mark.parametrize("response", [
-    "#### 4 * 6 + 0",            # 0 is not a given number
-    "#### 24",                   # 24 is not a given number
-    "#### 6 * 4 * 1 * 1",        # 1 used twice, given once
-    "#### 5 * 5 - 1",            # 5 used twice
-    "#### 4 * 6 + 1",            # wrong value
-    "#### 6 / (5 - 5)",          # division by zero (and 5 twice)
-    "#### __import__('os').system('echo hacked') or 24",
-    "#### (4).__class__",        # attribute access
-    "#### x * 6",                # names
-    "#### 4 ** 6 ** 5 ** 1",     # power refused before anything is computed
-    "#### 9 ** 9 ** 9 ** 9",
-    "#### -4 * -6",              # unary minus is not an allowed operator
-    "#### 4.0 * 6",              # floats are not given numbers
-    "#### 4 * 6 if 1 else 5",
-    "#### [4 * 6][0]",
-    "#### " + "(" * 300 + "4" + ")" * 300,
-    "no equation here",
-])
+@pytest.mark.parametrize(
+    "response",
+    [
+        "#### 4 * 6 + 0",  # 0 is not a given number
+        "#### 24",  # 24 is not a given number
+        "#### 6 * 4 * 1 * 1",  # 1 used twice, given once
+        "#### 5 * 5 - 1",  # 5 used twice
+        "#### 4 * 6 + 1",  # wrong value
+        "#### 6 / (5 - 5)",  # division by zero (and 5 twice)
+        "#### __import__('os').system('echo hacked') or 24",
+        "#### (4).__class__",  # attribute access
+        "#### x * 6",  # names
+        "#### 4 ** 6 ** 5 ** 1",  # power refused before anything is computed
+        "#### 9 ** 9 ** 9 ** 9",
+        "#### -4 * -6",  # unary minus is not an allowed operator
+        "#### 4.0 * 6",  # floats are not given numbers
+        "#### 4 * 6 if 1 else 5",
+        "#### [4 * 6][0]",
+        "#### " + "(" * 300 + "4" + ")" * 300,
+        "no equation here",
+    ],
+)
 def test_countdown_refuses(response):
     assert default_compute_score("countdown", response, CD_TRUTH) == 0.0
 
@@ -92,19 +114,22 @@ def test_countdown_evaluator_is_exact_and_safe():
     assert countdown.compute_score("#### 2 * 5", truth, require_all=True) == 0.0
 
 
-@pytest.mark.parametrize("response, truth, score", [
-    ("so \\boxed{\\frac{1}{2}}", "\\frac12", 1.0),
-    ("\\boxed{0.5}", "\\frac{1}{2}", 1.0),
-    ("\\boxed{1/2}", "\\dfrac{1}{2}", 1.0),
-    ("\\boxed{x = 3}", "3", 1.0),
-    ("\\boxed{90^\\circ}", "90", 1.0),
-    ("\\boxed{\\text{(B)}}", "(B)", 1.0),
-    ("\\boxed{\\sqrt{2}}", "\\boxed{\\sqrt{2}}", 1.0),
-    ("\\boxed{3} then \\boxed{4}", "4", 1.0),
-    ("\\boxed{3}", "4", 0.0),
-    ("the answer is 4", "4", 0.0),
-    ("\\boxed{4", "4", 0.0),
-])
+@pytest.mark.parametrize(
+    "response, truth, score",
+    [
+        ("so \\boxed{\\frac{1}{2}}", "\\frac12", 1.0),
+        ("\\boxed{0.5}", "\\frac{1}{2}", 1.0),
+        ("\\boxed{1/2}", "\\dfrac{1}{2}", 1.0),
+        ("\\boxed{x = 3}", "3", 1.0),
+        ("\\boxed{90^\\circ}", "90", 1.0),
+        ("\\boxed{\\text{(B)}}", "(B)", 1.0),
+        ("\\boxed{\\sqrt{2}}", "\\boxed{\\sqrt{2}}", 1.0),
+        ("\\boxed{3} then \\boxed{4}", "4", 1.0),
+        ("\\boxed{3}", "4", 0.0),
+        ("the answer is 4", "4", 0.0),
+        ("\\boxed{4", "4", 0.0),
+    ],
+)
 def test_math_boxed(response, truth, score):
     assert default_compute_score("math", response, truth) == score
     assert default_compute_score("lighteval/MATH", response, truth) == score
@@ -115,14 +140,18 @@ def test_math_last_boxed_nested_braces():
 
 
 def test_unknown_data_source_lists_known():
-    with pytest.raises(KeyError, match="data_source='nope' is not a registered rule scorer; known: .*arithmetic.*countdown"):
+    with pytest.raises(
+        KeyError, match="data_source='nope' is not a registered rule scorer; known: .*arithmetic.*countdown"
+    ):
         default_compute_score("nope", "1", "1")
 
 
 def test_custom_reward_fn(tmp_path):
     file = tmp_path / "my_reward.py"
-    file.write_text("def length_bonus(data_source, solution_str, ground_truth, extra_info=None):\n"
-                    "    return len(solution_str) / 10\n")
+    file.write_text(
+        "def length_bonus(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return len(solution_str) / 10\n"
+    )
     fn = load_custom_reward_fn(str(file), "length_bonus")
     assert fn("any", "abcde", "x") == 0.5
     with pytest.raises(AttributeError, match="no function 'compute_score'.*length_bonus"):
@@ -138,9 +167,10 @@ def _batch(tokenizer, texts, sources, truths, resp_len=16):
     for i, ids in enumerate(rows):
         responses[i, : len(ids)] = torch.tensor(ids)
         mask[i, : len(ids)] = 1
-    return DataProto.from_dict({keys.RESPONSES: responses, keys.RESPONSE_MASK: mask},
-                               {keys.DATA_SOURCE: sources, keys.GROUND_TRUTH: truths,
-                                keys.EXTRA_INFO: [{} for _ in rows]})
+    return DataProto.from_dict(
+        {keys.RESPONSES: responses, keys.RESPONSE_MASK: mask},
+        {keys.DATA_SOURCE: sources, keys.GROUND_TRUTH: truths, keys.EXTRA_INFO: [{} for _ in rows]},
+    )
 
 
 def test_reward_manager_places_scores_at_last_token():
@@ -154,8 +184,12 @@ def test_reward_manager_places_scores_at_last_token():
     for i, n in enumerate(lengths.tolist()):
         assert result.token_level_scores[i, n - 1] == result.scores[i]
         assert result.token_level_scores[i].abs().sum() == result.scores[i]
-    assert result.metrics == {"reward/arithmetic/mean": 0.5, "reward/countdown/mean": 1.0,
-                              "reward/gsm8k/mean": 1.0, "reward/mean": 0.75}
+    assert result.metrics == {
+        "reward/arithmetic/mean": 0.5,
+        "reward/countdown/mean": 1.0,
+        "reward/gsm8k/mean": 1.0,
+        "reward/mean": 0.75,
+    }
 
 
 def test_reward_manager_adds_rm_scores_and_pool_matches_serial(tmp_path):

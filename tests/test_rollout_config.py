@@ -13,17 +13,20 @@ from hybridflow.rollout.config import META_TOP_P, META_VALIDATE
 from hybridflow.rollout.sampling import filter_logits, sample_next
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"name": "sglang"}, "rollout.name"),
-    ({"dtype": "fp16"}, "rollout.dtype"),
-    ({"top_p": 0.0}, "rollout.top_p"),
-    ({"top_k": 0}, "rollout.top_k"),
-    ({"temperature": 0.0}, "rollout.temperature"),
-    ({"n": 4, "do_sample": False}, "rollout.do_sample"),
-    ({"response_length": 0}, "rollout.response_length"),
-    ({"max_batch_size": 0}, "rollout.max_batch_size"),
-    ({"val_kwargs": {"n": 2}}, "rollout.val_kwargs"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"name": "sglang"}, "rollout.name"),
+        ({"dtype": "fp16"}, "rollout.dtype"),
+        ({"top_p": 0.0}, "rollout.top_p"),
+        ({"top_k": 0}, "rollout.top_k"),
+        ({"temperature": 0.0}, "rollout.temperature"),
+        ({"n": 4, "do_sample": False}, "rollout.do_sample"),
+        ({"response_length": 0}, "rollout.response_length"),
+        ({"max_batch_size": 0}, "rollout.max_batch_size"),
+        ({"val_kwargs": {"n": 2}}, "rollout.val_kwargs"),
+    ],
+)
 def test_bad_combinations_are_rejected_naming_the_key(kwargs, message):
     with pytest.raises(ValueError, match=message):
         RolloutConfig(**kwargs)
@@ -33,7 +36,9 @@ def test_sampling_params_from_config_meta_and_validation():
     cfg = RolloutConfig(temperature=0.8, top_p=0.9, n=4, val_kwargs={"temperature": 0.5, "do_sample": True})
     assert isinstance(cfg.val_kwargs, ValKwargs)
     assert cfg.sampling_params() == SamplingParams(0.8, 0.9, -1, True, 4)
-    assert cfg.sampling_params({META_TEMPERATURE: 1.2, META_N: 2, META_TOP_P: 1.0}) == SamplingParams(1.2, 1.0, -1, True, 2)
+    assert cfg.sampling_params({META_TEMPERATURE: 1.2, META_N: 2, META_TOP_P: 1.0}) == SamplingParams(
+        1.2, 1.0, -1, True, 2
+    )
     assert cfg.sampling_params({META_VALIDATE: True}) == SamplingParams(0.5, 1.0, -1, True, 1)
     assert cfg.sampling_params({META_DO_SAMPLE: False, META_N: 1}).do_sample is False
     with pytest.raises(ValueError, match="do_sample"):

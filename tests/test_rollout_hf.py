@@ -6,10 +6,10 @@ import importlib.util
 
 import pytest
 import torch
+from rollout_helpers import add_eos_bias, prompt_batch, recomputed_log_probs, tiny
 
 from hybridflow.keys import RESPONSE_MASK, RESPONSES, ROLLOUT_LOG_PROBS
 from hybridflow.rollout import RolloutConfig, build_rollout
-from rollout_helpers import add_eos_bias, prompt_batch, recomputed_log_probs, tiny
 
 R = 10
 
@@ -17,9 +17,14 @@ R = 10
 def test_hf_rollout_layout_equals_native_greedy_with_eos():
     model, tok = tiny("llama")
     add_eos_bias(model, tok.eos_token_id, 12.0)  # greedy ends some rows early
-    outs = {name: build_rollout(RolloutConfig(name=name, dtype="fp32", do_sample=False, response_length=R,
-                                              calculate_log_probs=True), model, tok)
-            .generate_sequences(prompt_batch(tok, step=3)) for name in ("hf", "native")}
+    outs = {
+        name: build_rollout(
+            RolloutConfig(name=name, dtype="fp32", do_sample=False, response_length=R, calculate_log_probs=True),
+            model,
+            tok,
+        ).generate_sequences(prompt_batch(tok, step=3))
+        for name in ("hf", "native")
+    }
     hf, nat = outs["hf"], outs["native"]
     assert sorted(hf.batch.keys()) == sorted(nat.batch.keys())
     for key in hf.batch.keys():
@@ -33,21 +38,22 @@ def test_hf_rollout_layout_equals_native_greedy_with_eos():
 
 def test_hf_rollout_samples_n_with_log_probs():
     model, tok = tiny("llama")
-    cfg = RolloutConfig(name="hf", dtype="fp32", n=2, temperature=0.7, top_k=50, response_length=R,
-                        calculate_log_probs=True)
+    cfg = RolloutConfig(
+        name="hf", dtype="fp32", n=2, temperature=0.7, top_k=50, response_length=R, calculate_log_probs=True
+    )
     rollout = build_rollout(cfg, model, tok)
     out = rollout.generate_sequences(prompt_batch(tok))
     assert out.batch[RESPONSES].shape == (6, R) and out.batch[RESPONSE_MASK].shape == (6, R)
     assert list(out.non_tensor_batch["uid"]) == ["p0", "p0", "p1", "p1", "p2", "p2"]
-    torch.testing.assert_close(out.batch[ROLLOUT_LOG_PROBS], recomputed_log_probs(model, out, 0.7),
-                               atol=1e-4, rtol=0)
+    torch.testing.assert_close(out.batch[ROLLOUT_LOG_PROBS], recomputed_log_probs(model, out, 0.7), atol=1e-4, rtol=0)
     again = build_rollout(cfg, model, tok).generate_sequences(prompt_batch(tok))
     assert torch.equal(again.batch[RESPONSES], out.batch[RESPONSES])  # seeded
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None or not torch.cuda.is_available(),
-                    reason="needs vllm and a CUDA GPU")
+@pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None or not torch.cuda.is_available(), reason="needs vllm and a CUDA GPU"
+)
 def test_vllm_rollout_greedy_layout():
     from hybridflow.models import tiny_model_dir
 

@@ -4,17 +4,25 @@ from __future__ import annotations
 
 import pytest
 import torch
+from rollout_helpers import add_eos_bias, full_forward_logits, prompt_batch, recomputed_log_probs, tiny
 
 from hybridflow.keys import (
-    ATTENTION_MASK, INPUT_IDS, META_DO_SAMPLE, META_N, META_TEMPERATURE, POSITION_IDS, PROMPTS, RESPONSE_MASK,
-    RESPONSES, ROLLOUT_LOG_PROBS,
+    ATTENTION_MASK,
+    INPUT_IDS,
+    META_DO_SAMPLE,
+    META_N,
+    META_TEMPERATURE,
+    POSITION_IDS,
+    PROMPTS,
+    RESPONSE_MASK,
+    RESPONSES,
+    ROLLOUT_LOG_PROBS,
 )
 from hybridflow.rollout import RolloutConfig, build_rollout
+from hybridflow.rollout import decoder as decoder_module
 from hybridflow.rollout.config import META_TOP_K, META_VALIDATE
 from hybridflow.rollout.layout import pad_responses
-from hybridflow.rollout import decoder as decoder_module
 from hybridflow.rollout.native import NativeRollout
-from rollout_helpers import add_eos_bias, full_forward_logits, prompt_batch, recomputed_log_probs, tiny
 
 R = 12
 
@@ -27,9 +35,15 @@ def native(model, tok, use_static: bool | None = None, **kw) -> NativeRollout:
 def hf_greedy(model, tok, batch, width: int = R) -> torch.Tensor:
     ids, mask = batch.batch[INPUT_IDS], batch.batch[ATTENTION_MASK]
     with torch.no_grad():
-        seqs = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=width,
-                              pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-    return pad_responses(seqs[:, ids.shape[1]:], width, tok.pad_token_id)
+        seqs = model.generate(
+            ids,
+            attention_mask=mask,
+            do_sample=False,
+            max_new_tokens=width,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+        )
+    return pad_responses(seqs[:, ids.shape[1] :], width, tok.pad_token_id)
 
 
 @pytest.fixture(scope="module")
@@ -134,8 +148,7 @@ def test_rollout_log_probs_match_full_forward(llama, temperature):
     torch.testing.assert_close(out.batch[ROLLOUT_LOG_PROBS], expect, atol=1e-4, rtol=0)
     hot = rollout.generate_sequences(prompt_batch(tok, **{META_TEMPERATURE: 1.5, META_N: 1}))
     assert len(hot) == 3
-    torch.testing.assert_close(hot.batch[ROLLOUT_LOG_PROBS], recomputed_log_probs(model, hot, 1.5),
-                               atol=1e-4, rtol=0)
+    torch.testing.assert_close(hot.batch[ROLLOUT_LOG_PROBS], recomputed_log_probs(model, hot, 1.5), atol=1e-4, rtol=0)
 
 
 def test_chunking_by_max_batch_size_keeps_results(llama):
@@ -208,8 +221,9 @@ def test_compiled_kernels_decode_like_eager(arch):
     assert greedy.kernels.compiled
     assert torch.equal(greedy.generate_sequences(batch).batch[RESPONSES], hf_greedy(model, tok, batch))
     sampled = native(model, tok, n=2, calculate_log_probs=True, enforce_eager=False).generate_sequences(batch)
-    torch.testing.assert_close(sampled.batch[ROLLOUT_LOG_PROBS], recomputed_log_probs(model, sampled),
-                               atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        sampled.batch[ROLLOUT_LOG_PROBS], recomputed_log_probs(model, sampled), atol=1e-4, rtol=0
+    )
 
 
 def test_extra_left_padding_is_trimmed_before_prefill(llama, monkeypatch):
@@ -220,8 +234,10 @@ def test_extra_left_padding_is_trimmed_before_prefill(llama, monkeypatch):
     tight = prompt_batch(tok, **{META_DO_SAMPLE: False})
     extra = 5
     wide = tight.batch[INPUT_IDS].shape[1] + extra
-    padded = {k: torch.cat([torch.full((3, extra), fill, dtype=tight.batch[k].dtype), tight.batch[k]], dim=1)
-              for k, fill in ((INPUT_IDS, tok.pad_token_id), (ATTENTION_MASK, 0), (POSITION_IDS, 0))}
+    padded = {
+        k: torch.cat([torch.full((3, extra), fill, dtype=tight.batch[k].dtype), tight.batch[k]], dim=1)
+        for k, fill in ((INPUT_IDS, tok.pad_token_id), (ATTENTION_MASK, 0), (POSITION_IDS, 0))
+    }
     loose = tight.select_idxs(torch.arange(3))
     for k, v in padded.items():
         loose.batch[k] = v
@@ -238,8 +254,10 @@ def test_extra_left_padding_is_trimmed_before_prefill(llama, monkeypatch):
     assert b.batch[PROMPTS].shape[1] == wide and torch.equal(b.batch[PROMPTS], padded[INPUT_IDS])
 
 
-PREAMBLE = ("You are a careful assistant. Read the question, think about it step by step, and answer "
-            "with a single number on its own line, without any words before or after it. Question: ")
+PREAMBLE = (
+    "You are a careful assistant. Read the question, think about it step by step, and answer "
+    "with a single number on its own line, without any words before or after it. Question: "
+)
 SHARED = [PREAMBLE + q for q in ("What is 12 plus 7?", "How many legs do three spiders have in total?", "2+2?")]
 
 

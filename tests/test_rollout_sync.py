@@ -6,12 +6,11 @@ import copy
 
 import pytest
 import torch
+from rollout_helpers import prompt_batch, tiny
 
 from hybridflow.engine import EngineConfig, FSDPEngine
-
 from hybridflow.keys import RESPONSES
 from hybridflow.rollout import RolloutConfig, build_rollout, sync_weights
-from rollout_helpers import prompt_batch, tiny
 
 
 def greedy_cfg(dtype: str = "fp32") -> RolloutConfig:
@@ -75,8 +74,9 @@ def test_partial_state_dict_replaces_only_its_weights_and_keeps_the_tied_ones():
         assert torch.equal(value, part[key].to(torch.bfloat16) if key in part else before[key]), key
     assert rollout.model.lm_head.weight.data_ptr() == rollout.model.model.embed_tokens.weight.data_ptr()
     with pytest.raises(KeyError, match="not in the rollout model"):
-        rollout.load_weights({"model.layers.0.q_proj.weight": part["model.layers.0.self_attn.q_proj.weight"]},
-                             partial=True)
+        rollout.load_weights(
+            {"model.layers.0.q_proj.weight": part["model.layers.0.self_attn.q_proj.weight"]}, partial=True
+        )
 
 
 def test_bad_state_dicts_are_rejected():

@@ -21,8 +21,9 @@ ARCHS = ("llama", "qwen2")
 
 
 def _config(tp: int) -> RolloutConfig:
-    return RolloutConfig(do_sample=False, n=1, response_length=12, dtype="fp32", calculate_log_probs=True,
-                         tensor_model_parallel_size=tp)
+    return RolloutConfig(
+        do_sample=False, n=1, response_length=12, dtype="fp32", calculate_log_probs=True, tensor_model_parallel_size=tp
+    )
 
 
 def _generate(arch: str, tp: int) -> dict[str, torch.Tensor]:

@@ -11,19 +11,24 @@ from pathlib import Path
 
 import pytest
 import torch
+from rollout_helpers import prompt_batch, recomputed_log_probs
 
 from hybridflow.engine import EngineConfig, FSDPEngine
 from hybridflow.keys import RESPONSE_MASK, RESPONSES, ROLLOUT_LOG_PROBS
 from hybridflow.models import default_model_dir, load_causal_lm, load_tokenizer, tiny_model_dir
 from hybridflow.rollout import RolloutConfig, build_rollout, sync_weights
-from rollout_helpers import prompt_batch, recomputed_log_probs
 
-pytest.importorskip("vllm", reason="needs vllm: ./scripts/setup.sh --vllm, then "
-                                  ".venv-vllm/bin/python -m pytest -m vllm")
+pytest.importorskip(
+    "vllm", reason="needs vllm: ./scripts/setup.sh --vllm, then .venv-vllm/bin/python -m pytest -m vllm"
+)
 pytestmark = pytest.mark.vllm
 
-SMOL_PROMPTS = ["What is 12 + 7? Answer with just the number.", "The capital of France is",
-                "Write a haiku about the sea.", "def fibonacci(n):"]
+SMOL_PROMPTS = [
+    "What is 12 + 7? Answer with just the number.",
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "def fibonacci(n):",
+]
 R = 24
 LOG_PROB_ATOL = 5e-4
 """vllm's CPU kernels vs native / the trainer's forward, all fp32, on SmolLM2: measured max |diff| 2e-5
@@ -50,8 +55,10 @@ def smol():
 
 
 def chat(tok, texts: list[str]) -> list[str]:
-    return [tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)
-            for t in texts]
+    return [
+        tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)
+        for t in texts
+    ]
 
 
 def test_greedy_vllm_native_hf_agree_on_smollm2(smol):
@@ -66,8 +73,9 @@ def test_greedy_vllm_native_hf_agree_on_smollm2(smol):
         assert torch.equal(outs["vllm"].batch[RESPONSES], outs[name].batch[RESPONSES]), name
         assert torch.equal(outs["vllm"].batch[RESPONSE_MASK], outs[name].batch[RESPONSE_MASK]), name
     assert outs["vllm"].batch[RESPONSE_MASK].sum(-1).min() < R  # EOS ended a response: stop handling compared too
-    torch.testing.assert_close(outs["vllm"].batch[ROLLOUT_LOG_PROBS], outs["native"].batch[ROLLOUT_LOG_PROBS],
-                               atol=LOG_PROB_ATOL, rtol=0)
+    torch.testing.assert_close(
+        outs["vllm"].batch[ROLLOUT_LOG_PROBS], outs["native"].batch[ROLLOUT_LOG_PROBS], atol=LOG_PROB_ATOL, rtol=0
+    )
 
 
 def test_sampled_log_probs_match_the_trainers_compute_log_prob(smol):
@@ -110,8 +118,9 @@ def test_sampling_with_n_is_seeded_per_step_and_logs_tempered_log_probs():
     assert list(runs[0].non_tensor_batch["uid"]) == ["p0", "p0", "p1", "p1", "p2", "p2"]
     assert torch.equal(responses[0], responses[1]) and not torch.equal(responses[0], responses[2])
     assert not torch.equal(responses[0][0::2], responses[0][1::2])  # the n samples of a prompt differ
-    torch.testing.assert_close(runs[0].batch[ROLLOUT_LOG_PROBS], recomputed_log_probs(model, runs[0], 0.7),
-                               atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        runs[0].batch[ROLLOUT_LOG_PROBS], recomputed_log_probs(model, runs[0], 0.7), atol=1e-4, rtol=0
+    )
 
 
 def test_config_check_finds_the_installed_build_without_importing_vllm():
@@ -130,8 +139,9 @@ def test_config_check_finds_the_installed_build_without_importing_vllm():
 
 def test_with_top_k_vllm_log_probs_are_those_of_the_filtered_distribution():
     """The documented difference from the native sampler: renormalised over the top-k tokens."""
-    from hybridflow.rollout.sampling import filter_logits
     from rollout_helpers import full_forward_logits
+
+    from hybridflow.rollout.sampling import filter_logits
 
     path = tiny_vllm_model_dir()
     model, tok = load_causal_lm(path, dtype=torch.float32).eval(), load_tokenizer(path)

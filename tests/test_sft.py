@@ -46,8 +46,13 @@ def batch(model_dir: Path, tmp_path_factory) -> DataProto:
 
 
 def _worker_group(model_dir: Path, **engine) -> LocalWorkerGroup:
-    cls = ClassWithInitArgs(SFTWorker, ModelConfig(path=str(model_dir)), EngineConfig(param_dtype="fp32", **engine),
-                            OptimConfig(lr=LR, total_training_steps=10), MICRO)
+    cls = ClassWithInitArgs(
+        SFTWorker,
+        ModelConfig(path=str(model_dir)),
+        EngineConfig(param_dtype="fp32", **engine),
+        OptimConfig(lr=LR, total_training_steps=10),
+        MICRO,
+    )
     group = LocalWorkerGroup(LocalResourcePool(), cls)
     group.init_model()
     return group
@@ -58,8 +63,9 @@ def _hand_written_step(model_dir: Path, data: dict) -> tuple[float, dict[str, to
     model = load_causal_lm(model_dir)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
     resp = data[keys.RESPONSES].shape[1]
-    logits = model(input_ids=data[keys.INPUT_IDS], attention_mask=data[keys.ATTENTION_MASK],
-                   position_ids=data[keys.POSITION_IDS]).logits[:, -resp - 1 : -1]
+    logits = model(
+        input_ids=data[keys.INPUT_IDS], attention_mask=data[keys.ATTENTION_MASK], position_ids=data[keys.POSITION_IDS]
+    ).logits[:, -resp - 1 : -1]
     logp = torch.log_softmax(logits.float(), -1).gather(-1, data[keys.RESPONSES].unsqueeze(-1)).squeeze(-1)
     mask = data[keys.RESPONSE_MASK].float()
     loss = -(logp * mask).sum() / mask.sum()
@@ -127,11 +133,21 @@ def _free_port() -> int:
 
 
 def _dp_rank(rank: int, port: int, out: str, model_dir: str, shard_file: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE="2",
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE="2",
+    )
     torch.set_num_threads(1)
-    worker = SFTWorker(ModelConfig(path=model_dir), EngineConfig(param_dtype="fp32"),
-                       OptimConfig(lr=LR, total_training_steps=10), MICRO)
+    worker = SFTWorker(
+        ModelConfig(path=model_dir),
+        EngineConfig(param_dtype="fp32"),
+        OptimConfig(lr=LR, total_training_steps=10),
+        MICRO,
+    )
     worker.init_model()
     shard = torch.load(shard_file, weights_only=False).chunk(2)[rank]
     metrics = worker.train_batch(shard).meta_info["metrics"]
@@ -144,8 +160,9 @@ def _dp_rank(rank: int, port: int, out: str, model_dir: str, shard_file: str) ->
 
 def test_two_ranks_match_one(model_dir, batch, tmp_path):
     torch.save(batch, tmp_path / "batch.pt")
-    mp.spawn(_dp_rank, args=(_free_port(), str(tmp_path), str(model_dir), str(tmp_path / "batch.pt")),
-             nprocs=2, join=True)
+    mp.spawn(
+        _dp_rank, args=(_free_port(), str(tmp_path), str(model_dir), str(tmp_path / "batch.pt")), nprocs=2, join=True
+    )
     two = torch.load(tmp_path / "dp2.pt", weights_only=False)
     one = _worker_group(model_dir)
     want = one.train_batch(batch).meta_info["metrics"]
@@ -174,8 +191,12 @@ RL_ROWS = {"arithmetic": lambda row: row["response"], "gsm8k": lambda row: row["
 
 
 def test_multi_turn_chat_trains_on_the_last_assistant_turn_only(model_dir, tmp_path):
-    chat = [{"role": "user", "content": "What is 1 + 1?"}, {"role": "assistant", "content": "2"},
-            {"role": "user", "content": "And 2 + 2?"}, {"role": "assistant", "content": "4"}]
+    chat = [
+        {"role": "user", "content": "What is 1 + 1?"},
+        {"role": "assistant", "content": "2"},
+        {"role": "user", "content": "And 2 + 2?"},
+        {"role": "assistant", "content": "4"},
+    ]
     path = tmp_path / "chat.parquet"
     pd.DataFrame([{"conversation": chat}]).to_parquet(path)
     tok = load_tokenizer(model_dir)
@@ -184,7 +205,7 @@ def test_multi_turn_chat_trains_on_the_last_assistant_turn_only(model_dir, tmp_p
     assert prompt == tok(text, add_special_tokens=False)["input_ids"]  # earlier turns, "2" included: masked
     assert response == tok("4", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     left = SFTDataset(str(path), tok, len(prompt), messages_key="conversation", truncation="left")[0]
-    assert left == (prompt[len(response):], response)  # the prompt's start is cut, the response kept whole
+    assert left == (prompt[len(response) :], response)  # the prompt's start is cut, the response kept whole
 
 
 def test_layouts_give_the_same_examples_and_bad_columns_name_the_fix(model_dir, tmp_path):

@@ -14,8 +14,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
-
 from test_trainer_cli import run_cli as run_trainer_cli
+
 from hybridflow.models import tiny_model_dir
 from hybridflow.trainer.cli import main as cli_main
 
@@ -28,10 +28,19 @@ def tiny_model() -> str:
 def sft_overrides(model: str, tmp: Path) -> list[str]:
     """32 generated examples, 8 per step over 2 workers, micro-batches of 2 (uneven last one per rank: 4 = 2+2)."""
     return [
-        f"model.path={model}", f"data.task_dir={tmp / 'data'}", "data.gen_train_size=32", "data.gen_val_size=6",
-        "data.train_batch_size=8", "data.micro_batch_size_per_device=2", "optim.lr=1e-3",
-        "trainer.test_freq=2", "trainer.save_freq=2", "trainer.val_before_train=false",
-        f"trainer.default_local_dir={tmp / 'ckpt'}", f"trainer.log_dir={tmp / 'logs'}", "trainer.logger=[console,jsonl]",
+        f"model.path={model}",
+        f"data.task_dir={tmp / 'data'}",
+        "data.gen_train_size=32",
+        "data.gen_val_size=6",
+        "data.train_batch_size=8",
+        "data.micro_batch_size_per_device=2",
+        "optim.lr=1e-3",
+        "trainer.test_freq=2",
+        "trainer.save_freq=2",
+        "trainer.val_before_train=false",
+        f"trainer.default_local_dir={tmp / 'ckpt'}",
+        f"trainer.log_dir={tmp / 'logs'}",
+        "trainer.logger=[console,jsonl]",
     ]
 
 
@@ -62,11 +71,15 @@ def test_sft_on_two_ray_workers_logs_losses_and_exports(tiny_model: str, tmp_pat
 
 
 def test_resumed_run_logs_the_losses_of_an_uninterrupted_one(tiny_model: str, tmp_path: Path) -> None:
-    local = ("trainer.backend=local", "trainer.n_workers_per_node=1", "data.packing=true")  # in-process: no Ray start-up
+    local = (
+        "trainer.backend=local",
+        "trainer.n_workers_per_node=1",
+        "data.packing=true",
+    )  # in-process: no Ray start-up
     _, full = _sft(tiny_model, tmp_path / "full", 4, *local)
     _, first = _sft(tiny_model, tmp_path / "parts", 2, *local)
     _, resumed = _sft(tiny_model, tmp_path / "parts", 4, *local)  # resume_mode=auto picks global_step_2
-    parts = {r["step"]: r for r in first + resumed[len(first):] if "train/loss" in r}
+    parts = {r["step"]: r for r in first + resumed[len(first) :] if "train/loss" in r}
     assert sorted(parts) == [1, 2, 3, 4]
     for ref in (r for r in full if "train/loss" in r):
         for key in ("train/loss", "train/grad_norm"):
@@ -74,7 +87,9 @@ def test_resumed_run_logs_the_losses_of_an_uninterrupted_one(tiny_model: str, tm
 
 
 def test_data_sft_writes_readable_parquet(tmp_path: Path, capsys) -> None:
-    assert cli_main(["data", "arithmetic", "--sft", "--out", str(tmp_path), "--train-size", "6", "--test-size", "3"]) == 0
+    assert (
+        cli_main(["data", "arithmetic", "--sft", "--out", str(tmp_path), "--train-size", "6", "--test-size", "3"]) == 0
+    )
     frame = pd.read_parquet(tmp_path / "arithmetic_sft_train.parquet")
     assert len(frame) == 6 and {"prompt", "response", "messages"} <= set(frame.columns)
     assert "arithmetic_sft_test.parquet" in capsys.readouterr().out
@@ -89,15 +104,18 @@ def test_print_config_resolves_and_starts_nothing(tiny_model: str, tmp_path: Pat
     assert not (tmp_path / "ckpt").exists()
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["data.prompt_key=question"], r"column\(s\) \['question'\] missing.*data.prompt_key"),
-    (["data.max_lenght=64"], "unknown config key 'data.max_lenght'; did you mean \\['data.max_length'\\]"),
-    (["data.max_length=8"], "exceed data.max_length=8.*data.truncation"),
-    (["trainer.placement=split"], "use trainer.placement=colocate"),
-    (["data.task=countdown"], "no known correct response"),
-    (["data.train_batch_size=7"], "must divide evenly over 2 workers"),
-    (["engine.fsdp_size=3"], r"error: engine.fsdp_size=3 must divide the number of ranks \(2\)"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["data.prompt_key=question"], r"column\(s\) \['question'\] missing.*data.prompt_key"),
+        (["data.max_lenght=64"], "unknown config key 'data.max_lenght'; did you mean \\['data.max_length'\\]"),
+        (["data.max_length=8"], "exceed data.max_length=8.*data.truncation"),
+        (["trainer.placement=split"], "use trainer.placement=colocate"),
+        (["data.task=countdown"], "no known correct response"),
+        (["data.train_batch_size=7"], "must divide evenly over 2 workers"),
+        (["engine.fsdp_size=3"], r"error: engine.fsdp_size=3 must divide the number of ranks \(2\)"),
+    ],
+)
 def test_bad_inputs_fail_with_one_line(tiny_model: str, tmp_path: Path, capsys, extra, message) -> None:
     assert cli_main(["sft", *sft_overrides(tiny_model, tmp_path), *extra]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -29,12 +29,20 @@ def base_overrides(model: str, tmp: Path) -> list[str]:
     return [
         f"model.path={model}",
         f"data.task_dir={tmp / 'data'}",
-        "data.gen_train_size=16", "data.gen_val_size=4",
-        "data.train_batch_size=4", "data.max_response_length=8", "data.max_prompt_length=128",
-        "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size_per_device=2",
-        "critic.ppo_mini_batch_size=2", "critic.ppo_micro_batch_size_per_device=2",
-        "rollout.n=2", "trainer.total_training_steps=2", "trainer.test_freq=2",
-        f"trainer.default_local_dir={tmp / 'ckpt'}", f"trainer.log_dir={tmp / 'logs'}",
+        "data.gen_train_size=16",
+        "data.gen_val_size=4",
+        "data.train_batch_size=4",
+        "data.max_response_length=8",
+        "data.max_prompt_length=128",
+        "actor.ppo_mini_batch_size=2",
+        "actor.ppo_micro_batch_size_per_device=2",
+        "critic.ppo_mini_batch_size=2",
+        "critic.ppo_micro_batch_size_per_device=2",
+        "rollout.n=2",
+        "trainer.total_training_steps=2",
+        "trainer.test_freq=2",
+        f"trainer.default_local_dir={tmp / 'ckpt'}",
+        f"trainer.log_dir={tmp / 'logs'}",
         "trainer.logger=[console,jsonl]",
     ]
 
@@ -47,11 +55,22 @@ def cli_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run_cli(args: list[str], cwd: Path, timeout: int = 420, module: str = "hybridflow.trainer.main",
-            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def run_cli(
+    args: list[str],
+    cwd: Path,
+    timeout: int = 420,
+    module: str = "hybridflow.trainer.main",
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess:
     """`python -m module args...` as a user would run it (`cli_env`, plus `env`)."""
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=cli_env(**(env or {})),
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=cwd,
+        env=cli_env(**(env or {})),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def read_metrics(tmp: Path) -> list[dict]:
@@ -97,52 +116,104 @@ def train_ok(tiny_model: str, tmp_path: Path, *extra: str) -> list[dict]:
     return steps
 
 
-@pytest.mark.parametrize("name, extra, expect", [
-    ("grpo", [], []),
-    # Same CLI path as grpo with another estimator (whose math has hand-computed tests), or (gae) as
-    # "split" below minus the placement: kept out of the default run so the suite stays under 15 minutes.
-    pytest.param("gae", ["algorithm.adv_estimator=gae"], ["critic/vf_loss", "critic/values/mean"],
-                 marks=pytest.mark.slow),
-    pytest.param("reinforce_pp", ["algorithm.adv_estimator=reinforce_plus_plus"], [], marks=pytest.mark.slow),
-    ("rloo_verbose_save", ["algorithm.adv_estimator=rloo", "trainer.verbose=true", "trainer.save_freq=2"], []),
-    ("remax", ["algorithm.adv_estimator=remax"], ["timing_s/reward"]),
-    # both KL terms in one run (a full-weight reference engine; old log-probs recomputed for the reward)
-    ("kl_loss_and_reward", ["actor.use_kl_loss=true", "actor.kl_loss_coef=0.1", "algorithm.use_kl_in_reward=true"],
-     ["actor/kl_loss", "actor/reward_kl_penalty"]),
-    ("lora_kl_save", ["actor.lora.rank=8", "actor.lora.alpha=16", "actor.use_kl_loss=true", "actor.optim.lr=1e-3",
-                      "trainer.save_freq=2"], ["actor/kl_loss", "timing_s/weight_sync"]),
-    ("split", ["algorithm.adv_estimator=gae", "trainer.placement=split"], ["critic/vf_loss", "critic/values/mean"]),
-    ("local", ["trainer.backend=local", "trainer.n_workers_per_node=1"], []),
-    # tensor parallel over both workers for actor, reference, critic and rollout (N-D dispatch: one dp group)
-    pytest.param("tp2", ["actor.engine.tensor_parallel_size=2", "critic.engine.tensor_parallel_size=2",
-                         "rollout.tensor_model_parallel_size=2",
-                         "algorithm.adv_estimator=gae", "actor.use_kl_loss=true", "trainer.save_freq=2"],
-                 ["critic/vf_loss", "actor/kl_loss"], marks=pytest.mark.slow),
-    # FSDP-sharded actor (dp4) -> tp2 x dp2 rollout holding only its shard, tp groups {0,2}, {1,3}: the weight
-    # sync reshards (engine/reshard.py)
-    pytest.param("reshard", ["actor.engine.fsdp_size=-1", "rollout.tensor_model_parallel_size=2",
-                             "trainer.n_workers_per_node=4"], ["timing_s/weight_sync"], marks=pytest.mark.slow),
-    # Ulysses sequence parallel over both workers for actor, reference and critic (one dp group)
-    pytest.param("sp2", ["actor.engine.ulysses_sequence_parallel_size=2",
-                         "critic.engine.ulysses_sequence_parallel_size=2",
-                         "algorithm.adv_estimator=gae", "actor.use_kl_loss=true", "trainer.save_freq=2"],
-                 ["critic/vf_loss", "actor/kl_loss"], marks=pytest.mark.slow),
-    pytest.param("sp2_lora", ["actor.engine.ulysses_sequence_parallel_size=2", "actor.lora.rank=8",
-                              "actor.lora.alpha=16", "actor.use_kl_loss=true", "actor.optim.lr=1e-3"],
-                 ["actor/kl_loss", "timing_s/weight_sync"], marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "name, extra, expect",
+    [
+        ("grpo", [], []),
+        # Same CLI path as grpo with another estimator (whose math has hand-computed tests), or (gae) as
+        # "split" below minus the placement: kept out of the default run so the suite stays under 15 minutes.
+        pytest.param(
+            "gae", ["algorithm.adv_estimator=gae"], ["critic/vf_loss", "critic/values/mean"], marks=pytest.mark.slow
+        ),
+        pytest.param("reinforce_pp", ["algorithm.adv_estimator=reinforce_plus_plus"], [], marks=pytest.mark.slow),
+        ("rloo_verbose_save", ["algorithm.adv_estimator=rloo", "trainer.verbose=true", "trainer.save_freq=2"], []),
+        ("remax", ["algorithm.adv_estimator=remax"], ["timing_s/reward"]),
+        # both KL terms in one run (a full-weight reference engine; old log-probs recomputed for the reward)
+        (
+            "kl_loss_and_reward",
+            ["actor.use_kl_loss=true", "actor.kl_loss_coef=0.1", "algorithm.use_kl_in_reward=true"],
+            ["actor/kl_loss", "actor/reward_kl_penalty"],
+        ),
+        (
+            "lora_kl_save",
+            [
+                "actor.lora.rank=8",
+                "actor.lora.alpha=16",
+                "actor.use_kl_loss=true",
+                "actor.optim.lr=1e-3",
+                "trainer.save_freq=2",
+            ],
+            ["actor/kl_loss", "timing_s/weight_sync"],
+        ),
+        ("split", ["algorithm.adv_estimator=gae", "trainer.placement=split"], ["critic/vf_loss", "critic/values/mean"]),
+        ("local", ["trainer.backend=local", "trainer.n_workers_per_node=1"], []),
+        # tensor parallel over both workers for actor, reference, critic and rollout (N-D dispatch: one dp group)
+        pytest.param(
+            "tp2",
+            [
+                "actor.engine.tensor_parallel_size=2",
+                "critic.engine.tensor_parallel_size=2",
+                "rollout.tensor_model_parallel_size=2",
+                "algorithm.adv_estimator=gae",
+                "actor.use_kl_loss=true",
+                "trainer.save_freq=2",
+            ],
+            ["critic/vf_loss", "actor/kl_loss"],
+            marks=pytest.mark.slow,
+        ),
+        # FSDP-sharded actor (dp4) -> tp2 x dp2 rollout holding only its shard, tp groups {0,2}, {1,3}: the weight
+        # sync reshards (engine/reshard.py)
+        pytest.param(
+            "reshard",
+            ["actor.engine.fsdp_size=-1", "rollout.tensor_model_parallel_size=2", "trainer.n_workers_per_node=4"],
+            ["timing_s/weight_sync"],
+            marks=pytest.mark.slow,
+        ),
+        # Ulysses sequence parallel over both workers for actor, reference and critic (one dp group)
+        pytest.param(
+            "sp2",
+            [
+                "actor.engine.ulysses_sequence_parallel_size=2",
+                "critic.engine.ulysses_sequence_parallel_size=2",
+                "algorithm.adv_estimator=gae",
+                "actor.use_kl_loss=true",
+                "trainer.save_freq=2",
+            ],
+            ["critic/vf_loss", "actor/kl_loss"],
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            "sp2_lora",
+            [
+                "actor.engine.ulysses_sequence_parallel_size=2",
+                "actor.lora.rank=8",
+                "actor.lora.alpha=16",
+                "actor.use_kl_loss=true",
+                "actor.optim.lr=1e-3",
+            ],
+            ["actor/kl_loss", "timing_s/weight_sync"],
+            marks=pytest.mark.slow,
+        ),
+    ],
+)
 def test_train_smoke(tiny_model: str, tmp_path: Path, name: str, extra: list[str], expect: list[str]) -> None:
     steps = train_ok(tiny_model, tmp_path, *extra)
     for key in expect:
         assert key in steps[-1], (key, sorted(steps[-1]))
 
 
-@pytest.mark.parametrize("extra", [
-    pytest.param([], id="dp"),
-    # the reward model and the actor split every micro-batch's tokens over both workers (Ulysses)
-    pytest.param(["reward_model.ulysses_sequence_parallel_size=2", "actor.engine.ulysses_sequence_parallel_size=2"],
-                 id="sp2", marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        pytest.param([], id="dp"),
+        # the reward model and the actor split every micro-batch's tokens over both workers (Ulysses)
+        pytest.param(
+            ["reward_model.ulysses_sequence_parallel_size=2", "actor.engine.ulysses_sequence_parallel_size=2"],
+            id="sp2",
+            marks=pytest.mark.slow,
+        ),
+    ],
+)
 def test_train_with_a_reward_model(tiny_model: str, tmp_path: Path, extra: list[str]) -> None:
     from tests.test_reward_model import _llama_reward_model_dir
 
@@ -174,10 +245,23 @@ def test_bad_inputs_fail_cleanly(tiny_model: str, tmp_path: Path) -> None:
 
 
 def test_print_config_shows_the_resolved_run_and_starts_nothing(tiny_model: str, tmp_path: Path) -> None:
-    args = [a for a in base_overrides(tiny_model, tmp_path) if not a.startswith(("trainer.default_local_dir",
-                                                                                 "trainer.log_dir"))]
-    proc = run_cli(["--print-config", *args, "trainer.experiment_name=b", "trainer.n_workers_per_node=1",
-                    "trainer.total_training_steps=null", "trainer.total_epochs=2"], tmp_path, timeout=120)
+    args = [
+        a
+        for a in base_overrides(tiny_model, tmp_path)
+        if not a.startswith(("trainer.default_local_dir", "trainer.log_dir"))
+    ]
+    proc = run_cli(
+        [
+            "--print-config",
+            *args,
+            "trainer.experiment_name=b",
+            "trainer.n_workers_per_node=1",
+            "trainer.total_training_steps=null",
+            "trainer.total_epochs=2",
+        ],
+        tmp_path,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     printed = yaml.safe_load(proc.stdout)
     t = printed["trainer"]

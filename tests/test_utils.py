@@ -76,8 +76,16 @@ def test_jsonl_writes_every_step_flushed_and_appends_on_resume(tmp_path):
     tracker = Tracking("proj", "exp", ["jsonl"], tmp_path, config=config)
     tracker.log(STEP_METRICS, step=1)
     first = _jsonl_lines(tmp_path / "metrics.jsonl")  # readable before finish: flushed
-    assert first == [{"step": 1, "critic/score/mean": 0.5, "actor/pg_loss": -0.0123, "actor/lr": 1e-6,
-                      "response_length/mean": 31.25, "timing_s/step": 2.0}]
+    assert first == [
+        {
+            "step": 1,
+            "critic/score/mean": 0.5,
+            "actor/pg_loss": -0.0123,
+            "actor/lr": 1e-6,
+            "response_length/mean": 31.25,
+            "timing_s/step": 2.0,
+        }
+    ]
     tracker.log({"critic/score/mean": float("nan"), "val-core/arith/acc/mean@1": 0.25}, step=2)
     tracker.finish()
     tracker.finish()  # idempotent
@@ -94,9 +102,7 @@ def test_console_prints_one_compact_line_with_key_metrics(tmp_path, capsys):
     with Tracking("proj", "exp", ["console"], tmp_path) as tracker:
         tracker.log({**STEP_METRICS, "val-core/arith/acc/mean@1": 0.4, "val-aux/arith/len": 9.0}, step=3)
     out = capsys.readouterr().out
-    assert out == (
-        "step 3 | score 0.5 | pg_loss -0.0123 | resp_len 31.25 | step_s 2 | val-core/arith/acc/mean@1 0.4\n"
-    )
+    assert out == ("step 3 | score 0.5 | pg_loss -0.0123 | resp_len 31.25 | step_s 2 | val-core/arith/acc/mean@1 0.4\n")
 
 
 def test_tensorboard_event_file_holds_the_scalars(tmp_path):
@@ -115,7 +121,9 @@ def test_tensorboard_event_file_holds_the_scalars(tmp_path):
 
 
 def test_bad_logger_names_and_keys_fail_clearly(tmp_path):
-    with pytest.raises(ValueError, match=r"trainer.logger='tensorbord' is not a registered logger; known: console, jsonl"):
+    with pytest.raises(
+        ValueError, match=r"trainer.logger='tensorbord' is not a registered logger; known: console, jsonl"
+    ):
         Tracking("p", "e", ["console", "tensorbord"], tmp_path)
     with Tracking("p", "e", ["console"], tmp_path) as tracker, pytest.raises(ValueError, match="'step' is reserved"):
         tracker.log({"step": 1.0}, step=1)
@@ -137,12 +145,14 @@ def _write_run(log_dir: Path) -> Path:
     with Tracking("p", "e", ["jsonl"], log_dir) as tracker:
         tracker.log({"val-core/arith/acc/mean@1": 0.2}, step=0)
         for step in range(1, 4):
-            tracker.log({"critic/score/mean": 0.1 * step, "response_length/mean": 40 - step, "timing_s/step": 1.5},
-                        step=step)
+            tracker.log(
+                {"critic/score/mean": 0.1 * step, "response_length/mean": 40 - step, "timing_s/step": 1.5}, step=step
+            )
     with Tracking("p", "e", ["jsonl"], log_dir) as tracker:
         for step in (3, 4):
-            tracker.log({"critic/score/mean": 0.1 * step, "response_length/mean": 40 - step, "timing_s/step": 2.0},
-                        step=step)
+            tracker.log(
+                {"critic/score/mean": 0.1 * step, "response_length/mean": 40 - step, "timing_s/step": 2.0}, step=step
+            )
         tracker.log({"val-core/arith/acc/mean@1": 0.6}, step=4)
     return log_dir / "metrics.jsonl"
 
@@ -246,7 +256,12 @@ def test_prune_keeps_the_newest_complete_and_touches_nothing_else(tmp_path):
     deleted = ckpt.prune_checkpoints(tmp_path, keep_last=2)
     assert [p.name for p in deleted] == ["global_step_1", "global_step_2"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "global_step_0", "global_step_0.tmp-1", "global_step_10", "global_step_3", "notes.txt"]
+        "global_step_0",
+        "global_step_0.tmp-1",
+        "global_step_10",
+        "global_step_3",
+        "notes.txt",
+    ]
     assert ckpt.prune_checkpoints(tmp_path, keep_last=5) == []
     with pytest.raises(ValueError, match="keep_last must be >= 1"):
         ckpt.prune_checkpoints(tmp_path, keep_last=0)
@@ -337,8 +352,14 @@ print(json.dumps({"transformers_bars": not isinstance(bar, logging.EmptyTqdm) an
 
 def _library_state_in_a_fresh_process(env: dict[str, str]) -> dict:
     base = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_DISABLE_PROGRESS_BARS", "TQDM_DISABLE")}
-    out = subprocess.run([sys.executable, "-c", _LIBRARY_STATE], env={**base, **env}, capture_output=True,
-                         text=True, check=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", _LIBRARY_STATE],
+        env={**base, **env},
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
     return json.loads(out.stdout)
 
 

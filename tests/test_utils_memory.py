@@ -31,7 +31,7 @@ def _mmapped_blocks(mode: str) -> int:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc settings")
 def test_a_large_block_comes_from_the_heap_only_with_the_setting():
     try:
-        ctypes.CDLL("libc.so.6").mallinfo2
+        _ = ctypes.CDLL("libc.so.6").mallinfo2
     except (OSError, AttributeError):
         pytest.skip("libc is not glibc >= 2.33")
     assert _mmapped_blocks("off") == 1  # default glibc: its own mmap, unmapped again on free

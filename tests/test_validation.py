@@ -78,10 +78,12 @@ def _loader() -> list[DataProto]:
     """Two batches (3 + 2 prompts): uid "index in batch" alone would merge prompts 1 and 4."""
     batches = []
     for lo, hi in ((0, 3), (3, 5)):
-        batches.append(DataProto.from_dict(
-            {"pid": torch.arange(lo, hi)},
-            {K.DATA_SOURCE: np.array([PROMPTS[i][0] for i in range(lo, hi)], dtype=object)},
-        ))
+        batches.append(
+            DataProto.from_dict(
+                {"pid": torch.arange(lo, hi)},
+                {K.DATA_SOURCE: np.array([PROMPTS[i][0] for i in range(lo, hi)], dtype=object)},
+            )
+        )
     return batches
 
 

@@ -15,16 +15,21 @@ import pytest
 from tests.test_rollout_vllm import tiny_vllm_model_dir
 from tests.test_trainer_cli import run_cli, train_ok
 
-pytest.importorskip("vllm", reason="needs vllm: ./scripts/setup.sh --vllm, then "
-                                  ".venv-vllm/bin/python -m pytest -m vllm")
+pytest.importorskip(
+    "vllm", reason="needs vllm: ./scripts/setup.sh --vllm, then .venv-vllm/bin/python -m pytest -m vllm"
+)
 pytestmark = pytest.mark.vllm
 
 
-@pytest.mark.parametrize("extra", [
-    ["rollout.calculate_log_probs=true"],
-    ["algorithm.adv_estimator=gae", "trainer.placement=split"],
-    ["trainer.backend=local", "trainer.n_workers_per_node=1"],
-], ids=["colocate", "split", "local"])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["rollout.calculate_log_probs=true"],
+        ["algorithm.adv_estimator=gae", "trainer.placement=split"],
+        ["trainer.backend=local", "trainer.n_workers_per_node=1"],
+    ],
+    ids=["colocate", "split", "local"],
+)
 def test_train_with_vllm_rollout(tmp_path: Path, extra: list[str]) -> None:
     steps = train_ok(str(tiny_vllm_model_dir()), tmp_path, "rollout.name=vllm", *extra)
     assert "timing_s/weight_sync" in steps[-1]  # the update's weights reached vllm before step 2's generation
@@ -33,14 +38,35 @@ def test_train_with_vllm_rollout(tmp_path: Path, extra: list[str]) -> None:
 
 
 def test_generate_with_vllm_rollout(tmp_path: Path) -> None:
-    assert run_cli(["data", "arithmetic", "--out", str(tmp_path / "d"), "--train-size", "2", "--test-size", "5"],
-                   tmp_path, module="hybridflow.trainer.cli").returncode == 0
+    assert (
+        run_cli(
+            ["data", "arithmetic", "--out", str(tmp_path / "d"), "--train-size", "2", "--test-size", "5"],
+            tmp_path,
+            module="hybridflow.trainer.cli",
+        ).returncode
+        == 0
+    )
     out = tmp_path / "gen.jsonl"
     data = tmp_path / "d" / "arithmetic_test.parquet"
-    proc = run_cli(["generate", "--model", str(tiny_vllm_model_dir()), "--data", str(data),
-                    "--rollout", "vllm", "--n", "2", "--max-response-length", "4", "--out", str(out)],
-                   tmp_path, module="hybridflow.trainer.cli")
+    proc = run_cli(
+        [
+            "generate",
+            "--model",
+            str(tiny_vllm_model_dir()),
+            "--data",
+            str(data),
+            "--rollout",
+            "vllm",
+            "--n",
+            "2",
+            "--max-response-length",
+            "4",
+            "--out",
+            str(out),
+        ],
+        tmp_path,
+        module="hybridflow.trainer.cli",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 10 and {r["uid"] for r in rows} == {str(i) for i in range(5)}
-

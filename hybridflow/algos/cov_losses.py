@@ -79,7 +79,15 @@ def compute_policy_loss_clip_cov(
         "pg_covclipfrac": masked_fraction(cut, response_mask),
     }
     return finish_policy_loss(
-        loss_mat, old_log_prob, log_prob, response_mask, loss_agg_mode, config, global_norm, rollout_log_probs, stats,
+        loss_mat,
+        old_log_prob,
+        log_prob,
+        response_mask,
+        loss_agg_mode,
+        config,
+        global_norm,
+        rollout_log_probs,
+        stats,
         rollout_is_weights,
     )
 
@@ -115,6 +123,14 @@ def compute_policy_loss_kl_cov(
     loss_mat = loss_mat + torch.where(picked, config.ppo_kl_coef * log_r.abs(), torch.zeros_like(loss_mat))
     stats: Stats = {"pg_clipfrac": torch.zeros(()), "pg_klcovfrac": masked_fraction(picked, response_mask)}
     return finish_policy_loss(
-        loss_mat, old_log_prob, log_prob, response_mask, loss_agg_mode, config, global_norm, rollout_log_probs, stats,
+        loss_mat,
+        old_log_prob,
+        log_prob,
+        response_mask,
+        loss_agg_mode,
+        config,
+        global_norm,
+        rollout_log_probs,
+        stats,
         rollout_is_weights,
     )

@@ -30,7 +30,8 @@ KLEstimatorFn = Callable[[Tensor, Tensor], Tensor]
 """(logprob, ref_logprob) -> per-token KL estimate, same shape."""
 
 KL_ESTIMATORS: Registry[KLEstimatorFn] = Registry(
-    "KL estimator", "kl_type",
+    "KL estimator",
+    "kl_type",
     "chosen by algorithm.kl_penalty and actor.kl_loss_type, optionally with a '+' suffix; "
     "add one with KL_ESTIMATORS.register",
 )

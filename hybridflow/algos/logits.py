@@ -42,8 +42,9 @@ def _row_blocks(t: Tensor) -> list[Tensor]:
         return [block for sub in t.unbind(0) for block in _row_blocks(sub)]
 
 
-def _map_chunks(fn: Callable[..., Tensor], logits: Tensor, labels: Tensor | None, chunk_size: int,
-                recompute: bool) -> Tensor:
+def _map_chunks(
+    fn: Callable[..., Tensor], logits: Tensor, labels: Tensor | None, chunk_size: int, recompute: bool
+) -> Tensor:
     """fn(logit rows[, their labels]) over chunks of at most `chunk_size` rows of `logits` [..., V],
     concatenated in flattened order; chunks are checkpointed if asked and grads flow."""
     _check_chunk(chunk_size)

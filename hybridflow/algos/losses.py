@@ -233,7 +233,15 @@ def compute_policy_loss_vanilla(
         "pg_clipfrac_lower": masked_fraction((clipped > dual_bound) & negative, response_mask),
     }
     return finish_policy_loss(
-        loss_mat, old_log_prob, log_prob, response_mask, loss_agg_mode, config, global_norm, rollout_log_probs, stats,
+        loss_mat,
+        old_log_prob,
+        log_prob,
+        response_mask,
+        loss_agg_mode,
+        config,
+        global_norm,
+        rollout_log_probs,
+        stats,
         rollout_is_weights,
     )
 
@@ -265,7 +273,15 @@ def compute_policy_loss_gspo(
     loss_mat, clip_flags = clipped_surrogate(ratio, advantages, config.gspo_clip_ratio_low, config.gspo_clip_ratio_high)
     stats: Stats = {"pg_clipfrac": masked_fraction(clip_flags, response_mask)}
     return finish_policy_loss(
-        loss_mat, old_log_prob, log_prob, response_mask, loss_agg_mode, config, global_norm, rollout_log_probs, stats,
+        loss_mat,
+        old_log_prob,
+        log_prob,
+        response_mask,
+        loss_agg_mode,
+        config,
+        global_norm,
+        rollout_log_probs,
+        stats,
         rollout_is_weights,
     )
 
@@ -288,7 +304,15 @@ def compute_policy_loss_gpg(
     loss_mat = -advantages * log_prob
     stats: Stats = {"pg_clipfrac": torch.zeros(())}
     return finish_policy_loss(
-        loss_mat, old_log_prob, log_prob, response_mask, loss_agg_mode, config, global_norm, rollout_log_probs, stats,
+        loss_mat,
+        old_log_prob,
+        log_prob,
+        response_mask,
+        loss_agg_mode,
+        config,
+        global_norm,
+        rollout_log_probs,
+        stats,
         rollout_is_weights,
     )
 
@@ -318,7 +342,15 @@ def compute_policy_loss_cispo(
     loss_mat = -advantages * weight * torch.exp(log_prob - log_prob.detach())
     stats: Stats = {"pg_clipfrac": masked_fraction(weight != ratio.detach(), response_mask)}
     return finish_policy_loss(
-        loss_mat, old_log_prob, log_prob, response_mask, loss_agg_mode, config, global_norm, rollout_log_probs, stats,
+        loss_mat,
+        old_log_prob,
+        log_prob,
+        response_mask,
+        loss_agg_mode,
+        config,
+        global_norm,
+        rollout_log_probs,
+        stats,
         rollout_is_weights,
     )
 
@@ -348,7 +380,15 @@ def compute_policy_loss_sapo(
     loss_mat = -advantages * (4.0 / tau) * torch.sigmoid(tau * (ratio - 1.0))
     stats: Stats = {"pg_clipfrac": torch.zeros(())}
     return finish_policy_loss(
-        loss_mat, old_log_prob, log_prob, response_mask, loss_agg_mode, config, global_norm, rollout_log_probs, stats,
+        loss_mat,
+        old_log_prob,
+        log_prob,
+        response_mask,
+        loss_agg_mode,
+        config,
+        global_norm,
+        rollout_log_probs,
+        stats,
         rollout_is_weights,
     )
 

@@ -10,7 +10,8 @@ the same processes, so the roles share memory, devices and process groups.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from hybridflow.controller.decorator import REGISTER_ATTR, MethodSpec
 from hybridflow.controller.resource_pool import ClassWithInitArgs
@@ -36,9 +37,7 @@ def create_colocated_worker_cls(class_dict: dict[str, type | ClassWithInitArgs])
     """
     if not class_dict:
         raise ValueError("create_colocated_worker_cls needs at least one role")
-    roles = {
-        role: c if isinstance(c, ClassWithInitArgs) else ClassWithInitArgs(c) for role, c in class_dict.items()
-    }
+    roles = {role: c if isinstance(c, ClassWithInitArgs) else ClassWithInitArgs(c) for role, c in class_dict.items()}
     bad = [r for r in roles if not r.isidentifier()]
     clash = [(a, b) for a in roles for b in roles if a != b and b.startswith(f"{a}_")]
     if bad or clash:

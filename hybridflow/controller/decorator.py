@@ -19,9 +19,10 @@ as `{"dispatch_fn": f, "collect_fn": g}` — that is how the mesh-aware modes of
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Callable
+from typing import Any
 
 from hybridflow.controller import dispatch as _d
 from hybridflow.controller.faults import maybe_fail

@@ -14,8 +14,9 @@ offers `world_size` and `get_dispatch_info(mesh_name)`.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -212,9 +213,7 @@ def make_nd_compute_dataproto_dispatch_fn(mesh_name: str) -> dict:
 
     def collect_fn(wg: Any, outputs: list) -> Any:
         info = wg.get_dispatch_info(mesh_name)
-        picked = sorted(
-            ((dp, out) for (dp, collect), out in zip(info, outputs) if collect), key=lambda t: t[0]
-        )
+        picked = sorted(((dp, out) for (dp, collect), out in zip(info, outputs) if collect), key=lambda t: t[0])
         dps = [dp for dp, _ in picked]
         if dps != sorted({dp for dp, _ in info}):
             raise ValueError(

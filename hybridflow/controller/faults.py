@@ -60,8 +60,9 @@ def parse_faults(spec: str) -> tuple[FaultPoint, ...]:
         match = _POINT_RE.match(part)
         action = (match and match["action"]) or "kill"
         if not match or action not in ACTIONS:
-            raise ValueError(f"{FAULT_ENV}: bad fault point {part!r}; expected METHOD@STEP:RANK[:kill|hang], "
-                             "e.g. update_actor@3:1")
+            raise ValueError(
+                f"{FAULT_ENV}: bad fault point {part!r}; expected METHOD@STEP:RANK[:kill|hang], e.g. update_actor@3:1"
+            )
         points.append(FaultPoint(match["method"], int(match["step"]), int(match["rank"]), action))
     return tuple(points)
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import os
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from hybridflow.controller.resource_pool import ClassWithInitArgs, ResourcePool
 from hybridflow.controller.worker import find_free_port
@@ -100,8 +101,9 @@ class LocalWorkerGroup(WorkerGroup):
     def _wait(self, method_name: str, ranks: list[int], outputs: list) -> list:
         return outputs
 
-    def _make_future(self, method_name: str, ranks: list[int], outputs: list, collect: Callable,
-                     collects_proto: bool) -> Any:
+    def _make_future(
+        self, method_name: str, ranks: list[int], outputs: list, collect: Callable, collects_proto: bool
+    ) -> Any:
         if collects_proto:
             return LocalFuture(outputs, collect)
         return [LocalFuture([o], lambda outs: outs[0]) for o in outputs]

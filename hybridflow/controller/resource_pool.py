@@ -55,11 +55,22 @@ class ResourcePool:
         return f"{type(self).__name__}(process_on_nodes={self._store}, use_gpu={self.use_gpu})"
 
 
-POOL_OWNED_OPTIONS = frozenset({
-    "num_cpus", "num_gpus", "resources", "memory", "object_store_memory", "accelerator_type",
-    "label_selector", "fallback_strategy", "scheduling_strategy",
-    "placement_group", "placement_group_bundle_index", "placement_group_capture_child_tasks",
-})
+POOL_OWNED_OPTIONS = frozenset(
+    {
+        "num_cpus",
+        "num_gpus",
+        "resources",
+        "memory",
+        "object_store_memory",
+        "accelerator_type",
+        "label_selector",
+        "fallback_strategy",
+        "scheduling_strategy",
+        "placement_group",
+        "placement_group_bundle_index",
+        "placement_group_capture_child_tasks",
+    }
+)
 """Ray actor options that say where and on what a worker runs: the resource pool decides those."""
 
 
@@ -79,8 +90,11 @@ def unwrap_remote_class(cls: Any) -> tuple[Any, dict[str, Any]]:
     options = dict(getattr(cls, "_default_options", None) or {})
     dropped = sorted(POOL_OWNED_OPTIONS & set(options))
     if dropped:
-        log.warning("%s: ray.remote options %s are ignored; the resource pool places and sizes the workers",
-                    plain.__name__, dropped)
+        log.warning(
+            "%s: ray.remote options %s are ignored; the resource pool places and sizes the workers",
+            plain.__name__,
+            dropped,
+        )
     return plain, {k: v for k, v in options.items() if k not in POOL_OWNED_OPTIONS}
 
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from hybridflow.controller.decorator import (
     DispatchMode,
@@ -29,8 +30,9 @@ class WorkerError(RuntimeError):
     `group`, `ranks` (those that died or are stuck) and `method` say where, when the backend knows.
     """
 
-    def __init__(self, message: str, group: str | None = None, ranks: tuple[int, ...] = (),
-                 method: str | None = None) -> None:
+    def __init__(
+        self, message: str, group: str | None = None, ranks: tuple[int, ...] = (), method: str | None = None
+    ) -> None:
         super().__init__(message)
         self.group, self.ranks, self.method = group, tuple(ranks), method
 
@@ -140,8 +142,9 @@ class WorkerGroup:
         on ranks still running past the backend's call timeout)."""
         raise NotImplementedError
 
-    def _make_future(self, method_name: str, ranks: list[int], outputs: list, collect: Callable,
-                     collects_proto: bool) -> Any:
+    def _make_future(
+        self, method_name: str, ranks: list[int], outputs: list, collect: Callable, collects_proto: bool
+    ) -> Any:
         """What a non-blocking call returns."""
         raise NotImplementedError
 
@@ -169,8 +172,9 @@ class WorkerGroup:
         """Issue the registered `method` without waiting for it, whatever its `blocking` says; returns what a
         non-blocking call returns (a future of the DataProto for DataProto-collecting modes)."""
         if method not in self._specs:
-            raise AttributeError(f"group {self._name} has no registered method {method!r}; "
-                                 f"it has {sorted(self._specs)}")
+            raise AttributeError(
+                f"group {self._name} has no registered method {method!r}; it has {sorted(self._specs)}"
+            )
         full_name, spec = self._specs[method]
         mode = get_dispatch_mode(spec.dispatch_mode)
         return self._call(full_name, dataclasses.replace(spec, blocking=False), mode, args, kwargs)
@@ -219,7 +223,7 @@ class WorkerGroup:
         return self._dispatch_info[mesh_name]
 
     # --- colocation -------------------------------------------------------
-    def spawn(self, prefix_set: Iterable[str]) -> dict[str, "WorkerGroup"]:
+    def spawn(self, prefix_set: Iterable[str]) -> dict[str, WorkerGroup]:
         """One group per role of a colocated worker class, sharing these processes.
 
         Each returned group exposes the role's methods under their own names
@@ -236,7 +240,7 @@ class WorkerGroup:
             groups[prefix] = view
         return groups
 
-    def _view(self, name: str) -> "WorkerGroup":
+    def _view(self, name: str) -> WorkerGroup:
         view = object.__new__(type(self))
         view.__dict__.update({k: v for k, v in self.__dict__.items() if k not in self._bound})
         view._name = name

@@ -12,13 +12,13 @@
 from hybridflow.data.loader import StatefulDataLoader
 from hybridflow.data.tasks import TASKS, build_task, get_task, register_task
 
-__all__ = ["TASKS", "RLDataset", "StatefulDataLoader", "build_task", "collate", "get_task",
-           "register_task"]
+__all__ = ["TASKS", "RLDataset", "StatefulDataLoader", "build_task", "collate", "get_task", "register_task"]
 
 
 def __getattr__(name: str):
     # dataset.py imports torch and the tokenizer stack; load it on first use.
     if name in ("RLDataset", "collate"):
         from hybridflow.data import dataset
+
         return getattr(dataset, name)
     raise AttributeError(f"module 'hybridflow.data' has no attribute {name!r}")

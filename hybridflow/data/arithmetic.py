@@ -43,8 +43,7 @@ class ArithmeticDifficulty:
         if self.num_operands < 2:
             raise ValueError(f"num_operands must be >= 2, got {self.num_operands}")
         if not 1 <= self.min_digits <= self.max_digits <= 9:
-            raise ValueError(
-                f"need 1 <= min_digits <= max_digits <= 9, got {self.min_digits}, {self.max_digits}")
+            raise ValueError(f"need 1 <= min_digits <= max_digits <= 9, got {self.min_digits}, {self.max_digits}")
         bad = [op for op in self.operators if op not in _OPERATORS]
         if bad or not self.operators:
             raise ValueError(f"operators must be a non-empty mix of {_OPERATORS}, got {self.operators!r}")
@@ -60,8 +59,7 @@ def _operand(rng: np.random.Generator, level: ArithmeticDifficulty) -> int:
 def make_arithmetic(rng: np.random.Generator, level: ArithmeticDifficulty) -> Problem:
     """One arithmetic question; the ground truth is the integer result as a string."""
     numbers = [_operand(rng, level) for _ in range(level.num_operands)]
-    ops = [level.operators[int(rng.integers(len(level.operators)))]
-           for _ in range(level.num_operands - 1)]
+    ops = [level.operators[int(rng.integers(len(level.operators)))] for _ in range(level.num_operands - 1)]
     expression = str(numbers[0])
     for op, number in zip(ops, numbers[1:]):
         expression += f" {op} {number}"

@@ -18,8 +18,10 @@ import numpy as np
 
 from hybridflow.data.tasks import Problem, register_task
 
-INSTRUCTION = ("Use each number at most once with + - * / and parentheses. "
-               "Write the final equation after \"####\", for example: #### (1 + 2) * 3")
+INSTRUCTION = (
+    "Use each number at most once with + - * / and parentheses. "
+    'Write the final equation after "####", for example: #### (1 + 2) * 3'
+)
 """Answer-format instruction appended to every question."""
 
 

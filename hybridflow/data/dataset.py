@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -34,8 +35,14 @@ TRUNCATIONS = ("error", "left", "right")
 class RLDataset(torch.utils.data.Dataset):
     """Left-padded, tokenised prompts with the fields the reward needs."""
 
-    def __init__(self, files: str | Sequence[str], tokenizer: Any, max_prompt_length: int,
-                 filter_overlong_prompts: bool = True, truncation: str = "error"):
+    def __init__(
+        self,
+        files: str | Sequence[str],
+        tokenizer: Any,
+        max_prompt_length: int,
+        filter_overlong_prompts: bool = True,
+        truncation: str = "error",
+    ):
         """Read `files` (one path or a list) and tokenise every prompt."""
         if truncation not in TRUNCATIONS:
             raise ValueError(f"truncation must be one of {TRUNCATIONS}, got {truncation!r}")
@@ -50,23 +57,29 @@ class RLDataset(torch.utils.data.Dataset):
         self.rows, self.token_ids = self._fit_length(rows, token_ids, filter_overlong_prompts, truncation)
 
     def _tokenize(self, rows: list[dict[str, Any]]) -> list[list[int]]:
-        texts = [self.tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
-                 for row in rows]
+        texts = [
+            self.tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
+            for row in rows
+        ]
         # The template already holds the special tokens; adding them again would double BOS.
         return self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
 
-    def _fit_length(self, rows: list[dict[str, Any]], token_ids: list[list[int]], filter_overlong: bool,
-                    truncation: str) -> tuple[list[dict[str, Any]], list[list[int]]]:
+    def _fit_length(
+        self, rows: list[dict[str, Any]], token_ids: list[list[int]], filter_overlong: bool, truncation: str
+    ) -> tuple[list[dict[str, Any]], list[list[int]]]:
         limit = self.max_prompt_length
         long_ids = [i for i, ids in enumerate(token_ids) if len(ids) > limit]
         if not long_ids:
             return rows, token_ids
         if filter_overlong and len(long_ids) == len(rows):
-            raise ValueError(f"all {len(rows)} prompts in {self.files} are longer than "
-                             f"data.max_prompt_length={limit}; raise data.max_prompt_length")
+            raise ValueError(
+                f"all {len(rows)} prompts in {self.files} are longer than "
+                f"data.max_prompt_length={limit}; raise data.max_prompt_length"
+            )
         if filter_overlong:
-            logger.warning("RLDataset: dropped %d of %d prompts longer than max_prompt_length=%d",
-                           len(long_ids), len(rows), limit)
+            logger.warning(
+                "RLDataset: dropped %d of %d prompts longer than max_prompt_length=%d", len(long_ids), len(rows), limit
+            )
             keep = sorted(set(range(len(rows))) - set(long_ids))
             self.num_filtered = len(long_ids)
             return [rows[i] for i in keep], [token_ids[i] for i in keep]
@@ -76,7 +89,8 @@ class RLDataset(torch.utils.data.Dataset):
                 f"{first['_file']}: row {first['_row']}: prompt has {len(token_ids[long_ids[0]])} tokens, "
                 f"more than data.max_prompt_length={limit} ({len(long_ids)} prompts are too long). "
                 "Raise data.max_prompt_length, set data.filter_overlong_prompts=true, "
-                "or set data.truncation=left|right")
+                "or set data.truncation=left|right"
+            )
         cut = (lambda ids: ids[-limit:]) if truncation == "left" else (lambda ids: ids[:limit])
         return rows, [cut(ids) if len(ids) > limit else ids for ids in token_ids]
 
@@ -113,8 +127,10 @@ def read_verl_parquet(path: str) -> list[dict[str, Any]]:
     table = read_parquet_table(path)
     for column in REQUIRED_COLUMNS:
         if column not in table.column_names:
-            raise ValueError(f"{path}: column {column!r} is missing (row 0 onwards); the file has "
-                             f"columns {table.column_names}, a verl-format dataset needs {list(REQUIRED_COLUMNS)}")
+            raise ValueError(
+                f"{path}: column {column!r} is missing (row 0 onwards); the file has "
+                f"columns {table.column_names}, a verl-format dataset needs {list(REQUIRED_COLUMNS)}"
+            )
     return [_check_row(path, i, row) for i, row in enumerate(table.to_pylist())]
 
 
@@ -133,8 +149,10 @@ def _check_row(path: str, i: int, row: dict[str, Any]) -> dict[str, Any]:
     if isinstance(prompt, str):
         prompt = [{"role": "user", "content": prompt}]
     if not prompt or not all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
-        raise ValueError(f"{path}: row {i}: column 'prompt' must be a non-empty list of "
-                         f"{{'role', 'content'}} messages, got {str(row['prompt'])[:120]!r}")
+        raise ValueError(
+            f"{path}: row {i}: column 'prompt' must be a non-empty list of "
+            f"{{'role', 'content'}} messages, got {str(row['prompt'])[:120]!r}"
+        )
     reward = row["reward_model"]
     if not isinstance(reward, dict) or reward.get("ground_truth") is None:
         raise ValueError(f"{path}: row {i}: column 'reward_model' has no 'ground_truth' (got {reward!r})")

@@ -15,7 +15,8 @@ for batch in loader: ...`.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -23,14 +24,23 @@ import numpy as np
 class StatefulDataLoader:
     """Iterates a map-style dataset in seeded, resumable batches."""
 
-    def __init__(self, dataset: Sequence[Any], batch_size: int, seed: int = 0, shuffle: bool = True,
-                 collate_fn: Callable[[list[Any]], Any] | None = None, drop_last: bool = True):
+    def __init__(
+        self,
+        dataset: Sequence[Any],
+        batch_size: int,
+        seed: int = 0,
+        shuffle: bool = True,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        drop_last: bool = True,
+    ):
         """`collate_fn` turns a list of items into a batch (default: the list itself)."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if drop_last and len(dataset) < batch_size:
-            raise ValueError(f"the dataset has {len(dataset)} rows, fewer than one batch of "
-                             f"{batch_size}; lower data.train_batch_size or add data")
+            raise ValueError(
+                f"the dataset has {len(dataset)} rows, fewer than one batch of "
+                f"{batch_size}; lower data.train_batch_size or add data"
+            )
         self.dataset = dataset
         self.batch_size = batch_size
         self.seed = seed
@@ -71,6 +81,8 @@ class StatefulDataLoader:
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Continue from `state`; the seed must match the one this loader was built with."""
         if state["seed"] != self.seed:
-            raise ValueError(f"loader state was saved with seed {state['seed']} but this run has "
-                             f"data.seed={self.seed}; resume with the same seed")
+            raise ValueError(
+                f"loader state was saved with seed {state['seed']} but this run has "
+                f"data.seed={self.seed}; resume with the same seed"
+            )
         self.epoch, self.batch_in_epoch = int(state["epoch"]), int(state["batch_in_epoch"])

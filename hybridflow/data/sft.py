@@ -15,8 +15,9 @@ column the response is the LAST assistant turn and every earlier turn is prompt.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import pandas as pd
 import torch
@@ -35,8 +36,10 @@ SFT_RESPONSES: dict[str, Callable[[dict[str, Any]], str]] = {
 def check_sft_task(name: str) -> None:
     """Refuse a task that has no known correct response."""
     if name not in SFT_RESPONSES:
-        raise ValueError(f"task {name!r} has no known correct response to fine-tune on; SFT sets exist for "
-                         f"{sorted(SFT_RESPONSES)} (or set data.train_files)")
+        raise ValueError(
+            f"task {name!r} has no known correct response to fine-tune on; SFT sets exist for "
+            f"{sorted(SFT_RESPONSES)} (or set data.train_files)"
+        )
 
 
 def sft_row(row: dict[str, Any]) -> dict[str, Any]:
@@ -52,8 +55,9 @@ def sft_row(row: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def build_sft_task(name: str, out_dir: str | Path, train_size: int, test_size: int,
-                   seed: int = 0, **difficulty: Any) -> tuple[str, str]:
+def build_sft_task(
+    name: str, out_dir: str | Path, train_size: int, test_size: int, seed: int = 0, **difficulty: Any
+) -> tuple[str, str]:
     """Write `{name}_sft_train.parquet` and `{name}_sft_test.parquet`; return their paths.
 
     The problems are the ones `build_task` draws with the same arguments.
@@ -88,15 +92,26 @@ def read_column(row: dict[str, Any], key: str) -> Any:
 class SFTDataset(torch.utils.data.Dataset):
     """Tokenised (prompt ids, response ids) pairs of SFT parquet files."""
 
-    def __init__(self, files: str | Sequence[str], tokenizer: Any, max_length: int, truncation: str = "error",
-                 prompt_key: str = "prompt", response_key: str = "response", messages_key: str | None = None):
+    def __init__(
+        self,
+        files: str | Sequence[str],
+        tokenizer: Any,
+        max_length: int,
+        truncation: str = "error",
+        prompt_key: str = "prompt",
+        response_key: str = "response",
+        messages_key: str | None = None,
+    ):
         """Read `files` and tokenise every example (module docstring); bad rows fail naming file and row."""
         self.files = [files] if isinstance(files, (str, Path)) else list(files)
         self.tokenizer, self.max_length, self.truncation = tokenizer, max_length, truncation
         self.prompt_key, self.response_key, self.messages_key = prompt_key, response_key, messages_key
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.examples = [self._example(str(path), i, row) for path in self.files
-                         for i, row in enumerate(_read_table(str(path), self._columns()))]
+        self.examples = [
+            self._example(str(path), i, row)
+            for path in self.files
+            for i, row in enumerate(_read_table(str(path), self._columns()))
+        ]
 
     def _columns(self) -> list[str]:
         keys_ = [self.messages_key] if self.messages_key else [self.prompt_key, self.response_key]
@@ -106,16 +121,20 @@ class SFTDataset(torch.utils.data.Dataset):
         """(messages before the response, response text) of one row."""
         if self.messages_key:
             messages = read_column(row, self.messages_key)
-            last = max((j for j, m in enumerate(messages or []) if isinstance(m, dict) and m.get("role") == "assistant"),
-                       default=None)
+            last = max(
+                (j for j, m in enumerate(messages or []) if isinstance(m, dict) and m.get("role") == "assistant"),
+                default=None,
+            )
             if last is None:
                 raise ValueError(f"{path}: row {i}: column {self.messages_key!r} has no assistant turn to train on")
             return [{"role": m["role"], "content": m["content"]} for m in messages[:last]], messages[last]["content"]
         prompt, response = read_column(row, self.prompt_key), read_column(row, self.response_key)
         for key, value in ((self.prompt_key, prompt), (self.response_key, response)):
             if value is None:
-                raise ValueError(f"{path}: row {i}: no value at {key!r}; set data.prompt_key / data.response_key "
-                                 "to the columns holding them (or data.messages_key for a chat column)")
+                raise ValueError(
+                    f"{path}: row {i}: no value at {key!r}; set data.prompt_key / data.response_key "
+                    "to the columns holding them (or data.messages_key for a chat column)"
+                )
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         return messages, str(response)
 
@@ -134,9 +153,11 @@ class SFTDataset(torch.utils.data.Dataset):
             return prompt[excess:], response
         if self.truncation == "right" and excess < len(response):
             return prompt, response[: len(response) - excess]
-        raise ValueError(f"{path}: row {i}: {len(prompt)} prompt + {len(response)} response tokens exceed "
-                         f"data.max_length={self.max_length}; raise data.max_length or set data.truncation=left|right "
-                         "(left cuts the prompt's start, right the response's end; one side must keep a token)")
+        raise ValueError(
+            f"{path}: row {i}: {len(prompt)} prompt + {len(response)} response tokens exceed "
+            f"data.max_length={self.max_length}; raise data.max_length or set data.truncation=left|right "
+            "(left cuts the prompt's start, right the response's end; one side must keep a token)"
+        )
 
     def __len__(self) -> int:
         return len(self.examples)
@@ -150,8 +171,10 @@ def _read_table(path: str, columns: list[str]) -> list[dict[str, Any]]:
     table = read_parquet_table(path)
     missing = [c for c in columns if c not in table.column_names]
     if missing:
-        raise ValueError(f"{path}: column(s) {missing} missing; the file has {table.column_names}: set "
-                         "data.prompt_key/data.response_key (or data.messages_key) to its columns")
+        raise ValueError(
+            f"{path}: column(s) {missing} missing; the file has {table.column_names}: set "
+            "data.prompt_key/data.response_key (or data.messages_key) to its columns"
+        )
     return table.select(list(dict.fromkeys(columns))).to_pylist()
 
 
@@ -167,8 +190,12 @@ def sft_collate(examples: Sequence[tuple[list[int], list[int]]], pad_token_id: i
         start = prompt_len - len(prompt)
         ids[row, start : prompt_len + len(response)] = torch.tensor(prompt + response)
         mask[row, start : prompt_len + len(response)] = 1
-    return DataProto.from_dict({
-        keys.INPUT_IDS: ids, keys.ATTENTION_MASK: mask,
-        keys.POSITION_IDS: (mask.cumsum(-1) - 1).clamp(min=0),
-        keys.RESPONSES: ids[:, prompt_len:].clone(), keys.RESPONSE_MASK: mask[:, prompt_len:].clone(),
-    })
+    return DataProto.from_dict(
+        {
+            keys.INPUT_IDS: ids,
+            keys.ATTENTION_MASK: mask,
+            keys.POSITION_IDS: (mask.cumsum(-1) - 1).clamp(min=0),
+            keys.RESPONSES: ids[:, prompt_len:].clone(),
+            keys.RESPONSE_MASK: mask[:, prompt_len:].clone(),
+        }
+    )

@@ -22,9 +22,10 @@ import dataclasses
 import difflib
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -101,8 +102,9 @@ def make_difficulty(name: str, **difficulty: Any) -> Any:
     return cls(**difficulty)
 
 
-def make_rows(name: str, size: int, split: str, seed: int, difficulty: Any,
-              exclude: set[str] | None = None) -> list[dict[str, Any]]:
+def make_rows(
+    name: str, size: int, split: str, seed: int, difficulty: Any, exclude: set[str] | None = None
+) -> list[dict[str, Any]]:
     """`size` verl-format rows of task `name` drawn from the stream (seed, split)."""
     spec = get_task(name)
     rng = np.random.default_rng([seed, _split_id(split)])
@@ -118,8 +120,9 @@ def make_rows(name: str, size: int, split: str, seed: int, difficulty: Any,
     return rows
 
 
-def build_task(name: str, out_dir: str | Path, train_size: int, test_size: int,
-               seed: int = 0, **difficulty: Any) -> tuple[str, str]:
+def build_task(
+    name: str, out_dir: str | Path, train_size: int, test_size: int, seed: int = 0, **difficulty: Any
+) -> tuple[str, str]:
     """Generate task `name` and write `{name}_train.parquet`, `{name}_test.parquet`.
 
     Returns the two paths. Keyword arguments set the task's difficulty (see the
@@ -133,9 +136,13 @@ def build_task(name: str, out_dir: str | Path, train_size: int, test_size: int,
     test = make_rows(name, test_size, "test", seed, level, exclude=seen)
     overlap = sum(row["prompt"][0]["content"] in seen for row in test)
     if overlap:
-        logger.warning("build_task(%s): %d of %d test problems also occur in the train split; the "
-                       "difficulty settings allow too few distinct problems for a clean held-out split",
-                       name, overlap, test_size)
+        logger.warning(
+            "build_task(%s): %d of %d test problems also occur in the train split; the "
+            "difficulty settings allow too few distinct problems for a clean held-out split",
+            name,
+            overlap,
+            test_size,
+        )
     out = Path(out_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     paths = []

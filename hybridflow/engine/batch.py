@@ -201,7 +201,7 @@ def pack(micro: Mapping[str, torch.Tensor]) -> PackedBatch:
     mask = micro[keys.ATTENTION_MASK].bool()
     packed_col = mask.flatten().long().cumsum(0).view_as(mask) - 1  # column of each real token in the row
     rmask = response_mask_of(micro).bool()
-    targets = packed_col[:, -rmask.shape[1]:][rmask]
+    targets = packed_col[:, -rmask.shape[1] :][rmask]
     if targets.numel() and int(targets.min()) < 1:
         raise ValueError("a packed row needs at least one prompt token before each response")
     return PackedBatch(

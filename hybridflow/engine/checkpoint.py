@@ -30,7 +30,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
 from hybridflow.models.value import ValueModel
@@ -40,6 +45,7 @@ from hybridflow.utils.checkpoint_dirs import commit_checkpoint
 
 if TYPE_CHECKING:
     from hybridflow.engine.base import Engine
+
 
 class CheckpointError(ValueError):
     """A checkpoint directory that is missing, incomplete or incompatible (a user error: the CLI prints one line)."""
@@ -51,7 +57,7 @@ def _broadcast_token() -> str:
     return token[0]
 
 
-def _states(engine: "Engine") -> dict[str, Any]:
+def _states(engine: Engine) -> dict[str, Any]:
     if engine.has_adapters:
         return _adapter_states(engine)
     if engine.optimizer is None:
@@ -64,7 +70,7 @@ def _states(engine: "Engine") -> dict[str, Any]:
 _ADAPTERS_ONLY = StateDictOptions(ignore_frozen_params=True)
 
 
-def _adapter_states(engine: "Engine") -> dict[str, Any]:
+def _adapter_states(engine: Engine) -> dict[str, Any]:
     if engine.optimizer is None:
         states = {"model": get_model_state_dict(engine.module, options=_ADAPTERS_ONLY)}
     else:
@@ -76,12 +82,12 @@ def _adapter_states(engine: "Engine") -> dict[str, Any]:
     return states
 
 
-def _lora_meta(engine: "Engine") -> dict[str, Any] | None:
+def _lora_meta(engine: Engine) -> dict[str, Any] | None:
     """The engine's LoRA settings as meta.json holds them (None: no adapters)."""
     return json.loads(json.dumps(asdict(engine.lora))) if engine.has_adapters else None
 
 
-def save_checkpoint(engine: "Engine", path: Path, extra: dict[str, Any] | None = None) -> Path:
+def save_checkpoint(engine: Engine, path: Path, extra: dict[str, Any] | None = None) -> Path:
     """Write engine state + per-rank `extra` to `path` atomically (collective: all ranks call it)."""
     rank = engine.rank
     token = _broadcast_token()
@@ -94,8 +100,12 @@ def save_checkpoint(engine: "Engine", path: Path, extra: dict[str, Any] | None =
     torch.save({"lr_scheduler": sched, "extra": extra or {}}, tmp / f"extra_rank{rank}.pt")
     if rank == 0:
         engine.hf_config().save_pretrained(tmp / "hf_config")
-        meta = {"world_size": engine.world_size, "value_model": engine.is_value_model,
-                "has_optimizer": engine.optimizer is not None, "lora": _lora_meta(engine)}
+        meta = {
+            "world_size": engine.world_size,
+            "value_model": engine.is_value_model,
+            "has_optimizer": engine.optimizer is not None,
+            "lora": _lora_meta(engine),
+        }
         (tmp / "meta.json").write_text(json.dumps(meta))
     dist.barrier()
     if rank == 0:
@@ -113,7 +123,7 @@ def _check_complete(path: Path) -> dict[str, Any]:
     return json.loads((path / "meta.json").read_text())
 
 
-def load_checkpoint(engine: "Engine", path: Path) -> dict[str, Any]:
+def load_checkpoint(engine: Engine, path: Path) -> dict[str, Any]:
     """Restore model, optimizer and LR schedule from `path`; return this rank's `extra`."""
     meta = _check_complete(path)
     if meta["value_model"] != engine.is_value_model:
@@ -121,8 +131,10 @@ def load_checkpoint(engine: "Engine", path: Path) -> dict[str, Any]:
     if engine.optimizer is not None and not meta["has_optimizer"]:
         raise CheckpointError(f"{path} has no optimizer state; load it into an engine built with optim=None")
     if meta.get("lora") != _lora_meta(engine):
-        raise CheckpointError(f"{path} holds LoRA settings {meta.get('lora')} (None: full weights), the engine "
-                              f"has {_lora_meta(engine)}; build it with the checkpoint's lora settings")
+        raise CheckpointError(
+            f"{path} holds LoRA settings {meta.get('lora')} (None: full weights), the engine "
+            f"has {_lora_meta(engine)}; build it with the checkpoint's lora settings"
+        )
     state = _states(engine)
     dcp.load(state, checkpoint_id=path)  # refuses a checkpoint that lacks any of these keys
     # The frozen base weights are absent from an adapter checkpoint on purpose, hence not strict there.
@@ -130,8 +142,13 @@ def load_checkpoint(engine: "Engine", path: Path) -> dict[str, Any]:
     if engine.optimizer is None:
         set_state_dict(engine.module, [], model_state_dict=state["model"], optim_state_dict={}, options=options)
     else:
-        set_state_dict(engine.module, engine.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"], options=options)
+        set_state_dict(
+            engine.module,
+            engine.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=options,
+        )
     own = path / f"extra_rank{engine.rank}.pt"
     blob = torch.load(own if own.exists() else path / "extra_rank0.pt", weights_only=False)
     if engine.lr_scheduler is not None and blob["lr_scheduler"] is not None:
@@ -149,8 +166,11 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
     root = Path(root)
     if not root.is_dir():
         return None
-    done = [p for p in root.iterdir() if p.is_dir() and (p / COMPLETE).is_file()
-            and TMP_INFIX not in p.name and OLD_INFIX not in p.name]
+    done = [
+        p
+        for p in root.iterdir()
+        if p.is_dir() and (p / COMPLETE).is_file() and TMP_INFIX not in p.name and OLD_INFIX not in p.name
+    ]
     return max(done, key=lambda p: (_step_of(p), p.stat().st_mtime), default=None)
 
 
@@ -178,9 +198,11 @@ def _adapted_model(path: Path, meta: dict[str, Any], base_model: str | os.PathLi
     from hybridflow.models import load_causal_lm
 
     if base_model is None:
-        raise CheckpointError(f"{path} holds LoRA adapters, not full weights: pass the base model they were "
-                              "trained on (hybridflow export reads it from the run's trainer_state.json, or "
-                              "takes --base-model)")
+        raise CheckpointError(
+            f"{path} holds LoRA adapters, not full weights: pass the base model they were "
+            "trained on (hybridflow export reads it from the run's trainer_state.json, or "
+            "takes --base-model)"
+        )
     model = apply_lora(load_causal_lm(base_model), LoraConfig(**meta["lora"]))
     adapters = {name: p for name, p in model.named_parameters() if p.requires_grad}
     dcp.load({"model": adapters}, checkpoint_id=path, no_dist=True)  # in place
@@ -200,8 +222,12 @@ def export_adapter(ckpt: str | os.PathLike, out_dir: str | os.PathLike, base_mod
     return out
 
 
-def export_hf(source: "Engine | str | os.PathLike", out_dir: str | os.PathLike, tokenizer: Any = None,
-              base_model: str | os.PathLike | None = None) -> Path:
+def export_hf(
+    source: Engine | str | os.PathLike,
+    out_dir: str | os.PathLike,
+    tokenizer: Any = None,
+    base_model: str | os.PathLike | None = None,
+) -> Path:
     """Write a full HF directory (safetensors + config + tokenizer) from an engine or a checkpoint.
 
     From an engine this is collective (all ranks call it; rank 0 writes). `tokenizer` is a

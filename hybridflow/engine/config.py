@@ -41,13 +41,9 @@ class OptimConfig(Section):
         if self.lr < 0:
             raise ValueError(f"optim.lr must be >= 0, got {self.lr}")
         if self.lr_scheduler not in ("constant", "cosine"):
-            raise ValueError(
-                f"optim.lr_scheduler must be 'constant' or 'cosine', got {self.lr_scheduler!r}"
-            )
+            raise ValueError(f"optim.lr_scheduler must be 'constant' or 'cosine', got {self.lr_scheduler!r}")
         if not 0.0 <= self.lr_warmup_steps_ratio <= 1.0:
-            raise ValueError(
-                f"optim.lr_warmup_steps_ratio must be in [0, 1], got {self.lr_warmup_steps_ratio}"
-            )
+            raise ValueError(f"optim.lr_warmup_steps_ratio must be in [0, 1], got {self.lr_warmup_steps_ratio}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         self.betas = (float(self.betas[0]), float(self.betas[1]))
@@ -128,9 +124,14 @@ class EngineConfig(Section):
         `section`: the key path of this engine in the message ("actor.engine.", ...)."""
         per = self.ranks_per_dp_group
         if world % per:
-            keys = [f"{section}{k}={v}" for k, v in (("tensor_parallel_size", self.tensor_parallel_size),
-                                                     ("ulysses_sequence_parallel_size",
-                                                      self.ulysses_sequence_parallel_size)) if v > 1]
+            keys = [
+                f"{section}{k}={v}"
+                for k, v in (
+                    ("tensor_parallel_size", self.tensor_parallel_size),
+                    ("ulysses_sequence_parallel_size", self.ulysses_sequence_parallel_size),
+                )
+                if v > 1
+            ]
             raise ValueError(f"{' x '.join(keys)} must divide the number of ranks ({world})")
         return world // per
 
@@ -148,12 +149,15 @@ class EngineConfig(Section):
         if self.tensor_parallel_size < 1:
             raise ValueError(f"engine.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.ulysses_sequence_parallel_size < 1:
-            raise ValueError(f"engine.ulysses_sequence_parallel_size must be >= 1, got "
-                             f"{self.ulysses_sequence_parallel_size}")
+            raise ValueError(
+                f"engine.ulysses_sequence_parallel_size must be >= 1, got {self.ulysses_sequence_parallel_size}"
+            )
         if self.ulysses_sequence_parallel_size > 1 and self.tensor_parallel_size > 1:
-            raise ValueError(f"engine.ulysses_sequence_parallel_size={self.ulysses_sequence_parallel_size} with "
-                             f"engine.tensor_parallel_size={self.tensor_parallel_size}: sequence parallel does not "
-                             "combine with tensor parallel yet; use one of them")
+            raise ValueError(
+                f"engine.ulysses_sequence_parallel_size={self.ulysses_sequence_parallel_size} with "
+                f"engine.tensor_parallel_size={self.tensor_parallel_size}: sequence parallel does not "
+                "combine with tensor parallel yet; use one of them"
+            )
         if self.cpu_math_attention_max_len < 0:
             raise ValueError(f"engine.cpu_math_attention_max_len must be >= 0, got {self.cpu_math_attention_max_len}")
         if self.logits_chunk_size < 1:
@@ -187,10 +191,14 @@ class LoraConfig(Section):
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout}")
         ok = self.target_modules == "all-linear" or (
-            isinstance(self.target_modules, (list, tuple)) and self.target_modules
-            and all(isinstance(m, str) and m for m in self.target_modules))
+            isinstance(self.target_modules, (list, tuple))
+            and self.target_modules
+            and all(isinstance(m, str) and m for m in self.target_modules)
+        )
         if not ok:
-            raise ValueError(f"lora.target_modules must be 'all-linear' or a non-empty list of module names, "
-                             f"got {self.target_modules!r}")
+            raise ValueError(
+                f"lora.target_modules must be 'all-linear' or a non-empty list of module names, "
+                f"got {self.target_modules!r}"
+            )
         if isinstance(self.target_modules, tuple):
             self.target_modules = list(self.target_modules)

@@ -83,8 +83,9 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 def _refuse_value_lora(value_model: bool, lora: LoraConfig | None) -> None:
     if value_model and lora is not None and lora.enabled:
-        raise ValueError("LoRA adapters are supported on the policy (actor.lora) only; a value model (critic) "
-                         "trains all its weights")
+        raise ValueError(
+            "LoRA adapters are supported on the policy (actor.lora) only; a value model (critic) trains all its weights"
+        )
 
 
 def _contiguous_lm_head_input(model: nn.Module) -> None:
@@ -105,8 +106,9 @@ class FSDPEngine(Engine):
     (hybridflow/engine/lora.py).
     """
 
-    def __init__(self, model: nn.Module, config: EngineConfig, optim: OptimConfig | None = None,
-                 lora: LoraConfig | None = None) -> None:
+    def __init__(
+        self, model: nn.Module, config: EngineConfig, optim: OptimConfig | None = None, lora: LoraConfig | None = None
+    ) -> None:
         ensure_process_group()
         self.config = config
         self.device = engine_device()
@@ -135,7 +137,7 @@ class FSDPEngine(Engine):
         optim: OptimConfig | None = None,
         value_model: bool = False,
         lora: LoraConfig | None = None,
-    ) -> "FSDPEngine":
+    ) -> FSDPEngine:
         """Load a causal LM (or, with `value_model`, a value model) from a local HF dir and shard it,
         with adapters when `lora` has rank > 0."""
         from hybridflow.models import load_causal_lm, load_value_model
@@ -236,8 +238,7 @@ class FSDPEngine(Engine):
         place = lambda v: B.pad_to_response(v, win, rmask)  # noqa: E731
         return self._token_outputs(out.logits[:, :-1], labels, place, temperature, calc_entropy)
 
-    def _forward_packed(self, packed: B.PackedBatch, temperature: float,
-                        calc_entropy: bool) -> dict[str, torch.Tensor]:
+    def _forward_packed(self, packed: B.PackedBatch, temperature: float, calc_entropy: bool) -> dict[str, torch.Tensor]:
         """The micro-batch as one packed row. Without an explicit mask (engine/batch.py `pack`) and
         without a cache, transformers masks attention block-diagonally from the restarting position
         ids; shared-prompt packing (engine/prefix.py) brings its own 4-D mask."""
@@ -250,8 +251,9 @@ class FSDPEngine(Engine):
         out = self.model(**row, logits_to_keep=packed.predictors, use_cache=False)
         return self._token_outputs(out.logits[0], packed.labels, place, temperature, calc_entropy)
 
-    def _token_outputs(self, logits: torch.Tensor, labels: torch.Tensor, place: Any, temperature: float,
-                       calc_entropy: bool) -> dict[str, torch.Tensor]:
+    def _token_outputs(
+        self, logits: torch.Tensor, labels: torch.Tensor, place: Any, temperature: float, calc_entropy: bool
+    ) -> dict[str, torch.Tensor]:
         """log-probs (and entropy) of `labels` under `logits`, put back in the [b, R] layout by `place`."""
         if temperature != 1.0:
             logits = logits.float() / temperature
@@ -262,7 +264,9 @@ class FSDPEngine(Engine):
         return result
 
     @torch.no_grad()
-    def _infer(self, data: Mapping[str, torch.Tensor], micro_batch_size: B.MicroBatchSize, **kw) -> dict[str, torch.Tensor]:
+    def _infer(
+        self, data: Mapping[str, torch.Tensor], micro_batch_size: B.MicroBatchSize, **kw
+    ) -> dict[str, torch.Tensor]:
         self.model.eval()
         parts: dict[str, list[torch.Tensor]] = defaultdict(list)
         # Keep each layer gathered across micro-batches; reshard so no stale copy outlives the call.

@@ -54,8 +54,9 @@ def gather_full(tensors: list[torch.Tensor], dtype: torch.dtype | None = None) -
     return out
 
 
-def gather_named(named: dict[str, torch.Tensor], dtype: torch.dtype | None,
-                 aliases: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
+def gather_named(
+    named: dict[str, torch.Tensor], dtype: torch.dtype | None, aliases: dict[str, str] | None = None
+) -> dict[str, torch.Tensor]:
     """`gather_full` over a name -> tensor dict; a tensor under several names is gathered once, and so is
     each name of `aliases` (name -> the name whose value it shares: tied weights), filled from its source."""
     aliases = {a: src for a, src in (aliases or {}).items() if a in named and src in named}

@@ -36,8 +36,14 @@ INIT_SEED = 0
 
 def peft_config(cfg: LoraConfig) -> peft.LoraConfig:
     """The peft config of `cfg` (no bias training, plain alpha / r scaling)."""
-    return peft.LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, target_modules=cfg.target_modules,
-                           lora_dropout=cfg.dropout, bias="none", task_type="CAUSAL_LM")
+    return peft.LoraConfig(
+        r=cfg.rank,
+        lora_alpha=cfg.alpha,
+        target_modules=cfg.target_modules,
+        lora_dropout=cfg.dropout,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
 
 
 def apply_lora(model: nn.Module, cfg: LoraConfig) -> peft.PeftModel:
@@ -51,8 +57,9 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> peft.PeftModel:
             torch.manual_seed(INIT_SEED)
             wrapped = peft.get_peft_model(model, peft_config(cfg))
     except ValueError as err:
-        raise ValueError(f"lora.target_modules={cfg.target_modules!r} does not fit {type(model).__name__}: {err}"
-                         ) from None
+        raise ValueError(
+            f"lora.target_modules={cfg.target_modules!r} does not fit {type(model).__name__}: {err}"
+        ) from None
     _check_adapted(wrapped)
     return wrapped
 
@@ -62,11 +69,15 @@ def _check_adapted(model: nn.Module) -> None:
     uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     for name, layer in adapted_layers(model):
         if not isinstance(layer, LoraLinear):
-            raise ValueError(f"lora.target_modules: {hf_name(name)} is of type {type(layer.base_layer).__name__}; "
-                             "adapters are supported on linear layers only")
+            raise ValueError(
+                f"lora.target_modules: {hf_name(name)} is of type {type(layer.base_layer).__name__}; "
+                "adapters are supported on linear layers only"
+            )
         if uses[id(layer.base_layer.weight)] > 1:
-            raise ValueError(f"lora.target_modules: {hf_name(name)} shares its weight with another layer (tied "
-                             "embeddings); leave it out")
+            raise ValueError(
+                f"lora.target_modules: {hf_name(name)} shares its weight with another layer (tied "
+                "embeddings); leave it out"
+            )
 
 
 def adapted_layers(model: nn.Module) -> list[tuple[str, LoraLayer]]:
@@ -93,8 +104,9 @@ def merged_state_dict(model: nn.Module, dtype: torch.dtype | None, changed_only:
     named = {hf_name(f"{name}.weight"): _merged_rows(layer, dtype) for name, layer in layers}
     if not changed_only:
         merged = {f"{name}.base_layer.weight" for name, _ in layers}
-        named.update({hf_name(k): t for k, t in model.state_dict().items()
-                      if k not in merged and not is_adapter_key(k)})
+        named.update(
+            {hf_name(k): t for k, t in model.state_dict().items() if k not in merged and not is_adapter_key(k)}
+        )
     # a merged (adapted) head is a new tensor, not the embedding's storage: tied_aliases leaves it out
     return gather_named(named, dtype, tied_aliases(getattr(model, "config", None), named))
 
@@ -107,8 +119,9 @@ def _merged_rows(layer: LoraLinear, dtype: torch.dtype | None) -> torch.Tensor:
     rows = (_local(weight).float() + layer.scaling[ADAPTER] * (b_rows @ a_full)).to(dtype or weight.dtype)
     if not isinstance(weight, DTensor):
         return rows
-    return DTensor.from_local(rows, weight.device_mesh, weight.placements, run_check=False,
-                              shape=weight.shape, stride=weight.stride())
+    return DTensor.from_local(
+        rows, weight.device_mesh, weight.placements, run_check=False, shape=weight.shape, stride=weight.stride()
+    )
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -18,9 +18,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
     SmolLM2-135M on one thread, FSDP2 DTensor parameters included).
     """
     params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(
-        params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, fused=True
-    )
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, fused=True)
 
 
 def lr_factor(step: int, cfg: OptimConfig) -> float:

@@ -95,10 +95,14 @@ def pack_shared_prompts(micro: Mapping[str, torch.Tensor]) -> PackedBatch:
             n += len(r_cols)
     device = mask.device
     rows_t, cols_t = torch.tensor(rows, device=device), torch.tensor(cols, device=device)
-    predictors = torch.cat([
-        torch.cat([torch.tensor([last_prompt_col[row]]), response_cols[row][:-1]])
-        for row in range(mask.shape[0]) if row in response_cols and len(response_cols[row])
-    ] or [torch.zeros(0, dtype=torch.long)])
+    predictors = torch.cat(
+        [
+            torch.cat([torch.tensor([last_prompt_col[row]]), response_cols[row][:-1]])
+            for row in range(mask.shape[0])
+            if row in response_cols and len(response_cols[row])
+        ]
+        or [torch.zeros(0, dtype=torch.long)]
+    )
     return PackedBatch(
         input_ids=micro[keys.INPUT_IDS][rows_t, cols_t].unsqueeze(0),
         position_ids=micro[keys.POSITION_IDS][rows_t, cols_t].unsqueeze(0),

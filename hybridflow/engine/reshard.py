@@ -125,9 +125,10 @@ def held_boxes(t: Tensor, world: int, meshes: dict[int, tuple] | None = None) ->
     return tuple(_held_box(tuple(t.shape), ranks, shape, tuple(t.placements), r) for r in range(world))
 
 
-@functools.lru_cache(maxsize=None)
-def _held_box(shape: tuple[int, ...], ranks: tuple[int, ...], mesh_shape: tuple[int, ...],
-              placements: tuple, rank: int) -> Box:
+@functools.cache
+def _held_box(
+    shape: tuple[int, ...], ranks: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple, rank: int
+) -> Box:
     flat, coord = ranks.index(rank), []
     for size in reversed(mesh_shape):
         flat, c = divmod(flat, size)
@@ -141,7 +142,7 @@ def _intersect(a: Box, b: Box) -> Box | None:
     return box if all(lo < hi for lo, hi in box) else None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def plan_pieces(held: tuple[Box, ...], targets: tuple[Box, ...]) -> tuple[Piece, ...]:
     """The pieces that give every rank r its `targets[r]` from the blocks `held[r]` (ranks with the same
     block are replicas: a rank takes a block from itself if it can, else from replica number r mod count)."""
@@ -227,7 +228,7 @@ class _Bucket:
         self.sends, self.receives, self.filled, self.tag = {}, {}, 0, self.tag + 1
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def split_pieces(pieces: tuple[Piece, ...], max_elems: int) -> tuple[Piece, ...]:
     """`pieces` with every moved piece larger than `max_elems` cut into blocks of rows no larger (so one
     big weight spreads over buckets instead of needing buffers its size)."""
@@ -268,13 +269,21 @@ def _local_block(name: str, t: Tensor, box: Box) -> Tensor:
     """This rank's piece of `t`, checked to be the block `box` claims."""
     local = t.detach().to_local() if isinstance(t, DTensor) else t.detach()
     if tuple(local.shape) != tuple(hi - lo for lo, hi in box):
-        raise ValueError(f"reshard: {name}'s local piece {tuple(local.shape)} is not one block {box} of the full "
-                         f"tensor (placements {getattr(t, 'placements', None)})")
+        raise ValueError(
+            f"reshard: {name}'s local piece {tuple(local.shape)} is not one block {box} of the full "
+            f"tensor (placements {getattr(t, 'placements', None)})"
+        )
     return local
 
 
-def _destination(names: list[str], shape: tuple[int, ...], dtype: torch.dtype, out: Mapping[str, Tensor] | None,
-                 stats: ReshardStats, device: torch.device) -> Tensor:
+def _destination(
+    names: list[str],
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    out: Mapping[str, Tensor] | None,
+    stats: ReshardStats,
+    device: torch.device,
+) -> Tensor:
     if out is None:
         dest = torch.empty(shape, dtype=dtype, device=device)
         stats.allocated += dest.nbytes
@@ -283,15 +292,22 @@ def _destination(names: list[str], shape: tuple[int, ...], dtype: torch.dtype, o
         raise KeyError(f"reshard: {names[0]} has no destination tensor; destinations look like {list(out)[:3]}")
     dest = out[names[0]]
     if tuple(dest.shape) != shape or dest.dtype != dtype:
-        raise ValueError(f"reshard: {names[0]} goes to a {tuple(dest.shape)} {dest.dtype} tensor; its generation "
-                         f"shard is {shape} {dtype}")
+        raise ValueError(
+            f"reshard: {names[0]} goes to a {tuple(dest.shape)} {dest.dtype} tensor; its generation "
+            f"shard is {shape} {dtype}"
+        )
     return dest
 
 
 @torch.no_grad()
-def reshard(named: Mapping[str, Tensor], layout: GenerationLayout, dtype: torch.dtype,
-            out: Mapping[str, Tensor] | None = None, stats: ReshardStats | None = None,
-            bucket_bytes: int = BUCKET_BYTES) -> dict[str, Tensor]:
+def reshard(
+    named: Mapping[str, Tensor],
+    layout: GenerationLayout,
+    dtype: torch.dtype,
+    out: Mapping[str, Tensor] | None = None,
+    stats: ReshardStats | None = None,
+    bucket_bytes: int = BUCKET_BYTES,
+) -> dict[str, Tensor]:
     """This rank's generation shard of every weight in `named` (name -> training tensor, DTensor or plain,
     the same names in the same order on every rank: a collective over the default group), in `dtype`.
     Pass parameters (`named_weights`), not a state dict: FSDP2's state dict wraps a tied parameter in

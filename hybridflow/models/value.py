@@ -56,9 +56,7 @@ class ValueModel(nn.Module):
         **kwargs,
     ) -> torch.Tensor:
         """Per-token values V(s_t) for every position: [B, T] float32."""
-        out = self.backbone(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs
-        )
+        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
         # A fresh tensor, not a view: FSDP2 warns that in-place ops on a view skip its hooks.
         return out.logits.squeeze(-1).float().clone()
 
@@ -179,4 +177,3 @@ def _read_tensors(p: Path, names: list[str]) -> dict[str, torch.Tensor]:
             state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
             out.update({n: state[n] for n in names if n in state})
     return out
-

@@ -41,9 +41,17 @@ def device_costs(device: DeviceProfile, threads: int, cfg: RunConfig) -> Operato
     fwd = min(p.forward_s_per_token for p in at)
     train = min(p.train_s_per_token for p in at)
     decode = min(p.decode_s_per_token for p in at)
-    return OperatorCosts({"generate": decode, "old_log_prob": fwd, "ref_log_prob": fwd, "values": fwd,
-                          "rm_score": fwd, "update_actor": train * cfg.actor.ppo_epochs,
-                          "update_critic": train * cfg.critic.ppo_epochs})
+    return OperatorCosts(
+        {
+            "generate": decode,
+            "old_log_prob": fwd,
+            "ref_log_prob": fwd,
+            "values": fwd,
+            "rm_score": fwd,
+            "update_actor": train * cfg.actor.ppo_epochs,
+            "update_critic": train * cfg.critic.ppo_epochs,
+        }
+    )
 
 
 PROFILE_SHAPE = (8, 64)
@@ -71,8 +79,9 @@ def cached_device_profile(cfg: RunConfig, threads: int) -> DeviceProfile:
     path = cache_root() / "device_profiles" / f"{key}.json"
     if path.exists():
         return DeviceProfile.load(path)
-    prof = profile_device(str(model), (threads,), [PROFILE_SHAPE], dtype=dtype, collectives=True,
-                          decode_rows_per_thread=per_thread)
+    prof = profile_device(
+        str(model), (threads,), [PROFILE_SHAPE], dtype=dtype, collectives=True, decode_rows_per_thread=per_thread
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     prof.save(path)
     return prof
@@ -89,11 +98,13 @@ def profile_dtype(cfg: RunConfig, threads: int) -> torch.dtype:
 def micro_rows(cfg: RunConfig) -> dict[str, float]:
     """Rows per micro-batch of each operator (0 where token budgets size them: left out of the count)."""
     a, c = cfg.actor, cfg.critic
-    rows = {"update_actor": 0 if a.use_dynamic_bsz else a.ppo_micro_batch_size_per_device,
-            "old_log_prob": 0 if a.use_dynamic_bsz else a.log_prob_micro_batch_size_per_device,
-            "ref_log_prob": 0 if cfg.ref.log_prob_use_dynamic_bsz else cfg.ref.log_prob_micro_batch_size_per_device,
-            "update_critic": 0 if c.use_dynamic_bsz else c.ppo_micro_batch_size_per_device,
-            "values": 0 if c.use_dynamic_bsz else c.ppo_micro_batch_size_per_device}
+    rows = {
+        "update_actor": 0 if a.use_dynamic_bsz else a.ppo_micro_batch_size_per_device,
+        "old_log_prob": 0 if a.use_dynamic_bsz else a.log_prob_micro_batch_size_per_device,
+        "ref_log_prob": 0 if cfg.ref.log_prob_use_dynamic_bsz else cfg.ref.log_prob_micro_batch_size_per_device,
+        "update_critic": 0 if c.use_dynamic_bsz else c.ppo_micro_batch_size_per_device,
+        "values": 0 if c.use_dynamic_bsz else c.ppo_micro_batch_size_per_device,
+    }
     return {op: float(n) for op, n in rows.items() if n}
 
 
@@ -122,13 +133,23 @@ def predicted_placements(cfg: RunConfig, threads: int, device: DeviceProfile) ->
     return {p: predict_step_time_v1(placement_plan(cfg, p), costs, tokens, response, w) for p in candidates}
 
 
-def run_workers(cfg: RunConfig, device: DeviceProfile, threads: int, base_threads: int, params: float,
-                **shape: float) -> Workers:
+def run_workers(
+    cfg: RunConfig, device: DeviceProfile, threads: int, base_threads: int, params: float, **shape: float
+) -> Workers:
     """Cost model v1's Workers for a run: its FSDP layout, micro-batches and optimizer steps taken from `cfg`;
     `shape`: the model-shape fields (layers, hidden, ...) where tensor / sequence parallel needs them."""
-    return Workers(threads, base_threads, device, params=params, optimizer_steps=optimizer_steps(cfg),
-                   param_bytes=2 if device.dtype == "bfloat16" else 4, rows=cfg.data.train_batch_size * cfg.rollout.n,
-                   micro_rows=micro_rows(cfg), sharded=fsdp_sharded(cfg), **shape)
+    return Workers(
+        threads,
+        base_threads,
+        device,
+        params=params,
+        optimizer_steps=optimizer_steps(cfg),
+        param_bytes=2 if device.dtype == "bfloat16" else 4,
+        rows=cfg.data.train_batch_size * cfg.rollout.n,
+        micro_rows=micro_rows(cfg),
+        sharded=fsdp_sharded(cfg),
+        **shape,
+    )
 
 
 def resolve_auto_placement(cfg: RunConfig, threads: int) -> RunConfig:
@@ -174,11 +195,19 @@ def resolve_auto_layout(cfg: RunConfig, cores: int) -> RunConfig:
             best = min(times, key=times.get)
             predicted[workers] = (times[best], best)
     if not predicted:
-        raise ValueError(f"trainer.n_workers_per_node=null: no split of {cores} cores into workers fits this run's "
-                         "batch sizes; set trainer.n_workers_per_node")
+        raise ValueError(
+            f"trainer.n_workers_per_node=null: no split of {cores} cores into workers fits this run's "
+            "batch sizes; set trainer.n_workers_per_node"
+        )
     chosen = min(predicted, key=lambda w: predicted[w][0])
-    print("trainer.n_workers_per_node=null -> " + str(chosen) + " (predicted s/step: " + ", ".join(
-        f"{w} x {cores // w} threads {s:.1f} ({p})" for w, (s, p) in sorted(predicted.items())) + ")", flush=True)
+    print(
+        "trainer.n_workers_per_node=null -> "
+        + str(chosen)
+        + " (predicted s/step: "
+        + ", ".join(f"{w} x {cores // w} threads {s:.1f} ({p})" for w, (s, p) in sorted(predicted.items()))
+        + ")",
+        flush=True,
+    )
     return _with_workers(cfg, chosen)
 
 

@@ -11,8 +11,9 @@ v0 assumes perfect data-parallel scaling and no dispatch or transfer cost betwee
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from hybridflow.planner.device import DeviceProfile
 from hybridflow.planner.plans import Plan, RoleParallel
@@ -60,8 +61,9 @@ def phase_seconds(plan: Plan, costs: OperatorCosts, tokens: float, response_toke
             if role not in roles:
                 continue
             idx = next(i for i, s in enumerate(plan.sets) if role in s.roles)
-            per_set[idx] = per_set.get(idx, 0.0) + operator_seconds(op, costs, plan.of(role).dp, tokens,
-                                                                    response_tokens)
+            per_set[idx] = per_set.get(idx, 0.0) + operator_seconds(
+                op, costs, plan.of(role).dp, tokens, response_tokens
+            )
         out.append(max(per_set.values(), default=0.0))
     return out
 
@@ -85,9 +87,12 @@ def costs_from_profile(profile: Sequence[dict[str, Any]], devices: int, forward_
             return None
         return row["median_s"] * share * devices / row["tokens_per_step"]
 
-    found: dict[str, float | None] = {"generate": per_token("timing_s/gen"), "rm_score": per_token("timing_s/reward"),
-                                      "update_actor": per_token("timing_s/update_actor_on_worker"),
-                                      "update_critic": per_token("timing_s/update_critic_on_worker")}
+    found: dict[str, float | None] = {
+        "generate": per_token("timing_s/gen"),
+        "rm_score": per_token("timing_s/reward"),
+        "update_actor": per_token("timing_s/update_actor_on_worker"),
+        "update_critic": per_token("timing_s/update_critic_on_worker"),
+    }
     if found["update_actor"] is None:
         found["update_actor"] = per_token("timing_s/update")
     for op in forward_ops:
@@ -98,13 +103,21 @@ def costs_from_profile(profile: Sequence[dict[str, Any]], devices: int, forward_
         found["generate"] = max(0.0, gen["median_s"] - fixed["weight_sync"]) * devices / gen["tokens_per_step"]
     if "timing_s/step" in rows:  # what no operator accounts for: advantages, dispatch, the controller's work
         phases = ("timing_s/gen", "timing_s/reward", "timing_s/old_log_prob_ref_values", "timing_s/update")
-        fixed["controller"] = max(0.0, rows["timing_s/step"]["median_s"]
-                                  - sum(rows[m]["median_s"] for m in phases if m in rows))
+        fixed["controller"] = max(
+            0.0, rows["timing_s/step"]["median_s"] - sum(rows[m]["median_s"] for m in phases if m in rows)
+        )
     return OperatorCosts({op: v for op, v in found.items() if v is not None}, fixed)
 
 
-KIND_OF = {"generate": "decode", "old_log_prob": "forward", "ref_log_prob": "forward", "values": "forward",
-           "rm_score": "forward", "update_actor": "train", "update_critic": "train"}
+KIND_OF = {
+    "generate": "decode",
+    "old_log_prob": "forward",
+    "ref_log_prob": "forward",
+    "values": "forward",
+    "rm_score": "forward",
+    "update_actor": "train",
+    "update_critic": "train",
+}
 """The measured operator kind (planner/device.py) whose thread scaling each operator follows."""
 
 
@@ -195,8 +208,9 @@ def dp_sync_seconds(op: str, ranks: int, w: Workers) -> float:
     if not w.sharded:
         if not update:
             return 0.0
-        return w.optimizer_steps * (w.device.allreduce_latency_s
-                                    + w.params * w.grad_bytes * w.device.allreduce_s_per_byte)
+        return w.optimizer_steps * (
+            w.device.allreduce_latency_s + w.params * w.grad_bytes * w.device.allreduce_s_per_byte
+        )
     d = w.device
     share = (ranks - 1) / ranks / 2
     # measured gather / scatter costs: per byte of the full buffer between 2 ranks (share 1/4); else half an all-reduce
@@ -221,8 +235,9 @@ def without_dp_sync(costs: OperatorCosts, ranks: int, tokens: float, w: Workers)
     return OperatorCosts(out, costs.fixed_s)
 
 
-def operator_seconds_v1(op: str, costs: OperatorCosts, par: RoleParallel, tokens: float, response_tokens: float,
-                        w: Workers) -> float:
+def operator_seconds_v1(
+    op: str, costs: OperatorCosts, par: RoleParallel, tokens: float, response_tokens: float, w: Workers
+) -> float:
     """`op` on par.dp x par.tp x par.sp workers of w.threads threads: the profiled per-token cost scaled by the
     devices and by the measured thread speedup (relative to the profiled run's threads), plus the tensor-
     and sequence-parallel collectives and FSDP's own traffic. Generation uses every worker too: the rollout's own layout is dp x tp
@@ -239,12 +254,22 @@ def operator_seconds_v1(op: str, costs: OperatorCosts, par: RoleParallel, tokens
     compute = costs.seconds_per_token.get(op, 0.0) * n / (split * speed)
     if not compute:
         return 0.0
-    return (compute + tp_collective_seconds(op, par.tp, par.dp, tokens, response_tokens, w)
-            + sp_collective_seconds(op, par.sp, par.dp, tokens, w) + dp_sync_seconds(op, par.dp * par.sp, w))
+    return (
+        compute
+        + tp_collective_seconds(op, par.tp, par.dp, tokens, response_tokens, w)
+        + sp_collective_seconds(op, par.sp, par.dp, tokens, w)
+        + dp_sync_seconds(op, par.dp * par.sp, w)
+    )
 
 
-def predict_step_time_v1(plan: Plan, costs: OperatorCosts, tokens: float, response_tokens: float,
-                         w: Workers, skip: frozenset[str] = frozenset()) -> float:
+def predict_step_time_v1(
+    plan: Plan,
+    costs: OperatorCosts,
+    tokens: float,
+    response_tokens: float,
+    w: Workers,
+    skip: frozenset[str] = frozenset(),
+) -> float:
     """Seconds of one step: phases in turn (roles of one set in turn, sets overlapping inside a phase)
     plus the controller's own time, measured on the profiled run; operators in `skip` are left out."""
     roles = {r for s in plan.sets for r in s.roles}
@@ -255,14 +280,20 @@ def predict_step_time_v1(plan: Plan, costs: OperatorCosts, tokens: float, respon
             if role in roles and op not in skip:
                 idx = plan.sets.index(plan.set_of(role))
                 par = plan.of(role)
-                per_set[idx] = per_set.get(idx, 0.0) + operator_seconds_v1(op, costs, par, tokens,
-                                                                            response_tokens, w)
+                per_set[idx] = per_set.get(idx, 0.0) + operator_seconds_v1(op, costs, par, tokens, response_tokens, w)
         total += max(per_set.values(), default=0.0)
     return total
 
 
-def predict_one_step_off_v1(train_plan: Plan, rollout_devices: int, costs: OperatorCosts, tokens: float,
-                            response_tokens: float, w: Workers, transfer_s: float) -> float:
+def predict_one_step_off_v1(
+    train_plan: Plan,
+    rollout_devices: int,
+    costs: OperatorCosts,
+    tokens: float,
+    response_tokens: float,
+    w: Workers,
+    transfer_s: float,
+) -> float:
     """Seconds per step of trainer.mode=one_step_off: batch k+1 is generated on the rollout's own
     `rollout_devices` workers while batch k's forward passes and updates run on `train_plan`'s sets, so a
     step takes the longer of the two, plus the weight transfer to the rollout (it waits for the new weights)."""

@@ -15,9 +15,9 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 
@@ -73,15 +73,20 @@ class DeviceProfile:
         """How much faster `kind` (forward / train / decode) runs per token on `threads` threads than on 1
         (median over the shapes measured at both); 1.0 when not measured."""
         key = f"{kind}_s_per_token"
-        ratios = [getattr(a, key) / getattr(b, key) for a in self.points if a.threads == 1
-                  for b in self.points if b.threads == threads and (b.batch, b.length) == (a.batch, a.length)]
+        ratios = [
+            getattr(a, key) / getattr(b, key)
+            for a in self.points
+            if a.threads == 1
+            for b in self.points
+            if b.threads == threads and (b.batch, b.length) == (a.batch, a.length)
+        ]
         return statistics.median(ratios) if ratios else 1.0
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=1) + "\n")
 
     @staticmethod
-    def load(path: Path) -> "DeviceProfile":
+    def load(path: Path) -> DeviceProfile:
         raw = json.loads(Path(path).read_text())
         return DeviceProfile(**{**raw, "points": [DevicePoint(**p) for p in raw["points"]]})
 
@@ -96,8 +101,15 @@ def _best_of(fn: Callable[[], None], repeats: int) -> float:
     return min(times)
 
 
-def measure_point(ops: EngineOperators, threads: int, batch: int, length: int, repeats: int = 2,
-                  decode_steps: int = 16, decode_batch: int = 0) -> DevicePoint:
+def measure_point(
+    ops: EngineOperators,
+    threads: int,
+    batch: int,
+    length: int,
+    repeats: int = 2,
+    decode_steps: int = 16,
+    decode_batch: int = 0,
+) -> DevicePoint:
     """Time the run's log-prob pass, update and decode step (planner/operators.py) at one thread count and
     shape. Decode per token: a generate call of decode_steps + 1 new tokens minus one of 1 new token (the
     prefill), over decode_steps x rows."""
@@ -113,8 +125,13 @@ def measure_point(ops: EngineOperators, threads: int, batch: int, length: int, r
     return DevicePoint(threads, batch, length, fwd, trn, decode, decode_batch)
 
 
-def interleaved_points(ops: EngineOperators, threads: Sequence[int], shapes: Sequence[tuple[int, int]],
-                       rounds: int, decode_rows_per_thread: int = 0) -> list[DevicePoint]:
+def interleaved_points(
+    ops: EngineOperators,
+    threads: Sequence[int],
+    shapes: Sequence[tuple[int, int]],
+    rounds: int,
+    decode_rows_per_thread: int = 0,
+) -> list[DevicePoint]:
     """Every (threads, shape) point measured once per round, the rounds one after another, each operator's
     best over the rounds kept. The thread speedups are ratios of points, so their points are measured
     side by side: a slow spell of the machine lands on every thread count of one round alike, where
@@ -126,9 +143,15 @@ def interleaved_points(ops: EngineOperators, threads: Sequence[int], shapes: Seq
             for b, n in shapes:
                 p = measure_point(ops, t, b, n, repeats=1, decode_batch=decode_rows_per_thread * t)
                 old = best.get((t, b, n), p)
-                best[(t, b, n)] = DevicePoint(t, b, n, min(p.forward_s_per_token, old.forward_s_per_token),
-                                              min(p.train_s_per_token, old.train_s_per_token),
-                                              min(p.decode_s_per_token, old.decode_s_per_token), p.decode_batch)
+                best[(t, b, n)] = DevicePoint(
+                    t,
+                    b,
+                    n,
+                    min(p.forward_s_per_token, old.forward_s_per_token),
+                    min(p.train_s_per_token, old.train_s_per_token),
+                    min(p.decode_s_per_token, old.decode_s_per_token),
+                    p.decode_batch,
+                )
     return list(best.values())
 
 
@@ -162,8 +185,10 @@ def _allreduce_worker(rank: int, store_dir: str, out: str) -> None:
     gather = _timed_call(lambda: dist.all_gather_into_tensor(gathered, large), 5)
     scatter = _timed_call(lambda: dist.reduce_scatter_tensor(large, gathered), 5)
     if rank == 0:
-        per_byte = [max(0.0, t - latency) / n / 4 for t, n in ((big, large.numel()), (gather, gathered.numel()),
-                                                               (scatter, gathered.numel()))]
+        per_byte = [
+            max(0.0, t - latency) / n / 4
+            for t, n in ((big, large.numel()), (gather, gathered.numel()), (scatter, gathered.numel()))
+        ]
         Path(out).write_text(json.dumps([latency, *per_byte]))
     dist.destroy_process_group()
 
@@ -191,9 +216,15 @@ def measure_allreduce() -> tuple[float, float, float, float]:
         return tuple(json.loads(Path(out).read_text()))
 
 
-def profile_device(model_path: str, threads: Sequence[int], shapes: Sequence[tuple[int, int]],
-                   dtype: torch.dtype = torch.float32, repeats: int = 2, collectives: bool = True,
-                   decode_rows_per_thread: int = 0) -> DeviceProfile:
+def profile_device(
+    model_path: str,
+    threads: Sequence[int],
+    shapes: Sequence[tuple[int, int]],
+    dtype: torch.dtype = torch.float32,
+    repeats: int = 2,
+    collectives: bool = True,
+    decode_rows_per_thread: int = 0,
+) -> DeviceProfile:
     """Measure every (threads, shape) point (`repeats` interleaved rounds), the weight sync and (collectives)
     the all-reduce for `model_path`."""
     import torch.distributed as dist
@@ -202,8 +233,7 @@ def profile_device(model_path: str, threads: Sequence[int], shapes: Sequence[tup
     ops = EngineOperators(model_path, dtype)  # opens a world-size-1 process group when none is open
     saved_threads = torch.get_num_threads()
     try:
-        points = interleaved_points(ops, threads, shapes, rounds=repeats,
-                                    decode_rows_per_thread=decode_rows_per_thread)
+        points = interleaved_points(ops, threads, shapes, rounds=repeats, decode_rows_per_thread=decode_rows_per_thread)
         weight_sync = measure_weight_sync(ops.rollout_model)
     finally:
         torch.set_num_threads(saved_threads)
@@ -211,23 +241,29 @@ def profile_device(model_path: str, threads: Sequence[int], shapes: Sequence[tup
         if not had_group and dist.is_initialized():  # e.g. the controller profiling for placement=auto
             dist.destroy_process_group()
     latency, per_byte, gather, scatter = measure_allreduce() if collectives else (0.0, 0.0, 0.0, 0.0)
-    return DeviceProfile(model_path, str(dtype).removeprefix("torch."), points, weight_sync, latency, per_byte,
-                         gather, scatter)
+    return DeviceProfile(
+        model_path, str(dtype).removeprefix("torch."), points, weight_sync, latency, per_byte, gather, scatter
+    )
 
 
 def main(argv: Sequence[str]) -> int:
     """CLI of `hybridflow profile`; returns the exit code."""
-    parser = argparse.ArgumentParser(prog="hybridflow profile", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="hybridflow profile", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", required=True, help="HF model directory (or 'default' for SmolLM2)")
     parser.add_argument("--out", default="device_profile.json")
     parser.add_argument("--threads", default=f"1,{os.cpu_count() or 1}", help="comma-separated thread counts")
     parser.add_argument("--shapes", default="4x64,8x128", help="comma-separated BATCHxLENGTH points")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--repeats", type=int, default=2, help="interleaved rounds (each point: best over them)")
-    parser.add_argument("--decode-rows-per-thread", type=int, default=0,
-                        help="decode a batch of this x threads rows (default: each shape's BATCH); a run's rows "
-                             "per worker over its threads per worker")
+    parser.add_argument(
+        "--decode-rows-per-thread",
+        type=int,
+        default=0,
+        help="decode a batch of this x threads rows (default: each shape's BATCH); a run's rows "
+        "per worker over its threads per worker",
+    )
     args = parser.parse_args(argv)
     threads = sorted({int(t) for t in args.threads.split(",")})
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
@@ -236,12 +272,22 @@ def main(argv: Sequence[str]) -> int:
         from hybridflow.models import default_model_dir
 
         model = str(default_model_dir())
-    prof = profile_device(model, threads, shapes, getattr(torch, args.dtype), args.repeats,
-                          decode_rows_per_thread=args.decode_rows_per_thread)
+    prof = profile_device(
+        model,
+        threads,
+        shapes,
+        getattr(torch, args.dtype),
+        args.repeats,
+        decode_rows_per_thread=args.decode_rows_per_thread,
+    )
     prof.save(Path(args.out))
     for p in prof.points:
-        print(f"threads {p.threads} {p.batch}x{p.length}: forward {p.forward_s_per_token * 1e3:.3f} ms/token, "
-              f"train {p.train_s_per_token * 1e3:.3f}, decode {p.decode_s_per_token * 1e3:.3f}")
-    print(f"weight sync {prof.weight_sync_s_per_byte * 1e9:.3f} s/GB; all-reduce {prof.allreduce_latency_s * 1e6:.0f} us "
-          f"+ {prof.allreduce_s_per_byte * 1e9:.2f} s/GB; wrote {args.out}")
+        print(
+            f"threads {p.threads} {p.batch}x{p.length}: forward {p.forward_s_per_token * 1e3:.3f} ms/token, "
+            f"train {p.train_s_per_token * 1e3:.3f}, decode {p.decode_s_per_token * 1e3:.3f}"
+        )
+    print(
+        f"weight sync {prof.weight_sync_s_per_byte * 1e9:.3f} s/GB; all-reduce {prof.allreduce_latency_s * 1e6:.0f} us "
+        f"+ {prof.allreduce_s_per_byte * 1e9:.2f} s/GB; wrote {args.out}"
+    )
     return 0

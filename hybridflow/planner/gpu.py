@@ -131,8 +131,9 @@ def link_bytes_per_s(spec: GpuSpec, group: int) -> float:
     return spec.intra_node_bytes_per_s if group <= spec.gpus_per_node else spec.inter_node_bytes_per_s
 
 
-def ring_seconds(spec: GpuSpec, group: int, nbytes: float, calls: int = 1, all_reduce: bool = True,
-                 span: int | None = None) -> float:
+def ring_seconds(
+    spec: GpuSpec, group: int, nbytes: float, calls: int = 1, all_reduce: bool = True, span: int | None = None
+) -> float:
     """Seconds of `calls` ring collectives moving `nbytes` each over `group` GPUs (all-reduce: twice the
     all-gather / reduce-scatter traffic); `span`: how many consecutive GPUs the group's members are spread
     over (default `group`), which decides whether it runs over NVLink or the network."""
@@ -161,8 +162,9 @@ def forward_seconds(shape: ModelShape, w: RLWorkload, spec: GpuSpec, dp: int, tp
     return max(compute, fsdp) + tp_comm
 
 
-def generate_seconds(shape: ModelShape, w: RLWorkload, spec: GpuSpec, devices: int, tp: int,
-                     free_bytes: float) -> float | None:
+def generate_seconds(
+    shape: ModelShape, w: RLWorkload, spec: GpuSpec, devices: int, tp: int, free_bytes: float
+) -> float | None:
     """Generation of the step's responses on `devices` GPUs as devices // tp replicas of tp GPUs each:
     a compute-bound prefill, then response_len decode steps, each bound by the larger of reading the
     weight shard + KV cache and its FLOPs, plus 2 tp all-reduces per layer. Sequences that do not fit

@@ -16,9 +16,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybridflow.planner.cost import PHASES
-from hybridflow.planner.gpu import (MEMORY_USABLE, GpuSpec, ModelShape, RLWorkload, forward_seconds,
-                                    generate_seconds, reshard_seconds, state_bytes, train_seconds)
-from hybridflow.planner.plans import PlacementSet, allocations, set_partitions
+from hybridflow.planner.gpu import (
+    MEMORY_USABLE,
+    GpuSpec,
+    ModelShape,
+    RLWorkload,
+    forward_seconds,
+    generate_seconds,
+    reshard_seconds,
+    state_bytes,
+    train_seconds,
+)
+from hybridflow.planner.plans import allocations, set_partitions
 
 PPO_ROLES = ("actor_rollout", "ref", "critic", "reward_model")
 """The roles of PPO with a reward model, as the paper runs it."""
@@ -67,12 +76,16 @@ class GpuPlan:
 
 def tp_options(devices: int, shape: ModelShape, spec: GpuSpec) -> list[int]:
     """Tensor-parallel sizes that divide the set's GPUs and the heads and stay inside a node."""
-    return [t for t in TP_SIZES if devices % t == 0 and t <= spec.gpus_per_node
-            and shape.heads % t == 0 and shape.kv_heads % t == 0]
+    return [
+        t
+        for t in TP_SIZES
+        if devices % t == 0 and t <= spec.gpus_per_node and shape.heads % t == 0 and shape.kv_heads % t == 0
+    ]
 
 
-def layout(roles: tuple[str, ...], devices: int, tp: int, tp_gen: int, shape: ModelShape, w: RLWorkload,
-           spec: GpuSpec) -> SetLayout | None:
+def layout(
+    roles: tuple[str, ...], devices: int, tp: int, tp_gen: int, shape: ModelShape, w: RLWorkload, spec: GpuSpec
+) -> SetLayout | None:
     """The set's operator times with these sizes, or None when its states (or one sequence's KV cache) do not fit."""
     dp = devices // tp
     resident = sum(state_bytes(shape, r in TRAINED, dp, tp) for r in roles)
@@ -84,8 +97,12 @@ def layout(roles: tuple[str, ...], devices: int, tp: int, tp_gen: int, shape: Mo
     seconds: dict[tuple[str, str], float] = {}
     for role in roles:
         if role in TRAINED:
-            seconds[(role, "update_critic" if role == "critic" else "update_actor")] = train_seconds(shape, w, spec, dp, tp)
-        op = {"actor_rollout": "old_log_prob", "ref": "ref_log_prob", "critic": "values", "reward_model": "rm_score"}[role]
+            seconds[(role, "update_critic" if role == "critic" else "update_actor")] = train_seconds(
+                shape, w, spec, dp, tp
+            )
+        op = {"actor_rollout": "old_log_prob", "ref": "ref_log_prob", "critic": "values", "reward_model": "rm_score"}[
+            role
+        ]
         seconds[(role, op)] = forward_seconds(shape, w, spec, dp, tp)
     if tp_gen:
         gen = generate_seconds(shape, w, spec, devices, tp_gen, free)
@@ -96,8 +113,9 @@ def layout(roles: tuple[str, ...], devices: int, tp: int, tp_gen: int, shape: Mo
     return SetLayout(roles, devices, tp, tp_gen, seconds, resident)
 
 
-def best_layout(roles: tuple[str, ...], devices: int, shape: ModelShape, w: RLWorkload,
-                spec: GpuSpec) -> SetLayout | None:
+def best_layout(
+    roles: tuple[str, ...], devices: int, shape: ModelShape, w: RLWorkload, spec: GpuSpec
+) -> SetLayout | None:
     """The fitting parallel sizes minimising the set's own total time; None when none fits."""
     options = tp_options(devices, shape, spec)
     gens = options if "actor_rollout" in roles else [0]
@@ -118,8 +136,9 @@ def allocation_unit(n_gpus: int, spec: GpuSpec) -> int:
     return spec.gpus_per_node if n_gpus > spec.gpus_per_node and n_gpus % spec.gpus_per_node == 0 else 1
 
 
-def evaluate(blocks: tuple[tuple[str, ...], ...], sizes: tuple[int, ...], shape: ModelShape, w: RLWorkload,
-             spec: GpuSpec) -> GpuPlan | None:
+def evaluate(
+    blocks: tuple[tuple[str, ...], ...], sizes: tuple[int, ...], shape: ModelShape, w: RLWorkload, spec: GpuSpec
+) -> GpuPlan | None:
     """A placement (role blocks, GPUs per block) with each set's best sizes; None when a set fits no layout."""
     sets = []
     for roles, devices in zip(blocks, sizes):
@@ -130,8 +149,9 @@ def evaluate(blocks: tuple[tuple[str, ...], ...], sizes: tuple[int, ...], shape:
     return GpuPlan(tuple(sets), step_seconds(tuple(sets)))
 
 
-def search(shape: ModelShape, w: RLWorkload, spec: GpuSpec, n_gpus: int,
-           roles: tuple[str, ...] = PPO_ROLES) -> list[GpuPlan]:
+def search(
+    shape: ModelShape, w: RLWorkload, spec: GpuSpec, n_gpus: int, roles: tuple[str, ...] = PPO_ROLES
+) -> list[GpuPlan]:
     """Every fitting plan of `roles` on `n_gpus` GPUs, fastest predicted first."""
     unit = allocation_unit(n_gpus, spec)
     plans = []
@@ -163,14 +183,18 @@ def one_step_off(shape: ModelShape, w: RLWorkload, spec: GpuSpec, n_gpus: int) -
     best = None
     for r in range(unit, n_gpus, unit):
         train = evaluate((PPO_ROLES,), (n_gpus - r,), shape, w, spec)
-        gens = [g for t in tp_options(r, shape, spec)  # the rollout's GPUs hold only its bf16 weight shard
-                if (g := generate_seconds(shape, w, spec, r, t, spec.memory_bytes * MEMORY_USABLE
-                                          - 2 * shape.params / t)) is not None]
+        gens = [
+            g
+            for t in tp_options(r, shape, spec)  # the rollout's GPUs hold only its bf16 weight shard
+            if (g := generate_seconds(shape, w, spec, r, t, spec.memory_bytes * MEMORY_USABLE - 2 * shape.params / t))
+            is not None
+        ]
         if train is None or not gens:
             continue
         gen = min(gens)
-        rest = step_seconds(train.sets) - sum(train.sets[0].seconds.get(("actor_rollout", op), 0.0)
-                                              for op in ("generate", "weight_sync"))
+        rest = step_seconds(train.sets) - sum(
+            train.sets[0].seconds.get(("actor_rollout", op), 0.0) for op in ("generate", "weight_sync")
+        )
         transfer = 2 * shape.params / spec.inter_node_bytes_per_s + spec.collective_latency_s
         step = max(gen, rest) + transfer
         if best is None or step < best[0]:

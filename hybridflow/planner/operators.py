@@ -10,8 +10,8 @@ FSDPEngine (world size 1) log-probs and update, and the native rollout's decode 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Callable
 
 import torch
 
@@ -39,8 +39,12 @@ class EngineOperators:
         """`rows` unpadded rows of `length` random tokens, the last half of them the response."""
         ids = torch.randint(0, self.vocab, (rows, length))
         mask = torch.ones_like(ids)
-        return {keys.INPUT_IDS: ids, keys.ATTENTION_MASK: mask, keys.POSITION_IDS: mask.cumsum(-1) - 1,
-                keys.RESPONSES: ids[:, length - max(1, length // 2):]}
+        return {
+            keys.INPUT_IDS: ids,
+            keys.ATTENTION_MASK: mask,
+            keys.POSITION_IDS: mask.cumsum(-1) - 1,
+            keys.RESPONSES: ids[:, length - max(1, length // 2) :],
+        }
 
     def log_probs(self, data: dict[str, torch.Tensor]) -> Callable[[], None]:
         """One log-prob pass over `data` as one micro-batch."""
@@ -48,6 +52,7 @@ class EngineOperators:
 
     def update(self, data: dict[str, torch.Tensor]) -> Callable[[], None]:
         """One update (forward, backward, optimizer step) on `data` as one micro-batch, loss -mean log p."""
+
         def loss_fn(out: dict[str, torch.Tensor], micro: dict) -> tuple[torch.Tensor, dict]:
             return -out["log_probs"].mean(), {}
 

@@ -102,8 +102,12 @@ class Workload:
 
 def run_roles(cfg: RunConfig) -> tuple[str, ...]:
     """The planner's roles for a run config: the same roles trainer/resolve.py builds workers for."""
-    return (("actor_rollout",) + ("ref",) * cfg.use_ref + ("critic",) * cfg.use_critic
-            + ("reward_model",) * bool(cfg.reward_model.enable))
+    return (
+        ("actor_rollout",)
+        + ("ref",) * cfg.use_ref
+        + ("critic",) * cfg.use_critic
+        + ("reward_model",) * bool(cfg.reward_model.enable)
+    )
 
 
 def set_partitions(items: Sequence[str]) -> Iterator[tuple[tuple[str, ...], ...]]:
@@ -118,7 +122,7 @@ def set_partitions(items: Sequence[str]) -> Iterator[tuple[tuple[str, ...], ...]
     for partition in set_partitions(rest):
         yield ((head,),) + partition
         for i, block in enumerate(partition):
-            yield ((head,) + block,) + partition[:i] + partition[i + 1:]
+            yield ((head,) + block,) + partition[:i] + partition[i + 1 :]
 
 
 def allocations(devices: int, n_sets: int) -> Iterator[tuple[int, ...]]:
@@ -148,8 +152,10 @@ def role_memory_bytes(model: RoleModel, parallel: RoleParallel, tokens_per_step:
 
 def memory_per_device(plan: Plan, workload: Workload) -> dict[PlacementSet, float]:
     """Bytes per device of each set: colocated roles all stay resident (no offload between them today)."""
-    return {s: sum(role_memory_bytes(workload.model(r), plan.of(r), workload.tokens_per_step) for r in s.roles)
-            for s in plan.sets}
+    return {
+        s: sum(role_memory_bytes(workload.model(r), plan.of(r), workload.tokens_per_step) for r in s.roles)
+        for s in plan.sets
+    }
 
 
 def peak_memory(plan: Plan, workload: Workload) -> float:

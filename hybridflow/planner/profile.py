@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 OPERATORS: tuple[tuple[str, str, str, str], ...] = (
     # (role, operator, timing metric, tokens the operator processes: "response" or "all")
@@ -36,11 +37,14 @@ OPERATORS: tuple[tuple[str, str, str, str], ...] = (
 )
 """Every operator the profile reports, in dataflow order."""
 
-MEMORY_OPS = {"timing_s/gen": ("generate",), "timing_s/generate_on_worker": ("generate",),
-              "timing_s/old_log_prob_ref_values": ("old_log_prob", "ref_log_prob", "values"),
-              "timing_s/update": ("update_actor", "update_critic"),
-              "timing_s/update_actor_on_worker": ("update_actor",),
-              "timing_s/update_critic_on_worker": ("update_critic",)}
+MEMORY_OPS = {
+    "timing_s/gen": ("generate",),
+    "timing_s/generate_on_worker": ("generate",),
+    "timing_s/old_log_prob_ref_values": ("old_log_prob", "ref_log_prob", "values"),
+    "timing_s/update": ("update_actor", "update_critic"),
+    "timing_s/update_actor_on_worker": ("update_actor",),
+    "timing_s/update_critic_on_worker": ("update_critic",),
+}
 """Timing metric -> the operators (memory/peak_gb/<operator>) whose peak memory its row shows."""
 
 
@@ -92,9 +96,19 @@ def build_profile(rows: Sequence[dict[str, Any]]) -> list[OperatorProfile]:
         seconds = [float(r[metric]) for r in ran]
         median_s = statistics.median(seconds)
         tokens = statistics.median(_tokens(r, kind) for r in ran)
-        out.append(OperatorProfile(role, operator, metric, len(ran), median_s, sum(seconds), tokens,
-                                   tokens / median_s if tokens and median_s > 0 else 0.0,
-                                   _row_memory(memory, metric)))
+        out.append(
+            OperatorProfile(
+                role,
+                operator,
+                metric,
+                len(ran),
+                median_s,
+                sum(seconds),
+                tokens,
+                tokens / median_s if tokens and median_s > 0 else 0.0,
+                _row_memory(memory, metric),
+            )
+        )
     return out
 
 
@@ -107,17 +121,23 @@ def _row_memory(memory: dict[str, float], metric: str) -> dict[str, float]:
 
 def to_markdown(profile: Sequence[OperatorProfile]) -> str:
     """The profile as a Markdown table (profile.md)."""
-    lines = ["| role | operator | steps | median s | total s | tokens/step | tokens/s | peak GB/worker |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| role | operator | steps | median s | total s | tokens/step | tokens/s | peak GB/worker |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for p in profile:
         peaks = [v for k, v in p.peak_memory.items() if k.startswith("memory/peak_gb/")]
         peak = f"{max(peaks):.2f}" if peaks else "-"
-        lines.append(f"| {p.role} | {p.operator} | {p.steps} | {p.median_s:.3f} | {p.total_s:.2f} "
-                     f"| {p.tokens_per_step:.0f} | {p.tokens_per_s:.1f} | {peak} |")
+        lines.append(
+            f"| {p.role} | {p.operator} | {p.steps} | {p.median_s:.3f} | {p.total_s:.2f} "
+            f"| {p.tokens_per_step:.0f} | {p.tokens_per_s:.1f} | {peak} |"
+        )
     memory = next((p.peak_memory for p in profile if p.metric == "timing_s/step"), {})
     lines.append("")
-    lines.append("peak memory: " + (", ".join(f"{k} {v:.4g}" for k, v in sorted(memory.items()))
-                                     if memory else "not recorded by this run"))
+    lines.append(
+        "peak memory: "
+        + (", ".join(f"{k} {v:.4g}" for k, v in sorted(memory.items())) if memory else "not recorded by this run")
+    )
     return "\n".join(lines) + "\n"
 
 

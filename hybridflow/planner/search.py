@@ -13,9 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Sequence
 
 from hybridflow.planner.cost import OperatorCosts, costs_from_profile, predict_step_time
 from hybridflow.planner.plans import Plan, RoleModel, Workload, enumerate_plans, peak_memory, run_roles
@@ -48,8 +48,9 @@ def placement_of(plan: Plan, world: int) -> str | None:
 
 def workload_of(cfg: RunConfig, params: float, tokens: float) -> Workload:
     """The run's roles, each with `params` parameters (v0: critic, ref and reward model sized as the actor)."""
-    return Workload(tuple(RoleModel(r, params, trained=r in ("actor_rollout", "critic"))
-                          for r in run_roles(cfg)), tokens)
+    return Workload(
+        tuple(RoleModel(r, params, trained=r in ("actor_rollout", "critic")) for r in run_roles(cfg)), tokens
+    )
 
 
 def forward_ops(cfg: RunConfig) -> tuple[str, ...]:
@@ -62,20 +63,31 @@ def forward_ops(cfg: RunConfig) -> tuple[str, ...]:
 
 def needed_ops(cfg: RunConfig) -> tuple[str, ...]:
     """The per-token operators a step of this run executes."""
-    return (("generate", "update_actor") + forward_ops(cfg) + ("update_critic",) * cfg.use_critic
-            + ("rm_score",) * bool(cfg.reward_model.enable))
+    return (
+        ("generate", "update_actor")
+        + forward_ops(cfg)
+        + ("update_critic",) * cfg.use_critic
+        + ("rm_score",) * bool(cfg.reward_model.enable)
+    )
 
 
-def rank_plans(cfg: RunConfig, costs: OperatorCosts, workload: Workload, response_tokens: float,
-               device_memory: float) -> list[RankedPlan]:
+def rank_plans(
+    cfg: RunConfig, costs: OperatorCosts, workload: Workload, response_tokens: float, device_memory: float
+) -> list[RankedPlan]:
     """Every plan of the run on its workers that fits `device_memory`, fastest predicted first."""
     world = cfg.world_size
     ranked = []
     for plan in enumerate_plans(workload.roles, world):
         memory = peak_memory(plan, workload)
         if memory <= device_memory:
-            ranked.append(RankedPlan(plan, predict_step_time(plan, costs, workload.tokens_per_step, response_tokens),
-                                     memory, placement_of(plan, world)))
+            ranked.append(
+                RankedPlan(
+                    plan,
+                    predict_step_time(plan, costs, workload.tokens_per_step, response_tokens),
+                    memory,
+                    placement_of(plan, world),
+                )
+            )
     return sorted(ranked, key=lambda r: (r.step_s, r.placement is None))
 
 
@@ -108,19 +120,23 @@ def main(argv: Sequence[str]) -> int:
     """CLI of `hybridflow plan`; returns the exit code."""
     from hybridflow.config_utils import load_config, to_yaml
 
-    parser = argparse.ArgumentParser(prog="hybridflow plan", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="hybridflow plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--config", help="YAML file with the run's config fields")
     parser.add_argument("--profile", help="profile.json of a colocated run of this config (CPU workers)")
-    parser.add_argument("--cluster", help="plan for a GPU cluster instead, SPEC:GPUS (e.g. a100-80gb:64; "
-                                          "specs in planner/gpu.py); needs --shape")
+    parser.add_argument(
+        "--cluster",
+        help="plan for a GPU cluster instead, SPEC:GPUS (e.g. a100-80gb:64; specs in planner/gpu.py); needs --shape",
+    )
     parser.add_argument("--shape", help="with --cluster: every role's model shape (llama-7b/13b/34b/70b)")
     parser.add_argument("--prompts", type=int, default=1024, help="with --cluster: prompts per step")
     parser.add_argument("--prompt-len", type=int, default=1024, help="with --cluster: tokens per prompt")
     parser.add_argument("--response-len", type=int, default=1024, help="with --cluster: tokens per response")
     parser.add_argument("--params", type=float, help="parameters per model (default: counted from model.path)")
-    parser.add_argument("--device-memory-gb", type=float,
-                        help="memory per device in GB (default: this machine's RAM / workers)")
+    parser.add_argument(
+        "--device-memory-gb", type=float, help="memory per device in GB (default: this machine's RAM / workers)"
+    )
     parser.add_argument("--top", type=int, default=10)
     parser.add_argument("--out", default="plan.yaml", help="where to write the best runnable plan")
     parser.add_argument("overrides", nargs="*")
@@ -137,11 +153,16 @@ def main(argv: Sequence[str]) -> int:
     costs = costs_from_profile(rows, cfg.world_size, forward_ops(cfg))
     missing = sorted(set(needed_ops(cfg)) - set(costs.seconds_per_token))
     if missing:
-        print(f"warning: the profile has no cost for {', '.join(missing)} (counted as 0 s); "
-              "profile a colocated run of this config")
+        print(
+            f"warning: the profile has no cost for {', '.join(missing)} (counted as 0 s); "
+            "profile a colocated run of this config"
+        )
     params = args.params if args.params is not None else model_params(cfg.model.path)
-    memory = (args.device_memory_gb * 1e9 if args.device_memory_gb is not None
-              else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / cfg.world_size)
+    memory = (
+        args.device_memory_gb * 1e9
+        if args.device_memory_gb is not None
+        else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / cfg.world_size
+    )
     workload = workload_of(cfg, params, by_metric["timing_s/step"]["tokens_per_step"])
     ranked = rank_plans(cfg, costs, workload, by_metric["timing_s/gen"]["tokens_per_step"], memory)
     if not ranked:

@@ -9,13 +9,20 @@
 from hybridflow.rewards.custom import load_custom_reward_fn
 from hybridflow.rewards.registry import SCORERS, default_compute_score, register_scorer
 
-__all__ = ["SCORERS", "default_compute_score", "load_custom_reward_fn", "register_scorer",
-           "RewardManager", "RewardResult"]
+__all__ = [
+    "SCORERS",
+    "default_compute_score",
+    "load_custom_reward_fn",
+    "register_scorer",
+    "RewardManager",
+    "RewardResult",
+]
 
 
 def __getattr__(name: str):
     # The manager imports torch and DataProto; keep `import hybridflow.rewards` light.
     if name in ("RewardManager", "RewardResult"):
         from hybridflow.rewards import manager
+
         return getattr(manager, name)
     raise AttributeError(f"module 'hybridflow.rewards' has no attribute {name!r}")

@@ -27,8 +27,12 @@ from fractions import Fraction
 MAX_EXPRESSION_CHARS = 200
 """Longer expressions score 0 without parsing (deeply nested input can exhaust the parser)."""
 
-_OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b,
-        ast.Mult: lambda a, b: a * b, ast.Div: lambda a, b: a / b}
+_OPS = {
+    ast.Add: lambda a, b: a + b,
+    ast.Sub: lambda a, b: a - b,
+    ast.Mult: lambda a, b: a * b,
+    ast.Div: lambda a, b: a / b,
+}
 _EQUATION_LINE = re.compile(r"^[\d\s()+\-*/=.]+$")
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 
 def load_custom_reward_fn(path: str, name: str = "compute_score") -> Callable[..., float]:
@@ -22,8 +22,8 @@ def load_custom_reward_fn(path: str, name: str = "compute_score") -> Callable[..
     file = Path(path).expanduser().resolve()
     if not file.is_file():
         raise FileNotFoundError(
-            f"custom reward function file {path!r} does not exist; "
-            "fix reward.custom_reward_function.path")
+            f"custom reward function file {path!r} does not exist; fix reward.custom_reward_function.path"
+        )
     module_name = "hybridflow_custom_reward_" + hashlib.sha1(str(file).encode()).hexdigest()[:12]
     spec = importlib.util.spec_from_file_location(module_name, file)
     if spec is None or spec.loader is None:
@@ -36,7 +36,8 @@ def load_custom_reward_fn(path: str, name: str = "compute_score") -> Callable[..
         found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
         raise AttributeError(
             f"{path!r} has no function {name!r}; functions defined there: {found}. "
-            "Fix reward.custom_reward_function.name")
+            "Fix reward.custom_reward_function.name"
+        )
     if not callable(fn):
         raise TypeError(f"{name!r} in {path!r} is a {type(fn).__name__}, not a function")
     return fn

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import multiprocessing
 from collections import defaultdict
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -56,7 +57,8 @@ class RewardManager:
         responses = data.batch[keys.RESPONSES]
         lengths = data.batch[keys.RESPONSE_MASK].sum(-1).long()
         texts = self.tokenizer.batch_decode(
-            [row[:n].tolist() for row, n in zip(responses, lengths)], skip_special_tokens=True)
+            [row[:n].tolist() for row, n in zip(responses, lengths)], skip_special_tokens=True
+        )
         sources = [str(s) for s in data.non_tensor_batch[keys.DATA_SOURCE]]
         truths = [str(t) for t in data.non_tensor_batch[keys.GROUND_TRUTH]]
         extras = _column(data, keys.EXTRA_INFO)
@@ -74,8 +76,7 @@ class RewardManager:
         chunk = max(1, len(items) // (4 * self.num_workers))
         # fork: a custom reward module loaded from a file is importable only in a copy of this process.
         with ProcessPoolExecutor(self.num_workers, mp_context=multiprocessing.get_context("fork")) as pool:
-            return [float(s) for s in pool.map(_score_one, [self.compute_score] * len(items),
-                                               items, chunksize=chunk)]
+            return [float(s) for s in pool.map(_score_one, [self.compute_score] * len(items), items, chunksize=chunk)]
 
 
 def _score_one(fn: RewardFn, item: tuple[str, str, str, Any]) -> float:

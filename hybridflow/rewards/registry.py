@@ -8,7 +8,8 @@ parquet files score without changes.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from hybridflow.rewards import arithmetic, countdown, gsm8k, math_boxed
 from hybridflow.utils.registry import Registry
@@ -16,9 +17,9 @@ from hybridflow.utils.registry import Registry
 Scorer = Callable[[str, str], float]
 
 SCORERS: Registry[Scorer] = Registry(
-    "rule scorer", "data_source",
-    "register one with hybridflow.rewards.register_scorer or set "
-    "reward.custom_reward_function.path/name in the config",
+    "rule scorer",
+    "data_source",
+    "register one with hybridflow.rewards.register_scorer or set reward.custom_reward_function.path/name in the config",
 )
 """data_source -> scorer(solution_str, ground_truth) -> float."""
 SCORERS.register("arithmetic", arithmetic.compute_score)
@@ -35,7 +36,8 @@ def register_scorer(data_source: str, scorer: Scorer, *, override: bool = False)
     return SCORERS.register(data_source, scorer, override=override)
 
 
-def default_compute_score(data_source: str, solution_str: str, ground_truth: str,
-                          extra_info: dict[str, Any] | None = None) -> float:
+def default_compute_score(
+    data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None = None
+) -> float:
     """Score one decoded response with the rule scorer registered for `data_source`."""
     return float(SCORERS.get(data_source)(solution_str, ground_truth))

@@ -69,8 +69,9 @@ def eos_token_ids(tokenizer, model: nn.Module | None = None) -> list[int]:
     ids += extra if isinstance(extra, (list, tuple)) else [extra]
     ids = sorted({int(i) for i in ids if i is not None})
     if not ids:
-        raise ValueError("the tokenizer has no eos_token_id and the model's generation_config none either; "
-                         "set tokenizer.eos_token")
+        raise ValueError(
+            "the tokenizer has no eos_token_id and the model's generation_config none either; set tokenizer.eos_token"
+        )
     return ids
 
 
@@ -83,8 +84,10 @@ def load_rollout_model(model_path_or_module: str | os.PathLike | nn.Module, dtyp
     if isinstance(model_path_or_module, nn.Module):
         have = next(model_path_or_module.parameters()).dtype
         if have != dtype:
-            raise ValueError(f"the rollout model is {have} but rollout.dtype asks for {dtype}; "
-                             "pass a model path (loaded in rollout.dtype) or set rollout.dtype to match")
+            raise ValueError(
+                f"the rollout model is {have} but rollout.dtype asks for {dtype}; "
+                "pass a model path (loaded in rollout.dtype) or set rollout.dtype to match"
+            )
         return model_path_or_module.eval()
     from hybridflow.models import load_causal_lm
 
@@ -126,9 +129,12 @@ class ModuleRollout(Rollout):
         params = self.config.sampling_params(prompts.meta_info)
         ids, mask, pos = self._prompt_tensors(prompts)
         per_chunk = max(1, self.config.max_batch_size // params.n)
-        parts = [self._generate(*trim_left_padding(ids[i : i + per_chunk], mask[i : i + per_chunk],
-                                                   pos[i : i + per_chunk]), params)
-                 for i in range(0, len(ids), per_chunk)]
+        parts = [
+            self._generate(
+                *trim_left_padding(ids[i : i + per_chunk], mask[i : i + per_chunk], pos[i : i + per_chunk]), params
+            )
+            for i in range(0, len(ids), per_chunk)
+        ]
         responses, resp_mask, log_probs = (torch.cat([p[j] for p in parts]) for j in range(3))
         if not self.config.calculate_log_probs:
             log_probs = None
@@ -137,21 +143,28 @@ class ModuleRollout(Rollout):
     def _prompt_tensors(self, prompts: DataProto) -> tuple[Tensor, Tensor, Tensor]:
         missing = [k for k in (INPUT_IDS, ATTENTION_MASK, POSITION_IDS) if k not in prompts.batch.keys()]
         if missing:
-            raise KeyError(f"generate_sequences: prompts lack {missing}; expected input_ids, attention_mask "
-                           "and position_ids (left-padded) as produced by the dataset collate")
+            raise KeyError(
+                f"generate_sequences: prompts lack {missing}; expected input_ids, attention_mask "
+                "and position_ids (left-padded) as produced by the dataset collate"
+            )
         ids = prompts.batch[INPUT_IDS]
         if ids.shape[1] > self.config.prompt_length:
-            raise ValueError(f"prompts are {ids.shape[1]} tokens wide, more than rollout.prompt_length="
-                             f"{self.config.prompt_length}; raise rollout.prompt_length or shorten the prompts")
+            raise ValueError(
+                f"prompts are {ids.shape[1]} tokens wide, more than rollout.prompt_length="
+                f"{self.config.prompt_length}; raise rollout.prompt_length or shorten the prompts"
+            )
         mask = prompts.batch[ATTENTION_MASK]
         if bool((mask[:, -1] == 0).any()):
-            raise ValueError("generate_sequences: prompts must be LEFT-padded (attention_mask[:, -1] is 0 "
-                             "for some rows); set tokenizer.padding_side='left'")
+            raise ValueError(
+                "generate_sequences: prompts must be LEFT-padded (attention_mask[:, -1] is 0 "
+                "for some rows); set tokenizer.padding_side='left'"
+            )
         return ids, mask, prompts.batch[POSITION_IDS]
 
     @abstractmethod
-    def _generate(self, ids: Tensor, mask: Tensor, pos: Tensor, params: SamplingParams
-                  ) -> tuple[Tensor, Tensor, Tensor]:
+    def _generate(
+        self, ids: Tensor, mask: Tensor, pos: Tensor, params: SamplingParams
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """Generate for one chunk; returns (responses, response_mask, log_probs), each [b*n, R],
         responses already pad-filled outside the mask."""
 
@@ -166,8 +179,9 @@ def trim_left_padding(ids: Tensor, mask: Tensor, pos: Tensor) -> tuple[Tensor, T
     return ids[:, first:], mask[:, first:], pos[:, first:]
 
 
-def build_rollout(config: RolloutConfig, model_path_or_module: str | os.PathLike | nn.Module,
-                  tokenizer, tp_stride: int = 1) -> Rollout:
+def build_rollout(
+    config: RolloutConfig, model_path_or_module: str | os.PathLike | nn.Module, tokenizer, tp_stride: int = 1
+) -> Rollout:
     """The rollout backend named by `config.name` ("native", "hf" or "vllm"); `tp_stride`: how far apart
     the ranks of a tensor-parallel group are (see `tensor_parallel_group`)."""
     if config.name == "native":
@@ -196,8 +210,10 @@ def tensor_parallel_group(tp: int, stride: int = 1):
 
     world = dist.get_world_size()
     if world % (tp * stride):
-        raise ValueError(f"rollout.tensor_model_parallel_size={tp} (groups {stride} ranks apart) must divide the "
-                         f"number of ranks ({world})")
+        raise ValueError(
+            f"rollout.tensor_model_parallel_size={tp} (groups {stride} ranks apart) must divide the "
+            f"number of ranks ({world})"
+        )
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if stride == 1:
         return init_device_mesh(device, (world // tp, tp), mesh_dim_names=("dp", "tp")).get_group("tp")

@@ -33,16 +33,16 @@ def manifest_of(state: dict[str, Tensor]) -> Manifest:
 
 def open_store(host: str, world: int, timeout_s: float) -> tuple[dist.TCPStore, int]:
     """Bridge rank 0's rendezvous store on a free port of `host`; returns (store, port)."""
-    store = dist.TCPStore(host, 0, world, is_master=True, timeout=timedelta(seconds=timeout_s),
-                          wait_for_workers=False)
+    store = dist.TCPStore(host, 0, world, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
     return store, store.port
 
 
 class WeightBridge:
     """One side of the bridge group (see the module docstring)."""
 
-    def __init__(self, host: str, port: int, rank: int, world: int, timeout_s: float,
-                 store: dist.TCPStore | None = None) -> None:
+    def __init__(
+        self, host: str, port: int, rank: int, world: int, timeout_s: float, store: dist.TCPStore | None = None
+    ) -> None:
         """Join the group (blocks until all `world` ranks joined). Rank 0 passes the store it opened."""
         timeout = timedelta(seconds=timeout_s)
         if store is None:

@@ -47,8 +47,13 @@ class SamplingParams:
 
     def override(self, meta_info: dict[str, Any]) -> SamplingParams:
         """These params with any of temperature/top_p/top_k/do_sample/n replaced from meta_info."""
-        keys = {META_TEMPERATURE: "temperature", META_TOP_P: "top_p", META_TOP_K: "top_k",
-                META_DO_SAMPLE: "do_sample", META_N: "n"}
+        keys = {
+            META_TEMPERATURE: "temperature",
+            META_TOP_P: "top_p",
+            META_TOP_K: "top_k",
+            META_DO_SAMPLE: "do_sample",
+            META_N: "n",
+        }
         values = {f: meta_info[k] for k, f in keys.items() if k in meta_info}
         return SamplingParams(**{**self.__dict__, **values}) if values else self
 
@@ -56,8 +61,10 @@ class SamplingParams:
 def check_sampling(temperature: float, top_p: float, top_k: int, do_sample: bool, n: int, where: str) -> None:
     """Raise ValueError naming the key when a sampling setting is out of range or contradictory."""
     if do_sample and temperature <= 0:
-        raise ValueError(f"{where}.temperature must be > 0 when do_sample=True (got {temperature}); "
-                         "use do_sample=False for greedy decoding")
+        raise ValueError(
+            f"{where}.temperature must be > 0 when do_sample=True (got {temperature}); "
+            "use do_sample=False for greedy decoding"
+        )
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"{where}.top_p must be in (0, 1], got {top_p}")
     if top_k != -1 and top_k < 1:
@@ -65,8 +72,10 @@ def check_sampling(temperature: float, top_p: float, top_k: int, do_sample: bool
     if n < 1:
         raise ValueError(f"{where}.n must be >= 1, got {n}")
     if n > 1 and not do_sample:
-        raise ValueError(f"{where}.n={n} with {where}.do_sample=False would give {n} identical "
-                         "greedy responses per prompt; set n=1 or do_sample=True")
+        raise ValueError(
+            f"{where}.n={n} with {where}.do_sample=False would give {n} identical "
+            "greedy responses per prompt; set n=1 or do_sample=True"
+        )
 
 
 @dataclass
@@ -146,8 +155,10 @@ class RolloutConfig(Section):
         if self.tensor_model_parallel_size < 1:
             raise ValueError(f"rollout.tensor_model_parallel_size must be >= 1, got {self.tensor_model_parallel_size}")
         if self.tensor_model_parallel_size > 1 and self.name != "native":
-            raise ValueError(f"rollout.tensor_model_parallel_size > 1 is implemented for rollout.name=native only, "
-                             f"got rollout.name={self.name!r}")
+            raise ValueError(
+                f"rollout.tensor_model_parallel_size > 1 is implemented for rollout.name=native only, "
+                f"got rollout.name={self.name!r}"
+            )
         if isinstance(self.val_kwargs, dict):
             self.val_kwargs = ValKwargs(**self.val_kwargs)
         if self.name not in ROLLOUT_NAMES:

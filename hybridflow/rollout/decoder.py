@@ -97,8 +97,14 @@ class _LayerWeights:
 def _cat_bias(*mods: nn.Linear, rank: int = 0, tp: int = 1) -> Tensor | None:
     if all(m.bias is None for m in mods):
         return None
-    return torch.cat([own_part(m.bias, 0, rank, tp, m.out_features) if m.bias is not None
-                      else m.weight.new_zeros(m.out_features // tp) for m in mods])
+    return torch.cat(
+        [
+            own_part(m.bias, 0, rank, tp, m.out_features)
+            if m.bias is not None
+            else m.weight.new_zeros(m.out_features // tp)
+            for m in mods
+        ]
+    )
 
 
 def _layer_weights(layer: nn.Module, rank: int = 0, tp: int = 1) -> _LayerWeights:
@@ -109,7 +115,8 @@ def _layer_weights(layer: nn.Module, rank: int = 0, tp: int = 1) -> _LayerWeight
     rows = lambda *mods: torch.cat([own_part(mod.weight, 0, rank, tp, mod.out_features) for mod in mods])  # noqa: E731
     cols = lambda mod: own_part(mod.weight, 1, rank, tp, mod.in_features)  # noqa: E731
     return _LayerWeights(
-        ln1=layer.input_layernorm.weight, ln2=layer.post_attention_layernorm.weight,
+        ln1=layer.input_layernorm.weight,
+        ln2=layer.post_attention_layernorm.weight,
         qkv=_Linear(rows(a.q_proj, a.k_proj, a.v_proj), _cat_bias(a.q_proj, a.k_proj, a.v_proj, rank=rank, tp=tp)),
         o=_Linear(cols(a.o_proj), a.o_proj.bias if rank == 0 else None),
         gate_up=_Linear(rows(m.gate_proj, m.up_proj), _cat_bias(m.gate_proj, m.up_proj, rank=rank, tp=tp)),
@@ -121,6 +128,7 @@ def _layer_weights(layer: nn.Module, rank: int = 0, tp: int = 1) -> _LayerWeight
 class SharedPrefix:
     """Left-padded prompts re-laid out as one shared prefix [1, n] plus per-row suffixes [B, s]
     (left-padded, at least one token each)."""
+
     prefix_ids: Tensor
     prefix_pos: Tensor
     suffix_ids: Tensor
@@ -149,9 +157,13 @@ def shared_prefix(ids: Tensor, mask: Tensor, pos: Tensor) -> SharedPrefix | None
         return None
     s = int(lengths.max()) - n
     # row i's suffix is its last lengths[i] - n real tokens; left-padded to s they are its last s columns
-    return SharedPrefix(prefix_ids=head_ids[:1, :n], prefix_pos=head_pos[:1, :n], suffix_ids=ids[:, p - s :],
-                        suffix_mask=mask[:, p - s :].bool() & (torch.arange(s) >= s - (lengths - n)[:, None]),
-                        suffix_pos=pos[:, p - s :])
+    return SharedPrefix(
+        prefix_ids=head_ids[:1, :n],
+        prefix_pos=head_pos[:1, :n],
+        suffix_ids=ids[:, p - s :],
+        suffix_mask=mask[:, p - s :].bool() & (torch.arange(s) >= s - (lengths - n)[:, None]),
+        suffix_pos=pos[:, p - s :],
+    )
 
 
 class StaticLlamaDecoder:
@@ -162,8 +174,9 @@ class StaticLlamaDecoder:
     `kernels`: the element-wise ops, eager or compiled (rollout/kernels.py).
     """
 
-    def __init__(self, model: nn.Module, kernels: DecoderKernels = EAGER,
-                 tp_group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self, model: nn.Module, kernels: DecoderKernels = EAGER, tp_group: dist.ProcessGroup | None = None
+    ) -> None:
         cfg = model.config
         self.model = model
         self.kernels = kernels
@@ -171,8 +184,10 @@ class StaticLlamaDecoder:
         tp = dist.get_world_size(self.tp_group) if self.tp_group else 1
         rank = dist.get_rank(self.tp_group) if self.tp_group else 0
         if cfg.num_key_value_heads % tp:
-            raise ValueError(f"rollout.tensor_model_parallel_size={tp} must divide num_attention_heads "
-                             f"({cfg.num_attention_heads}) and num_key_value_heads ({cfg.num_key_value_heads})")
+            raise ValueError(
+                f"rollout.tensor_model_parallel_size={tp} must divide num_attention_heads "
+                f"({cfg.num_attention_heads}) and num_key_value_heads ({cfg.num_key_value_heads})"
+            )
         self.layers = [_layer_weights(layer, rank, tp) for layer in model.model.layers]
         self._vocab_weights(model, rank, tp)
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -299,8 +314,9 @@ class StaticLlamaDecoder:
             logits = torch.cat(parts, dim=-1)
         return logits.float()
 
-    def _attention(self, i: int, w: _LayerWeights, x: Tensor, cos: Tensor, sin: Tensor,
-                   mask: Tensor, start: int) -> Tensor:
+    def _attention(
+        self, i: int, w: _LayerWeights, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, start: int
+    ) -> Tensor:
         b, s, _ = x.shape
         hq, hkv, d = self.heads, self.kv_heads, self.head_dim
         qkv = w.qkv(x).view(b, s, hq + 2 * hkv, d)
@@ -362,6 +378,12 @@ class HFDecoder:
         self.mask = self.mask[rows]
 
     def _forward(self, ids: Tensor, positions: Tensor) -> Tensor:
-        out = self.model(input_ids=ids, attention_mask=self.mask, position_ids=positions,
-                         past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=self.mask,
+            position_ids=positions,
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         return out.logits[:, -1].float()

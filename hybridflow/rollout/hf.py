@@ -15,7 +15,11 @@ import copy
 import torch
 from torch import Tensor
 from transformers.generation import (
-    LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
+    LogitsProcessor,
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
 )
 
 from hybridflow.rollout.base import ModuleRollout
@@ -47,8 +51,9 @@ class _LogProbRecorder(LogitsProcessor):
 class HFRollout(ModuleRollout):
     """Generation with `model.generate` (see module docstring)."""
 
-    def _generate(self, ids: Tensor, mask: Tensor, pos: Tensor, params: SamplingParams
-                  ) -> tuple[Tensor, Tensor, Tensor]:
+    def _generate(
+        self, ids: Tensor, mask: Tensor, pos: Tensor, params: SamplingParams
+    ) -> tuple[Tensor, Tensor, Tensor]:
         width, prompt_width = self.config.response_length, ids.shape[1]
         recorder = _LogProbRecorder(params.temperature if params.do_sample else 1.0, prompt_width)
         processors = LogitsProcessorList([recorder, *self._warpers(params)])
@@ -56,7 +61,9 @@ class HFRollout(ModuleRollout):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             seqs = self.model.generate(
-                ids, attention_mask=mask, generation_config=self._generation_config(params),
+                ids,
+                attention_mask=mask,
+                generation_config=self._generation_config(params),
                 logits_processor=processors,
             )
         recorder.gather(seqs)
@@ -74,9 +81,16 @@ class HFRollout(ModuleRollout):
     def _generation_config(self, params: SamplingParams):
         gc = copy.deepcopy(self.model.generation_config)
         # sampling warpers come in through logits_processor (after the recorder), so neutralise the defaults
-        gc.update(do_sample=params.do_sample, temperature=1.0, top_k=0, top_p=1.0,
-                  max_new_tokens=self.config.response_length, num_return_sequences=params.n,
-                  pad_token_id=self.pad_id, eos_token_id=None if self.config.ignore_eos else self.eos_ids)
+        gc.update(
+            do_sample=params.do_sample,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=self.config.response_length,
+            num_return_sequences=params.n,
+            pad_token_id=self.pad_id,
+            eos_token_id=None if self.config.ignore_eos else self.eos_ids,
+        )
         return gc
 
     @staticmethod

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -79,14 +79,22 @@ def decoder_kernels(compile: bool) -> DecoderKernels:
 
 
 def _build_compiled() -> DecoderKernels:
-    compiled = DecoderKernels(**{name: torch.compile(getattr(EAGER, name), dynamic=True, fullgraph=True)
-                                 for name in ("rms_norm", "add_rms_norm", "rotary", "silu_mul")}, compiled=True)
+    compiled = DecoderKernels(
+        **{
+            name: torch.compile(getattr(EAGER, name), dynamic=True, fullgraph=True)
+            for name in ("rms_norm", "add_rms_norm", "rotary", "silu_mul")
+        },
+        compiled=True,
+    )
     start = time.perf_counter()
     try:
         _warm_up(compiled)
     except Exception as err:  # inductor needs a working C++ toolchain; any failure means: run eagerly
-        log.warning("torch.compile of the decoder kernels failed (%s: %s); decoding eagerly",
-                    type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+        log.warning(
+            "torch.compile of the decoder kernels failed (%s: %s); decoding eagerly",
+            type(err).__name__,
+            str(err).splitlines()[0] if str(err) else "",
+        )
         return EAGER
     log.info("compiled the decoder kernels in %.1f s", time.perf_counter() - start)
     return compiled
@@ -101,6 +109,9 @@ def _warm_up(k: DecoderKernels) -> None:
             x, w = torch.randn(rows, 1, 8, dtype=dtype), torch.ones(8, dtype=dtype)
             k.rms_norm(x, w, 1e-6)
             k.add_rms_norm(x, x, w, 1e-6)
-            k.rotary(torch.randn(rows, 1, 3, 4, dtype=dtype), torch.ones(rows, 1, 1, 4, dtype=dtype),
-                     torch.ones(rows, 1, 1, 4, dtype=dtype))
+            k.rotary(
+                torch.randn(rows, 1, 3, 4, dtype=dtype),
+                torch.ones(rows, 1, 1, 4, dtype=dtype),
+                torch.ones(rows, 1, 1, 4, dtype=dtype),
+            )
             k.silu_mul(x)

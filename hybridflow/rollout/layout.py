@@ -14,7 +14,13 @@ import torch
 from torch import Tensor
 
 from hybridflow.keys import (
-    ATTENTION_MASK, INPUT_IDS, POSITION_IDS, PROMPTS, RESPONSE_MASK, RESPONSES, ROLLOUT_LOG_PROBS,
+    ATTENTION_MASK,
+    INPUT_IDS,
+    POSITION_IDS,
+    PROMPTS,
+    RESPONSE_MASK,
+    RESPONSES,
+    ROLLOUT_LOG_PROBS,
 )
 from hybridflow.protocol import DataProto
 
@@ -30,14 +36,21 @@ def response_mask_from_tokens(responses: Tensor, eos_ids: Tensor, valid: Tensor 
 def pad_responses(responses: Tensor, width: int, pad_id: int) -> Tensor:
     """Right-pad (or keep) [B, r] token ids to [B, width]; r must be <= width."""
     if responses.shape[1] > width:
-        raise ValueError(f"backend returned {responses.shape[1]} response tokens, more than "
-                         f"rollout.response_length={width}")
+        raise ValueError(
+            f"backend returned {responses.shape[1]} response tokens, more than rollout.response_length={width}"
+        )
     return torch.nn.functional.pad(responses, (0, width - responses.shape[1]), value=pad_id)
 
 
 def build_output(
-    prompts: DataProto, prompt_ids: Tensor, prompt_mask: Tensor, prompt_pos: Tensor,
-    responses: Tensor, response_mask: Tensor, n: int, log_probs: Tensor | None,
+    prompts: DataProto,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    prompt_pos: Tensor,
+    responses: Tensor,
+    response_mask: Tensor,
+    n: int,
+    log_probs: Tensor | None,
 ) -> DataProto:
     """Assemble the output DataProto (keys: prompts, responses, response_mask, input_ids,
     attention_mask, position_ids, optional rollout_log_probs); non-tensor rows and the

@@ -39,14 +39,23 @@ COMPACT_FRACTION = 0.125
 class NativeRollout(ModuleRollout):
     """Batched KV-cache sampler (see module docstring)."""
 
-    def __init__(self, config: RolloutConfig, model: nn.Module, tokenizer, use_static: bool | None = None,
-                 tp_group: dist.ProcessGroup | None = None, tp_stride: int = 1) -> None:
+    def __init__(
+        self,
+        config: RolloutConfig,
+        model: nn.Module,
+        tokenizer,
+        use_static: bool | None = None,
+        tp_group: dist.ProcessGroup | None = None,
+        tp_stride: int = 1,
+    ) -> None:
         super().__init__(config, model, tokenizer)
         self.use_static = supports_static_path(model) if use_static is None else use_static
         self.tp_group = tp_group
         if tp_group is not None and dist.get_world_size(tp_group) > 1 and not self.use_static:
-            raise ValueError("rollout.tensor_model_parallel_size > 1 needs a Llama/Qwen2-style model (the native "
-                             f"static decoder); {type(model).__name__} runs on the unsplit HF fallback")
+            raise ValueError(
+                "rollout.tensor_model_parallel_size > 1 needs a Llama/Qwen2-style model (the native "
+                f"static decoder); {type(model).__name__} runs on the unsplit HF fallback"
+            )
         self._eos = torch.tensor(self.eos_ids)
         self.kernels = decoder_kernels(compile=self.use_static and not config.enforce_eager)
         self.tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
@@ -87,8 +96,9 @@ class NativeRollout(ModuleRollout):
             return StaticLlamaDecoder(self.model, self.kernels, self.tp_group)
         return HFDecoder(self.model)
 
-    def _generate(self, ids: Tensor, mask: Tensor, pos: Tensor, params: SamplingParams
-                  ) -> tuple[Tensor, Tensor, Tensor]:
+    def _generate(
+        self, ids: Tensor, mask: Tensor, pos: Tensor, params: SamplingParams
+    ) -> tuple[Tensor, Tensor, Tensor]:
         width = self.config.response_length
         dec = self._decoder()
         logits = dec.prefill(ids, mask, pos, width)

@@ -39,9 +39,7 @@ def filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:
     return logits
 
 
-def sample_next(
-    logits: Tensor, params: SamplingParams, generator: torch.Generator | None
-) -> tuple[Tensor, Tensor]:
+def sample_next(logits: Tensor, params: SamplingParams, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
     """Pick one token per row of fp32 `logits` [B, V]; returns (tokens [B], log-probs [B])."""
     if not params.do_sample:
         tokens = logits.argmax(dim=-1)

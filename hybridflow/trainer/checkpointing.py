@@ -17,8 +17,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from hybridflow.config_utils import to_yaml
 from hybridflow.utils import checkpoint_dirs as C
@@ -65,8 +66,9 @@ class RunCheckpointer:
         self.cfg, self.groups, self.loader = cfg, list(groups), train_loader
         self.root = Path(cfg.trainer.default_local_dir)
 
-    def save(self, step: int, extra: dict[str, Any] | None = None,
-             write: Callable[[Path], dict[str, Any]] | None = None) -> Path:
+    def save(
+        self, step: int, extra: dict[str, Any] | None = None, write: Callable[[Path], dict[str, Any]] | None = None
+    ) -> Path:
         """Write global_step_<step> with `extra` in its state file, then prune to trainer.max_ckpt_to_keep.
         `write(dir)`, if given, writes more files into the checkpoint and returns more state entries."""
         final = C.step_dir(self.root, step)
@@ -74,8 +76,13 @@ class RunCheckpointer:
             for group in self.groups:
                 group.save_checkpoint(str(tmp))
             extra = {**(extra or {}), **(write(tmp) if write is not None else {})}
-            state = {"global_step": step, "loader": self.loader.state_dict(), **extra,
-                     "model_path": self.cfg.model.path, "run": run_name(self.cfg)}
+            state = {
+                "global_step": step,
+                "loader": self.loader.state_dict(),
+                **extra,
+                "model_path": self.cfg.model.path,
+                "run": run_name(self.cfg),
+            }
             C.write_json_atomic(tmp / STATE_FILE, state)
             (tmp / CONFIG_FILE).write_text(to_yaml(self.cfg))
         if self.cfg.trainer.max_ckpt_to_keep:
@@ -140,12 +147,14 @@ def check_writable(cfg: Any) -> None:
         probe.write_bytes(b"x")
         probe.unlink()
     except OSError as err:
-        raise ValueError(f"trainer.default_local_dir={root} cannot be written ({err.strerror or err}); "
-                         "fix its permissions or point trainer.default_local_dir elsewhere") from None
+        raise ValueError(
+            f"trainer.default_local_dir={root} cannot be written ({err.strerror or err}); "
+            "fix its permissions or point trainer.default_local_dir elsewhere"
+        ) from None
 
 
 def run_name(cfg: Any) -> str:
-    """"<project_name>/<experiment_name>": recorded in every checkpoint of the run."""
+    """ "<project_name>/<experiment_name>": recorded in every checkpoint of the run."""
     return f"{cfg.trainer.project_name}/{cfg.trainer.experiment_name}"
 
 
@@ -163,8 +172,10 @@ def resume_path(cfg: Any) -> Path | None:
     if t.resume_mode == "resume_path":
         path = Path(t.resume_from_path)
         if not C.is_complete(path):
-            raise FileNotFoundError(f"trainer.resume_from_path={path} is not a complete checkpoint "
-                                    f"(no {path}/COMPLETE); pick a global_step_<N> directory that finished saving")
+            raise FileNotFoundError(
+                f"trainer.resume_from_path={path} is not a complete checkpoint "
+                f"(no {path}/COMPLETE); pick a global_step_<N> directory that finished saving"
+            )
         problem = C.damage(path)
         if problem:
             raise ValueError(f"trainer.resume_from_path={path} is damaged: {problem}; pick an earlier checkpoint")

@@ -1,20 +1,20 @@
 """The `hybridflow` command: train, sft, data, export, generate.
 
-    hybridflow train [--config FILE] key=value ...   # PPO / GRPO run (defaults: the main job)
-    hybridflow sft [--config FILE] key=value ...     # supervised fine-tuning (hybridflow/trainer/sft_main.py)
-    hybridflow data TASK --out DIR [--sft] [--train-size N] [--test-size N] [--seed S] [key=value ...]
-    hybridflow export CKPT_DIR --out HF_DIR [--tokenizer PATH] [--base-model PATH] [--adapter]
-    hybridflow plan [--config FILE] --profile PROFILE.json [key=value ...]  # rank placements (planner/search.py)
-    hybridflow profile --model M [--out device_profile.json]  # per-token operator costs here (planner/device.py)
-    hybridflow generate --model PATH_OR_CKPT --data FILE.parquet [--n N] [--rollout native|hf|vllm] [--out FILE.jsonl]
+hybridflow train [--config FILE] key=value ...   # PPO / GRPO run (defaults: the main job)
+hybridflow sft [--config FILE] key=value ...     # supervised fine-tuning (hybridflow/trainer/sft_main.py)
+hybridflow data TASK --out DIR [--sft] [--train-size N] [--test-size N] [--seed S] [key=value ...]
+hybridflow export CKPT_DIR --out HF_DIR [--tokenizer PATH] [--base-model PATH] [--adapter]
+hybridflow plan [--config FILE] --profile PROFILE.json [key=value ...]  # rank placements (planner/search.py)
+hybridflow profile --model M [--out device_profile.json]  # per-token operator costs here (planner/device.py)
+hybridflow generate --model PATH_OR_CKPT --data FILE.parquet [--n N] [--rollout native|hf|vllm] [--out FILE.jsonl]
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from hybridflow.rollout.config import ROLLOUT_NAMES
 from hybridflow.trainer.checkpointing import actor_dir, model_of, tokenizer_of
@@ -65,9 +65,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     """Sample from a model (or checkpoint) on a parquet file, score and report accuracy."""
     from hybridflow.trainer.generate import generate_and_score
 
-    metrics = generate_and_score(args.model, args.data, n=args.n, out=args.out, max_prompt_length=args.max_prompt_length,
-                                 max_response_length=args.max_response_length, temperature=args.temperature,
-                                 batch_size=args.batch_size, rollout=args.rollout)
+    metrics = generate_and_score(
+        args.model,
+        args.data,
+        n=args.n,
+        out=args.out,
+        max_prompt_length=args.max_prompt_length,
+        max_response_length=args.max_response_length,
+        temperature=args.temperature,
+        batch_size=args.batch_size,
+        rollout=args.rollout,
+    )
     for key, value in metrics.items():
         print(f"{key}: {value:.4f}")
     return 0
@@ -75,13 +83,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand except train (which parses its own overrides)."""
-    parser = argparse.ArgumentParser(prog="hybridflow", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="hybridflow", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("train", help="train (see `hybridflow train --help`)", add_help=False)
     sub.add_parser("sft", help="supervised fine-tuning (see `hybridflow sft --help`)", add_help=False)
     sub.add_parser("plan", help="rank placements from a profile (see `hybridflow plan --help`)", add_help=False)
-    sub.add_parser("profile", help="measure operator costs on this machine (see `hybridflow profile --help`)",
-                   add_help=False)
+    sub.add_parser(
+        "profile", help="measure operator costs on this machine (see `hybridflow profile --help`)", add_help=False
+    )
     d = sub.add_parser("data", help="generate a task as parquet")
     d.add_argument("task")
     d.add_argument("--out", required=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from hybridflow.config_utils import Section
 from hybridflow.data.dataset import TRUNCATIONS
@@ -36,7 +36,7 @@ class TaskFilesConfig(Section):
     """Training parquet file(s): one path or a list. Empty: generate `task`."""
     val_files: Any = field(default_factory=list)
     """Validation parquet file(s). Empty: the generated `task`'s test split, or train_files when those are given."""
-    task: Optional[str] = "arithmetic"
+    task: str | None = "arithmetic"
     """Task builder (hybridflow.data.TASKS) used to generate files when train_files is empty."""
     task_kwargs: dict[str, Any] = field(default_factory=dict)
     """Difficulty settings passed to the task builder, e.g. {max_digits: 1}."""
@@ -66,7 +66,7 @@ class DataConfig(TaskFilesConfig):
 
     train_batch_size: int = 32
     """Prompts per training step, for the whole run (each is sampled rollout.n times)."""
-    val_batch_size: Optional[int] = None
+    val_batch_size: int | None = None
     """Prompts per validation generate call; None runs the whole validation set at once."""
     max_prompt_length: int = 128
     """Prompt tokens after the chat template; prompts are left-padded to this length."""
@@ -83,9 +83,14 @@ class DataConfig(TaskFilesConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _positive(**{"data.train_batch_size": self.train_batch_size, "data.val_batch_size": self.val_batch_size,
-                     "data.max_prompt_length": self.max_prompt_length,
-                     "data.max_response_length": self.max_response_length})
+        _positive(
+            **{
+                "data.train_batch_size": self.train_batch_size,
+                "data.val_batch_size": self.val_batch_size,
+                "data.max_prompt_length": self.max_prompt_length,
+                "data.max_response_length": self.max_response_length,
+            }
+        )
         _one_of("data.truncation", self.truncation, TRUNCATIONS)
 
 
@@ -103,7 +108,7 @@ def _as_list(value: Any, key: str) -> list[str]:
 class CustomRewardFunctionConfig(Section):
     """A reward function loaded from a user's Python file."""
 
-    path: Optional[str] = None
+    path: str | None = None
     """Python file defining the function; None uses the built-in rule scorers."""
     name: str = "compute_score"
     """Function in that file: (data_source, solution_str, ground_truth, extra_info=None) -> float."""
@@ -149,8 +154,10 @@ class KLControlConfig(Section):
         if self.kl_coef < 0:
             raise ValueError(f"algorithm.kl_ctrl.kl_coef must be >= 0, got {self.kl_coef}")
         if self.type == "adaptive" and (self.target_kl <= 0 or self.horizon < 1):
-            raise ValueError("algorithm.kl_ctrl.type=adaptive needs target_kl > 0 and horizon >= 1, "
-                             f"got {self.target_kl}, {self.horizon}")
+            raise ValueError(
+                "algorithm.kl_ctrl.type=adaptive needs target_kl > 0 and horizon >= 1, "
+                f"got {self.target_kl}, {self.horizon}"
+            )
 
 
 @dataclass
@@ -172,10 +179,10 @@ class AlgorithmConfig(Section):
     takes k2's gradient (hybridflow.algos.kl)."""
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     """Coefficient control of the in-reward KL penalty."""
-    rollout_is_threshold: Optional[float] = None
+    rollout_is_threshold: float | None = None
     """Upper bound of the rollout importance weight pi_old / pi_rollout (hybridflow.algos.rollout_is);
     None: no correction and no mismatch metrics. Needs rollout.calculate_log_probs=true."""
-    rollout_is_threshold_lower: Optional[float] = None
+    rollout_is_threshold_lower: float | None = None
     """Lower bound of the weight in rollout_is_mode=mask; None: 1 / rollout_is_threshold."""
     rollout_is_level: str = "token"
     """"token": one weight per token; "sequence": the product of a response's token ratios."""
@@ -202,11 +209,15 @@ class AlgorithmConfig(Section):
         ROLLOUT_IS_MODES.get(self.rollout_is_mode)
         upper, lower = self.rollout_is_threshold, self.rollout_is_threshold_lower
         if upper is not None and upper <= 1.0:
-            raise ValueError(f"algorithm.rollout_is_threshold must be > 1 (it bounds pi_old / pi_rollout from "
-                             f"above) or null, got {upper}")
+            raise ValueError(
+                f"algorithm.rollout_is_threshold must be > 1 (it bounds pi_old / pi_rollout from "
+                f"above) or null, got {upper}"
+            )
         if lower is not None and (upper is None or not 0.0 <= lower < 1.0):
-            raise ValueError(f"algorithm.rollout_is_threshold_lower={lower} needs algorithm.rollout_is_threshold "
-                             "and must lie in [0, 1)")
+            raise ValueError(
+                f"algorithm.rollout_is_threshold_lower={lower} needs algorithm.rollout_is_threshold "
+                "and must lie in [0, 1)"
+            )
 
 
 @dataclass
@@ -217,19 +228,19 @@ class TrainerConfig(Section):
     """Project name for loggers (wandb project, mlflow experiment)."""
     experiment_name: str = "run"
     """Name of this run for loggers and the checkpoint directory."""
-    total_epochs: Optional[int] = None
+    total_epochs: int | None = None
     """Passes over the training prompts; None: 1, or as many as total_training_steps needs."""
-    total_training_steps: Optional[int] = None
+    total_training_steps: int | None = None
     """Stop after this many steps; None: total_epochs * steps per epoch. With both set, the
     steps must fit in the epochs."""
-    n_workers_per_node: Optional[int] = 2
+    n_workers_per_node: int | None = 2
     """Worker processes per node (verl: n_gpus_per_node); one per device on GPU machines. null: chosen at
     load (the RL trainer only): on CPU the split of this node's cores into workers x threads that the cost
     model predicts fastest from a device profile measured once (hybridflow/planner/auto.py, printed and
     cached), on CUDA one worker per visible GPU."""
     nnodes: int = 1
     """Nodes in the Ray cluster."""
-    cpus_per_worker: Optional[int] = None
+    cpus_per_worker: int | None = None
     """CPUs (and torch threads) per worker; None: this machine's CPU count // n_workers_per_node, at least 1.
     On a 2-core laptop, 1 worker x 2 threads does no gloo traffic; 2 workers x 1 thread split the batch."""
     test_freq: int = -1
@@ -238,15 +249,15 @@ class TrainerConfig(Section):
     """Checkpoint every this many steps and at the last step; -1: never. A recovery (max_restarts) redoes the
     steps since the newest checkpoint (from step 0 without one): pick N so N steps take a few minutes, e.g. 5
     for the main job (~2 min, 1.6 GB per checkpoint of SmolLM2 with optimizer; max_ckpt_to_keep=1 bounds disk)."""
-    max_ckpt_to_keep: Optional[int] = None
+    max_ckpt_to_keep: int | None = None
     """Keep only the newest this many checkpoints; None keeps all."""
     resume_mode: str = "auto"
     """"auto": resume from the latest checkpoint in default_local_dir if any; "disable"; "resume_path"."""
-    resume_from_path: Optional[str] = None
+    resume_from_path: str | None = None
     """Checkpoint directory to resume from when resume_mode is "resume_path"."""
-    default_local_dir: Optional[str] = None
+    default_local_dir: str | None = None
     """Where checkpoints are written; None: checkpoints/<project_name>/<experiment_name>."""
-    log_dir: Optional[str] = None
+    log_dir: str | None = None
     """Where metrics.jsonl, TensorBoard events and the run plot go; None: outputs/<project_name>/<experiment_name>."""
     logger: list[str] = field(default_factory=lambda: ["console"])
     """Metric sinks: any of console, jsonl, tensorboard, wandb, mlflow."""
@@ -266,23 +277,23 @@ class TrainerConfig(Section):
     (with mode one_step_off/async: the rollout gets its own workers, every other role shares the rest);
     "auto": resolved at load to the runnable placement the planner predicts fastest (hybridflow/planner/auto.py,
     from trainer.device_profile; split whenever mode is one_step_off/async)."""
-    device_profile: Optional[str] = None
+    device_profile: str | None = None
     """placement=auto: a `hybridflow profile` JSON for this model; None: measured at load (seconds on a tiny
     model, about a minute on SmolLM2) and cached under the model cache directory."""
     mode: str = "sync"
     """"sync": generate, then train, every step; "one_step_off": batch k+1 is generated while batch k trains
     (max_staleness 1); "async": up to max_staleness updates between the weights that generated a batch and the
     update that trains on it. The off-policy modes need placement=split (the rollout on its own workers)."""
-    max_staleness: Optional[int] = None
+    max_staleness: int | None = None
     """Most actor updates a sample's generating weights may lag behind the policy it trains (mode=async; 0 is
     sync's schedule). None: 0 for sync, 1 for one_step_off and async."""
     verbose: bool = False
     """Show the workers' library progress bars and info logs (model loading, ...); off: one line per phase."""
-    call_timeout_s: Optional[float] = None
+    call_timeout_s: float | None = None
     """Longest wait for every rank of one worker call, from when it is issued (Ray backend); ranks still
     running then are killed and the run fails naming them. None: 1800 on cpu, 3600 on cuda (a hang
     surfaces, while the slowest real call -- model load, a long generate, a checkpoint -- stays far below)."""
-    max_restarts: Optional[int] = None
+    max_restarts: int | None = None
     """Recoveries allowed within restart_window_s (Ray backend): when a worker process dies (killed, out of
     memory, segfault) or a call or collective times out, the controller kills every worker, frees the
     placement, starts them again, reloads the newest complete checkpoint this run wrote and goes on, so the
@@ -291,7 +302,7 @@ class TrainerConfig(Section):
     restart_window_s: float = 3600.0
     """Only restarts within this many seconds count against max_restarts (a long run may recover from rare
     failures indefinitely; a worker that dies again at once exhausts them)."""
-    collective_timeout_s: Optional[float] = None
+    collective_timeout_s: float | None = None
     """Longest wait of a rank in a collective for a peer (torch.distributed timeout); then gloo raises and
     NCCL aborts the rank. None: 600 on cpu, 1800 on cuda (above any rank-local phase between two
     collectives, e.g. rank 0 writing a checkpoint). Keep it below call_timeout_s: the waiting rank's
@@ -300,13 +311,24 @@ class TrainerConfig(Section):
     def __post_init__(self) -> None:
         # Derived values (directories, threads, run length) stay None here: hybridflow.trainer.resolve
         # fills them from the final merged values, after every override.
-        for key, name in (("trainer.project_name", self.project_name), ("trainer.experiment_name", self.experiment_name)):
+        for key, name in (
+            ("trainer.project_name", self.project_name),
+            ("trainer.experiment_name", self.experiment_name),
+        ):
             if not name or name in (".", "..") or "/" in name or os.sep in name:
-                raise ValueError(f"{key} names a directory level, so it must be a non-empty name without '/', got {name!r}")
-        _positive(**{"trainer.total_epochs": self.total_epochs, "trainer.cpus_per_worker": self.cpus_per_worker,
-                     "trainer.total_training_steps": self.total_training_steps,
-                     "trainer.n_workers_per_node": self.n_workers_per_node, "trainer.nnodes": self.nnodes,
-                     "trainer.max_ckpt_to_keep": self.max_ckpt_to_keep})
+                raise ValueError(
+                    f"{key} names a directory level, so it must be a non-empty name without '/', got {name!r}"
+                )
+        _positive(
+            **{
+                "trainer.total_epochs": self.total_epochs,
+                "trainer.cpus_per_worker": self.cpus_per_worker,
+                "trainer.total_training_steps": self.total_training_steps,
+                "trainer.n_workers_per_node": self.n_workers_per_node,
+                "trainer.nnodes": self.nnodes,
+                "trainer.max_ckpt_to_keep": self.max_ckpt_to_keep,
+            }
+        )
         for key, freq in (("trainer.test_freq", self.test_freq), ("trainer.save_freq", self.save_freq)):
             if freq == 0 or freq < -1:
                 raise ValueError(f"{key} must be -1 (off) or >= 1, got {freq}")
@@ -317,8 +339,10 @@ class TrainerConfig(Section):
             BACKENDS.get(name)  # an unknown name fails naming trainer.logger and the known loggers
         if self.critic_warmup < 0:
             raise ValueError(f"trainer.critic_warmup must be >= 0, got {self.critic_warmup}")
-        for key, value in (("trainer.call_timeout_s", self.call_timeout_s),
-                           ("trainer.collective_timeout_s", self.collective_timeout_s)):
+        for key, value in (
+            ("trainer.call_timeout_s", self.call_timeout_s),
+            ("trainer.collective_timeout_s", self.collective_timeout_s),
+        ):
             if value is not None and value <= 0:
                 raise ValueError(f"{key} must be > 0 seconds (null: the device's default), got {value}")
         if self.max_restarts is not None and self.max_restarts < 0:
@@ -326,9 +350,11 @@ class TrainerConfig(Section):
         if self.restart_window_s <= 0:
             raise ValueError(f"trainer.restart_window_s must be > 0 seconds, got {self.restart_window_s}")
         if self.backend == "local" and self.max_restarts:
-            raise ValueError(f"trainer.max_restarts={self.max_restarts} needs trainer.backend=ray: the local backend's "
-                             "worker runs inside the controller, so nothing survives to restart it; set "
-                             "trainer.max_restarts=0 or null")
+            raise ValueError(
+                f"trainer.max_restarts={self.max_restarts} needs trainer.backend=ray: the local backend's "
+                "worker runs inside the controller, so nothing survives to restart it; set "
+                "trainer.max_restarts=0 or null"
+            )
         _one_of("trainer.device", self.device, ("cpu", "cuda"))
         _one_of("trainer.backend", self.backend, ("ray", "local"))
         _one_of("trainer.placement", self.placement, ("colocate", "split", "auto"))
@@ -338,12 +364,15 @@ class TrainerConfig(Section):
         if self.n_workers_per_node is None:  # chosen at resolve, which checks the result again
             return
         if self.placement == "split" and self.n_workers_per_node * self.nnodes < 2:
-            raise ValueError("trainer.placement=split needs at least 2 workers "
-                             "(trainer.n_workers_per_node * trainer.nnodes)")
+            raise ValueError(
+                "trainer.placement=split needs at least 2 workers (trainer.n_workers_per_node * trainer.nnodes)"
+            )
         world = self.n_workers_per_node * self.nnodes
         if self.backend == "local" and world != 1:
-            raise ValueError(f"trainer.backend=local runs one in-process worker; set trainer.n_workers_per_node=1 "
-                             f"and trainer.nnodes=1 (got {world} workers)")
+            raise ValueError(
+                f"trainer.backend=local runs one in-process worker; set trainer.n_workers_per_node=1 "
+                f"and trainer.nnodes=1 (got {world} workers)"
+            )
 
     def _check_mode(self) -> None:
         _one_of("trainer.mode", self.mode, TRAINER_MODES)
@@ -352,14 +381,20 @@ class TrainerConfig(Section):
             raise ValueError(f"trainer.max_staleness must be >= 0 or null, got {s}")
         fixed = MODE_STALENESS[self.mode] if self.mode != "async" else None
         if s is not None and fixed is not None and s != fixed:
-            raise ValueError(f"trainer.mode={self.mode} means trainer.max_staleness={fixed}, got {s}; "
-                             "use trainer.mode=async for another bound")
+            raise ValueError(
+                f"trainer.mode={self.mode} means trainer.max_staleness={fixed}, got {s}; "
+                "use trainer.mode=async for another bound"
+            )
         if self.mode != "sync" and self.device == "cuda":
-            raise ValueError(f"trainer.mode={self.mode} moves weights between pools over gloo on CPU; the NCCL "
-                             "transfer for trainer.device=cuda is not written yet: use trainer.mode=sync on cuda")
+            raise ValueError(
+                f"trainer.mode={self.mode} moves weights between pools over gloo on CPU; the NCCL "
+                "transfer for trainer.device=cuda is not written yet: use trainer.mode=sync on cuda"
+            )
         if self.mode != "sync" and self.placement not in ("split", "auto"):
-            raise ValueError(f"trainer.mode={self.mode} generates on its own workers while the actor trains; "
-                             "set trainer.placement=split (the rollout gets half of the workers)")
+            raise ValueError(
+                f"trainer.mode={self.mode} generates on its own workers while the actor trains; "
+                "set trainer.placement=split (the rollout gets half of the workers)"
+            )
 
 
 TRAINER_MODES = ("sync", "one_step_off", "async")

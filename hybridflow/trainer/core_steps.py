@@ -35,8 +35,12 @@ def apply_rewards(batch: DataProto, cfg: AlgorithmConfig, kl_ctrl) -> dict[str, 
         batch.batch[K.TOKEN_LEVEL_REWARDS] = scores
         return {}
     rewards, metrics = apply_kl_penalty(
-        scores, batch.batch[K.OLD_LOG_PROBS], batch.batch[K.REF_LOG_PROB], batch.batch[K.RESPONSE_MASK],
-        kl_ctrl, cfg.kl_penalty,
+        scores,
+        batch.batch[K.OLD_LOG_PROBS],
+        batch.batch[K.REF_LOG_PROB],
+        batch.batch[K.RESPONSE_MASK],
+        kl_ctrl,
+        cfg.kl_penalty,
     )
     batch.batch[K.TOKEN_LEVEL_REWARDS] = rewards
     return metrics
@@ -48,8 +52,15 @@ def apply_rollout_is(batch: DataProto, cfg: AlgorithmConfig) -> dict[str, float]
     if cfg.rollout_is_threshold is None:
         return {}
     old, rollout, mask = batch.batch[K.OLD_LOG_PROBS], batch.batch[K.ROLLOUT_LOG_PROBS], batch.batch[K.RESPONSE_MASK]
-    weights, metrics = rollout_importance_weights(old, rollout, mask, cfg.rollout_is_level, cfg.rollout_is_mode,
-                                                  cfg.rollout_is_threshold, cfg.rollout_is_threshold_lower)
+    weights, metrics = rollout_importance_weights(
+        old,
+        rollout,
+        mask,
+        cfg.rollout_is_level,
+        cfg.rollout_is_mode,
+        cfg.rollout_is_threshold,
+        cfg.rollout_is_threshold_lower,
+    )
     if cfg.rollout_is:
         batch.batch[K.ROLLOUT_IS_WEIGHTS] = weights
     return {**metrics, **mismatch_metrics(old, rollout, mask)}
@@ -60,10 +71,14 @@ def compute_advantage(batch: DataProto, cfg: AlgorithmConfig) -> None:
     estimator = get_advantage_estimator(cfg.adv_estimator)
     present = batch.batch.keys()
     advantages, returns = estimator(
-        batch.batch[K.TOKEN_LEVEL_REWARDS], batch.batch[K.RESPONSE_MASK].float(), batch.non_tensor_batch[K.UID],
+        batch.batch[K.TOKEN_LEVEL_REWARDS],
+        batch.batch[K.RESPONSE_MASK].float(),
+        batch.non_tensor_batch[K.UID],
         values=batch.batch[K.VALUES] if K.VALUES in present else None,
         reward_baselines=batch.batch[K.REWARD_BASELINES] if K.REWARD_BASELINES in present else None,
-        gamma=cfg.gamma, lam=cfg.lam, norm_adv_by_std_in_grpo=cfg.norm_adv_by_std_in_grpo,
+        gamma=cfg.gamma,
+        lam=cfg.lam,
+        norm_adv_by_std_in_grpo=cfg.norm_adv_by_std_in_grpo,
     )
     batch.batch[K.ADVANTAGES] = advantages.float()
     batch.batch[K.RETURNS] = returns.float()
@@ -74,14 +89,18 @@ def remax_baselines(roles, prompts: DataProto, reward_fn, n: int) -> torch.Tenso
 
     The greedy response is scored like the samples: rule score plus the reward model's, if the run has one.
     """
-    greedy = DataProto(batch=prompts.batch, non_tensor_batch=dict(prompts.non_tensor_batch),
-                       meta_info={**prompts.meta_info, K.META_DO_SAMPLE: False, K.META_N: 1})
+    greedy = DataProto(
+        batch=prompts.batch,
+        non_tensor_batch=dict(prompts.non_tensor_batch),
+        meta_info={**prompts.meta_info, K.META_DO_SAMPLE: False, K.META_N: 1},
+    )
     out = roles.actor_rollout.generate_sequences(greedy)
     out.meta_info.pop(K.META_METRICS, None)
     if roles.reward_model is not None:
         out.union(roles.reward_model.compute_rm_score(out))
     scores = reward_fn(out).token_level_scores.sum(-1).float()
     return scores.repeat_interleave(n)
+
 
 def pass_at_n(uids: np.ndarray, scores: torch.Tensor) -> float:
     """Share of prompts with at least one response scoring > 0.5 (pass@n, n = samples per prompt)."""

@@ -36,11 +36,16 @@ def task_files(cfg: TaskFilesConfig, sft: bool = False) -> tuple[list[str], list
 def make_loaders(cfg: DataConfig, tokenizer: Any) -> tuple[StatefulDataLoader, StatefulDataLoader]:
     """Seeded, resumable train loader and an in-order validation loader, both yielding DataProto."""
     train_files, val_files = task_files(cfg)
-    kw = dict(max_prompt_length=cfg.max_prompt_length, filter_overlong_prompts=cfg.filter_overlong_prompts,
-              truncation=cfg.truncation)
+    kw = dict(
+        max_prompt_length=cfg.max_prompt_length,
+        filter_overlong_prompts=cfg.filter_overlong_prompts,
+        truncation=cfg.truncation,
+    )
     train = RLDataset(train_files, tokenizer, **kw)
     val = RLDataset(val_files, tokenizer, **kw)
-    train_loader = StatefulDataLoader(train, cfg.train_batch_size, seed=cfg.seed, shuffle=cfg.shuffle, collate_fn=collate)
+    train_loader = StatefulDataLoader(
+        train, cfg.train_batch_size, seed=cfg.seed, shuffle=cfg.shuffle, collate_fn=collate
+    )
     val_bs = min(cfg.val_batch_size or len(val), len(val))
     val_loader = StatefulDataLoader(val, val_bs, shuffle=False, collate_fn=collate, drop_last=False)
     return train_loader, val_loader

@@ -30,9 +30,17 @@ def model_dir(model: str, tmp: Path) -> Path:
     return Path(resolve_model_path(model))
 
 
-def generate_and_score(model: str, data: str, n: int = 1, out: str | None = None, max_prompt_length: int = 128,
-                       max_response_length: int = 64, temperature: float = 1.0, batch_size: int = 64,
-                       rollout: str = "native") -> dict[str, float]:
+def generate_and_score(
+    model: str,
+    data: str,
+    n: int = 1,
+    out: str | None = None,
+    max_prompt_length: int = 128,
+    max_response_length: int = 64,
+    temperature: float = 1.0,
+    batch_size: int = 64,
+    rollout: str = "native",
+) -> dict[str, float]:
     """Generate n responses per prompt (greedy when n == 1) with the `rollout` backend, score them, return metrics."""
     from hybridflow.data.dataset import RLDataset, collate
     from hybridflow.models import load_tokenizer
@@ -43,8 +51,14 @@ def generate_and_score(model: str, data: str, n: int = 1, out: str | None = None
     with tempfile.TemporaryDirectory() as tmp:
         path = model_dir(model, Path(tmp))
         tokenizer = load_tokenizer(path)
-        cfg = RolloutConfig(name=rollout, n=n, do_sample=n > 1, temperature=temperature, prompt_length=max_prompt_length,
-                            response_length=max_response_length)
+        cfg = RolloutConfig(
+            name=rollout,
+            n=n,
+            do_sample=n > 1,
+            temperature=temperature,
+            prompt_length=max_prompt_length,
+            response_length=max_response_length,
+        )
         engine = build_rollout(cfg, path, tokenizer)
     dataset = RLDataset(data, tokenizer, max_prompt_length)
     reward = RewardManager(tokenizer)
@@ -58,8 +72,12 @@ def generate_and_score(model: str, data: str, n: int = 1, out: str | None = None
         sources += [str(s) for s in result.non_tensor_batch[K.DATA_SOURCE]]
         uids += list(result.non_tensor_batch[K.UID])
         scores += scored.scores
-        rows += [{"uid": u, "prompt": p, "response": t, "score": s} for u, p, t, s in
-                 zip(result.non_tensor_batch[K.UID], result.non_tensor_batch[K.RAW_PROMPT], texts, scored.scores)]
+        rows += [
+            {"uid": u, "prompt": p, "response": t, "score": s}
+            for u, p, t, s in zip(
+                result.non_tensor_batch[K.UID], result.non_tensor_batch[K.RAW_PROMPT], texts, scored.scores
+            )
+        ]
     if out:
         Path(out).write_text("".join(json.dumps(r, default=str) + "\n" for r in rows))
     return summarize_scores(sources, uids, scores, n, prefix="gen")

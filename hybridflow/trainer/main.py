@@ -11,10 +11,10 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, NamedTuple, Sequence, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from hybridflow.config_utils import load_config, to_yaml
 from hybridflow.trainer.checkpointing import check_writable
@@ -90,8 +90,13 @@ def load_run(config_path: str | None, overrides: Sequence[str]) -> tuple[Resolve
 
 
 @contextmanager
-def started_workers(cfg: Any, build: Callable[[], T], groups_of: Callable[[T], list], label: str,
-                    release: Callable[[T], None] = lambda built: None) -> Iterator[T]:
+def started_workers(
+    cfg: Any,
+    build: Callable[[], T],
+    groups_of: Callable[[T], list],
+    label: str,
+    release: Callable[[T], None] = lambda built: None,
+) -> Iterator[T]:
     """Start the backend and build the worker groups, load their models (one phase line each, libraries
     quiet unless trainer.verbose), yield what `build` returned; at exit shut every group down, then
     `release` what was built (free its placement)."""
@@ -113,9 +118,16 @@ def started_workers(cfg: Any, build: Callable[[], T], groups_of: Callable[[T], l
         release(built)
 
 
-def fit_with_restarts(cfg: Any, inputs: Any, build: Callable[[], T], groups_of: Callable[[T], list], label: str,
-                      release: Callable[[T], None], make_trainer: Callable[..., Any],
-                      carry: Callable[[Any, Any], None]) -> tuple[Any, Any]:
+def fit_with_restarts(
+    cfg: Any,
+    inputs: Any,
+    build: Callable[[], T],
+    groups_of: Callable[[T], list],
+    label: str,
+    release: Callable[[T], None],
+    make_trainer: Callable[..., Any],
+    carry: Callable[[Any, Any], None],
+) -> tuple[Any, Any]:
     """Start the workers, `make_trainer(built, inputs, tracker, recovery).fit()`, and after a recoverable
     worker failure do it again from the newest checkpoint (trainer.max_restarts, trainer/recovery.py).
 
@@ -141,9 +153,14 @@ def fit_with_restarts(cfg: Any, inputs: Any, build: Callable[[], T], groups_of: 
 
     t = cfg.trainer
     with Tracking(t.project_name, t.experiment_name, t.logger, Path(t.log_dir), config=_plain(cfg)) as tracker:
-        result = run_with_restarts(recovery, lambda: started_workers(cfg, build, groups_of, label, release),
-                                   groups_of, attempt, lambda: current.global_step if current else 0,
-                                   tracker.rewind)
+        result = run_with_restarts(
+            recovery,
+            lambda: started_workers(cfg, build, groups_of, label, release),
+            groups_of,
+            attempt,
+            lambda: current.global_step if current else 0,
+            tracker.rewind,
+        )
     return current, result
 
 
@@ -156,10 +173,15 @@ def run(resolved: ResolvedRun, inputs: RunInputs) -> dict[str, dict[str, float]]
         new.first_val, new.last_val = old.first_val, old.last_val
 
     trainer, after = fit_with_restarts(
-        resolved.config, inputs, lambda: build_roles(resolved), Roles.all, "loading models",
+        resolved.config,
+        inputs,
+        lambda: build_roles(resolved),
+        Roles.all,
+        "loading models",
         lambda roles: roles.release(),
         lambda roles, run_inputs, tracker, recovery: PPOTrainer(resolved, roles, run_inputs, tracker, recovery),
-        carry)
+        carry,
+    )
     _report(Path(resolved.config.trainer.log_dir), trainer.first_val, after)
     return {"before": trainer.first_val, "after": after}
 
@@ -189,8 +211,11 @@ def parse_args(argv: Sequence[str], prog: str, description: str) -> argparse.Nam
     """`[--config FILE] [--print-config] key=value ...`."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--config", help="YAML file with the run's config fields; key=value overrides apply on top")
-    parser.add_argument("--print-config", action="store_true",
-                        help="print the resolved run (every derived value filled in) as YAML and exit")
+    parser.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved run (every derived value filled in) as YAML and exit",
+    )
     parser.add_argument("overrides", nargs="*", help="verl-style overrides, e.g. actor.optim.lr=1e-5")
     return parser.parse_args(argv)
 
@@ -221,8 +246,13 @@ def run_command(argv: Sequence[str], prog: str, description: str, load: Any, exe
 
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry of `hybridflow train`."""
-    return run_command(sys.argv[1:] if argv is None else argv, "hybridflow train",
-                       "Train with PPO / GRPO / ... (see README).", load_run, run)
+    return run_command(
+        sys.argv[1:] if argv is None else argv,
+        "hybridflow train",
+        "Train with PPO / GRPO / ... (see README).",
+        load_run,
+        run,
+    )
 
 
 if __name__ == "__main__":

@@ -14,7 +14,11 @@ def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
     values = values.float()
     if values.numel() == 0:
         return {}
-    return {f"{prefix}/mean": float(values.mean()), f"{prefix}/max": float(values.max()), f"{prefix}/min": float(values.min())}
+    return {
+        f"{prefix}/mean": float(values.mean()),
+        f"{prefix}/max": float(values.max()),
+        f"{prefix}/min": float(values.min()),
+    }
 
 
 def data_metrics(batch: DataProto, response_length: int) -> dict[str, float]:

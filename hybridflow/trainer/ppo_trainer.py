@@ -48,7 +48,9 @@ def _take_metrics(data: DataProto, sink: list[DataProto]) -> DataProto:
 class PPOTrainer:
     """Runs the training loop over already-built worker groups."""
 
-    def __init__(self, run: ResolvedRun, roles: Roles, inputs: Any, tracker: Tracking, recovery: Recovery | None = None):
+    def __init__(
+        self, run: ResolvedRun, roles: Roles, inputs: Any, tracker: Tracking, recovery: Recovery | None = None
+    ):
         """`inputs`: tokenizer, train_loader, val_loader and reward_fn (hybridflow.trainer.main.RunInputs);
         `recovery`: the run's restart state, told of every checkpoint written, its counters logged every step."""
         self.run, self.cfg, self.roles = run, run.config, roles
@@ -58,8 +60,11 @@ class PPOTrainer:
         self.kl_ctrl = S.make_kl_controller(self.cfg.algorithm)
         t = self.cfg.trainer
         prompts = endless(inputs.train_loader)
-        self.rollout = (SyncRollout(roles, prompts) if t.mode == "sync"
-                        else AsyncRollout(roles, prompts, run.total_steps, t.max_staleness))
+        self.rollout = (
+            SyncRollout(roles, prompts)
+            if t.mode == "sync"
+            else AsyncRollout(roles, prompts, run.total_steps, t.max_staleness)
+        )
         self.checkpointer = TrainerCheckpointer(self.cfg, roles, inputs.train_loader, self.rollout)
         self.global_step = 0
         self.resume_from = inputs.resume_from
@@ -133,10 +138,17 @@ class PPOTrainer:
                     _take_metrics(out, worker_out)
             # 6. off-policy modes: the batch's staleness, and the new weights pushed to the rollout workers
             pipeline = self.rollout.after_update(self.global_step, batch)
-        return {**kl_metrics, **balance, **worker_metrics(*worker_out), **reward.metrics,
-                **data_metrics(batch, cfg.data.max_response_length),
-                **throughput_metrics(batch, timing, cfg.world_size),
-                **{f"timing_s/{k}": v for k, v in timing.items()}, "training/global_step": self.global_step, **pipeline}
+        return {
+            **kl_metrics,
+            **balance,
+            **worker_metrics(*worker_out),
+            **reward.metrics,
+            **data_metrics(batch, cfg.data.max_response_length),
+            **throughput_metrics(batch, timing, cfg.world_size),
+            **{f"timing_s/{k}": v for k, v in timing.items()},
+            "training/global_step": self.global_step,
+            **pipeline,
+        }
 
     def _update(self, batch: DataProto, plan: StepPlan) -> list[DataProto]:
         pending = []
@@ -157,7 +169,12 @@ class PPOTrainer:
 
     def _validate(self) -> dict[str, float]:
         with phase(f"validating ({len(self.val_loader.dataset)} prompts)"):
-            metrics = validate(self.roles.rollout or self.roles.actor_rollout, self.val_loader, self.reward_fn, self.cfg.rollout.val_kwargs.n)
+            metrics = validate(
+                self.roles.rollout or self.roles.actor_rollout,
+                self.val_loader,
+                self.reward_fn,
+                self.cfg.rollout.val_kwargs.n,
+            )
         self.first_val = self.first_val or metrics
         self.last_val = metrics
         if self.global_step == 0:

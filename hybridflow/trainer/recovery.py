@@ -73,8 +73,11 @@ def is_worker_failure(err: BaseException, dead: list[str]) -> bool:
         return True
     if isinstance(err, rx.RayTaskError):
         cause = getattr(err, "cause", None)
-        return bool(dead) or isinstance(cause, (dist.DistError, WorkerError)) or any(
-            mark in str(cause or err) for mark in _COLLECTIVE_MARKS)
+        return (
+            bool(dead)
+            or isinstance(cause, (dist.DistError, WorkerError))
+            or any(mark in str(cause or err) for mark in _COLLECTIVE_MARKS)
+        )
     return isinstance(err, rx.RayError)  # RayActorError, OutOfMemoryError, NodeDiedError, ObjectLostError, ...
 
 
@@ -165,8 +168,11 @@ class Recovery:
 
     def metrics(self) -> dict[str, float]:
         """The totals logged with every step."""
-        return {"fault/restarts": float(self.restarts), "fault/steps_redone": float(self.steps_redone),
-                "fault/recovery_s": self.recovery_s}
+        return {
+            "fault/restarts": float(self.restarts),
+            "fault/steps_redone": float(self.steps_redone),
+            "fault/recovery_s": self.recovery_s,
+        }
 
     def failure(self, err: BaseException, groups: list[Any], step: int) -> Failure | None:
         """A `Failure` when `err` is a worker failure (call it before the workers are torn down), else None."""
@@ -182,8 +188,9 @@ class Recovery:
             return
         self.recovery_s = time.monotonic() - self._failed_at
         self._failed_at = None
-        log.warning("recovered in %.1f s (workers restarted, models and checkpoint loaded); training again",
-                    self.recovery_s)
+        log.warning(
+            "recovered in %.1f s (workers restarted, models and checkpoint loaded); training again", self.recovery_s
+        )
 
     def restart(self, failure: Failure, rewind: Callable[[int], None]) -> None:
         """Take one restart from the budget, pick the checkpoint, rewind the loggers and log the recovery
@@ -197,9 +204,17 @@ class Recovery:
         self.steps_redone += max(0, failure.step - ckpt_step)
         self.resume_from = ckpt
         rewind(ckpt_step)
-        log.warning("worker failure: %s; restart %d of %d (trainer.max_restarts within %g s), resuming from %s, "
-                    "redoing steps %d-%d", failure.what, number, self.budget.max_restarts, self.budget.window_s,
-                    ckpt or "step 0 (no checkpoint yet)", ckpt_step + 1, max(failure.step, ckpt_step + 1))
+        log.warning(
+            "worker failure: %s; restart %d of %d (trainer.max_restarts within %g s), resuming from %s, "
+            "redoing steps %d-%d",
+            failure.what,
+            number,
+            self.budget.max_restarts,
+            self.budget.window_s,
+            ckpt or "step 0 (no checkpoint yet)",
+            ckpt_step + 1,
+            max(failure.step, ckpt_step + 1),
+        )
 
     def _newest_checkpoint(self) -> Path | None:
         """The newest undamaged checkpoint this run wrote, else the one it started from (or None)."""
@@ -214,16 +229,26 @@ class Recovery:
 
     def _give_up(self, failure: Failure, ckpt: Path | None) -> str:
         b = self.budget
-        spent = (f"trainer.max_restarts={b.max_restarts}" if b.max_restarts == 0 else
-                 f"all {b.max_restarts} restarts (trainer.max_restarts) within {b.window_s:g} s are spent")
+        spent = (
+            f"trainer.max_restarts={b.max_restarts}"
+            if b.max_restarts == 0
+            else f"all {b.max_restarts} restarts (trainer.max_restarts) within {b.window_s:g} s are spent"
+        )
         resume = f"resumes from {ckpt}" if ckpt else "starts again from step 0 (no checkpoint was written)"
-        return (f"worker failure at step {failure.step}: {failure.what}; {spent}. Running the same command again "
-                f"{resume} (trainer.resume_mode=auto); raise trainer.max_restarts to recover within the run")
+        return (
+            f"worker failure at step {failure.step}: {failure.what}; {spent}. Running the same command again "
+            f"{resume} (trainer.resume_mode=auto); raise trainer.max_restarts to recover within the run"
+        )
 
 
-def run_with_restarts(recovery: Recovery, workers: Callable[[], AbstractContextManager[T]],
-                      groups_of: Callable[[T], list], attempt: Callable[[T], R], step_of: Callable[[], int],
-                      rewind: Callable[[int], None]) -> R:
+def run_with_restarts(
+    recovery: Recovery,
+    workers: Callable[[], AbstractContextManager[T]],
+    groups_of: Callable[[T], list],
+    attempt: Callable[[T], R],
+    step_of: Callable[[], int],
+    rewind: Callable[[int], None],
+) -> R:
     """`attempt(built)` inside `with workers() as built`, again after each recoverable worker failure.
 
     `step_of()`: the step in progress (redone after a restart); `rewind(step)`: drop metrics logged after

@@ -91,8 +91,10 @@ class ResolvedRun:
 
     def to_yaml(self) -> str:
         """The resolved config (loadable with --config) followed by the derived plan as comments."""
-        lines = [f"#   steps_per_epoch: {self.steps_per_epoch}",
-                 f"#   recompute_old_log_prob: {str(self.recompute_old_log_prob).lower()}"]
+        lines = [
+            f"#   steps_per_epoch: {self.steps_per_epoch}",
+            f"#   recompute_old_log_prob: {str(self.recompute_old_log_prob).lower()}",
+        ]
         lines += [f"#   worker set on pool {s.pool}: {s.world_size} x [{', '.join(s.roles)}]" for s in self.worker_sets]
         return to_yaml(self.config) + "# resolved plan:\n" + "\n".join(lines) + "\n"
 
@@ -100,8 +102,10 @@ class ResolvedRun:
 def resolve(cfg: RunConfig, steps_per_epoch: int, cpu_count: int | None = None) -> ResolvedRun:
     """Fill every derived value of `cfg` (left untouched) into a frozen copy; see the module docstring."""
     if steps_per_epoch < 1:
-        raise ConfigError(f"the training set gives {steps_per_epoch} steps per epoch at data.train_batch_size="
-                          f"{cfg.data.train_batch_size}; add prompts or lower the batch size")
+        raise ConfigError(
+            f"the training set gives {steps_per_epoch} steps per epoch at data.train_batch_size="
+            f"{cfg.data.train_batch_size}; add prompts or lower the batch size"
+        )
     if cfg.trainer.n_workers_per_node is None:
         from hybridflow.planner.auto import resolve_auto_layout
 
@@ -110,8 +114,9 @@ def resolve(cfg: RunConfig, steps_per_epoch: int, cpu_count: int | None = None) 
         from hybridflow.planner.auto import resolve_auto_placement
 
         t = cfg.trainer
-        cfg = resolve_auto_placement(cfg, t.cpus_per_worker or max(1, (cpu_count or os.cpu_count() or 1)
-                                                                   // t.n_workers_per_node))
+        cfg = resolve_auto_placement(
+            cfg, t.cpus_per_worker or max(1, (cpu_count or os.cpu_count() or 1) // t.n_workers_per_node)
+        )
     sets = worker_sets(cfg)
     check_parallel_layouts(cfg, sets)
     trainer = resolve_trainer(cfg.trainer, steps_per_epoch, cpu_count)
@@ -121,21 +126,32 @@ def resolve(cfg: RunConfig, steps_per_epoch: int, cpu_count: int | None = None) 
     critic = cfg.critic
     if cfg.use_critic:
         critic_world = next(s.world_size for s in sets if "critic" in s.roles)
-        critic = replace(critic, enable=True, model=critic.model or cfg.model,
-                         optim=resolve_schedule(critic.optim, total, "critic."),
-                         engine=resolve_engine(critic.engine, device, critic_world, "critic.", threads))
+        critic = replace(
+            critic,
+            enable=True,
+            model=critic.model or cfg.model,
+            optim=resolve_schedule(critic.optim, total, "critic."),
+            engine=resolve_engine(critic.engine, device, critic_world, "critic.", threads),
+        )
     resolved = replace(
         cfg,
         trainer=trainer,
-        rollout=replace(cfg.rollout, prompt_length=cfg.data.max_prompt_length,
-                        response_length=cfg.data.max_response_length,
-                        dtype=resolve_dtype(cfg.rollout.dtype, device, threads)),
-        actor=replace(cfg.actor, optim=resolve_schedule(cfg.actor.optim, total, "actor."),
-                      engine=resolve_engine(cfg.actor.engine, device, sets[0].world_size, "actor.", threads)),
+        rollout=replace(
+            cfg.rollout,
+            prompt_length=cfg.data.max_prompt_length,
+            response_length=cfg.data.max_response_length,
+            dtype=resolve_dtype(cfg.rollout.dtype, device, threads),
+        ),
+        actor=replace(
+            cfg.actor,
+            optim=resolve_schedule(cfg.actor.optim, total, "actor."),
+            engine=resolve_engine(cfg.actor.engine, device, sets[0].world_size, "actor.", threads),
+        ),
         critic=critic if cfg.use_critic else replace(critic, enable=False),
         ref=replace(cfg.ref, param_dtype=resolve_dtype(cfg.ref.param_dtype, device, threads)),
-        reward_model=replace(cfg.reward_model,
-                             param_dtype=resolve_dtype(cfg.reward_model.param_dtype, device, threads)),
+        reward_model=replace(
+            cfg.reward_model, param_dtype=resolve_dtype(cfg.reward_model.param_dtype, device, threads)
+        ),
     )
     actor_dp = cfg.actor.engine.dp_size(sets[0].world_size)
     return ResolvedRun(freeze(resolved), steps_per_epoch, sets, recompute_old_log_prob(cfg, actor_dp))
@@ -152,8 +168,7 @@ def worker_sets(cfg: RunConfig) -> tuple[WorkerSet, ...]:
         return (WorkerSet(0, world, tuple(roles)),)
     if cfg.trainer.mode != "sync":  # the rollout alone, so it generates while the actor trains
         rollout_world = world // 2
-        return (WorkerSet(0, world - rollout_world, ("actor", *roles[2:])),
-                WorkerSet(1, rollout_world, ("rollout",)))
+        return (WorkerSet(0, world - rollout_world, ("actor", *roles[2:])), WorkerSet(1, rollout_world, ("rollout",)))
     first = world // 2
     return WorkerSet(0, first, ("actor", "rollout")), WorkerSet(1, world - first, tuple(roles[2:]))
 
@@ -169,16 +184,21 @@ def resolve_trainer(t: TrainerConfig, steps_per_epoch: int, cpu_count: int | Non
     elif epochs is None:
         epochs = math.ceil(steps / steps_per_epoch)
     elif steps > epochs * steps_per_epoch:
-        raise ConfigError(f"trainer.total_training_steps={steps} does not fit in trainer.total_epochs={epochs} "
-                          f"({steps_per_epoch} steps per epoch); set only one of them")
+        raise ConfigError(
+            f"trainer.total_training_steps={steps} does not fit in trainer.total_epochs={epochs} "
+            f"({steps_per_epoch} steps per epoch); set only one of them"
+        )
     run_dir = os.path.join(t.project_name, t.experiment_name)
     call_s, collective_s = DEVICE_TIMEOUTS_S[t.device]
     return replace(
-        t, total_epochs=epochs, total_training_steps=steps,
+        t,
+        total_epochs=epochs,
+        total_training_steps=steps,
         default_local_dir=t.default_local_dir or os.path.join("checkpoints", run_dir),
         log_dir=t.log_dir or os.path.join("outputs", run_dir),
         cpus_per_worker=t.cpus_per_worker or max(1, cpu_count // t.n_workers_per_node),
-        call_timeout_s=t.call_timeout_s or call_s, collective_timeout_s=t.collective_timeout_s or collective_s,
+        call_timeout_s=t.call_timeout_s or call_s,
+        collective_timeout_s=t.collective_timeout_s or collective_s,
         max_staleness=MODE_STALENESS[t.mode] if t.max_staleness is None else t.max_staleness,
         max_restarts=(DEFAULT_MAX_RESTARTS if t.backend == "ray" else 0) if t.max_restarts is None else t.max_restarts,
     )
@@ -188,8 +208,10 @@ def resolve_schedule(optim: OptimConfig, total: int, section: str) -> OptimConfi
     """The optimizer config with its LR-schedule length: the user's, else the run's `total` steps.
     `section`: the key path in front of `optim.` in messages ("actor.", "critic.", "" for SFT)."""
     if optim.total_training_steps is not None and optim.total_training_steps < 1:
-        raise ConfigError(f"{section}optim.total_training_steps must be >= 1 or null (the run's "
-                          f"{total} steps), got {optim.total_training_steps}")
+        raise ConfigError(
+            f"{section}optim.total_training_steps must be >= 1 or null (the run's "
+            f"{total} steps), got {optim.total_training_steps}"
+        )
     return replace(optim, total_training_steps=optim.total_training_steps or total)
 
 
@@ -202,11 +224,16 @@ def resolve_engine(engine: EngineConfig, device: str, world: int, section: str, 
     try:
         fsdp_size = engine.resolve_fsdp_size(torch.device(device), world)
     except ValueError as err:
-        raise ConfigError(f"{section}{err} of its worker set (trainer.n_workers_per_node * trainer.nnodes, "
-                          "halved with trainer.placement=split)") from None
-    return replace(engine, fsdp_size=fsdp_size,
-                   reshard_after_forward=engine.resolve_reshard_after_forward(torch.device(device)),
-                   param_dtype=resolve_dtype(engine.param_dtype, device, threads))
+        raise ConfigError(
+            f"{section}{err} of its worker set (trainer.n_workers_per_node * trainer.nnodes, "
+            "halved with trainer.placement=split)"
+        ) from None
+    return replace(
+        engine,
+        fsdp_size=fsdp_size,
+        reshard_after_forward=engine.resolve_reshard_after_forward(torch.device(device)),
+        param_dtype=resolve_dtype(engine.param_dtype, device, threads),
+    )
 
 
 def check_parallel_layouts(cfg: RunConfig, sets: tuple[WorkerSet, ...]) -> None:
@@ -219,24 +246,56 @@ def check_parallel_layouts(cfg: RunConfig, sets: tuple[WorkerSet, ...]) -> None:
 
     engine = cfg.actor.engine
     if cfg.actor.lora.enabled and engine.tensor_parallel_size > 1:
-        raise ConfigError("actor.engine.tensor_parallel_size > 1 does not combine with actor.lora.rank > 0 "
-                          "(peft wraps the projections tensor parallel splits)")
+        raise ConfigError(
+            "actor.engine.tensor_parallel_size > 1 does not combine with actor.lora.rank > 0 "
+            "(peft wraps the projections tensor parallel splits)"
+        )
     policy, critic_model = ("actor", "ref"), (cfg.critic.model or cfg.model).path
-    checks = [("actor.engine.tensor_parallel_size", engine.tensor_parallel_size, cfg.model.path, policy,
-               check_tp_layout),
-              ("actor.engine.ulysses_sequence_parallel_size", engine.ulysses_sequence_parallel_size, cfg.model.path,
-               policy, check_sp_layout),
-              ("rollout.tensor_model_parallel_size", cfg.rollout.tensor_model_parallel_size, cfg.model.path,
-               ("rollout",), check_tp_layout)]
+    checks = [
+        ("actor.engine.tensor_parallel_size", engine.tensor_parallel_size, cfg.model.path, policy, check_tp_layout),
+        (
+            "actor.engine.ulysses_sequence_parallel_size",
+            engine.ulysses_sequence_parallel_size,
+            cfg.model.path,
+            policy,
+            check_sp_layout,
+        ),
+        (
+            "rollout.tensor_model_parallel_size",
+            cfg.rollout.tensor_model_parallel_size,
+            cfg.model.path,
+            ("rollout",),
+            check_tp_layout,
+        ),
+    ]
     if cfg.use_critic:
-        checks += [("critic.engine.tensor_parallel_size", cfg.critic.engine.tensor_parallel_size, critic_model,
-                    ("critic",), check_tp_layout),
-                   ("critic.engine.ulysses_sequence_parallel_size", cfg.critic.engine.ulysses_sequence_parallel_size,
-                    critic_model, ("critic",), check_sp_layout)]
+        checks += [
+            (
+                "critic.engine.tensor_parallel_size",
+                cfg.critic.engine.tensor_parallel_size,
+                critic_model,
+                ("critic",),
+                check_tp_layout,
+            ),
+            (
+                "critic.engine.ulysses_sequence_parallel_size",
+                cfg.critic.engine.ulysses_sequence_parallel_size,
+                critic_model,
+                ("critic",),
+                check_sp_layout,
+            ),
+        ]
     if cfg.reward_model.enable:
         rm = cfg.reward_model
-        checks.append(("reward_model.ulysses_sequence_parallel_size", rm.ulysses_sequence_parallel_size,
-                       rm.model.path, ("reward_model",), check_sp_layout))
+        checks.append(
+            (
+                "reward_model.ulysses_sequence_parallel_size",
+                rm.ulysses_sequence_parallel_size,
+                rm.model.path,
+                ("reward_model",),
+                check_sp_layout,
+            )
+        )
     for key, size, path, roles, check in checks:
         if size == 1:
             continue
@@ -285,8 +344,12 @@ def plan_step(run: ResolvedRun, step: int) -> StepPlan:
     t, roles = run.config.trainer, run.roles
     last = step >= run.total_steps
     return StepPlan(
-        step=step, old_log_prob=run.recompute_old_log_prob, ref_log_prob="ref" in roles,
-        values="critic" in roles, update_critic="critic" in roles, update_actor=step > t.critic_warmup,
+        step=step,
+        old_log_prob=run.recompute_old_log_prob,
+        ref_log_prob="ref" in roles,
+        values="critic" in roles,
+        update_critic="critic" in roles,
+        update_actor=step > t.critic_warmup,
         validate=t.test_freq > 0 and (step % t.test_freq == 0 or last),
         save=t.save_freq > 0 and (step % t.save_freq == 0 or last),
     )

@@ -54,8 +54,13 @@ class Roles:
         return list({id(g): g for g in groups if g is not None}.values())
 
 
-_CLASS_OF_ROLE = {"actor": "policy", "rollout": "policy", "ref": "policy", "critic": "critic",
-                  "reward_model": "reward_model"}
+_CLASS_OF_ROLE = {
+    "actor": "policy",
+    "rollout": "policy",
+    "ref": "policy",
+    "critic": "critic",
+    "reward_model": "reward_model",
+}
 """Which worker class of a set hosts each role."""
 
 
@@ -64,8 +69,9 @@ def _set_classes(cfg: RunConfig, worker_set: WorkerSet) -> dict[str, ClassWithIn
     classes = {}
     policy_roles = [r for r in POLICY_ROLES if r in worker_set.roles]
     if policy_roles:
-        classes["policy"] = ClassWithInitArgs(ActorRolloutRefWorker, cfg.model, cfg.actor, cfg.rollout, cfg.ref,
-                                              "_".join(policy_roles))
+        classes["policy"] = ClassWithInitArgs(
+            ActorRolloutRefWorker, cfg.model, cfg.actor, cfg.rollout, cfg.ref, "_".join(policy_roles)
+        )
     if "critic" in worker_set.roles:
         classes["critic"] = ClassWithInitArgs(CriticWorker, cfg.model, cfg.critic, cfg.rollout.n)
     if "reward_model" in worker_set.roles:
@@ -75,7 +81,7 @@ def _set_classes(cfg: RunConfig, worker_set: WorkerSet) -> dict[str, ClassWithIn
 
 def _spawn(make_group, classes: dict[str, ClassWithInitArgs], pool) -> dict[str, WorkerGroup]:
     if len(classes) == 1:
-        (name, cls), = classes.items()
+        ((name, cls),) = classes.items()
         return {name: make_group(pool, cls)}
     return make_group(pool, create_colocated_worker_cls(classes)).spawn(classes)
 
@@ -88,8 +94,9 @@ def build_roles(run: ResolvedRun) -> Roles:
     for worker_set in run.worker_sets:
         spawned = _spawn(make_group, _set_classes(run.config, worker_set), pools[worker_set.pool])
         groups.update({role: spawned[_CLASS_OF_ROLE[role]] for role in worker_set.roles})
-    return Roles(groups["actor"], groups.get("ref"), groups.get("critic"), groups.get("reward_model"),
-                 groups["rollout"], release)
+    return Roles(
+        groups["actor"], groups.get("ref"), groups.get("critic"), groups.get("reward_model"), groups["rollout"], release
+    )
 
 
 def worker_timeouts(t: TrainerConfig) -> Timeouts:
@@ -107,8 +114,12 @@ def group_factory(t: TrainerConfig, set_sizes: list[int], name_prefix: str):
         return (lambda pool, cls: LocalWorkerGroup(pool, cls)), [LocalResourcePool()], lambda: None
     from hybridflow.controller.ray import RayResourcePool, RayWorkerGroup, split_resource_pool
 
-    pool = RayResourcePool([t.n_workers_per_node] * t.nnodes, use_gpu=t.device == "cuda",
-                           num_cpus_per_process=t.cpus_per_worker, name_prefix=name_prefix)
+    pool = RayResourcePool(
+        [t.n_workers_per_node] * t.nnodes,
+        use_gpu=t.device == "cuda",
+        num_cpus_per_process=t.cpus_per_worker,
+        name_prefix=name_prefix,
+    )
     pools = split_resource_pool(pool, set_sizes) if len(set_sizes) > 1 else [pool]
     env, timeouts = {**worker_env(t.verbose), **fault_env()}, worker_timeouts(t)
     return (lambda p, cls: RayWorkerGroup(p, cls, env_vars=env, timeouts=timeouts)), pools, pool.remove

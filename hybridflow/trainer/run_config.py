@@ -106,11 +106,15 @@ class RunConfig(Section):
     def _check_batch_sizes(self) -> None:
         d, a, n, w = self.data, self.actor, self.rollout.n, self.world_size
         if d.train_batch_size % a.ppo_mini_batch_size:
-            raise ValueError(f"data.train_batch_size ({d.train_batch_size}) must be a multiple of "
-                             f"actor.ppo_mini_batch_size ({a.ppo_mini_batch_size})")
+            raise ValueError(
+                f"data.train_batch_size ({d.train_batch_size}) must be a multiple of "
+                f"actor.ppo_mini_batch_size ({a.ppo_mini_batch_size})"
+            )
         if self.use_critic and d.train_batch_size % self.critic.ppo_mini_batch_size:
-            raise ValueError(f"data.train_batch_size ({d.train_batch_size}) must be a multiple of "
-                             f"critic.ppo_mini_batch_size ({self.critic.ppo_mini_batch_size})")
+            raise ValueError(
+                f"data.train_batch_size ({d.train_batch_size}) must be a multiple of "
+                f"critic.ppo_mini_batch_size ({self.critic.ppo_mini_batch_size})"
+            )
         if not w:  # trainer.n_workers_per_node=null: checked again once resolve has chosen it
             return
         roles = [("actor", a.ppo_mini_batch_size, a.engine)]
@@ -121,46 +125,65 @@ class RunConfig(Section):
             # resolve).
             per = engine.ranks_per_dp_group
             groups = w // per if w % per == 0 else w
-            where = f"{w} workers (trainer.n_workers_per_node * trainer.nnodes)" if groups == w else \
-                f"{groups} dp groups ({w} workers / {per} {role}.engine tensor x sequence parallel ranks)"
+            where = (
+                f"{w} workers (trainer.n_workers_per_node * trainer.nnodes)"
+                if groups == w
+                else f"{groups} dp groups ({w} workers / {per} {role}.engine tensor x sequence parallel ranks)"
+            )
             if (prompts * n) % groups:
-                raise ValueError(f"{role}.ppo_mini_batch_size ({prompts}) * rollout.n ({n}) = {prompts * n} responses "
-                                 f"must divide evenly over {where}")
+                raise ValueError(
+                    f"{role}.ppo_mini_batch_size ({prompts}) * rollout.n ({n}) = {prompts * n} responses "
+                    f"must divide evenly over {where}"
+                )
 
     def _check_lengths(self) -> None:
         for name in ("prompt_length", "response_length"):
             mine, data = getattr(self.rollout, name), getattr(self.data, f"max_{name}")
             if mine is not None and mine != data:
-                raise ValueError(f"rollout.{name}={mine} conflicts with data.max_{name}={data}: the rollout's "
-                                 f"length is derived from the data's; set only data.max_{name}")
+                raise ValueError(
+                    f"rollout.{name}={mine} conflicts with data.max_{name}={data}: the rollout's "
+                    f"length is derived from the data's; set only data.max_{name}"
+                )
 
     def _check_algorithm(self) -> None:
         est = self.algorithm.adv_estimator
         if est in VALUE_ESTIMATORS and self.critic.enable is False:
-            raise ValueError(f"algorithm.adv_estimator={est} needs a critic, but critic.enable=false; "
-                             "enable the critic or pick a critic-free estimator (grpo, rloo, reinforce_plus_plus, ...)")
+            raise ValueError(
+                f"algorithm.adv_estimator={est} needs a critic, but critic.enable=false; "
+                "enable the critic or pick a critic-free estimator (grpo, rloo, reinforce_plus_plus, ...)"
+            )
         if est in GROUP_ESTIMATORS and self.rollout.n < 2:
-            raise ValueError(f"algorithm.adv_estimator={est} compares the samples of one prompt and needs "
-                             f"rollout.n >= 2, got rollout.n={self.rollout.n}")
+            raise ValueError(
+                f"algorithm.adv_estimator={est} compares the samples of one prompt and needs "
+                f"rollout.n >= 2, got rollout.n={self.rollout.n}"
+            )
         cap = self.actor.policy_loss.tis_imp_ratio_cap
         if cap is not None and not self.rollout.calculate_log_probs:
-            raise ValueError(f"actor.policy_loss.tis_imp_ratio_cap={cap} corrects with the rollout's own log-probs, "
-                             "but rollout.calculate_log_probs=false; set it to true or drop the cap")
+            raise ValueError(
+                f"actor.policy_loss.tis_imp_ratio_cap={cap} corrects with the rollout's own log-probs, "
+                "but rollout.calculate_log_probs=false; set it to true or drop the cap"
+            )
         threshold = self.algorithm.rollout_is_threshold
         if threshold is not None and not self.rollout.calculate_log_probs:
-            raise ValueError(f"algorithm.rollout_is_threshold={threshold} compares the rollout's own log-probs with "
-                             "the trainer's, but rollout.calculate_log_probs=false; set it to true or unset the threshold")
+            raise ValueError(
+                f"algorithm.rollout_is_threshold={threshold} compares the rollout's own log-probs with "
+                "the trainer's, but rollout.calculate_log_probs=false; set it to true or unset the threshold"
+            )
 
     def _check_placement(self) -> None:
         t = self.trainer
         if t.placement == "split" and t.backend == "local":
             raise ValueError("trainer.placement=split needs trainer.backend=ray")
         if t.mode != "sync" and self.algorithm.adv_estimator == "remax":
-            raise ValueError(f"algorithm.adv_estimator=remax generates a greedy baseline with the training weights "
-                             f"inside the step, which trainer.mode={t.mode} does not support; use trainer.mode=sync")
+            raise ValueError(
+                f"algorithm.adv_estimator=remax generates a greedy baseline with the training weights "
+                f"inside the step, which trainer.mode={t.mode} does not support; use trainer.mode=sync"
+            )
         if t.placement == "split" and t.mode == "sync" and not (self.use_critic or self.use_ref):
-            raise ValueError("trainer.placement=split puts the critic/ref on their own workers, but this run has "
-                             "neither; use trainer.placement=colocate")
+            raise ValueError(
+                "trainer.placement=split puts the critic/ref on their own workers, but this run has "
+                "neither; use trainer.placement=colocate"
+            )
 
     def _check_backends(self) -> None:
         """Packages and devices the configured backends need, checked here rather than in a worker."""
@@ -170,17 +193,23 @@ class RunConfig(Section):
 
             build = installed_vllm_device()
             if build is None:
-                raise ValueError("rollout.name=vllm needs the vllm package, which is not installed; on CPU run "
-                                 "./scripts/setup.sh --vllm and use .venv-vllm/bin/hybridflow, on a GPU pip "
-                                 "install 'hybridflow[vllm]'; or use rollout.name=native")
+                raise ValueError(
+                    "rollout.name=vllm needs the vllm package, which is not installed; on CPU run "
+                    "./scripts/setup.sh --vllm and use .venv-vllm/bin/hybridflow, on a GPU pip "
+                    "install 'hybridflow[vllm]'; or use rollout.name=native"
+                )
             if build != device:
-                raise ValueError(f"rollout.name=vllm: the installed vllm build runs on {build}, but "
-                                 f"trainer.device={device}; set trainer.device={build} or install the vllm "
-                                 f"build for {device}")
+                raise ValueError(
+                    f"rollout.name=vllm: the installed vllm build runs on {build}, but "
+                    f"trainer.device={device}; set trainer.device={build} or install the vllm "
+                    f"build for {device}"
+                )
 
     def _check_lora(self) -> None:
         lora = self.actor.lora
         if lora.enabled and self.rollout.name == "vllm":
-            raise ValueError(f"actor.lora.rank={lora.rank} with rollout.name=vllm is not supported yet (its sync "
-                             "sends only the adapted layers, and vllm reloads whole layers); use rollout.name=native "
-                             "or hf, or actor.lora.rank=0")
+            raise ValueError(
+                f"actor.lora.rank={lora.rank} with rollout.name=vllm is not supported yet (its sync "
+                "sends only the adapted layers, and vllm reloads whole layers); use rollout.name=native "
+                "or hf, or actor.lora.rank=0"
+            )

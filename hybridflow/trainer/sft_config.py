@@ -15,7 +15,6 @@ arithmetic task.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Optional
 
 from hybridflow.config_utils import ConfigError, Section, freeze, to_yaml
 from hybridflow.engine.config import EngineConfig, LoraConfig, OptimConfig
@@ -44,7 +43,7 @@ class SFTDataConfig(TaskFilesConfig):
     key reads a field of a dict column (verl's extra_info.question)."""
     response_key: str = "response"
     """Column with the response string (dotted keys allowed, e.g. extra_info.answer)."""
-    messages_key: Optional[str] = None
+    messages_key: str | None = None
     """Column with a chat `messages` list; when set, prompt_key/response_key are not read and the
     last assistant turn is the response."""
     max_length: int = 256
@@ -69,11 +68,19 @@ class SFTDataConfig(TaskFilesConfig):
             from hybridflow.data.sft import check_sft_task
 
             check_sft_task(self.task)
-        _positive(**{"data.train_batch_size": self.train_batch_size, "data.max_length": self.max_length,
-                     "data.micro_batch_size_per_device": self.micro_batch_size_per_device})
+        _positive(
+            **{
+                "data.train_batch_size": self.train_batch_size,
+                "data.max_length": self.max_length,
+                "data.micro_batch_size_per_device": self.micro_batch_size_per_device,
+            }
+        )
         _one_of("data.truncation", self.truncation, SFT_TRUNCATIONS)
-        for key, value in (("data.prompt_key", self.prompt_key), ("data.response_key", self.response_key),
-                           ("data.messages_key", self.messages_key)):
+        for key, value in (
+            ("data.prompt_key", self.prompt_key),
+            ("data.response_key", self.response_key),
+            ("data.messages_key", self.messages_key),
+        ):
             if value is not None and not value.strip("."):
                 raise ValueError(f"{key} must name a column, got {value!r}")
 
@@ -83,8 +90,9 @@ def _default_optim() -> OptimConfig:
 
 
 def _default_trainer() -> TrainerConfig:
-    return TrainerConfig(experiment_name="sft", total_epochs=1, test_freq=16, save_freq=32,
-                         logger=["console", "jsonl", "tensorboard"])
+    return TrainerConfig(
+        experiment_name="sft", total_epochs=1, test_freq=16, save_freq=32, logger=["console", "jsonl", "tensorboard"]
+    )
 
 
 @dataclass
@@ -112,19 +120,29 @@ class SFTConfig(Section):
     def __post_init__(self) -> None:
         t, world = self.trainer, self.world_size
         if t.n_workers_per_node is None:
-            raise ValueError("trainer.n_workers_per_node=null (a layout chosen at load) is for hybridflow train; "
-                             "give SFT a number of workers, e.g. trainer.n_workers_per_node=2")
+            raise ValueError(
+                "trainer.n_workers_per_node=null (a layout chosen at load) is for hybridflow train; "
+                "give SFT a number of workers, e.g. trainer.n_workers_per_node=2"
+            )
         if t.placement == "split":
-            raise ValueError("trainer.placement=split separates RL roles; SFT has one model, use trainer.placement=colocate")
+            raise ValueError(
+                "trainer.placement=split separates RL roles; SFT has one model, use trainer.placement=colocate"
+            )
         if self.data.train_batch_size % world:
-            raise ValueError(f"data.train_batch_size ({self.data.train_batch_size}) must divide evenly over {world} "
-                             "workers (trainer.n_workers_per_node * trainer.nnodes)")
+            raise ValueError(
+                f"data.train_batch_size ({self.data.train_batch_size}) must divide evenly over {world} "
+                "workers (trainer.n_workers_per_node * trainer.nnodes)"
+            )
         if self.engine.ranks_per_dp_group != 1:
-            raise ValueError("engine.tensor_parallel_size / ulysses_sequence_parallel_size > 1 are for the RL roles "
-                             "(actor/critic); SFT runs data parallel only")
+            raise ValueError(
+                "engine.tensor_parallel_size / ulysses_sequence_parallel_size > 1 are for the RL roles "
+                "(actor/critic); SFT runs data parallel only"
+            )
         if self.engine.packing and not self.data.packing:
-            raise ValueError("engine.packing=true conflicts with data.packing=false: engine.packing is derived; "
-                             "set only data.packing")
+            raise ValueError(
+                "engine.packing=true conflicts with data.packing=false: engine.packing is derived; "
+                "set only data.packing"
+            )
 
 
 @dataclass(frozen=True)
@@ -149,11 +167,16 @@ class ResolvedSFT:
 def resolve_sft(cfg: SFTConfig, steps_per_epoch: int, cpu_count: int | None = None) -> ResolvedSFT:
     """Fill every derived value of `cfg` (left untouched) into a frozen copy; see the module docstring."""
     if steps_per_epoch < 1:
-        raise ConfigError(f"the training set gives {steps_per_epoch} steps per epoch at data.train_batch_size="
-                          f"{cfg.data.train_batch_size}; add examples or lower the batch size")
+        raise ConfigError(
+            f"the training set gives {steps_per_epoch} steps per epoch at data.train_batch_size="
+            f"{cfg.data.train_batch_size}; add examples or lower the batch size"
+        )
     trainer = resolve_trainer(cfg.trainer, steps_per_epoch, cpu_count)
-    engine = replace(resolve_engine(cfg.engine, trainer.device, cfg.world_size, "", trainer.cpus_per_worker),
-                     packing=cfg.data.packing)
-    resolved = replace(cfg, trainer=trainer, engine=engine,
-                       optim=resolve_schedule(cfg.optim, trainer.total_training_steps, ""))
+    engine = replace(
+        resolve_engine(cfg.engine, trainer.device, cfg.world_size, "", trainer.cpus_per_worker),
+        packing=cfg.data.packing,
+    )
+    resolved = replace(
+        cfg, trainer=trainer, engine=engine, optim=resolve_schedule(cfg.optim, trainer.total_training_steps, "")
+    )
     return ResolvedSFT(freeze(resolved), steps_per_epoch)

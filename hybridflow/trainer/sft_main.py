@@ -8,8 +8,9 @@ exits before any worker starts.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 from hybridflow.config_utils import load_config
 from hybridflow.trainer.main import fit_with_restarts, run_command
@@ -37,8 +38,13 @@ def prepare_inputs(cfg: SFTConfig) -> SFTInputs:
 
     d = cfg.data
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or resolve_model_path(cfg.model.path))
-    kw = dict(max_length=d.max_length, truncation=d.truncation, prompt_key=d.prompt_key,
-              response_key=d.response_key, messages_key=d.messages_key)
+    kw = dict(
+        max_length=d.max_length,
+        truncation=d.truncation,
+        prompt_key=d.prompt_key,
+        response_key=d.response_key,
+        messages_key=d.messages_key,
+    )
     train_files, val_files = task_files(d, sft=True)
     train, val = SFTDataset(train_files, tokenizer, **kw), SFTDataset(val_files, tokenizer, **kw)
     collate = partial(sft_collate, pad_token_id=train.pad_token_id)
@@ -66,8 +72,7 @@ def _build_workers(run: ResolvedSFT) -> tuple[Any, Callable[[], None]]:
     from hybridflow.workers.sft import SFTWorker
 
     cfg, t = run.config, run.config.trainer
-    cls = ClassWithInitArgs(SFTWorker, cfg.model, cfg.engine, cfg.optim, cfg.data.micro_batch_size_per_device,
-                            cfg.lora)
+    cls = ClassWithInitArgs(SFTWorker, cfg.model, cfg.engine, cfg.optim, cfg.data.micro_batch_size_per_device, cfg.lora)
     make_group, pools, release = group_factory(t, [run.config.world_size], "sft")
     return make_group(pools[0], cls), release
 
@@ -80,10 +85,15 @@ def run(resolved: ResolvedSFT, inputs: SFTInputs) -> list[float]:
         new.val_history = old.val_history
 
     _, losses = fit_with_restarts(
-        resolved.config, inputs, lambda: _build_workers(resolved), lambda built: [built[0]], "loading model",
+        resolved.config,
+        inputs,
+        lambda: _build_workers(resolved),
+        lambda built: [built[0]],
+        "loading model",
         lambda built: built[1](),
         lambda built, run_inputs, tracker, recovery: SFTTrainer(resolved, built[0], run_inputs, tracker, recovery),
-        carry)
+        carry,
+    )
     _report(Path(resolved.config.trainer.log_dir), losses)
     return losses
 
@@ -101,8 +111,9 @@ def _report(log_dir: Path, val_losses: list[float]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry of `hybridflow sft`; user errors print one line and exit 2."""
-    return run_command(sys.argv[1:] if argv is None else argv, "hybridflow sft",
-                       "Supervised fine-tuning (see README).", load_run, run)
+    return run_command(
+        sys.argv[1:] if argv is None else argv, "hybridflow sft", "Supervised fine-tuning (see README).", load_run, run
+    )
 
 
 if __name__ == "__main__":

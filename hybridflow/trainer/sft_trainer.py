@@ -27,7 +27,9 @@ from hybridflow.utils.tracking import Tracking
 class SFTTrainer:
     """Runs the SFT loop over an initialised `SFTWorker` group."""
 
-    def __init__(self, run: ResolvedSFT, workers: Any, inputs: Any, tracker: Tracking, recovery: Recovery | None = None):
+    def __init__(
+        self, run: ResolvedSFT, workers: Any, inputs: Any, tracker: Tracking, recovery: Recovery | None = None
+    ):
         """`inputs`: train_loader, val_loader and resume_from (hybridflow.trainer.sft_main.SFTInputs);
         `recovery`: the run's restart state, told of every checkpoint written, its counters logged every step."""
         self.run, self.cfg, self.workers = run, run.config, workers
@@ -79,8 +81,14 @@ class SFTTrainer:
             out = self.workers.train_batch(batch)
         metrics = worker_metrics(out)  # identical on every rank, except the worker's own timing (averaged)
         step_s = timing["step"]
-        metrics.update({"train/tokens_per_s": metrics["train/tokens"] / step_s, "timing_s/step": step_s,
-                        "train/epoch": float(self.train_loader.epoch), "training/global_step": self.global_step})
+        metrics.update(
+            {
+                "train/tokens_per_s": metrics["train/tokens"] / step_s,
+                "timing_s/step": step_s,
+                "train/epoch": float(self.train_loader.epoch),
+                "training/global_step": self.global_step,
+            }
+        )
         return metrics
 
     def validate(self) -> dict[str, float]:

@@ -32,7 +32,9 @@ def validate(actor_rollout: Any, val_loader: Any, reward_fn: Any, n: int) -> dic
     return summarize_scores(sources, uids, scores, n)
 
 
-def summarize_scores(sources: list[str], uids: list, scores: list[float], n: int, prefix: str = "val-core") -> dict[str, float]:
+def summarize_scores(
+    sources: list[str], uids: list, scores: list[float], n: int, prefix: str = "val-core"
+) -> dict[str, float]:
     """`<prefix>/<data_source>/acc/mean@n` and `.../pass@n` from per-response scores."""
     by_source: dict[str, list[int]] = defaultdict(list)
     for idx, source in enumerate(sources):

@@ -27,8 +27,9 @@ import os
 import re
 import shutil
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, ContextManager
+from typing import Any
 
 from hybridflow.utils import atomic
 from hybridflow.utils.manifest import find_damage, write_manifest
@@ -97,7 +98,7 @@ def abort_checkpoint(tmp_path: str | Path) -> None:
     shutil.rmtree(tmp_path, ignore_errors=True)
 
 
-def atomic_dir(final_path: str | Path) -> ContextManager[Path]:
+def atomic_dir(final_path: str | Path) -> AbstractContextManager[Path]:
     """Yield a temporary sibling of `final_path`; on success commit it (MANIFEST.json, then the marker),
     on exception delete it."""
     final_path = Path(final_path)

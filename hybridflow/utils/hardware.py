@@ -50,8 +50,10 @@ def describe_cpu(threads: int | None = None) -> str:
         torch.set_num_threads(threads)
     try:
         bf16, fp32 = matmul_gflops(torch.bfloat16), matmul_gflops(torch.float32)
-        return (f"cpu: {cpu_model()}; matmul 2048^3 bf16 {bf16:.0f} / fp32 {fp32:.0f} GFLOP/s "
-                f"({bf16 / fp32:.1f}x) on {torch.get_num_threads()} threads")
+        return (
+            f"cpu: {cpu_model()}; matmul 2048^3 bf16 {bf16:.0f} / fp32 {fp32:.0f} GFLOP/s "
+            f"({bf16 / fp32:.1f}x) on {torch.get_num_threads()} threads"
+        )
     finally:
         torch.set_num_threads(old)
 
@@ -70,7 +72,11 @@ def probe_compute_dtype(threads: int) -> dict[str, float | str]:
         fp32 = matmul_gflops(torch.float32, (1024, 1024, 1024), repeats=3)
     finally:
         torch.set_num_threads(old)
-    return {"bf16": round(bf16, 1), "fp32": round(fp32, 1), "choice": "bf16" if bf16 >= BF16_MIN_SPEEDUP * fp32 else "fp32"}
+    return {
+        "bf16": round(bf16, 1),
+        "fp32": round(fp32, 1),
+        "choice": "bf16" if bf16 >= BF16_MIN_SPEEDUP * fp32 else "fp32",
+    }
 
 
 def _probe_cache() -> Path:
@@ -100,6 +106,12 @@ def auto_compute_dtype(device: str = "cpu", threads: int | None = None) -> str:
         except OSError:
             pass  # a read-only home only costs a probe per process
     p = cache[key]
-    log.info("compute dtype auto -> %s: matmul 1024^3 bf16 %.0f vs fp32 %.0f GFLOP/s on %s (%s)",
-             p["choice"], p["bf16"], p["fp32"], key, path)
+    log.info(
+        "compute dtype auto -> %s: matmul 1024^3 bf16 %.0f vs fp32 %.0f GFLOP/s on %s (%s)",
+        p["choice"],
+        p["bf16"],
+        p["fp32"],
+        key,
+        path,
+    )
     return str(p["choice"])

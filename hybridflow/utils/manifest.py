@@ -33,8 +33,10 @@ def _listing(root: Path, skip: tuple[str, ...]) -> list[Path]:
 
 def write_manifest(root: Path, step: int | None = None, skip: tuple[str, ...] = ()) -> Path:
     """Write MANIFEST.json in `root` listing every file below it (but `skip`) with size and SHA-256."""
-    files = {p.relative_to(root).as_posix(): {"size": p.stat().st_size, "sha256": file_digest(p)}
-             for p in _listing(root, skip + (MANIFEST,))}
+    files = {
+        p.relative_to(root).as_posix(): {"size": p.stat().st_size, "sha256": file_digest(p)}
+        for p in _listing(root, skip + (MANIFEST,))
+    }
     path = root / MANIFEST
     path.write_text(json.dumps({"step": step, "files": files}, indent=1) + "\n")
     return path

@@ -35,8 +35,10 @@ TRAIN_LOSS_KEY = "train/loss"
 TOKENS_PER_S_KEY = "train/tokens_per_s"
 REWARD_PANEL = ([REWARD_KEY], "reward", "score")
 LENGTH_PANEL = ([LENGTH_KEY], "response length", "tokens")
-SFT_PANELS = {REWARD_KEY: ([TRAIN_LOSS_KEY], "train loss", "loss"),
-              LENGTH_KEY: ([TOKENS_PER_S_KEY], "throughput", "tokens/s")}
+SFT_PANELS = {
+    REWARD_KEY: ([TRAIN_LOSS_KEY], "train loss", "loss"),
+    LENGTH_KEY: ([TOKENS_PER_S_KEY], "throughput", "tokens/s"),
+}
 """What an SFT run (no reward, no generated responses) shows in the RL run's panels."""
 
 

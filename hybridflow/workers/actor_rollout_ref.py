@@ -46,8 +46,8 @@ from hybridflow.controller.worker import Worker, collective_timeout_s
 from hybridflow.engine.config import EngineConfig
 from hybridflow.engine.reshard import aligned_stride, group_coords
 from hybridflow.protocol import DataProto
-from hybridflow.utils.peak_memory import operator_peak
 from hybridflow.rollout.config import RolloutConfig
+from hybridflow.utils.peak_memory import operator_peak
 from hybridflow.workers.config import ActorConfig, ModelConfig, RefConfig
 from hybridflow.workers.engines import build_engine, declare_engine_mesh
 from hybridflow.workers.losses import actor_loss_builder
@@ -63,7 +63,9 @@ _ON_ROLLOUT_MESH = make_nd_compute_dataproto_dispatch_fn(ROLLOUT_MESH)
 class ActorRolloutRefWorker(Worker):
     """The policy: generates (rollout), scores its own tokens (actor / ref) and trains (actor)."""
 
-    def __init__(self, model: ModelConfig, actor: ActorConfig, rollout: RolloutConfig, ref: RefConfig, role: str) -> None:
+    def __init__(
+        self, model: ModelConfig, actor: ActorConfig, rollout: RolloutConfig, ref: RefConfig, role: str
+    ) -> None:
         super().__init__()
         self.roles = set(role.split("_"))
         if not self.roles or not self.roles <= set(ROLES):
@@ -77,8 +79,10 @@ class ActorRolloutRefWorker(Worker):
         self.dp_size = declare_engine_mesh(self, POLICY_MESH, actor.engine, "actor.engine.")
         self.rollout_tp_size = rollout.tensor_model_parallel_size
         if self.world_size % self.rollout_tp_size:
-            raise ValueError(f"rollout.tensor_model_parallel_size={self.rollout_tp_size} must divide the number of "
-                             f"ranks ({self.world_size})")
+            raise ValueError(
+                f"rollout.tensor_model_parallel_size={self.rollout_tp_size} must divide the number of "
+                f"ranks ({self.world_size})"
+            )
         self.rollout_stride = self._rollout_stride()
         self.rollout_dp_rank, tp_index = group_coords(self.rank, self.rollout_tp_size, self.rollout_stride)
         self._register_dispatch_collect_info(ROLLOUT_MESH, self.rollout_dp_rank, tp_index == 0)
@@ -87,8 +91,12 @@ class ActorRolloutRefWorker(Worker):
         """How far apart the ranks of a rollout tp group are: with a plain FSDP actor in the same processes, the
         stride that makes each rank's training rows part of its generation shard (engine/reshard.py)."""
         engine = self.actor_cfg.engine
-        if "actor" not in self.roles or "rollout" not in self.roles or self.rollout_tp_size == 1 or \
-                engine.ranks_per_dp_group > 1:
+        if (
+            "actor" not in self.roles
+            or "rollout" not in self.roles
+            or self.rollout_tp_size == 1
+            or engine.ranks_per_dp_group > 1
+        ):
             return 1
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return aligned_stride(engine.resolve_fsdp_size(device, self.world_size), self.rollout_tp_size)
@@ -107,9 +115,14 @@ class ActorRolloutRefWorker(Worker):
             self.actor = build_engine(path, self.actor_cfg.engine, self.actor_cfg.optim, lora=self.actor_cfg.lora)
         if "ref" in self.roles and not self._ref_is_actor_base():
             engine = self.actor_cfg.engine
-            self.ref = build_engine(path, EngineConfig(
-                param_dtype=self.ref_cfg.param_dtype, tensor_parallel_size=engine.tensor_parallel_size,
-                ulysses_sequence_parallel_size=engine.ulysses_sequence_parallel_size))
+            self.ref = build_engine(
+                path,
+                EngineConfig(
+                    param_dtype=self.ref_cfg.param_dtype,
+                    tensor_parallel_size=engine.tensor_parallel_size,
+                    ulysses_sequence_parallel_size=engine.ulysses_sequence_parallel_size,
+                ),
+            )
         if "rollout" in self.roles:
             cfg = self.rollout_cfg
             seed = cfg.seed + self.rollout_dp_rank
@@ -150,7 +163,9 @@ class ActorRolloutRefWorker(Worker):
             )
         mask = data.batch[K.RESPONSE_MASK]
         metrics["actor/entropy"] = float(masked_mean(entropy, mask))
-        return DataProto.from_dict({K.OLD_LOG_PROBS: log_probs, K.ENTROPYS: entropy}, meta_info={K.META_METRICS: metrics})
+        return DataProto.from_dict(
+            {K.OLD_LOG_PROBS: log_probs, K.ENTROPYS: entropy}, meta_info={K.META_METRICS: metrics}
+        )
 
     @register(dispatch_mode=_ON_POLICY_MESH, blocking=False)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
@@ -162,11 +177,11 @@ class ActorRolloutRefWorker(Worker):
             raise RuntimeError(f"compute_ref_log_prob: this worker's role is {sorted(self.roles)}, which has no ref")
         engine = self.ref if self.ref is not None else self.actor
         metrics: dict[str, float] = {}
-        with operator_peak("ref_log_prob", metrics), \
-                self.actor.adapters_disabled() if self.ref is None else contextlib.nullcontext():
-            log_probs, _ = engine.compute_log_probs(
-                data.batch, self.ref_cfg.log_prob_micro(), self._temperature(data)
-            )
+        with (
+            operator_peak("ref_log_prob", metrics),
+            self.actor.adapters_disabled() if self.ref is None else contextlib.nullcontext(),
+        ):
+            log_probs, _ = engine.compute_log_probs(data.batch, self.ref_cfg.log_prob_micro(), self._temperature(data))
         return DataProto.from_dict({K.REF_LOG_PROB: log_probs}, meta_info={K.META_METRICS: metrics})
 
     def _ref_is_actor_base(self) -> bool:
@@ -190,9 +205,16 @@ class ActorRolloutRefWorker(Worker):
         start, peak = time.perf_counter(), {}
         with operator_peak("update_actor", peak):
             step_metrics = run_ppo_update(
-                self.actor, data, mini_rows, cfg.update_micro(), cfg.ppo_epochs,
-                actor_loss_builder(cfg, own), shuffle=cfg.shuffle, seed=self._update_calls,
-                temperature=self._temperature(data), calc_entropy=cfg.entropy_coeff != 0 or own,
+                self.actor,
+                data,
+                mini_rows,
+                cfg.update_micro(),
+                cfg.ppo_epochs,
+                actor_loss_builder(cfg, own),
+                shuffle=cfg.shuffle,
+                seed=self._update_calls,
+                temperature=self._temperature(data),
+                calc_entropy=cfg.entropy_coeff != 0 or own,
             )
         self._update_calls += 1
         lr = self.actor.lr_scheduler_step()
@@ -273,5 +295,7 @@ def _check_old_log_probs(data: DataProto, own: bool, epochs: int, mini_rows: int
             "call compute_log_prob first"
         )
     if not own and K.OLD_LOG_PROBS not in data.batch.keys():
-        raise ValueError(f"update_actor: rows lack {K.OLD_LOG_PROBS!r}; call compute_log_prob first, or set "
-                         f"meta_info[{K.META_OWN_OLD_LOG_PROB!r}]=True for a single-step update")
+        raise ValueError(
+            f"update_actor: rows lack {K.OLD_LOG_PROBS!r}; call compute_log_prob first, or set "
+            f"meta_info[{K.META_OWN_OLD_LOG_PROB!r}]=True for a single-step update"
+        )

@@ -88,19 +88,31 @@ class ActorConfig(Section):
     def __post_init__(self) -> None:
         from hybridflow.algos.losses import list_policy_losses
 
-        for key in ("ppo_mini_batch_size", "ppo_micro_batch_size_per_device", "ppo_epochs",
-                    "log_prob_micro_batch_size_per_device", "ppo_max_token_len_per_gpu", "log_prob_max_token_len_per_gpu"):
+        for key in (
+            "ppo_mini_batch_size",
+            "ppo_micro_batch_size_per_device",
+            "ppo_epochs",
+            "log_prob_micro_batch_size_per_device",
+            "ppo_max_token_len_per_gpu",
+            "log_prob_max_token_len_per_gpu",
+        ):
             if (getattr(self, key) or 1) < 1:
                 raise ValueError(f"actor.{key} must be >= 1, got {getattr(self, key)}")
         if self.policy_loss_mode not in list_policy_losses():
-            raise ValueError(f"actor.policy_loss_mode={self.policy_loss_mode!r} is unknown; valid: {list_policy_losses()}")
+            raise ValueError(
+                f"actor.policy_loss_mode={self.policy_loss_mode!r} is unknown; valid: {list_policy_losses()}"
+            )
         _one_of("actor.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
         _one_of("actor.old_log_prob", self.old_log_prob, OLD_LOG_PROB_MODES)
         _one_of("actor.kl_loss_type", self.kl_loss_type, KL_ESTIMATORS.names())
 
     def update_micro(self) -> MicroBatchSize:
         """Micro-batch size of the update: rows, or a token budget with use_dynamic_bsz."""
-        return TokenBudget(self.ppo_max_token_len_per_gpu) if self.use_dynamic_bsz else self.ppo_micro_batch_size_per_device
+        return (
+            TokenBudget(self.ppo_max_token_len_per_gpu)
+            if self.use_dynamic_bsz
+            else self.ppo_micro_batch_size_per_device
+        )
 
     def log_prob_micro(self) -> MicroBatchSize:
         """Micro-batch size of the old-log-prob pass: rows, or a token budget with use_dynamic_bsz."""
@@ -167,8 +179,13 @@ class CriticConfig(Section):
     """FSDP2 engine settings of the critic."""
 
     def __post_init__(self) -> None:
-        for key in ("ppo_mini_batch_size", "ppo_micro_batch_size_per_device", "ppo_epochs",
-                    "ppo_max_token_len_per_gpu", "forward_max_token_len_per_gpu"):
+        for key in (
+            "ppo_mini_batch_size",
+            "ppo_micro_batch_size_per_device",
+            "ppo_epochs",
+            "ppo_max_token_len_per_gpu",
+            "forward_max_token_len_per_gpu",
+        ):
             if getattr(self, key) < 1:
                 raise ValueError(f"critic.{key} must be >= 1, got {getattr(self, key)}")
         if self.cliprange_value <= 0:
@@ -177,11 +194,19 @@ class CriticConfig(Section):
 
     def update_micro(self) -> MicroBatchSize:
         """Micro-batch size of the critic update: rows, or a token budget with use_dynamic_bsz."""
-        return TokenBudget(self.ppo_max_token_len_per_gpu) if self.use_dynamic_bsz else self.ppo_micro_batch_size_per_device
+        return (
+            TokenBudget(self.ppo_max_token_len_per_gpu)
+            if self.use_dynamic_bsz
+            else self.ppo_micro_batch_size_per_device
+        )
 
     def forward_micro(self) -> MicroBatchSize:
         """Micro-batch size of compute_values: rows, or a token budget with use_dynamic_bsz."""
-        return TokenBudget(self.forward_max_token_len_per_gpu) if self.use_dynamic_bsz else self.ppo_micro_batch_size_per_device
+        return (
+            TokenBudget(self.forward_max_token_len_per_gpu)
+            if self.use_dynamic_bsz
+            else self.ppo_micro_batch_size_per_device
+        )
 
 
 @dataclass
@@ -202,13 +227,15 @@ class RewardModelConfig(Section):
 
     def engine_config(self) -> EngineConfig:
         """The inference engine's settings."""
-        return EngineConfig(param_dtype=self.param_dtype,
-                            ulysses_sequence_parallel_size=self.ulysses_sequence_parallel_size)
+        return EngineConfig(
+            param_dtype=self.param_dtype, ulysses_sequence_parallel_size=self.ulysses_sequence_parallel_size
+        )
 
     def __post_init__(self) -> None:
         if self.ulysses_sequence_parallel_size < 1:
-            raise ValueError(f"reward_model.ulysses_sequence_parallel_size must be >= 1, got "
-                             f"{self.ulysses_sequence_parallel_size}")
+            raise ValueError(
+                f"reward_model.ulysses_sequence_parallel_size must be >= 1, got {self.ulysses_sequence_parallel_size}"
+            )
         if self.micro_batch_size_per_device < 1:
             raise ValueError(
                 f"reward_model.micro_batch_size_per_device must be >= 1, got {self.micro_batch_size_per_device}"

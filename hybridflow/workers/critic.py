@@ -62,8 +62,13 @@ class CriticWorker(Worker):
         start, peak = time.perf_counter(), {}
         with operator_peak("update_critic", peak):
             step_metrics = run_ppo_update(
-                self.engine, data, max(mini_rows, 1), self.cfg.update_micro(),
-                self.cfg.ppo_epochs, critic_loss_builder(self.cfg), seed=self._update_calls,
+                self.engine,
+                data,
+                max(mini_rows, 1),
+                self.cfg.update_micro(),
+                self.cfg.ppo_epochs,
+                critic_loss_builder(self.cfg),
+                seed=self._update_calls,
             )
         self._update_calls += 1
         lr = self.engine.lr_scheduler_step()

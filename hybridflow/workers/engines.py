@@ -16,22 +16,25 @@ from hybridflow.engine.config import EngineConfig, LoraConfig, OptimConfig
 from hybridflow.utils.registry import Registry
 
 
-def _fsdp(path: str | Path, cfg: EngineConfig, optim: OptimConfig | None, value_model: bool,
-          lora: LoraConfig | None) -> Engine:
+def _fsdp(
+    path: str | Path, cfg: EngineConfig, optim: OptimConfig | None, value_model: bool, lora: LoraConfig | None
+) -> Engine:
     from hybridflow.engine.fsdp import FSDPEngine
 
     return FSDPEngine.from_pretrained(path, cfg, optim, value_model=value_model, lora=lora)
 
 
-def _fsdp_tp(path: str | Path, cfg: EngineConfig, optim: OptimConfig | None, value_model: bool,
-             lora: LoraConfig | None) -> Engine:
+def _fsdp_tp(
+    path: str | Path, cfg: EngineConfig, optim: OptimConfig | None, value_model: bool, lora: LoraConfig | None
+) -> Engine:
     from hybridflow.engine.tensor_parallel import TensorParallelEngine
 
     return TensorParallelEngine.from_pretrained(path, cfg, optim, value_model=value_model, lora=lora)
 
 
-def _fsdp_sp(path: str | Path, cfg: EngineConfig, optim: OptimConfig | None, value_model: bool,
-             lora: LoraConfig | None) -> Engine:
+def _fsdp_sp(
+    path: str | Path, cfg: EngineConfig, optim: OptimConfig | None, value_model: bool, lora: LoraConfig | None
+) -> Engine:
     from hybridflow.engine.sequence_parallel import SequenceParallelEngine
 
     return SequenceParallelEngine.from_pretrained(path, cfg, optim, value_model=value_model, lora=lora)
@@ -58,8 +61,13 @@ def build_engine(
     rank > 0: train adapters on a causal LM instead of its weights). `backend` None: "fsdp_tp" when
     `cfg.tensor_parallel_size` > 1, "fsdp_sp" when `cfg.ulysses_sequence_parallel_size` > 1, else "fsdp"."""
     if backend is None:
-        backend = ("fsdp_tp" if cfg.tensor_parallel_size > 1
-                   else "fsdp_sp" if cfg.ulysses_sequence_parallel_size > 1 else "fsdp")
+        backend = (
+            "fsdp_tp"
+            if cfg.tensor_parallel_size > 1
+            else "fsdp_sp"
+            if cfg.ulysses_sequence_parallel_size > 1
+            else "fsdp"
+        )
     return ENGINES.get(backend)(path, cfg, optim, value_model, lora)
 
 

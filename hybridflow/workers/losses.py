@@ -34,8 +34,14 @@ def actor_loss_builder(cfg: ActorConfig, own_old_log_prob: bool = False) -> Loss
             old_log_prob = log_prob.detach() if own_old_log_prob else micro[K.OLD_LOG_PROBS]
             rollout_log_prob = micro.get(K.ROLLOUT_LOG_PROBS)
             pg_loss, stats = policy_loss(
-                old_log_prob, log_prob, micro[K.ADVANTAGES], mask,
-                loss_agg_mode=mode, config=cfg.policy_loss, global_norm=gn, rollout_log_probs=rollout_log_prob,
+                old_log_prob,
+                log_prob,
+                micro[K.ADVANTAGES],
+                mask,
+                loss_agg_mode=mode,
+                config=cfg.policy_loss,
+                global_norm=gn,
+                rollout_log_probs=rollout_log_prob,
                 rollout_is_weights=micro.get(K.ROLLOUT_IS_WEIGHTS),
             )
             scale = local_mean_factor(gn, mask, mode)
@@ -68,8 +74,13 @@ def critic_loss_builder(cfg: CriticConfig) -> LossBuilder:
         def loss_fn(outputs: dict, micro: MicroBatch) -> tuple:
             mask = micro[K.RESPONSE_MASK]
             loss, clipfrac = compute_value_loss(
-                outputs["values"], micro[K.RETURNS], micro[K.VALUES], mask,
-                cfg.cliprange_value, cfg.loss_agg_mode, gn,
+                outputs["values"],
+                micro[K.RETURNS],
+                micro[K.VALUES],
+                mask,
+                cfg.cliprange_value,
+                cfg.loss_agg_mode,
+                gn,
             )
             scale = local_mean_factor(gn, mask, cfg.loss_agg_mode)
             return loss, {"vf_loss": float(loss.detach()) * scale, "vf_clipfrac": float(clipfrac)}

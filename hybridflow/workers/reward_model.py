@@ -49,8 +49,7 @@ def check_reward_model_dir(path: Path) -> None:
         )
     if config.num_labels != 1:
         raise ValueError(
-            f"reward_model.model.path={str(path)!r} holds a classifier with num_labels="
-            f"{config.num_labels}; {_FIX}"
+            f"reward_model.model.path={str(path)!r} holds a classifier with num_labels={config.num_labels}; {_FIX}"
         )
 
 

@@ -54,8 +54,14 @@ def _micro_batches(data: DataProto, rows: int) -> list[dict[str, torch.Tensor]]:
 class SFTWorker(Worker):
     """One model trained on prompt/response pairs; the controller decides what runs when."""
 
-    def __init__(self, model: ModelConfig, engine: EngineConfig, optim: OptimConfig, micro_batch_size: int,
-                 lora: LoraConfig | None = None) -> None:
+    def __init__(
+        self,
+        model: ModelConfig,
+        engine: EngineConfig,
+        optim: OptimConfig,
+        micro_batch_size: int,
+        lora: LoraConfig | None = None,
+    ) -> None:
         super().__init__()
         self.model_cfg, self.engine_cfg, self.optim_cfg, self.lora_cfg = model, engine, optim, lora
         self.micro_batch_size = micro_batch_size
@@ -67,8 +73,9 @@ class SFTWorker(Worker):
         from hybridflow.models import resolve_model_path
 
         self.init_process_group()
-        self.engine = build_engine(resolve_model_path(self.model_cfg.path), self.engine_cfg, self.optim_cfg,
-                                   lora=self.lora_cfg)
+        self.engine = build_engine(
+            resolve_model_path(self.model_cfg.path), self.engine_cfg, self.optim_cfg, lora=self.lora_cfg
+        )
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def train_batch(self, data: DataProto) -> DataProto:
@@ -82,10 +89,15 @@ class SFTWorker(Worker):
         loss, tokens = _all_reduce_sum([step["loss"] / gn.dp_size, float(data.batch[K.ATTENTION_MASK].sum())])
         lr = self.engine.lr
         self.engine.lr_scheduler_step()
-        metrics = {"train/loss": loss, "train/grad_norm": step["grad_norm"],
-                   "train/lr": lr, "train/update_skipped": step["update_skipped"], "train/tokens": tokens,
-                   "train/response_tokens": float(gn.num_tokens),
-                   "timing_s/train_on_worker": time.perf_counter() - start}
+        metrics = {
+            "train/loss": loss,
+            "train/grad_norm": step["grad_norm"],
+            "train/lr": lr,
+            "train/update_skipped": step["update_skipped"],
+            "train/tokens": tokens,
+            "train/response_tokens": float(gn.num_tokens),
+            "timing_s/train_on_worker": time.perf_counter() - start,
+        }
         return DataProto(meta_info={K.META_METRICS: metrics})
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)

@@ -28,7 +28,7 @@ class Slot:
 class RayClassWithInitArgs(ClassWithInitArgs):
     """ClassWithInitArgs whose Ray actor options can be added to (e.g. `{"max_concurrency": 2}`)."""
 
-    def update_options(self, options: dict[str, Any]) -> "RayClassWithInitArgs":
+    def update_options(self, options: dict[str, Any]) -> RayClassWithInitArgs:
         """Merge `options` into the Ray actor options; returns self."""
         self.ray_options.update(options)
         return self

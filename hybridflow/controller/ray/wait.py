@@ -48,8 +48,7 @@ class RankCall:
         pending = list(refs)
         while pending:
             # fetch_local=False: the deadline is for the ranks to return, not for their outputs to arrive here
-            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=self._next_wait_s(),
-                                      fetch_local=False)
+            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=self._next_wait_s(), fetch_local=False)
             if ready:
                 values.update(zip(ready, self._get(ready, refs, pending)))
             if pending and self._next_wait_s() == 0:
@@ -76,7 +75,10 @@ class RankCall:
                 raise
             raise WorkerError(
                 f"worker of group {self.group} rank {rank} method {self.method} died: {type(err).__name__}: "
-                f"{str(err).splitlines()[0] if str(err) else ''}{running}", self.group, (rank,), self.method
+                f"{str(err).splitlines()[0] if str(err) else ''}{running}",
+                self.group,
+                (rank,),
+                self.method,
             ) from err
 
     def _failed_rank(self, ready: list, refs: list) -> int | None:
@@ -98,6 +100,8 @@ class RankCall:
         raise WorkerTimeoutError(
             f"group {self.group} method {self.method}: rank(s) {stuck} did not return within {self.timeout_s:g} s "
             f"({time.time() - self.started:.1f} s since the call; rank(s) {done} did). The stuck rank(s) were "
-            f"killed. If the call is only slow, raise {self.timeout_setting}", self.group, tuple(stuck), self.method
+            f"killed. If the call is only slow, raise {self.timeout_setting}",
+            self.group,
+            tuple(stuck),
+            self.method,
         )
-

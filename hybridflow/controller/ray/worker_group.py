@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from hybridflow.controller.ray.resource_pool import RayResourcePool, Slot
-from hybridflow.controller.resource_pool import ClassWithInitArgs
 from hybridflow.controller.ray.wait import RankCall
+from hybridflow.controller.resource_pool import ClassWithInitArgs
 from hybridflow.controller.worker import COLLECTIVE_TIMEOUT_ENV, NUM_THREADS_ENV, find_free_port
 from hybridflow.controller.worker_group import Timeouts, WorkerGroup
 
@@ -145,11 +146,20 @@ class RayWorkerGroup(WorkerGroup):
     def _rank_call(self, method_name: str, ranks: list[int]) -> RankCall:
         """The call just issued to `ranks`; waiting on it applies the group's call timeout."""
         t = self._timeouts
-        return RankCall(self._name, method_name, tuple(ranks), tuple(self._workers[r] for r in ranks),
-                        time.time(), t.call_s, t.call_setting, self._poll_interval_s)
+        return RankCall(
+            self._name,
+            method_name,
+            tuple(ranks),
+            tuple(self._workers[r] for r in ranks),
+            time.time(),
+            t.call_s,
+            t.call_setting,
+            self._poll_interval_s,
+        )
 
-    def _make_future(self, method_name: str, ranks: list[int], outputs: list, collect: Callable,
-                     collects_proto: bool) -> Any:
+    def _make_future(
+        self, method_name: str, ranks: list[int], outputs: list, collect: Callable, collects_proto: bool
+    ) -> Any:
         if not collects_proto:
             return outputs
         from hybridflow.protocol import DataProtoFuture
