@@ -18,13 +18,14 @@ from typing import Any
 from hybridflow.controller.resource_pool import ClassWithInitArgs, ResourcePool
 from hybridflow.controller.worker import find_free_port
 from hybridflow.controller.worker_group import WorkerGroup
+from hybridflow.utils.device import DEVICE_ENV
 
 
 class LocalResourcePool(ResourcePool):
     """A pool of exactly one slot: this process."""
 
-    def __init__(self, process_on_nodes: list[int] | None = None) -> None:
-        super().__init__(process_on_nodes or [1])
+    def __init__(self, process_on_nodes: list[int] | None = None, use_gpu: bool = False) -> None:
+        super().__init__(process_on_nodes or [1], use_gpu=use_gpu)
         if self.world_size != 1:
             raise ValueError(
                 f"LocalResourcePool holds exactly one process (this one), got process_on_nodes={self.store}; "
@@ -80,6 +81,7 @@ class LocalWorkerGroup(WorkerGroup):
             raise ValueError(f"LocalWorkerGroup runs one worker; got a pool of {resource_pool.world_size}")
         super().__init__(name_prefix or f"{cls_with_init.cls.__name__}_{uuid.uuid4().hex[:6]}", 1)
         os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
+        os.environ[DEVICE_ENV] = "cuda" if resource_pool is not None and resource_pool.use_gpu else "cpu"
         if not _process_group_ready():
             # A fresh port every time: one inherited from a parent process may still be held by its group.
             os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(find_free_port())})

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.controller.decorator import Dispatch, register
+from hybridflow.utils.device import device_kind, dist_backend
 
 NUM_THREADS_ENV = "HYBRIDFLOW_NUM_THREADS"
 COLLECTIVE_TIMEOUT_ENV = "HYBRIDFLOW_COLLECTIVE_TIMEOUT_S"
@@ -97,7 +98,7 @@ class Worker:
     def init_process_group(self, backend: str | None = None, timeout_s: float | None = None) -> None:
         """Join the default torch.distributed group of all ranks (idempotent).
 
-        `backend` defaults to nccl when CUDA is available, gloo otherwise. `timeout_s` bounds every
+        `backend` defaults to nccl for a cuda worker, gloo for a cpu one (its group's device, `utils/device.py`). `timeout_s` bounds every
         collective's wait for a peer (gloo raises, NCCL aborts the process); None: the group's
         HYBRIDFLOW_COLLECTIVE_TIMEOUT_S, else DEFAULT_COLLECTIVE_TIMEOUT_S.
         """
@@ -109,7 +110,7 @@ class Worker:
                 "or set MASTER_ADDR/MASTER_PORT before init_process_group"
             )
         if backend is None:
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            backend = dist_backend(device_kind())
         port = self._master_port or find_free_port()
         timeout_s = timeout_s or collective_timeout_s()
         dist.init_process_group(

@@ -47,14 +47,16 @@ from hybridflow.engine.optim import build_lr_scheduler, build_optimizer
 from hybridflow.engine.prefix import pack_shared_prompts, sharing_pays
 from hybridflow.models.loading import enable_activation_checkpointing
 from hybridflow.models.value import ValueModel
+from hybridflow.utils.device import compute_device, device_kind, dist_backend
 from hybridflow.utils.memory import keep_freed_memory
 
 
 def ensure_process_group() -> None:
-    """Initialise torch.distributed if needed: from env:// when RANK/WORLD_SIZE are set, else world 1."""
+    """Initialise torch.distributed if needed (nccl for a cuda worker, gloo for a cpu one): from env://
+    when RANK/WORLD_SIZE are set, else world 1."""
     if dist.is_initialized():
         return
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = dist_backend(device_kind())
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend)
     else:
@@ -62,12 +64,8 @@ def ensure_process_group() -> None:
 
 
 def engine_device() -> torch.device:
-    """cuda:LOCAL_RANK when CUDA is available, else cpu."""
-    if torch.cuda.is_available():
-        index = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(index)
-        return torch.device("cuda", index)
-    return torch.device("cpu")
+    """The worker's device (`utils/device.py`): its GPU for a cuda worker, else the CPU."""
+    return compute_device()
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

@@ -20,6 +20,7 @@ from hybridflow.protocol import DataProto
 from hybridflow.rollout.config import ROLLOUT_NAMES, RolloutConfig, SamplingParams
 from hybridflow.rollout.layout import build_output
 from hybridflow.rollout.sync import load_state_dict_into
+from hybridflow.utils.device import device_kind
 
 
 class Rollout(ABC):
@@ -214,7 +215,7 @@ def tensor_parallel_group(tp: int, stride: int = 1):
             f"rollout.tensor_model_parallel_size={tp} (groups {stride} ranks apart) must divide the "
             f"number of ranks ({world})"
         )
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = device_kind()
     if stride == 1:
         return init_device_mesh(device, (world // tp, tp), mesh_dim_names=("dp", "tp")).get_group("tp")
     shape = (world // (tp * stride), tp, stride)

@@ -269,7 +269,8 @@ class TrainerConfig(Section):
     critic_warmup: int = 0
     """Steps that update only the critic before the actor starts updating."""
     device: str = "cpu"
-    """"cpu" (gloo) or "cuda" (nccl)."""
+    """"cpu" (gloo) or "cuda" (nccl): every worker computes there (hybridflow/utils/device.py); a cuda worker uses
+    the GPU its Ray actor was given (index 0 of its visible devices), or LOCAL_RANK when it sees several."""
     backend: str = "ray"
     """"ray" runs workers as Ray actors; "local" runs them in-process for debugging."""
     placement: str = "colocate"

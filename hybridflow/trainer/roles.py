@@ -111,7 +111,11 @@ def group_factory(t: TrainerConfig, set_sizes: list[int], name_prefix: str):
     if t.backend == "local":
         from hybridflow.controller.local import LocalResourcePool, LocalWorkerGroup
 
-        return (lambda pool, cls: LocalWorkerGroup(pool, cls)), [LocalResourcePool()], lambda: None
+        return (
+            (lambda pool, cls: LocalWorkerGroup(pool, cls)),
+            [LocalResourcePool(use_gpu=t.device == "cuda")],
+            lambda: None,
+        )
     from hybridflow.controller.ray import RayResourcePool, RayWorkerGroup, split_resource_pool
 
     pool = RayResourcePool(

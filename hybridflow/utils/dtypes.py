@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from hybridflow.utils.device import device_kind
+
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
 """Config dtype name -> torch dtype. fp16 is left out on purpose: CPU fp16 matmul is ~100x slower."""
 
@@ -14,11 +16,12 @@ AUTO = "auto"
 
 
 def dtype_of(name: str) -> torch.dtype:
-    """torch dtype for a config dtype name ("fp32" | "bf16" | "auto": probed for this process's device and threads)."""
+    """torch dtype for a config dtype name ("fp32" | "bf16" | "auto": probed for this process's device kind and
+    threads)."""
     if name == AUTO:
         from hybridflow.utils.hardware import auto_compute_dtype
 
-        name = auto_compute_dtype("cuda" if torch.cuda.is_available() else "cpu")
+        name = auto_compute_dtype(device_kind())
     return DTYPES[name]
 
 

@@ -16,6 +16,8 @@ from collections.abc import Iterator
 
 import torch
 
+from hybridflow.utils.device import device_kind
+
 
 def _reset_rss_peak() -> None:
     if sys.platform.startswith("linux"):
@@ -39,7 +41,7 @@ def rss_peak_bytes() -> float:
 @contextlib.contextmanager
 def operator_peak(name: str, metrics: dict[str, float]) -> Iterator[None]:
     """Record the peak memory of the enclosed operator as metrics["memory/peak_gb/<name>"] (GB)."""
-    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    cuda = device_kind() == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     else:

@@ -47,6 +47,7 @@ from hybridflow.engine.config import EngineConfig
 from hybridflow.engine.reshard import aligned_stride, group_coords
 from hybridflow.protocol import DataProto
 from hybridflow.rollout.config import RolloutConfig
+from hybridflow.utils.device import device_kind
 from hybridflow.utils.peak_memory import operator_peak
 from hybridflow.workers.config import ActorConfig, ModelConfig, RefConfig
 from hybridflow.workers.engines import build_engine, declare_engine_mesh
@@ -98,7 +99,7 @@ class ActorRolloutRefWorker(Worker):
             or engine.ranks_per_dp_group > 1
         ):
             return 1
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device(device_kind())
         return aligned_stride(engine.resolve_fsdp_size(device, self.world_size), self.rollout_tp_size)
 
     # --- setup ----------------------------------------------------------------

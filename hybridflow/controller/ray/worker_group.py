@@ -15,6 +15,7 @@ from hybridflow.controller.ray.wait import RankCall
 from hybridflow.controller.resource_pool import ClassWithInitArgs
 from hybridflow.controller.worker import COLLECTIVE_TIMEOUT_ENV, NUM_THREADS_ENV, find_free_port
 from hybridflow.controller.worker_group import Timeouts, WorkerGroup
+from hybridflow.utils.device import DEVICE_ENV
 
 
 @ray.remote(num_cpus=0)
@@ -122,6 +123,7 @@ class RayWorkerGroup(WorkerGroup):
                 NUM_THREADS_ENV: threads, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
                 "HYBRIDFLOW_WORKER_GROUP": self._name,
                 COLLECTIVE_TIMEOUT_ENV: str(self._timeouts.collective_s),
+                DEVICE_ENV: "cuda" if pool.use_gpu else "cpu",
             }  # fmt: skip
             actor_options = {
                 **options,
