@@ -12,7 +12,7 @@ import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from hybridflow.config_utils import load_config
 from hybridflow.trainer.checkpointing import check_writable
@@ -21,6 +21,11 @@ from hybridflow.trainer.measure import measure
 from hybridflow.trainer.recovery import RunFailedError
 from hybridflow.trainer.resolve import ResolvedRun, resolve
 from hybridflow.trainer.run_config import RunConfig
+
+if TYPE_CHECKING:  # heavy imports, loaded where the workers start
+    from hybridflow.trainer.ppo_trainer import PPOTrainer
+    from hybridflow.trainer.recovery import Recovery
+    from hybridflow.utils.tracking import Tracking
 
 log = logging.getLogger("hybridflow")
 
@@ -84,7 +89,7 @@ class PPOJob:
     def __init__(self, run: ResolvedRun) -> None:
         self.run, self.config = run, run.config
         self.roles: Any = None
-        self.trainer: Any = None
+        self.trainer: PPOTrainer | None = None
 
     def build_workers(self) -> list:
         """One worker group per worker set (trainer/roles.py); models not loaded."""
@@ -97,7 +102,7 @@ class PPOJob:
         """Free the roles' placement groups."""
         self.roles.release()
 
-    def make_trainer(self, inputs: RunInputs, tracker: Any, recovery: Any) -> Any:
+    def make_trainer(self, inputs: RunInputs, tracker: Tracking, recovery: Recovery) -> PPOTrainer:
         """A PPOTrainer over the roles built last, with the previous trainer's validation results."""
         from hybridflow.trainer.ppo_trainer import PPOTrainer
 

@@ -106,7 +106,9 @@ class ResolvedRun:
 
 def resolve(cfg: RunConfig, steps_per_epoch: int, measured: Measurements) -> ResolvedRun:
     """Fill every derived value of `cfg` (left untouched) into a frozen copy; see the module docstring.
-    Pure: what it needs of the machine comes in `measured` (trainer/measure.py); no I/O, nothing printed."""
+    What it needs of the machine comes in `measured` (trainer/measure.py): it measures nothing and prints
+    nothing (the planner's choices come back as `notes`); the one file it reads is a model's config.json,
+    where a tensor / sequence parallel size > 1 is checked against its heads."""
     if steps_per_epoch < 1:
         raise ConfigError(
             f"the training set gives {steps_per_epoch} steps per epoch at data.train_batch_size="

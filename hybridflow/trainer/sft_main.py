@@ -10,13 +10,18 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from hybridflow.config_utils import load_config
 from hybridflow.trainer.job import fit_with_restarts
 from hybridflow.trainer.main import run_command
 from hybridflow.trainer.measure import measure_dtypes
 from hybridflow.trainer.sft_config import ResolvedSFT, SFTConfig, resolve_sft
+
+if TYPE_CHECKING:  # heavy imports, loaded where the workers start
+    from hybridflow.trainer.recovery import Recovery
+    from hybridflow.trainer.sft_trainer import SFTTrainer
+    from hybridflow.utils.tracking import Tracking
 
 
 class SFTInputs(NamedTuple):
@@ -75,7 +80,7 @@ class SFTJob:
     def __init__(self, run: ResolvedSFT) -> None:
         self.run, self.config = run, run.config
         self.group: Any = None
-        self.trainer: Any = None
+        self.trainer: SFTTrainer | None = None
         self._release: Callable[[], None] = lambda: None
 
     def build_workers(self) -> list:
@@ -96,7 +101,7 @@ class SFTJob:
         """Free the group's placement."""
         self._release()
 
-    def make_trainer(self, inputs: SFTInputs, tracker: Any, recovery: Any) -> Any:
+    def make_trainer(self, inputs: SFTInputs, tracker: Tracking, recovery: Recovery) -> SFTTrainer:
         """An SFTTrainer over the group built last, with the previous trainer's validation losses."""
         from hybridflow.trainer.sft_trainer import SFTTrainer
 
