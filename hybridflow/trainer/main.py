@@ -135,8 +135,11 @@ def _report(log_dir: Path, before: dict[str, float], after: dict[str, float]) ->
             print(f"profile: {profile}")
 
 
-def parse_args(argv: Sequence[str], prog: str, description: str) -> argparse.Namespace:
-    """`[--config FILE] [--print-config] key=value ...`."""
+def parse_args(argv: Sequence[str] | None, prog: str, description: str) -> argparse.Namespace:
+    """`[--config FILE] [--print-config] key=value ...` (sys.argv[1:] when `argv` is None); sets up the console
+    log: our own info lines on stderr, other libraries' warnings only (matplotlib's font cache, ...)."""
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("hybridflow").setLevel(logging.INFO)
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--config", help="YAML file with the run's config fields; key=value overrides apply on top")
     parser.add_argument(
@@ -145,42 +148,34 @@ def parse_args(argv: Sequence[str], prog: str, description: str) -> argparse.Nam
         help="print the resolved run (every derived value filled in) as YAML and exit",
     )
     parser.add_argument("overrides", nargs="*", help="verl-style overrides, e.g. actor.optim.lr=1e-5")
-    return parser.parse_args(argv)
+    return parser.parse_args(sys.argv[1:] if argv is None else argv)
 
 
-def run_command(argv: Sequence[str], prog: str, description: str, load: Any, execute: Any) -> int:
-    """A trainer command: parse, `load(config, overrides)` -> (resolved, inputs), then `--print-config`
-    or `execute(resolved, inputs)`. User errors print one line `<prog>: error: ...` and return 2."""
-    # Our own info lines on the console; other libraries only warn (matplotlib's font cache, ...).
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
-    logging.getLogger("hybridflow").setLevel(logging.INFO)
-    args = parse_args(argv, prog, description)
+def fail(prog: str, err: BaseException, code: int) -> int:
+    """Print `<prog>: error: <err>` (one line, no traceback) on stderr; return `code`."""
+    print(f"{prog}: error: {err}", file=sys.stderr)
+    return code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI entry of `hybridflow train`: load, measure, resolve, then print the run (--print-config: YAML only
+    on stdout) or train it. Bad config, paths or data exit 2 with one line; a failure the run cannot recover
+    from exits 1."""
+    prog = "hybridflow train"
+    args = parse_args(argv, prog, "Train with PPO / GRPO / ... (see README).")
     try:
-        resolved, inputs = load(args.config, args.overrides)
+        resolved, inputs = load_run(args.config, args.overrides)
         if args.print_config:
             print(resolved.to_yaml(), end="")
             return 0
         check_writable(resolved.config)
     except USER_ERRORS as err:
-        print(f"{prog}: error: {err}", file=sys.stderr)
-        return 2
+        return fail(prog, err, 2)
     try:
-        execute(resolved, inputs)
+        run(resolved, inputs)
     except RunFailedError as err:  # its message names the failed worker and the command that resumes
-        print(f"{prog}: error: {err}", file=sys.stderr)
-        return 1
+        return fail(prog, err, 1)
     return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """CLI entry of `hybridflow train`."""
-    return run_command(
-        sys.argv[1:] if argv is None else argv,
-        "hybridflow train",
-        "Train with PPO / GRPO / ... (see README).",
-        load_run,
-        run,
-    )
 
 
 if __name__ == "__main__":

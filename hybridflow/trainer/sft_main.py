@@ -13,9 +13,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from hybridflow.config_utils import load_config
+from hybridflow.trainer.checkpointing import check_writable
 from hybridflow.trainer.job import fit_with_restarts
-from hybridflow.trainer.main import run_command
+from hybridflow.trainer.main import USER_ERRORS, fail, parse_args
 from hybridflow.trainer.measure import measure_dtypes
+from hybridflow.trainer.recovery import RunFailedError
 from hybridflow.trainer.sft_config import ResolvedSFT, SFTConfig, resolve_sft
 
 if TYPE_CHECKING:  # heavy imports, loaded where the workers start
@@ -131,10 +133,23 @@ def _report(log_dir: Path, val_losses: list[float]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """CLI entry of `hybridflow sft`; user errors print one line and exit 2."""
-    return run_command(
-        sys.argv[1:] if argv is None else argv, "hybridflow sft", "Supervised fine-tuning (see README).", load_run, run
-    )
+    """CLI entry of `hybridflow sft`, as `hybridflow train`'s (trainer/main.py main): user errors exit 2 with one
+    line, a failure the run cannot recover from exits 1."""
+    prog = "hybridflow sft"
+    args = parse_args(argv, prog, "Supervised fine-tuning (see README).")
+    try:
+        resolved, inputs = load_run(args.config, args.overrides)
+        if args.print_config:
+            print(resolved.to_yaml(), end="")
+            return 0
+        check_writable(resolved.config)
+    except USER_ERRORS as err:
+        return fail(prog, err, 2)
+    try:
+        run(resolved, inputs)
+    except RunFailedError as err:
+        return fail(prog, err, 1)
+    return 0
 
 
 if __name__ == "__main__":
