@@ -198,11 +198,12 @@ def predict(name: str, cfg, calib: list[dict], device, threads: int) -> float:
     from dataclasses import asdict, replace
 
     from hybridflow.models.loading import load_config as load_model_config
-    from hybridflow.planner.auto import fsdp_sharded, run_workers
+    from hybridflow.planner.auto import run_workers
     from hybridflow.planner.cost import costs_from_profile, predict_step_time_v1, without_dp_sync
-    from hybridflow.planner.plans import run_roles
+    from hybridflow.planner.inputs import forward_ops
     from hybridflow.planner.profile import build_profile
-    from hybridflow.planner.search import forward_ops, model_params
+    from hybridflow.planner.search import model_params
+    from hybridflow.trainer.plan_inputs import fsdp_sharded, run_roles, run_shape
 
     rows = [asdict(p) for p in build_profile(calib)]
     by = {r["metric"]: r for r in rows}
@@ -210,7 +211,7 @@ def predict(name: str, cfg, calib: list[dict], device, threads: int) -> float:
     calib_cfg = replace(cfg, trainer=replace(cfg.trainer, n_workers_per_node=2, placement="colocate"))
     mc = load_model_config(cfg.model.path)
     w = run_workers(
-        cfg,
+        run_shape(cfg),
         device,
         threads,
         1,
@@ -226,7 +227,7 @@ def predict(name: str, cfg, calib: list[dict], device, threads: int) -> float:
             replace(calib_cfg, actor=replace(cfg.actor, engine=replace(cfg.actor.engine, fsdp_size=None)))
         ),
     )  # colocate_2x1: the engine's default
-    costs = without_dp_sync(costs_from_profile(rows, 2, forward_ops(calib_cfg)), 2, tokens, calib_w)
+    costs = without_dp_sync(costs_from_profile(rows, 2, forward_ops(run_shape(calib_cfg))), 2, tokens, calib_w)
     return predict_step_time_v1(plan_of(name, run_roles(cfg)), costs, tokens, response, w)
 
 
@@ -334,7 +335,7 @@ def main() -> None:
 
             cfg = load_config(RunConfig, None, job_args(args, "grpo", tmp))
             from hybridflow.models import resolve_model_path
-            from hybridflow.planner.auto import profile_dtype
+            from hybridflow.trainer.measure import profile_dtype
 
             # one update micro-batch of the runs: its rows of a response plus the task's prompt (the arithmetic
             # prompts are 44-46 tokens: metrics prompt_length/mean); thread speedups grow with the rows

@@ -147,7 +147,7 @@ def _dataclass_type(hint: Any) -> type | None:
 
 
 def _read_yaml(path: Path) -> DictConfig:
-    if not path.is_file():
+    if not path.exists() or path.is_dir():  # a pipe (--config /dev/stdin) is no regular file, and reads fine
         raise FileNotFoundError(f"config file {str(path)!r} does not exist")
     try:
         layer = OmegaConf.load(path)

@@ -13,10 +13,10 @@ from hybridflow.engine import EngineConfig, OptimConfig
 from hybridflow.models import tiny_model_dir
 from hybridflow.protocol import DataProto
 from hybridflow.rollout import RolloutConfig
-from hybridflow.trainer.resolve import resolve
 from hybridflow.trainer.run_config import RunConfig
 from hybridflow.workers import ActorConfig, ActorRolloutRefWorker, ModelConfig, RefConfig
 from tests.engine_helpers import make_batch
+from tests.resolve_helpers import resolve_here
 
 
 def _actor(**kwargs) -> LocalWorkerGroup:
@@ -100,7 +100,7 @@ def test_update_without_old_log_probs_is_refused_unless_the_plan_says_so():
 )
 def test_old_log_prob_pass_is_skipped_only_for_one_step_updates(overrides, needed):
     cfg = load_config(RunConfig, None, ["data.train_batch_size=8", "actor.ppo_mini_batch_size=8", *overrides])
-    assert resolve(cfg, steps_per_epoch=4).recompute_old_log_prob is needed
+    assert resolve_here(cfg, steps_per_epoch=4).recompute_old_log_prob is needed
 
 
 def test_unknown_old_log_prob_mode_is_rejected():

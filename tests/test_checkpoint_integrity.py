@@ -10,10 +10,10 @@ import pytest
 
 from hybridflow.config_utils import load_config
 from hybridflow.trainer.checkpointing import check_writable, resume_path
-from hybridflow.trainer.resolve import resolve
 from hybridflow.trainer.run_config import RunConfig
 from hybridflow.utils import checkpoint_dirs as C
 from hybridflow.utils.manifest import MANIFEST
+from tests.resolve_helpers import resolve_here
 
 
 def _save(root: Path, step: int, run: str = "hybridflow/run") -> Path:
@@ -47,7 +47,7 @@ def test_manifest_catches_every_kind_of_damage(tmp_path, damage, phrase):
 
 
 def test_resume_skips_a_damaged_newest_checkpoint_with_one_line(tmp_path, caplog):
-    cfg = resolve(load_config(RunConfig, None, [f"trainer.default_local_dir={tmp_path}"]), 4).config
+    cfg = resolve_here(load_config(RunConfig, None, [f"trainer.default_local_dir={tmp_path}"]), 4).config
     older, newest = _save(tmp_path, 2), _save(tmp_path, 4)
     assert resume_path(cfg) == newest
     (newest / "actor" / "shard.distcp").write_bytes(b"truncated")
@@ -60,7 +60,7 @@ def test_resume_skips_a_damaged_newest_checkpoint_with_one_line(tmp_path, caplog
 def test_an_explicit_damaged_resume_path_is_refused(tmp_path):
     path = _save(tmp_path, 2)
     (path / "trainer_state.json").write_text("{}")
-    cfg = resolve(
+    cfg = resolve_here(
         load_config(RunConfig, None, ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={path}"]), 4
     ).config
     with pytest.raises(ValueError, match="is damaged: trainer_state.json has 2 bytes"):
@@ -70,11 +70,15 @@ def test_an_explicit_damaged_resume_path_is_refused(tmp_path):
 def test_an_unwritable_checkpoint_dir_fails_before_the_first_step(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
-    bad = resolve(load_config(RunConfig, None, [f"trainer.default_local_dir={blocker}/ckpt", "trainer.save_freq=5"]), 4)
+    bad = resolve_here(
+        load_config(RunConfig, None, [f"trainer.default_local_dir={blocker}/ckpt", "trainer.save_freq=5"]), 4
+    )
     with pytest.raises(ValueError, match=r"trainer.default_local_dir=.*a_file/ckpt cannot be written"):
         check_writable(bad.config)
-    never_saves = resolve(load_config(RunConfig, None, [f"trainer.default_local_dir={blocker}/ckpt"]), 4)
+    never_saves = resolve_here(load_config(RunConfig, None, [f"trainer.default_local_dir={blocker}/ckpt"]), 4)
     check_writable(never_saves.config)  # save_freq=-1: nothing will be written, nothing to check
-    good = resolve(load_config(RunConfig, None, [f"trainer.default_local_dir={tmp_path}/ok", "trainer.save_freq=5"]), 4)
+    good = resolve_here(
+        load_config(RunConfig, None, [f"trainer.default_local_dir={tmp_path}/ok", "trainer.save_freq=5"]), 4
+    )
     check_writable(good.config)
     assert (tmp_path / "ok").is_dir() and not list((tmp_path / "ok").iterdir())

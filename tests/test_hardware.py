@@ -56,11 +56,11 @@ def test_auto_is_a_compute_dtype_only():
 
 def test_resolve_fills_in_every_auto_dtype(cache_home, monkeypatch):
     from hybridflow.config_utils import load_config
-    from hybridflow.trainer.resolve import resolve
     from hybridflow.trainer.run_config import RunConfig
+    from tests.resolve_helpers import resolve_here
 
     monkeypatch.setattr(hardware, "probe_compute_dtype", lambda threads: {"bf16": 1.0, "fp32": 1.0, "choice": "fp32"})
     cfg = load_config(RunConfig, None, ["ref.param_dtype=bf16"])
-    run = resolve(cfg, steps_per_epoch=4, cpu_count=2).config
+    run = resolve_here(cfg, steps_per_epoch=4, cpu_count=2).config
     assert (run.actor.engine.param_dtype, run.rollout.dtype, run.reward_model.param_dtype) == ("fp32",) * 3
     assert run.ref.param_dtype == "bf16"  # a user value is kept

@@ -1,4 +1,12 @@
-"""The library never imports its command-line entry points."""
+"""The allowed dependencies between hybridflow's parts (README "Which file holds what", DESIGN.md), checked on
+every import of every module, function-local ones included (an AST walk, not the import-time graph):
+
+- algos/ imports nothing above it: no controller, engine, workers, trainer, planner, rollout, nor Ray;
+- controller/ knows nothing of RL: no algos, engine, rollout, workers, trainer, planner, models, data, rewards;
+- engine/ never imports workers/ or trainer/;
+- planner/ never imports trainer/ (the trainer hands it plain inputs: planner/inputs.py RunShape);
+- the library never imports its command-line entry points.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +18,22 @@ from pathlib import Path
 import hybridflow
 
 PACKAGE = Path(hybridflow.__file__).parent
-CLI_MODULES = {"hybridflow.trainer.cli", "hybridflow.trainer.main", "hybridflow.trainer.sft_main"}
-"""`hybridflow` (the console script), `python -m hybridflow.trainer.main` / `hybridflow train`, and
-`hybridflow sft`."""
+CLI_MODULES = {
+    "hybridflow.trainer.cli",
+    "hybridflow.trainer.main",
+    "hybridflow.trainer.sft_main",
+    "hybridflow.trainer.plan_cli",
+}
+"""`hybridflow` (the console script), `python -m hybridflow.trainer.main` / `hybridflow train`,
+`hybridflow sft` and `hybridflow plan`."""
+
+FORBIDDEN = {
+    "algos": ("controller", "engine", "workers", "trainer", "planner", "rollout", "ray"),
+    "controller": ("algos", "engine", "rollout", "workers", "trainer", "planner", "models", "data", "rewards"),
+    "engine": ("workers", "trainer"),
+    "planner": ("trainer",),
+}
+"""Part of hybridflow -> what it must not import: hybridflow's parts by name, "ray" the library."""
 
 
 def module_name(path: Path) -> str:
@@ -54,17 +75,44 @@ def test_imported_modules_resolves_absolute_relative_and_from_package_imports():
     } <= found
 
 
-def test_no_library_module_imports_the_cli():
-    offenders = {}
+def library_imports() -> dict[str, set[str]]:
+    """Every module of the package -> every module it may import."""
+    found = {}
     for path in sorted(PACKAGE.rglob("*.py")):
         name = module_name(path)
-        if name in CLI_MODULES:
-            continue
         package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
-        bad = imported_modules(path.read_text(), package) & CLI_MODULES
-        if bad:
-            offenders[name] = sorted(bad)
+        found[name] = imported_modules(path.read_text(), package)
+    return found
+
+
+def is_within(module: str, part: str) -> bool:
+    """Whether `module` is `part` (a part of hybridflow, or the "ray" library) or inside it."""
+    prefix = "ray" if part == "ray" else f"hybridflow.{part}"
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def test_no_library_module_imports_the_cli():
+    offenders = {
+        name: sorted(found & CLI_MODULES) for name, found in library_imports().items() if name not in CLI_MODULES
+    }
+    offenders = {name: bad for name, bad in offenders.items() if bad}
     assert not offenders, f"library modules import the CLI: {offenders}"
+
+
+def test_every_part_imports_only_what_its_layer_allows():
+    offenders = []
+    for name, found in library_imports().items():
+        for part, banned in FORBIDDEN.items():
+            if is_within(name, part):
+                offenders += [f"{name} -> {m}" for m in sorted(found) for b in banned if is_within(m, b)]
+    assert not offenders, "imports across the layers:\n" + "\n".join(offenders)
+
+
+def test_the_layer_check_sees_function_local_imports():
+    source = "def f():\n    from hybridflow.trainer.run_config import RunConfig\n"
+    found = imported_modules(source, "hybridflow.planner")
+    assert any(is_within(m, "trainer") for m in found)
+    assert not is_within("hybridflow.trainerx", "trainer") and is_within("ray.util", "ray")
 
 
 def test_generate_reads_a_trainer_checkpoint_without_loading_the_cli(tmp_path):

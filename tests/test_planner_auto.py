@@ -1,4 +1,5 @@
-"""trainer.placement=auto (planner/auto.py): resolved at load to the placement the cost model picks."""
+"""trainer.placement=auto / n_workers_per_node=null: measured (trainer/measure.py), then chosen by resolve from the
+planner's predictions (planner/auto.py, trainer/layout.py)."""
 
 import pytest
 
@@ -6,8 +7,11 @@ from hybridflow.config_utils import load_config
 from hybridflow.models import tiny_model_dir
 from hybridflow.planner.auto import predicted_placements
 from hybridflow.planner.device import DevicePoint, DeviceProfile
+from hybridflow.trainer.measure import Measurements
+from hybridflow.trainer.plan_inputs import run_shape
 from hybridflow.trainer.resolve import resolve
 from hybridflow.trainer.run_config import RunConfig
+from tests.resolve_helpers import resolve_here
 
 PPO = [
     "algorithm.adv_estimator=gae",
@@ -33,15 +37,15 @@ def test_predictions_of_the_runnable_placements(device):
     cfg = load_config(RunConfig, None, PPO)
     # 8 samples: 96 tokens, 32 response tokens; colocate on 2 workers: gen 0.05*32/2, forward (old log-probs and
     # values) 2 * 0.01*96/2, updates 2 * 0.03*96/2; split 1+1: everything on 1 worker, the roles overlapping
-    got = predicted_placements(cfg, 1, DeviceProfile.load(device))
+    got = predicted_placements(run_shape(cfg), 1, DeviceProfile.load(device), params=0.0)
     assert got == pytest.approx({"colocate": 0.8 + 0.96 + 2.88, "split": 1.6 + 0.96 + 2.88})
 
 
 def test_auto_resolves_to_a_runnable_placement(device):
     cfg = load_config(RunConfig, None, [*PPO, "trainer.placement=auto", f"trainer.device_profile={device}"])
-    assert resolve(cfg, 10).config.trainer.placement == "colocate"
+    assert resolve_here(cfg, 10).config.trainer.placement == "colocate"
     off = load_config(RunConfig, None, [*PPO, "trainer.placement=auto", "trainer.mode=one_step_off"])
-    run = resolve(off, 10)  # off-policy: the rollout needs its own workers, no profile needed
+    run = resolve_here(off, 10)  # off-policy: the rollout needs its own workers, no profile needed
     assert run.config.trainer.placement == "split" and [s.roles for s in run.worker_sets][1] == ("rollout",)
 
 
@@ -65,17 +69,37 @@ def test_null_workers_picks_the_layout_the_cost_model_prefers(tmp_path, capsys, 
         ],
     )
     assert cfg.world_size == 0  # not chosen yet: the batch checks wait for resolve
-    run = resolve(cfg, 10, cpu_count=2)
+    run = resolve_here(cfg, 10, cpu_count=2)
     assert run.config.trainer.n_workers_per_node == chosen and run.config.trainer.cpus_per_worker == 2 // chosen
-    assert "trainer.n_workers_per_node=null -> " in capsys.readouterr().out
+    assert run.notes[0].startswith(f"trainer.n_workers_per_node=null -> {chosen} (predicted s/step: ")
+    assert capsys.readouterr().out == ""  # resolve prints nothing: the CLI logs the notes on stderr
+
+
+def test_resolve_is_pure_given_measurements(capsys):
+    """Profiles and the machine's size come in as values: resolve reads no file and prints nothing."""
+    fast_split = DeviceProfile("m", "float32", [DevicePoint(1, 8, 64, 0.01, 0.03, 0.05)])
+    base = [o for o in PPO if not o.startswith("trainer.n_workers") and not o.startswith("trainer.cpus")]
+    cfg = load_config(
+        RunConfig,
+        None,
+        [*base, "trainer.n_workers_per_node=null", "trainer.placement=auto", "trainer.device_profile=x"],
+    )
+    measured = Measurements(2, auto_dtypes={1: "fp32", 2: "fp32"}, device_profiles={1: fast_split, 2: fast_split})
+    run = resolve(cfg, 10, measured)
+    t = run.config.trainer
+    assert (t.n_workers_per_node, t.cpus_per_worker, t.placement) == (2, 1, "colocate")
+    assert run.config.actor.engine.param_dtype == "fp32" and len(run.notes) == 2
+    assert capsys.readouterr() == ("", "")
+    with pytest.raises(ValueError, match="not measured at 1 threads"):
+        resolve(cfg, 10, Measurements(2, device_profiles={1: fast_split, 2: fast_split}))
 
 
 def test_null_workers_with_threads_given_or_on_the_local_backend_needs_no_search():
     base = [o for o in PPO if not o.startswith("trainer.n_workers") and not o.startswith("trainer.cpus")]
     cfg = load_config(RunConfig, None, [*base, "trainer.n_workers_per_node=null", "trainer.cpus_per_worker=1"])
-    assert resolve(cfg, 10, cpu_count=4).config.trainer.n_workers_per_node == 4
+    assert resolve_here(cfg, 10, cpu_count=4).config.trainer.n_workers_per_node == 4
     local = load_config(RunConfig, None, [*base, "trainer.n_workers_per_node=null", "trainer.backend=local"])
-    assert resolve(local, 10, cpu_count=4).config.trainer.n_workers_per_node == 1
+    assert resolve_here(local, 10, cpu_count=4).config.trainer.n_workers_per_node == 1
 
 
 @pytest.mark.slow  # ~17 s under load: loads the model and times it
@@ -84,7 +108,7 @@ def test_auto_measures_and_caches_a_device_profile(tmp_path, monkeypatch):
 
     monkeypatch.setattr(default, "cache_root", lambda: tmp_path)
     cfg = load_config(RunConfig, None, [*PPO, "trainer.placement=auto", f"model.path={tiny_model_dir('llama')}"])
-    chosen = resolve(cfg, 10).config.trainer.placement  # which one wins depends on this machine's figures
+    chosen = resolve_here(cfg, 10).config.trainer.placement  # which one wins depends on this machine's figures
     assert chosen in ("colocate", "split")
     (cached,) = (tmp_path / "device_profiles").glob("*.json")
     prof = DeviceProfile.load(cached)
@@ -93,5 +117,5 @@ def test_auto_measures_and_caches_a_device_profile(tmp_path, monkeypatch):
     ].forward_s_per_token
     # the collectives FSDP pays between workers are measured too
     assert prof.allreduce_latency_s > 0 and prof.allgather_s_per_byte > 0 and prof.reducescatter_s_per_byte > 0
-    assert resolve(cfg, 10).config.trainer.placement == chosen  # the cached profile: the same choice, no new file
+    assert resolve_here(cfg, 10).config.trainer.placement == chosen  # the cached profile: the same choice, no new file
     assert len(list((tmp_path / "device_profiles").glob("*.json"))) == 1

@@ -17,7 +17,6 @@ from hybridflow.planner.plans import (
     memory_per_device,
     peak_memory,
     role_memory_bytes,
-    run_roles,
     set_partitions,
 )
 
@@ -89,6 +88,7 @@ def test_plan_memory_and_pruning():
 
 def test_run_roles_follow_the_config():
     from hybridflow.config_utils import load_config
+    from hybridflow.trainer.plan_inputs import run_roles
     from hybridflow.trainer.run_config import RunConfig
 
     assert run_roles(load_config(RunConfig, None, ["algorithm.adv_estimator=grpo", "actor.use_kl_loss=false"])) == (

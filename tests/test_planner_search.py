@@ -3,9 +3,11 @@
 import json
 
 from hybridflow.config_utils import load_config
+from hybridflow.planner.inputs import forward_ops
 from hybridflow.planner.plans import PlacementSet, Plan, RoleParallel
-from hybridflow.planner.search import forward_ops, placement_of
+from hybridflow.planner.search import placement_of
 from hybridflow.trainer.cli import main
+from hybridflow.trainer.plan_inputs import run_shape
 from hybridflow.trainer.run_config import RunConfig
 
 PROFILE = [  # a colocated PPO run on 2 workers: medians and tokens per step
@@ -39,7 +41,7 @@ def test_plan_cli_ranks_and_writes_a_loadable_plan(tmp_path, capsys):
         == 0
     )
     lines = capsys.readouterr().out.splitlines()
-    assert forward_ops(load_config(RunConfig, None, PPO)) == ("old_log_prob", "values")
+    assert forward_ops(run_shape(load_config(RunConfig, None, PPO))) == ("old_log_prob", "values")
     # costs per token per device: gen 4*2/400 = 0.02; the forward phase split between old log-probs and
     # values, 0.002 each; update actor 0.008, critic 0.004
     # colocate x2: 0.02*400/2 + (0.002+0.002)*1000/2 + (0.008+0.004)*1000/2 = 4 + 2 + 6 = 12

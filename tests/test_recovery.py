@@ -132,4 +132,4 @@ def test_max_restarts_is_checked_and_resolved_per_backend():
         )
     ray_t = load_config(RunConfig, None, []).trainer
     local_t = load_config(RunConfig, None, ["trainer.backend=local", "trainer.n_workers_per_node=1"]).trainer
-    assert resolve_trainer(ray_t, 10).max_restarts == 3 and resolve_trainer(local_t, 10).max_restarts == 0
+    assert resolve_trainer(ray_t, 10, 1).max_restarts == 3 and resolve_trainer(local_t, 10, 1).max_restarts == 0

@@ -11,8 +11,9 @@ import yaml
 
 from hybridflow.config_utils import ConfigError, FrozenConfigError, load_config
 from hybridflow.trainer.checkpointing import STATE_FILE, resume_path
-from hybridflow.trainer.resolve import plan_step, resolve
+from hybridflow.trainer.resolve import plan_step
 from hybridflow.trainer.run_config import RunConfig
+from tests.resolve_helpers import resolve_here
 
 
 def _load(tmp_path: Path, source: str, overrides: list[str]) -> RunConfig:
@@ -39,7 +40,7 @@ def test_names_and_layout_derive_from_the_final_values(tmp_path, source):
         source,
         ["trainer.project_name=p", "trainer.experiment_name=b", "trainer.n_workers_per_node=1", "trainer.nnodes=2"],
     )
-    t = resolve(cfg, steps_per_epoch=10, cpu_count=8).config.trainer
+    t = resolve_here(cfg, steps_per_epoch=10, cpu_count=8).config.trainer
     assert t.default_local_dir == "checkpoints/p/b" and t.log_dir == "outputs/p/b"
     assert t.cpus_per_worker == 8  # 8 cores / 1 worker per node, not the default 2 workers' 4
     assert (t.call_timeout_s, t.collective_timeout_s) == (1800, 600)  # trainer.device=cpu's defaults
@@ -59,7 +60,7 @@ def test_user_values_are_kept_not_overwritten():
             "trainer.call_timeout_s=90",
         ],
     )
-    run = resolve(cfg, steps_per_epoch=10, cpu_count=2)
+    run = resolve_here(cfg, steps_per_epoch=10, cpu_count=2)
     t = run.config.trainer
     assert (t.default_local_dir, t.log_dir, t.cpus_per_worker) == ("/ck", "/lg", 3)
     assert (t.call_timeout_s, t.collective_timeout_s) == (90, 600)
@@ -78,7 +79,7 @@ def test_user_values_are_kept_not_overwritten():
 )
 def test_run_length_and_lr_schedule_derive_from_steps_or_epochs(overrides, steps, epochs):
     cfg = load_config(RunConfig, None, ["algorithm.adv_estimator=gae", "trainer.total_training_steps=null", *overrides])
-    run = resolve(cfg, steps_per_epoch=10)
+    run = resolve_here(cfg, steps_per_epoch=10)
     assert (run.total_steps, run.config.trainer.total_epochs) == (steps, epochs)
     assert run.config.actor.optim.total_training_steps == steps
     assert run.config.critic.optim.total_training_steps == steps
@@ -87,12 +88,12 @@ def test_run_length_and_lr_schedule_derive_from_steps_or_epochs(overrides, steps
 def test_steps_that_do_not_fit_the_epochs_name_both_keys():
     cfg = load_config(RunConfig, None, ["trainer.total_training_steps=25", "trainer.total_epochs=2"])
     with pytest.raises(ConfigError, match=r"trainer.total_training_steps=25 does not fit in trainer.total_epochs=2"):
-        resolve(cfg, steps_per_epoch=10)
+        resolve_here(cfg, steps_per_epoch=10)
 
 
 def test_rollout_lengths_and_critic_derive_and_the_result_is_frozen():
     cfg = load_config(RunConfig, None, ["data.max_response_length=48", "algorithm.adv_estimator=gae"])
-    run = resolve(cfg, steps_per_epoch=4)
+    run = resolve_here(cfg, steps_per_epoch=4)
     c = run.config
     assert (c.rollout.prompt_length, c.rollout.response_length) == (c.data.max_prompt_length, 48)
     assert c.critic.enable is True and c.critic.model == c.model
@@ -106,7 +107,7 @@ def test_rollout_lengths_and_critic_derive_and_the_result_is_frozen():
 
 
 def test_worker_sets_follow_the_placement():
-    split = resolve(
+    split = resolve_here(
         load_config(
             RunConfig,
             None,
@@ -168,7 +169,7 @@ def test_lora_settings_load_from_overrides():
 def test_fsdp_size_that_does_not_divide_the_role_world_is_refused():
     cfg = load_config(RunConfig, None, ["actor.engine.fsdp_size=3"])
     with pytest.raises(ConfigError, match=r"actor.engine.fsdp_size=3 must divide the number of ranks \(2\)"):
-        resolve(cfg, steps_per_epoch=4)
+        resolve_here(cfg, steps_per_epoch=4)
 
 
 def test_dead_engine_field_is_gone():
@@ -177,7 +178,7 @@ def test_dead_engine_field_is_gone():
 
 
 def test_step_plan():
-    run = resolve(
+    run = resolve_here(
         load_config(
             RunConfig,
             None,
@@ -197,7 +198,7 @@ def test_step_plan():
     assert all(p.update_critic and p.values and p.ref_log_prob and p.old_log_prob for p in plans)
     assert [p.validate for p in plans] == [False, False, True, True]  # every 3rd and the last
     assert [p.save for p in plans] == [False, True, False, True]
-    grpo = resolve(load_config(RunConfig, None, ["actor.ppo_mini_batch_size=8"]), 10)  # one optimizer step
+    grpo = resolve_here(load_config(RunConfig, None, ["actor.ppo_mini_batch_size=8"]), 10)  # one optimizer step
     first = plan_step(grpo, 1)
     assert not (first.old_log_prob or first.ref_log_prob or first.values or first.update_critic)
 
@@ -212,13 +213,13 @@ def _fake_checkpoint(root: Path, run: str) -> Path:
 
 def test_two_experiments_never_share_a_directory_and_auto_resume_never_crosses_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    a = resolve(load_config(RunConfig, None, ["trainer.experiment_name=a"]), 4).config
-    b = resolve(load_config(RunConfig, None, ["trainer.experiment_name=b"]), 4).config
+    a = resolve_here(load_config(RunConfig, None, ["trainer.experiment_name=a"]), 4).config
+    b = resolve_here(load_config(RunConfig, None, ["trainer.experiment_name=b"]), 4).config
     assert a.trainer.default_local_dir != b.trainer.default_local_dir and a.trainer.log_dir != b.trainer.log_dir
     ckpt = _fake_checkpoint(Path(a.trainer.default_local_dir), "hybridflow/a")
     assert resume_path(a) == ckpt
     assert resume_path(b) is None  # its own directory is empty
-    shared = resolve(
+    shared = resolve_here(
         load_config(
             RunConfig, None, ["trainer.experiment_name=b", f"trainer.default_local_dir={a.trainer.default_local_dir}"]
         ),
@@ -232,7 +233,9 @@ def test_sequence_parallel_layout_is_checked_against_the_model_and_the_workers()
     """SmolLM2 has 3 kv heads: sp=2 resolves on 2 workers (kv groups split 2 + 1, one dp group), sp=4 is refused
     with the numbers, as are sp not dividing the workers, sp with tp, and mini-batches that do not split
     over the dp groups."""
-    ok = resolve(load_config(RunConfig, None, ["actor.engine.ulysses_sequence_parallel_size=2"]), steps_per_epoch=4)
+    ok = resolve_here(
+        load_config(RunConfig, None, ["actor.engine.ulysses_sequence_parallel_size=2"]), steps_per_epoch=4
+    )
     assert ok.config.actor.engine.ulysses_sequence_parallel_size == 2 and ok.config.actor.engine.fsdp_size == 1
     sp4 = ["actor.engine.ulysses_sequence_parallel_size=4", "trainer.n_workers_per_node=4"]
     with pytest.raises(
@@ -240,9 +243,9 @@ def test_sequence_parallel_layout_is_checked_against_the_model_and_the_workers()
         match=r"actor.engine.ulysses_sequence_parallel_size=4 must be at most "
         r"num_key_value_heads \(3\).*9 attention heads and 3 kv heads",
     ):
-        resolve(load_config(RunConfig, None, sp4), steps_per_epoch=4)
+        resolve_here(load_config(RunConfig, None, sp4), steps_per_epoch=4)
     with pytest.raises(ConfigError, match=r"ulysses_sequence_parallel_size=2 must divide the number of ranks \(3\)"):
-        resolve(
+        resolve_here(
             load_config(
                 RunConfig,
                 None,
@@ -251,7 +254,7 @@ def test_sequence_parallel_layout_is_checked_against_the_model_and_the_workers()
             steps_per_epoch=4,
         )
     with pytest.raises(ConfigError, match=r"critic.engine.ulysses_sequence_parallel_size=4 must be at most"):
-        resolve(
+        resolve_here(
             load_config(
                 RunConfig,
                 None,
@@ -263,7 +266,7 @@ def test_sequence_parallel_layout_is_checked_against_the_model_and_the_workers()
             ),
             steps_per_epoch=4,
         )
-    lora = resolve(
+    lora = resolve_here(
         load_config(RunConfig, None, ["actor.engine.ulysses_sequence_parallel_size=2", "actor.lora.rank=4"]),
         steps_per_epoch=4,
     )
@@ -313,13 +316,13 @@ def test_tensor_parallel_layout_is_checked_against_the_model_and_the_workers():
         match=r"actor.engine.tensor_parallel_size=2 must divide num_attention_heads "
         r"\(9\), num_key_value_heads \(3\)",
     ):
-        resolve(load_config(RunConfig, None, ["actor.engine.tensor_parallel_size=2"]), steps_per_epoch=4)
+        resolve_here(load_config(RunConfig, None, ["actor.engine.tensor_parallel_size=2"]), steps_per_epoch=4)
     tp3 = ["actor.engine.tensor_parallel_size=3", "trainer.n_workers_per_node=3", "rollout.n=6"]
-    ok = resolve(load_config(RunConfig, None, tp3), steps_per_epoch=4)
+    ok = resolve_here(load_config(RunConfig, None, tp3), steps_per_epoch=4)
     assert ok.config.actor.engine.tensor_parallel_size == 3 and ok.config.actor.engine.fsdp_size == 1
     with pytest.raises(ConfigError, match=r"tensor_parallel_size=3 must divide the number of ranks \(2\)"):
-        resolve(load_config(RunConfig, None, ["actor.engine.tensor_parallel_size=3"]), steps_per_epoch=4)
+        resolve_here(load_config(RunConfig, None, ["actor.engine.tensor_parallel_size=3"]), steps_per_epoch=4)
     with pytest.raises(ConfigError, match=r"rollout.tensor_model_parallel_size=2 must divide num_attention_heads"):
-        resolve(load_config(RunConfig, None, ["rollout.tensor_model_parallel_size=2"]), steps_per_epoch=4)
+        resolve_here(load_config(RunConfig, None, ["rollout.tensor_model_parallel_size=2"]), steps_per_epoch=4)
     with pytest.raises(ConfigError, match="does not combine with actor.lora.rank > 0"):
-        resolve(load_config(RunConfig, None, [*tp3, "actor.lora.rank=4"]), steps_per_epoch=4)
+        resolve_here(load_config(RunConfig, None, [*tp3, "actor.lora.rank=4"]), steps_per_epoch=4)

@@ -1,7 +1,7 @@
 """Plans of a run: which roles share devices, how many devices each set gets, each role's parallel sizes.
 
 A plan partitions the run's roles (actor_rollout, ref, critic, reward_model -- which exist follows
-from the config as trainer/resolve.py decides) into placement sets, gives every set >= 1 device,
+from the run: planner/inputs.py RunShape.roles) into placement sets, gives every set >= 1 device,
 and gives every role a dp size (tp = sp = 1 until the tensor-parallel engine is searched over).
 `enumerate_plans` yields every set partition exactly once (Bell(k) of them for k roles) times every
 allocation of the devices to its sets (C(N-1, s-1) for s sets); `fits` prunes by a per-device
@@ -13,8 +13,6 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import combinations
-
-from hybridflow.trainer.run_config import RunConfig
 
 ADAM_STATE_BYTES = 8
 """Adam's two fp32 moments per trained parameter."""
@@ -98,16 +96,6 @@ class Workload:
     def model(self, role: str) -> RoleModel:
         """The RoleModel of `role`."""
         return next(m for m in self.models if m.name == role)
-
-
-def run_roles(cfg: RunConfig) -> tuple[str, ...]:
-    """The planner's roles for a run config: the same roles trainer/resolve.py builds workers for."""
-    return (
-        ("actor_rollout",)
-        + ("ref",) * cfg.use_ref
-        + ("critic",) * cfg.use_critic
-        + ("reward_model",) * bool(cfg.reward_model.enable)
-    )
 
 
 def set_partitions(items: Sequence[str]) -> Iterator[tuple[tuple[str, ...], ...]]:

@@ -4,7 +4,7 @@ hybridflow train [--config FILE] key=value ...   # PPO / GRPO run (defaults: the
 hybridflow sft [--config FILE] key=value ...     # supervised fine-tuning (hybridflow/trainer/sft_main.py)
 hybridflow data TASK --out DIR [--sft] [--train-size N] [--test-size N] [--seed S] [key=value ...]
 hybridflow export CKPT_DIR --out HF_DIR [--tokenizer PATH] [--base-model PATH] [--adapter]
-hybridflow plan [--config FILE] --profile PROFILE.json [key=value ...]  # rank placements (planner/search.py)
+hybridflow plan [--config FILE] --profile PROFILE.json [key=value ...]  # rank placements (trainer/plan_cli.py)
 hybridflow profile --model M [--out device_profile.json]  # per-token operator costs here (planner/device.py)
 hybridflow generate --model PATH_OR_CKPT --data FILE.parquet [--n N] [--rollout native|hf|vllm] [--out FILE.jsonl]
 """
@@ -136,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return profile_main(argv[1:])
     if argv and argv[0] == "plan":
-        from hybridflow.planner.search import main as plan_main
+        from hybridflow.trainer.plan_cli import main as plan_main
 
         try:
             return plan_main(argv[1:])

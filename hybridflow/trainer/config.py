@@ -236,8 +236,8 @@ class TrainerConfig(Section):
     n_workers_per_node: int | None = 2
     """Worker processes per node (verl: n_gpus_per_node); one per device on GPU machines. null: chosen at
     load (the RL trainer only): on CPU the split of this node's cores into workers x threads that the cost
-    model predicts fastest from a device profile measured once (hybridflow/planner/auto.py, printed and
-    cached), on CUDA one worker per visible GPU."""
+    model predicts fastest from a device profile measured once (trainer/measure.py, planner/auto.py; logged
+    and cached), on CUDA one worker per visible GPU."""
     nnodes: int = 1
     """Nodes in the Ray cluster."""
     cpus_per_worker: int | None = None

@@ -1,4 +1,4 @@
-"""Entry point of a training run: config -> inputs -> resolved run -> workers -> PPOTrainer.fit -> report.
+"""Entry point of a training run: config -> inputs -> measure -> resolve -> workers -> PPOTrainer.fit -> report.
 
 `python -m hybridflow.trainer.main [--config FILE] [--print-config] key=value ...` is the
 same as `hybridflow train ...`. `--print-config` prints the resolved run (every derived
@@ -9,21 +9,25 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from hybridflow.config_utils import load_config, to_yaml
+from hybridflow.config_utils import load_config
 from hybridflow.trainer.checkpointing import check_writable
+from hybridflow.trainer.job import fit_with_restarts
+from hybridflow.trainer.measure import measure
 from hybridflow.trainer.recovery import RunFailedError
 from hybridflow.trainer.resolve import ResolvedRun, resolve
 from hybridflow.trainer.run_config import RunConfig
 
+if TYPE_CHECKING:  # heavy imports, loaded where the workers start
+    from hybridflow.trainer.ppo_trainer import PPOTrainer
+    from hybridflow.trainer.recovery import Recovery
+    from hybridflow.utils.tracking import Tracking
+
 log = logging.getLogger("hybridflow")
-T = TypeVar("T")
 
 USER_ERRORS = (ValueError, KeyError, TypeError, FileNotFoundError, NotADirectoryError)
 """What bad config, paths or data raise; the CLI prints these as one line instead of a traceback."""
@@ -49,21 +53,6 @@ class RunInputs(NamedTuple):
     """The checkpoint to continue from (trainer.resume_mode), checked before any worker starts."""
 
 
-def _start_backend(cfg: RunConfig) -> None:
-    """Ray: join the cluster at RAY_ADDRESS (started with `ray start` on every node), else start a local one."""
-    if cfg.trainer.backend != "ray":
-        return
-    import ray
-
-    from hybridflow.controller.ray import init_local_ray
-
-    level = logging.INFO if cfg.trainer.verbose else logging.WARNING
-    if os.environ.get("RAY_ADDRESS") and not ray.is_initialized():
-        ray.init(address=os.environ["RAY_ADDRESS"], logging_level=level)
-        return
-    init_local_ray(num_cpus=max(os.cpu_count() or 1, cfg.world_size * cfg.trainer.cpus_per_worker), logging_level=level)
-
-
 def prepare_inputs(cfg: RunConfig) -> RunInputs:
     """Tokenizer, train/val loaders and reward function; every input problem surfaces here.
 
@@ -80,116 +69,55 @@ def prepare_inputs(cfg: RunConfig) -> RunInputs:
 
 
 def load_run(config_path: str | None, overrides: Sequence[str]) -> tuple[ResolvedRun, RunInputs]:
-    """Load, check and resolve a run and read its inputs; starts no worker."""
+    """Load and check the config, read the inputs, measure this machine, resolve; starts no worker.
+    What resolve chose for the user (the planner's layouts) is logged, never printed on stdout."""
     from hybridflow.trainer.checkpointing import resume_path
 
     cfg = load_config(RunConfig, config_path, overrides)
     inputs = prepare_inputs(cfg)
-    resolved = resolve(cfg, len(inputs.train_loader))
+    resolved = resolve(cfg, len(inputs.train_loader), measure(cfg))
+    for note in resolved.notes:
+        log.info("%s", note)
     return resolved, inputs._replace(resume_from=resume_path(resolved.config))
 
 
-@contextmanager
-def started_workers(
-    cfg: Any,
-    build: Callable[[], T],
-    groups_of: Callable[[T], list],
-    label: str,
-    release: Callable[[T], None] = lambda built: None,
-) -> Iterator[T]:
-    """Start the backend and build the worker groups, load their models (one phase line each, libraries
-    quiet unless trainer.verbose), yield what `build` returned; at exit shut every group down, then
-    `release` what was built (free its placement)."""
-    from hybridflow.utils.progress import phase
-    from hybridflow.utils.quiet import quiet_libraries
+class PPOJob:
+    """A PPO run's worker groups (trainer/roles.py) and PPOTrainer, as `fit_with_restarts` drives them."""
 
-    n = cfg.world_size
-    with phase(f"starting {n} worker{'s' if n > 1 else ''} ({cfg.trainer.backend})"):
-        _start_backend(cfg)
-        built = build()
-    try:
-        with phase(label), quiet_libraries(cfg.trainer.verbose):
-            for group in groups_of(built):
-                group.init_model()
-        yield built
-    finally:
-        for group in groups_of(built):
-            group.shutdown()
-        release(built)
+    label = "loading models"
 
+    def __init__(self, run: ResolvedRun) -> None:
+        self.run, self.config = run, run.config
+        self.roles: Any = None
+        self.trainer: PPOTrainer | None = None
 
-def fit_with_restarts(
-    cfg: Any,
-    inputs: Any,
-    build: Callable[[], T],
-    groups_of: Callable[[T], list],
-    label: str,
-    release: Callable[[T], None],
-    make_trainer: Callable[..., Any],
-    carry: Callable[[Any, Any], None],
-) -> tuple[Any, Any]:
-    """Start the workers, `make_trainer(built, inputs, tracker, recovery).fit()`, and after a recoverable
-    worker failure do it again from the newest checkpoint (trainer.max_restarts, trainer/recovery.py).
+    def build_workers(self) -> list:
+        """One worker group per worker set (trainer/roles.py); models not loaded."""
+        from hybridflow.trainer.roles import build_roles
 
-    `inputs`: RunInputs / SFTInputs (its resume_from is replaced per attempt); `carry(old, new)` moves what a
-    restarted trainer keeps from the failed one (validation results: validation before training is not
-    redone). Returns (the last trainer, what its fit returned)."""
-    from hybridflow.trainer.recovery import Recovery, run_with_restarts
-    from hybridflow.utils.tracking import Tracking
+        self.roles = build_roles(self.run)
+        return self.roles.all()
 
-    recovery = Recovery(cfg.trainer, inputs.resume_from)
-    loader_start = inputs.train_loader.state_dict()
-    current: Any = None
+    def release(self) -> None:
+        """Free the roles' placement groups."""
+        self.roles.release()
 
-    def attempt(built: T) -> Any:
-        nonlocal current
-        if recovery.resume_from is None:  # (re)starting at step 0: the loader too
-            inputs.train_loader.load_state_dict(loader_start)
-        fresh = make_trainer(built, inputs._replace(resume_from=recovery.resume_from), tracker, recovery)
-        if current is not None:
-            carry(current, fresh)
-        current = fresh
-        return fresh.fit()
+    def make_trainer(self, inputs: RunInputs, tracker: Tracking, recovery: Recovery) -> PPOTrainer:
+        """A PPOTrainer over the roles built last, with the previous trainer's validation results."""
+        from hybridflow.trainer.ppo_trainer import PPOTrainer
 
-    t = cfg.trainer
-    with Tracking(t.project_name, t.experiment_name, t.logger, Path(t.log_dir), config=_plain(cfg)) as tracker:
-        result = run_with_restarts(
-            recovery,
-            lambda: started_workers(cfg, build, groups_of, label, release),
-            groups_of,
-            attempt,
-            lambda: current.global_step if current else 0,
-            tracker.rewind,
-        )
-    return current, result
+        fresh = PPOTrainer(self.run, self.roles, inputs, tracker, recovery)
+        if self.trainer is not None:
+            fresh.first_val, fresh.last_val = self.trainer.first_val, self.trainer.last_val
+        self.trainer = fresh
+        return fresh
 
 
 def run(resolved: ResolvedRun, inputs: RunInputs) -> dict[str, dict[str, float]]:
     """Train as resolved, recovering from worker failures; returns {"before": val metrics, "after": val metrics}."""
-    from hybridflow.trainer.ppo_trainer import PPOTrainer
-    from hybridflow.trainer.roles import Roles, build_roles
-
-    def carry(old: PPOTrainer, new: PPOTrainer) -> None:
-        new.first_val, new.last_val = old.first_val, old.last_val
-
-    trainer, after = fit_with_restarts(
-        resolved.config,
-        inputs,
-        lambda: build_roles(resolved),
-        Roles.all,
-        "loading models",
-        lambda roles: roles.release(),
-        lambda roles, run_inputs, tracker, recovery: PPOTrainer(resolved, roles, run_inputs, tracker, recovery),
-        carry,
-    )
+    trainer, after = fit_with_restarts(PPOJob(resolved), inputs)
     _report(Path(resolved.config.trainer.log_dir), trainer.first_val, after)
     return {"before": trainer.first_val, "after": after}
-
-
-def _plain(cfg: RunConfig) -> dict:
-    import yaml
-
-    return yaml.safe_load(to_yaml(cfg))
 
 
 def _report(log_dir: Path, before: dict[str, float], after: dict[str, float]) -> None:
@@ -207,8 +135,11 @@ def _report(log_dir: Path, before: dict[str, float], after: dict[str, float]) ->
             print(f"profile: {profile}")
 
 
-def parse_args(argv: Sequence[str], prog: str, description: str) -> argparse.Namespace:
-    """`[--config FILE] [--print-config] key=value ...`."""
+def parse_args(argv: Sequence[str] | None, prog: str, description: str) -> argparse.Namespace:
+    """`[--config FILE] [--print-config] key=value ...` (sys.argv[1:] when `argv` is None); sets up the console
+    log: our own info lines on stderr, other libraries' warnings only (matplotlib's font cache, ...)."""
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("hybridflow").setLevel(logging.INFO)
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--config", help="YAML file with the run's config fields; key=value overrides apply on top")
     parser.add_argument(
@@ -217,42 +148,34 @@ def parse_args(argv: Sequence[str], prog: str, description: str) -> argparse.Nam
         help="print the resolved run (every derived value filled in) as YAML and exit",
     )
     parser.add_argument("overrides", nargs="*", help="verl-style overrides, e.g. actor.optim.lr=1e-5")
-    return parser.parse_args(argv)
+    return parser.parse_args(sys.argv[1:] if argv is None else argv)
 
 
-def run_command(argv: Sequence[str], prog: str, description: str, load: Any, execute: Any) -> int:
-    """A trainer command: parse, `load(config, overrides)` -> (resolved, inputs), then `--print-config`
-    or `execute(resolved, inputs)`. User errors print one line `<prog>: error: ...` and return 2."""
-    # Our own info lines on the console; other libraries only warn (matplotlib's font cache, ...).
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
-    logging.getLogger("hybridflow").setLevel(logging.INFO)
-    args = parse_args(argv, prog, description)
+def fail(prog: str, err: BaseException, code: int) -> int:
+    """Print `<prog>: error: <err>` (one line, no traceback) on stderr; return `code`."""
+    print(f"{prog}: error: {err}", file=sys.stderr)
+    return code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI entry of `hybridflow train`: load, measure, resolve, then print the run (--print-config: YAML only
+    on stdout) or train it. Bad config, paths or data exit 2 with one line; a failure the run cannot recover
+    from exits 1."""
+    prog = "hybridflow train"
+    args = parse_args(argv, prog, "Train with PPO / GRPO / ... (see README).")
     try:
-        resolved, inputs = load(args.config, args.overrides)
+        resolved, inputs = load_run(args.config, args.overrides)
         if args.print_config:
             print(resolved.to_yaml(), end="")
             return 0
         check_writable(resolved.config)
     except USER_ERRORS as err:
-        print(f"{prog}: error: {err}", file=sys.stderr)
-        return 2
+        return fail(prog, err, 2)
     try:
-        execute(resolved, inputs)
+        run(resolved, inputs)
     except RunFailedError as err:  # its message names the failed worker and the command that resumes
-        print(f"{prog}: error: {err}", file=sys.stderr)
-        return 1
+        return fail(prog, err, 1)
     return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """CLI entry of `hybridflow train`."""
-    return run_command(
-        sys.argv[1:] if argv is None else argv,
-        "hybridflow train",
-        "Train with PPO / GRPO / ... (see README).",
-        load_run,
-        run,
-    )
 
 
 if __name__ == "__main__":

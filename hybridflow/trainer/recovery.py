@@ -5,7 +5,7 @@ RayActorError and relatives, our `WorkerError`), a call that timed out (`WorkerT
 a rank whose collective failed because a peer died or hung (gloo/NCCL errors raised in a worker).
 Any other exception (a bug, bad data) is not retried: the same step would fail again.
 
-On a failure `run_with_restarts` (used by `hybridflow train` and `hybridflow sft`):
+On a failure the restart loop (trainer/job.py `fit_with_restarts`, used by `hybridflow train` and `hybridflow sft`):
 1. describes it while the workers are still there (group, rank, method, pid, node of the dead or stuck
    process, from Ray's actor table);
 2. lets `started_workers` kill every worker and free the placement groups;
@@ -28,17 +28,14 @@ import logging
 import re
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from hybridflow.controller.worker_group import WorkerError, WorkerTimeoutError
 from hybridflow.utils import checkpoint_dirs as C
 
 log = logging.getLogger("hybridflow")
-T = TypeVar("T")
-R = TypeVar("R")
 
 _COLLECTIVE_MARKS = ("gloo", "NCCL", "Connection closed by peer", "Connection reset by peer")
 """Text of errors a rank gets from torch.distributed when a peer died or hung."""
@@ -239,44 +236,3 @@ class Recovery:
             f"worker failure at step {failure.step}: {failure.what}; {spent}. Running the same command again "
             f"{resume} (trainer.resume_mode=auto); raise trainer.max_restarts to recover within the run"
         )
-
-
-def run_with_restarts(
-    recovery: Recovery,
-    workers: Callable[[], AbstractContextManager[T]],
-    groups_of: Callable[[T], list],
-    attempt: Callable[[T], R],
-    step_of: Callable[[], int],
-    rewind: Callable[[int], None],
-) -> R:
-    """`attempt(built)` inside `with workers() as built`, again after each recoverable worker failure.
-
-    `step_of()`: the step in progress (redone after a restart); `rewind(step)`: drop metrics logged after
-    `step`. A failure is described inside the block, while the workers still exist, and handled after it
-    tore them down.
-    """
-    while True:
-        try:
-            with workers() as built:
-                try:
-                    return attempt(built)
-                except Exception as err:
-                    failure = recovery.failure(err, groups_of(built), step_of())
-                    if failure is None:
-                        raise
-                    raise _Recoverable(failure) from err
-        except _Recoverable as wrapped:
-            recovery.restart(wrapped.failure, rewind)
-        except Exception as err:  # raised while starting the workers or loading their models
-            failure = recovery.failure(err, [], step_of())
-            if failure is None:
-                raise
-            recovery.restart(failure, rewind)
-
-
-class _Recoverable(Exception):
-    """Carries a `Failure` out of the workers' block, through their teardown."""
-
-    def __init__(self, failure: Failure) -> None:
-        super().__init__(failure.what)
-        self.failure = failure

@@ -1,11 +1,12 @@
 """The resolve stage: the user's config -> one frozen run with every derived value filled in.
 
     cfg = load_config(RunConfig, yaml, overrides)   # user values (None = derive), checked at load
-    run = resolve(cfg, steps_per_epoch)             # every derived value, computed once, then frozen
+    measured = measure(cfg)                         # this machine (trainer/measure.py): the only I/O
+    run = resolve(cfg, steps_per_epoch, measured)   # every derived value, computed once, then frozen
 
 Derived here and nowhere else, always from the final merged values:
 - trainer.n_workers_per_node=null -> the workers x threads split of the node the planner predicts fastest
-  (one per GPU on cuda), then trainer.placement=auto -> colocate or split likewise (planner/auto.py);
+  (one per GPU on cuda), then trainer.placement=auto -> colocate or split likewise (trainer/layout.py);
 - trainer.default_local_dir / log_dir from project_name and experiment_name;
 - trainer.cpus_per_worker (CPUs and torch threads per worker) from the machine and workers per node;
 - trainer.call_timeout_s / collective_timeout_s from the device, trainer.max_restarts from the backend,
@@ -18,8 +19,8 @@ Derived here and nowhere else, always from the final merged values:
   and its engine.tensor_parallel_size / ulysses_sequence_parallel_size (and the reward model's) checked
   against its group size and its model's heads;
 - every compute dtype left "auto" (actor/critic engine.param_dtype, rollout.dtype, ref and reward
-  model param_dtype): bf16 or fp32 as a matmul probe on trainer.cpus_per_worker threads measures
-  (once per machine, hybridflow/utils/hardware.py), bf16 on CUDA;
+  model param_dtype): bf16 or fp32 as a matmul probe on trainer.cpus_per_worker threads measured
+  (`Measurements.auto_dtypes`), bf16 on CUDA;
 - the worker sets (which roles live on which pool, how many ranks) and whether old log-probs
   are recomputed before the update.
 A user value is never overwritten: where it contradicts a derived one, `ConfigError` names both keys.
@@ -34,8 +35,10 @@ from dataclasses import dataclass, replace
 from hybridflow.config_utils import ConfigError, freeze, to_yaml
 from hybridflow.engine.config import EngineConfig, OptimConfig
 from hybridflow.trainer.config import MODE_STALENESS, TrainerConfig
+from hybridflow.trainer.layout import choose_layout
+from hybridflow.trainer.measure import Measurements
+from hybridflow.trainer.plan_inputs import recompute_old_log_prob
 from hybridflow.trainer.run_config import RunConfig
-from hybridflow.utils.dtypes import resolve_dtype
 
 POLICY_ROLES = ("actor", "rollout", "ref")
 """Roles hosted by ActorRolloutRefWorker."""
@@ -74,6 +77,8 @@ class ResolvedRun:
     recompute_old_log_prob: bool
     """True: a separate forward computes old log-probs before the update. False: the update is one
     optimizer step on the weights that generated, so it uses its own forward's (actor.old_log_prob)."""
+    notes: tuple[str, ...] = ()
+    """What resolve chose for the user and why (the planner's predictions), for the log; not in the YAML."""
 
     @property
     def total_steps(self) -> int:
@@ -99,27 +104,20 @@ class ResolvedRun:
         return to_yaml(self.config) + "# resolved plan:\n" + "\n".join(lines) + "\n"
 
 
-def resolve(cfg: RunConfig, steps_per_epoch: int, cpu_count: int | None = None) -> ResolvedRun:
-    """Fill every derived value of `cfg` (left untouched) into a frozen copy; see the module docstring."""
+def resolve(cfg: RunConfig, steps_per_epoch: int, measured: Measurements) -> ResolvedRun:
+    """Fill every derived value of `cfg` (left untouched) into a frozen copy; see the module docstring.
+    What it needs of the machine comes in `measured` (trainer/measure.py): it measures nothing and prints
+    nothing (the planner's choices come back as `notes`); the one file it reads is a model's config.json,
+    where a tensor / sequence parallel size > 1 is checked against its heads."""
     if steps_per_epoch < 1:
         raise ConfigError(
             f"the training set gives {steps_per_epoch} steps per epoch at data.train_batch_size="
             f"{cfg.data.train_batch_size}; add prompts or lower the batch size"
         )
-    if cfg.trainer.n_workers_per_node is None:
-        from hybridflow.planner.auto import resolve_auto_layout
-
-        cfg = resolve_auto_layout(cfg, cpu_count or os.cpu_count() or 1)
-    if cfg.trainer.placement == "auto":
-        from hybridflow.planner.auto import resolve_auto_placement
-
-        t = cfg.trainer
-        cfg = resolve_auto_placement(
-            cfg, t.cpus_per_worker or max(1, (cpu_count or os.cpu_count() or 1) // t.n_workers_per_node)
-        )
+    cfg, notes = choose_layout(cfg, measured)
     sets = worker_sets(cfg)
     check_parallel_layouts(cfg, sets)
-    trainer = resolve_trainer(cfg.trainer, steps_per_epoch, cpu_count)
+    trainer = resolve_trainer(cfg.trainer, steps_per_epoch, measured.cpu_count)
     total = trainer.total_training_steps
     device = trainer.device
     threads = trainer.cpus_per_worker
@@ -131,7 +129,9 @@ def resolve(cfg: RunConfig, steps_per_epoch: int, cpu_count: int | None = None) 
             enable=True,
             model=critic.model or cfg.model,
             optim=resolve_schedule(critic.optim, total, "critic."),
-            engine=resolve_engine(critic.engine, device, critic_world, "critic.", threads),
+            engine=resolve_engine(
+                critic.engine, device, critic_world, "critic.", measured.dtype(critic.engine.param_dtype, threads)
+            ),
         )
     resolved = replace(
         cfg,
@@ -140,21 +140,25 @@ def resolve(cfg: RunConfig, steps_per_epoch: int, cpu_count: int | None = None) 
             cfg.rollout,
             prompt_length=cfg.data.max_prompt_length,
             response_length=cfg.data.max_response_length,
-            dtype=resolve_dtype(cfg.rollout.dtype, device, threads),
+            dtype=measured.dtype(cfg.rollout.dtype, threads),
         ),
         actor=replace(
             cfg.actor,
             optim=resolve_schedule(cfg.actor.optim, total, "actor."),
-            engine=resolve_engine(cfg.actor.engine, device, sets[0].world_size, "actor.", threads),
+            engine=resolve_engine(
+                cfg.actor.engine,
+                device,
+                sets[0].world_size,
+                "actor.",
+                measured.dtype(cfg.actor.engine.param_dtype, threads),
+            ),
         ),
         critic=critic if cfg.use_critic else replace(critic, enable=False),
-        ref=replace(cfg.ref, param_dtype=resolve_dtype(cfg.ref.param_dtype, device, threads)),
-        reward_model=replace(
-            cfg.reward_model, param_dtype=resolve_dtype(cfg.reward_model.param_dtype, device, threads)
-        ),
+        ref=replace(cfg.ref, param_dtype=measured.dtype(cfg.ref.param_dtype, threads)),
+        reward_model=replace(cfg.reward_model, param_dtype=measured.dtype(cfg.reward_model.param_dtype, threads)),
     )
     actor_dp = cfg.actor.engine.dp_size(sets[0].world_size)
-    return ResolvedRun(freeze(resolved), steps_per_epoch, sets, recompute_old_log_prob(cfg, actor_dp))
+    return ResolvedRun(freeze(resolved), steps_per_epoch, sets, recompute_old_log_prob(cfg, actor_dp), notes)
 
 
 def worker_sets(cfg: RunConfig) -> tuple[WorkerSet, ...]:
@@ -173,10 +177,10 @@ def worker_sets(cfg: RunConfig) -> tuple[WorkerSet, ...]:
     return WorkerSet(0, first, ("actor", "rollout")), WorkerSet(1, world - first, tuple(roles[2:]))
 
 
-def resolve_trainer(t: TrainerConfig, steps_per_epoch: int, cpu_count: int | None = None) -> TrainerConfig:
-    """The trainer section with run directories, threads per worker, run length and timeouts filled in
-    (shared by every trainer: PPO, SFT). Not frozen: the caller freezes the whole config."""
-    cpu_count = cpu_count or os.cpu_count() or 1
+def resolve_trainer(t: TrainerConfig, steps_per_epoch: int, cpu_count: int) -> TrainerConfig:
+    """The trainer section with run directories, threads per worker (this node's `cpu_count` CPUs shared),
+    run length and timeouts filled in (shared by every trainer: PPO, SFT). Not frozen: the caller freezes
+    the whole config."""
     epochs, steps = t.total_epochs, t.total_training_steps
     if steps is None:
         epochs = epochs or 1
@@ -215,9 +219,9 @@ def resolve_schedule(optim: OptimConfig, total: int, section: str) -> OptimConfi
     return replace(optim, total_training_steps=optim.total_training_steps or total)
 
 
-def resolve_engine(engine: EngineConfig, device: str, world: int, section: str, threads: int) -> EngineConfig:
-    """The engine config with fsdp_size, reshard_after_forward and param_dtype fixed for `device`, `world`
-    ranks of `threads` threads each. `section`: the key path in front of `engine.` in messages
+def resolve_engine(engine: EngineConfig, device: str, world: int, section: str, param_dtype: str) -> EngineConfig:
+    """The engine config with fsdp_size and reshard_after_forward fixed for `device` and `world` ranks, and
+    `param_dtype` (its own, with "auto" resolved: `Measurements.dtype`). `section`: the key path in front of `engine.` in messages
     ("actor.", "critic.", "" for SFT)."""
     import torch
 
@@ -232,7 +236,7 @@ def resolve_engine(engine: EngineConfig, device: str, world: int, section: str, 
         engine,
         fsdp_size=fsdp_size,
         reshard_after_forward=engine.resolve_reshard_after_forward(torch.device(device)),
-        param_dtype=resolve_dtype(engine.param_dtype, device, threads),
+        param_dtype=param_dtype,
     )
 
 
@@ -306,15 +310,6 @@ def check_parallel_layouts(cfg: RunConfig, sets: tuple[WorkerSet, ...]) -> None:
                     check(size, s.world_size, hf.num_attention_heads, hf.num_key_value_heads, key)
                 except ValueError as err:
                     raise ConfigError(f"{err} (model {path})") from None
-
-
-def recompute_old_log_prob(cfg: RunConfig, actor_world: int) -> bool:
-    """Whether old log-probs need their own pass: yes unless the update is a single optimizer step over
-    the whole batch on every rank and nothing before the update needs them (KL in the reward, rollout IS)."""
-    a, rows = cfg.actor, cfg.data.train_batch_size * cfg.rollout.n
-    one_step = a.ppo_epochs == 1 and a.ppo_mini_batch_size >= cfg.data.train_batch_size and rows % actor_world == 0
-    needs_old = cfg.algorithm.use_kl_in_reward or cfg.algorithm.rollout_is_threshold is not None
-    return a.old_log_prob == "recompute" or not one_step or needs_old
 
 
 @dataclass(frozen=True)

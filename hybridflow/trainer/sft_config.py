@@ -1,7 +1,8 @@
 """`SFTConfig`: a supervised fine-tuning run as one nested dataclass, and its resolve stage.
 
     cfg = load_config(SFTConfig, yaml, overrides)   # user values (None = derive), checked at load
-    run = resolve_sft(cfg, steps_per_epoch)         # every derived value, computed once, then frozen
+    measured = measure_dtypes(cfg.trainer, [cfg.engine.param_dtype])  # this machine (trainer/measure.py)
+    run = resolve_sft(cfg, steps_per_epoch, measured)                 # every derived value, then frozen
 
 The trainer section is the RL trainer's `TrainerConfig`, resolved by the same
 `resolve_trainer` (run directories, threads per worker, run length); its RL-only
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from hybridflow.config_utils import ConfigError, Section, freeze, to_yaml
 from hybridflow.engine.config import EngineConfig, LoraConfig, OptimConfig
 from hybridflow.trainer.config import TaskFilesConfig, TrainerConfig, _one_of, _positive
+from hybridflow.trainer.measure import Measurements
 from hybridflow.trainer.resolve import resolve_engine, resolve_schedule, resolve_trainer
 from hybridflow.workers.config import ModelConfig
 
@@ -164,16 +166,23 @@ class ResolvedSFT:
         return to_yaml(self.config) + f"# resolved plan:\n#   steps_per_epoch: {self.steps_per_epoch}\n"
 
 
-def resolve_sft(cfg: SFTConfig, steps_per_epoch: int, cpu_count: int | None = None) -> ResolvedSFT:
-    """Fill every derived value of `cfg` (left untouched) into a frozen copy; see the module docstring."""
+def resolve_sft(cfg: SFTConfig, steps_per_epoch: int, measured: Measurements) -> ResolvedSFT:
+    """Fill every derived value of `cfg` (left untouched) into a frozen copy; see the module docstring.
+    Pure: the machine comes in `measured` (`measure_dtypes(cfg.trainer, [cfg.engine.param_dtype])`)."""
     if steps_per_epoch < 1:
         raise ConfigError(
             f"the training set gives {steps_per_epoch} steps per epoch at data.train_batch_size="
             f"{cfg.data.train_batch_size}; add examples or lower the batch size"
         )
-    trainer = resolve_trainer(cfg.trainer, steps_per_epoch, cpu_count)
+    trainer = resolve_trainer(cfg.trainer, steps_per_epoch, measured.cpu_count)
     engine = replace(
-        resolve_engine(cfg.engine, trainer.device, cfg.world_size, "", trainer.cpus_per_worker),
+        resolve_engine(
+            cfg.engine,
+            trainer.device,
+            cfg.world_size,
+            "",
+            measured.dtype(cfg.engine.param_dtype, trainer.cpus_per_worker),
+        ),
         packing=cfg.data.packing,
     )
     resolved = replace(

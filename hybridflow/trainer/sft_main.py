@@ -1,4 +1,4 @@
-"""Entry point of an SFT run: config -> inputs -> resolved run -> workers -> SFTTrainer.fit -> report.
+"""Entry point of an SFT run: config -> inputs -> measure -> resolve -> workers -> SFTTrainer.fit -> report.
 
 `hybridflow sft [--config FILE] [--print-config] key=value ...` (or `python -m
 hybridflow.trainer.sft_main ...`). `--print-config` prints the resolved run as YAML and
@@ -10,11 +10,20 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from hybridflow.config_utils import load_config
-from hybridflow.trainer.main import fit_with_restarts, run_command
+from hybridflow.trainer.checkpointing import check_writable
+from hybridflow.trainer.job import fit_with_restarts
+from hybridflow.trainer.main import USER_ERRORS, fail, parse_args
+from hybridflow.trainer.measure import measure_dtypes
+from hybridflow.trainer.recovery import RunFailedError
 from hybridflow.trainer.sft_config import ResolvedSFT, SFTConfig, resolve_sft
+
+if TYPE_CHECKING:  # heavy imports, loaded where the workers start
+    from hybridflow.trainer.recovery import Recovery
+    from hybridflow.trainer.sft_trainer import SFTTrainer
+    from hybridflow.utils.tracking import Tracking
 
 
 class SFTInputs(NamedTuple):
@@ -56,44 +65,58 @@ def prepare_inputs(cfg: SFTConfig) -> SFTInputs:
 
 
 def load_run(config_path: str | None, overrides: Sequence[str]) -> tuple[ResolvedSFT, SFTInputs]:
-    """Load, check and resolve an SFT run and read its inputs; starts no worker."""
+    """Load and check the config, read the inputs, measure this machine, resolve; starts no worker."""
     from hybridflow.trainer.checkpointing import resume_path
 
     cfg = load_config(SFTConfig, config_path, overrides)
     inputs = prepare_inputs(cfg)
-    resolved = resolve_sft(cfg, len(inputs.train_loader))
+    resolved = resolve_sft(cfg, len(inputs.train_loader), measure_dtypes(cfg.trainer, [cfg.engine.param_dtype]))
     return resolved, inputs._replace(resume_from=resume_path(resolved.config))
 
 
-def _build_workers(run: ResolvedSFT) -> tuple[Any, Callable[[], None]]:
-    """(one SFTWorker per rank on Ray or in-process (trainer.backend), release() of their placement)."""
-    from hybridflow.controller.resource_pool import ClassWithInitArgs
-    from hybridflow.trainer.roles import group_factory
-    from hybridflow.workers.sft import SFTWorker
+class SFTJob:
+    """An SFT run's worker group (one SFTWorker per rank) and SFTTrainer, as `fit_with_restarts` drives them."""
 
-    cfg, t = run.config, run.config.trainer
-    cls = ClassWithInitArgs(SFTWorker, cfg.model, cfg.engine, cfg.optim, cfg.data.micro_batch_size_per_device, cfg.lora)
-    make_group, pools, release = group_factory(t, [run.config.world_size], "sft")
-    return make_group(pools[0], cls), release
+    label = "loading model"
+
+    def __init__(self, run: ResolvedSFT) -> None:
+        self.run, self.config = run, run.config
+        self.group: Any = None
+        self.trainer: SFTTrainer | None = None
+        self._release: Callable[[], None] = lambda: None
+
+    def build_workers(self) -> list:
+        """One SFTWorker per rank on Ray or in-process (trainer.backend); models not loaded."""
+        from hybridflow.controller.resource_pool import ClassWithInitArgs
+        from hybridflow.trainer.roles import group_factory
+        from hybridflow.workers.sft import SFTWorker
+
+        cfg = self.config
+        cls = ClassWithInitArgs(
+            SFTWorker, cfg.model, cfg.engine, cfg.optim, cfg.data.micro_batch_size_per_device, cfg.lora
+        )
+        make_group, pools, self._release = group_factory(cfg.trainer, [cfg.world_size], "sft")
+        self.group = make_group(pools[0], cls)
+        return [self.group]
+
+    def release(self) -> None:
+        """Free the group's placement."""
+        self._release()
+
+    def make_trainer(self, inputs: SFTInputs, tracker: Tracking, recovery: Recovery) -> SFTTrainer:
+        """An SFTTrainer over the group built last, with the previous trainer's validation losses."""
+        from hybridflow.trainer.sft_trainer import SFTTrainer
+
+        fresh = SFTTrainer(self.run, self.group, inputs, tracker, recovery)
+        if self.trainer is not None:
+            fresh.val_history = self.trainer.val_history
+        self.trainer = fresh
+        return fresh
 
 
 def run(resolved: ResolvedSFT, inputs: SFTInputs) -> list[float]:
     """Train as resolved, recovering from worker failures; returns the validation losses computed, in order."""
-    from hybridflow.trainer.sft_trainer import SFTTrainer
-
-    def carry(old: SFTTrainer, new: SFTTrainer) -> None:
-        new.val_history = old.val_history
-
-    _, losses = fit_with_restarts(
-        resolved.config,
-        inputs,
-        lambda: _build_workers(resolved),
-        lambda built: [built[0]],
-        "loading model",
-        lambda built: built[1](),
-        lambda built, run_inputs, tracker, recovery: SFTTrainer(resolved, built[0], run_inputs, tracker, recovery),
-        carry,
-    )
+    _, losses = fit_with_restarts(SFTJob(resolved), inputs)
     _report(Path(resolved.config.trainer.log_dir), losses)
     return losses
 
@@ -110,10 +133,23 @@ def _report(log_dir: Path, val_losses: list[float]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """CLI entry of `hybridflow sft`; user errors print one line and exit 2."""
-    return run_command(
-        sys.argv[1:] if argv is None else argv, "hybridflow sft", "Supervised fine-tuning (see README).", load_run, run
-    )
+    """CLI entry of `hybridflow sft`, as `hybridflow train`'s (trainer/main.py main): user errors exit 2 with one
+    line, a failure the run cannot recover from exits 1."""
+    prog = "hybridflow sft"
+    args = parse_args(argv, prog, "Supervised fine-tuning (see README).")
+    try:
+        resolved, inputs = load_run(args.config, args.overrides)
+        if args.print_config:
+            print(resolved.to_yaml(), end="")
+            return 0
+        check_writable(resolved.config)
+    except USER_ERRORS as err:
+        return fail(prog, err, 2)
+    try:
+        run(resolved, inputs)
+    except RunFailedError as err:
+        return fail(prog, err, 1)
+    return 0
 
 
 if __name__ == "__main__":

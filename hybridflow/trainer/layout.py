@@ -1,0 +1,69 @@
+"""Layouts left to the planner, chosen from measured inputs: trainer.n_workers_per_node=null (CPU: the
+workers x threads split of the node the planner predicts fastest) and trainer.placement=auto (colocate
+or split likewise; split for an off-policy trainer.mode, which needs it). Pure: the device profiles and
+the machine's size come in `Measurements` (trainer/measure.py); what was chosen and why comes back as
+notes for the log, never printed here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hybridflow.planner.auto import predicted_placements
+from hybridflow.trainer.measure import (
+    Measurements,
+    layout_candidates,
+    needs_search,
+    no_layout_message,
+    threads_per_worker,
+)
+from hybridflow.trainer.plan_inputs import run_shape
+from hybridflow.trainer.run_config import RunConfig
+
+
+def choose_layout(cfg: RunConfig, measured: Measurements) -> tuple[RunConfig, tuple[str, ...]]:
+    """`cfg` with trainer.n_workers_per_node and trainer.placement concrete, and one note per choice made."""
+    notes: list[str] = []
+    if cfg.trainer.n_workers_per_node is None:
+        candidates = layout_candidates(cfg, measured.cpu_count, measured.cuda_devices)
+        if needs_search(cfg, measured.cpu_count):
+            cfg = _fastest_split(candidates, measured, notes)
+        else:
+            (cfg,) = candidates.values()
+    if cfg.trainer.placement == "auto":
+        cfg = replace(cfg, trainer=replace(cfg.trainer, placement=_auto_placement(cfg, measured, notes)))
+    return cfg, tuple(notes)
+
+
+def _fastest_split(candidates: dict[int, RunConfig], measured: Measurements, notes: list[str]) -> RunConfig:
+    """The candidate (workers per node -> config) with the fastest predicted step at its best placement
+    (only the configured placement unless trainer.placement=auto)."""
+    cores, placement = measured.cpu_count, next(iter(candidates.values())).trainer.placement
+    predicted: dict[int, tuple[float, str]] = {}
+    for workers, candidate in candidates.items():
+        threads = cores // workers
+        times = predicted_placements(run_shape(candidate), threads, measured.profile(threads), measured.model_params)
+        if placement != "auto":
+            times = {placement: times[placement]} if placement in times else {}
+        if times:
+            best = min(times, key=times.get)
+            predicted[workers] = (times[best], best)
+    if not predicted:
+        raise ValueError(no_layout_message(cores))
+    chosen = min(predicted, key=lambda w: predicted[w][0])
+    splits = ", ".join(f"{w} x {cores // w} threads {s:.1f} ({p})" for w, (s, p) in sorted(predicted.items()))
+    notes.append(f"trainer.n_workers_per_node=null -> {chosen} (predicted s/step: {splits})")
+    return candidates[chosen]
+
+
+def _auto_placement(cfg: RunConfig, measured: Measurements, notes: list[str]) -> str:
+    """The placement trainer.placement=auto stands for: split off-policy, else the fastest predicted."""
+    t = cfg.trainer
+    if t.mode != "sync":
+        return "split"
+    threads = threads_per_worker(t, measured.cpu_count, t.n_workers_per_node)
+    predicted = predicted_placements(run_shape(cfg), threads, measured.profile(threads), measured.model_params)
+    chosen = min(predicted, key=predicted.get)
+    times = ", ".join(f"{p} {s:.1f}" for p, s in predicted.items())
+    notes.append(f"trainer.placement=auto -> {chosen} (predicted s/step: {times})")
+    return chosen

@@ -1,0 +1,10 @@
+"""measure + resolve in one call, as `hybridflow train` does, for tests about the resolved values."""
+
+from hybridflow.trainer.measure import measure
+from hybridflow.trainer.resolve import ResolvedRun, resolve
+from hybridflow.trainer.run_config import RunConfig
+
+
+def resolve_here(cfg: RunConfig, steps_per_epoch: int, cpu_count: int | None = None) -> ResolvedRun:
+    """`resolve(cfg, steps_per_epoch, measure(cfg, cpu_count))`: this machine's measurements (cached probes)."""
+    return resolve(cfg, steps_per_epoch, measure(cfg, cpu_count))
