@@ -10,6 +10,9 @@ becomes one `ConfigError` naming the key:
 - a value of the wrong type names the key and the source (file or override);
 - a failed `__post_init__` check is prefixed with the section's key path.
 
+`trainer.plugins` (where the config has it) is read from the merged values and
+imported before any section is built, so names the plugins register pass the checks.
+
 Config dataclasses derive from `Section`, so that `freeze` can make a resolved
 config read-only (hybridflow/trainer/resolve.py): a value computed once is never
 overwritten later by code that should have read it.
@@ -29,7 +32,11 @@ from typing import Any, TypeVar
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
+from hybridflow.utils.plugins import PluginError, import_plugins
+
 T = TypeVar("T")
+PLUGINS_KEY = "trainer.plugins"
+"""The config key listing user modules to import before the checks run (`TrainerConfig.plugins`)."""
 _OVERRIDE = re.compile(r"^[A-Za-z_][\w\-]*(\.[A-Za-z_][\w\-]*)*=")
 
 
@@ -79,7 +86,20 @@ def load_config(cls: type[T], yaml_path: str | Path | None = None, overrides: Se
         except OmegaConfBaseException as err:
             key = getattr(err, "full_key", None) or "?"
             raise ConfigError(f"{source}: bad value for config key {key!r}: {_first_line(err)}") from None
+    _import_plugins(merged)
     return build(cls, merged)
+
+
+def _import_plugins(merged: DictConfig) -> None:
+    """Import `trainer.plugins` (if the config has that key) before any section is built and checked, so names
+    the plugins register pass the checks; the list is stored back with file paths made absolute."""
+    if OmegaConf.select(merged, PLUGINS_KEY) is None:
+        return
+    try:
+        resolved = import_plugins(OmegaConf.select(merged, PLUGINS_KEY), PLUGINS_KEY)
+    except PluginError as err:
+        raise ConfigError(str(err)) from None
+    OmegaConf.update(merged, PLUGINS_KEY, resolved)
 
 
 def build(cls: type[T], node: DictConfig, prefix: str = "") -> T:

@@ -134,7 +134,7 @@ def test_public_wrappers_resolve_through_the_registries():
     from hybridflow.data.tasks import TASKS
     from hybridflow.rewards import default_compute_score
 
-    assert get_advantage_estimator("grpo") is ADV_ESTIMATORS.get("grpo")
+    assert get_advantage_estimator("grpo") is ADV_ESTIMATORS.get("grpo").fn
     assert list_advantage_estimators() == ADV_ESTIMATORS.names()
     assert get_policy_loss_fn("vanilla") is POLICY_LOSSES.get("vanilla")
     assert get_task("countdown") is TASKS.get("countdown")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hybridflow.algos.adv_spec import AdvantageEstimatorSpec, get_advantage_spec
 from hybridflow.config_utils import Section
 from hybridflow.engine.config import OptimConfig
 from hybridflow.rollout.config import RolloutConfig
@@ -23,11 +24,6 @@ from hybridflow.workers.config import (
     RefConfig,
     RewardModelConfig,
 )
-
-VALUE_ESTIMATORS = ("gae",)
-"""Advantage estimators that need a critic."""
-GROUP_ESTIMATORS = ("grpo", "grpo_passk", "rloo", "opo", "gpg", "reinforce_plus_plus_baseline")
-"""Advantage estimators whose baseline comes from the other samples of the same prompt."""
 
 
 # The main job's defaults, sized so `hybridflow train` learns within ~30 minutes on 2 CPU cores:
@@ -84,10 +80,15 @@ class RunConfig(Section):
         return (self.trainer.n_workers_per_node or 0) * self.trainer.nnodes
 
     @property
+    def estimator(self) -> AdvantageEstimatorSpec:
+        """The spec of algorithm.adv_estimator: what the estimator needs (critic, groups, baseline, sync mode)."""
+        return get_advantage_spec(self.algorithm.adv_estimator)
+
+    @property
     def use_critic(self) -> bool:
         """Whether a critic is built."""
         if self.critic.enable is None:
-            return self.algorithm.adv_estimator in VALUE_ESTIMATORS
+            return self.estimator.needs_critic
         return self.critic.enable
 
     @property
@@ -146,13 +147,13 @@ class RunConfig(Section):
                 )
 
     def _check_algorithm(self) -> None:
-        est = self.algorithm.adv_estimator
-        if est in VALUE_ESTIMATORS and self.critic.enable is False:
+        est, spec = self.algorithm.adv_estimator, self.estimator
+        if spec.needs_critic and self.critic.enable is False:
             raise ValueError(
                 f"algorithm.adv_estimator={est} needs a critic, but critic.enable=false; "
                 "enable the critic or pick a critic-free estimator (grpo, rloo, reinforce_plus_plus, ...)"
             )
-        if est in GROUP_ESTIMATORS and self.rollout.n < 2:
+        if spec.needs_groups and self.rollout.n < 2:
             raise ValueError(
                 f"algorithm.adv_estimator={est} compares the samples of one prompt and needs "
                 f"rollout.n >= 2, got rollout.n={self.rollout.n}"
@@ -174,10 +175,11 @@ class RunConfig(Section):
         t = self.trainer
         if t.placement == "split" and t.backend == "local":
             raise ValueError("trainer.placement=split needs trainer.backend=ray")
-        if t.mode != "sync" and self.algorithm.adv_estimator == "remax":
+        if t.mode != "sync" and self.estimator.sync_only:
             raise ValueError(
-                f"algorithm.adv_estimator=remax generates a greedy baseline with the training weights "
-                f"inside the step, which trainer.mode={t.mode} does not support; use trainer.mode=sync"
+                f"algorithm.adv_estimator={self.algorithm.adv_estimator} needs the training weights inside the "
+                f"step (e.g. to generate its baseline), which trainer.mode={t.mode} does not support; "
+                "use trainer.mode=sync"
             )
         if t.placement == "split" and t.mode == "sync" and not (self.use_critic or self.use_ref):
             raise ValueError(
