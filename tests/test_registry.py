@@ -109,7 +109,7 @@ def _ported() -> dict[str, tuple[Registry, list[str]]]:
         "algorithm.kl_ctrl.type": (KL_CONTROLLERS, ["fixed", "adaptive"]),
         "data_source": (SCORERS, ["arithmetic", "openai/gsm8k", "countdown", "lighteval/MATH"]),
         "data.task": (TASKS, ["arithmetic", "gsm8k", "countdown"]),
-        "backend": (ENGINES, ["fsdp", "fsdp_tp"]),
+        "engine.backend": (ENGINES, ["fsdp", "fsdp_tp"]),
         "trainer.logger": (BACKENDS, ["console", "jsonl", "tensorboard", "wandb", "mlflow"]),
         "dispatch_mode": (DISPATCH_MODES, ["ONE_TO_ALL", "DP_COMPUTE_PROTO", "DP_COMPUTE_METRIC"]),
     }

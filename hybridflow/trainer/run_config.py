@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from hybridflow.algos.adv_spec import AdvantageEstimatorSpec, get_advantage_spec
 from hybridflow.config_utils import Section
 from hybridflow.engine.config import OptimConfig
+from hybridflow.rollout.backends import ROLLOUT_BACKENDS
 from hybridflow.rollout.config import RolloutConfig
 from hybridflow.trainer.config import AlgorithmConfig, DataConfig, RewardConfig, TrainerConfig
 from hybridflow.workers.config import (
@@ -24,6 +25,7 @@ from hybridflow.workers.config import (
     RefConfig,
     RewardModelConfig,
 )
+from hybridflow.workers.engines import check_engine_backend
 
 
 # The main job's defaults, sized so `hybridflow train` learns within ~30 minutes on 2 CPU cores:
@@ -189,29 +191,18 @@ class RunConfig(Section):
 
     def _check_backends(self) -> None:
         """Packages and devices the configured backends need, checked here rather than in a worker."""
-        device = self.trainer.device
-        if self.rollout.name == "vllm":
-            from hybridflow.rollout.vllm_engine import installed_vllm_device
-
-            build = installed_vllm_device()
-            if build is None:
-                raise ValueError(
-                    "rollout.name=vllm needs the vllm package, which is not installed; on CPU run "
-                    "./scripts/setup.sh --vllm and use .venv-vllm/bin/hybridflow, on a GPU pip "
-                    "install 'hybridflow[vllm]'; or use rollout.name=native"
-                )
-            if build != device:
-                raise ValueError(
-                    f"rollout.name=vllm: the installed vllm build runs on {build}, but "
-                    f"trainer.device={device}; set trainer.device={build} or install the vllm "
-                    f"build for {device}"
-                )
+        ROLLOUT_BACKENDS.get(self.rollout.name).check_installed(self.rollout.name, self.trainer.device)
+        check_engine_backend("actor.engine", self.actor.engine)
+        if self.use_critic:
+            check_engine_backend("critic.engine", self.critic.engine)
+        if self.reward_model.enable:
+            check_engine_backend("reward_model", self.reward_model.engine_config())
 
     def _check_lora(self) -> None:
         lora = self.actor.lora
-        if lora.enabled and self.rollout.name == "vllm":
+        if lora.enabled and not ROLLOUT_BACKENDS.get(self.rollout.name).supports_lora_sync:
             raise ValueError(
-                f"actor.lora.rank={lora.rank} with rollout.name=vllm is not supported yet (its sync "
-                "sends only the adapted layers, and vllm reloads whole layers); use rollout.name=native "
+                f"actor.lora.rank={lora.rank} with rollout.name={self.rollout.name} is not supported yet (its "
+                "sync sends only the adapted layers, which this backend cannot take); use rollout.name=native "
                 "or hf, or actor.lora.rank=0"
             )

@@ -230,10 +230,15 @@ class RewardModelConfig(Section):
     ulysses_sequence_parallel_size: int = 1
     """Ranks each micro-batch's tokens are split over (verl's key; see EngineConfig); 1: off."""
 
+    backend: str | None = None
+    """Engine backend of the reward model (see EngineConfig.backend); None: chosen from the layout."""
+
     def engine_config(self) -> EngineConfig:
         """The inference engine's settings."""
         return EngineConfig(
-            param_dtype=self.param_dtype, ulysses_sequence_parallel_size=self.ulysses_sequence_parallel_size
+            param_dtype=self.param_dtype,
+            ulysses_sequence_parallel_size=self.ulysses_sequence_parallel_size,
+            backend=self.backend,
         )
 
     def __post_init__(self) -> None:
