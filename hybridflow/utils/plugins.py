@@ -54,10 +54,9 @@ def import_module(spec: str, key: str) -> ModuleType:
 def import_plugins(specs: Sequence[str], key: str = "trainer.plugins") -> list[str]:
     """Import every plugin in `specs` (module names or `.py` paths) in order and return the specs with file
     paths made absolute, so the list can travel to worker processes with another working directory."""
-    resolved = [resolve_spec(str(spec)) for spec in specs]
-    for spec in resolved:
-        import_module(spec, key)
-    return resolved
+    for spec in specs:
+        import_module(str(spec), key)
+    return [resolve_spec(str(spec)) for spec in specs]
 
 
 def load_object(path: str, key: str) -> Any:
