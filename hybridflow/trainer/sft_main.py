@@ -72,7 +72,9 @@ def _build_workers(run: ResolvedSFT) -> tuple[Any, Callable[[], None]]:
     from hybridflow.workers.sft import SFTWorker
 
     cfg, t = run.config, run.config.trainer
-    cls = ClassWithInitArgs(SFTWorker, cfg.model, cfg.engine, cfg.optim, cfg.data.micro_batch_size_per_device, cfg.lora)
+    cls = ClassWithInitArgs(
+        SFTWorker, cfg.model, cfg.engine, cfg.optim, cfg.data.micro_batch_size_per_device, cfg.lora, plugins=t.plugins
+    )
     make_group, pools, release = group_factory(t, [run.config.world_size], "sft")
     return make_group(pools[0], cls), release
 
