@@ -12,6 +12,7 @@ from __future__ import annotations
 import inspect
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -113,6 +114,31 @@ def test_advantage_estimator_contract_user(tmp_path):
     assert adv.tolist() == [[0.5] * 3] * 2
     bare = get_advantage_spec(f"{path}:bare")  # a bare function by path gets a spec that needs nothing
     assert bare == AdvantageEstimatorSpec(fn=bare.fn) and bare.fn(torch.ones(1, 2), torch.ones(1, 2), [0])[0].sum() == 2
+
+
+def test_advantage_estimator_baseline_contract(tmp_path):
+    path = _module(
+        tmp_path,
+        """
+        from hybridflow.algos.adv_spec import AdvantageEstimatorSpec
+        from hybridflow.algos.advantages import compute_remax_outcome_advantage
+
+        def best_of_two(ctx):
+            return ctx.generate_scores(do_sample=True, n=2).view(-1, 2).amax(-1).repeat_interleave(ctx.n)
+
+        SPEC = AdvantageEstimatorSpec(compute_remax_outcome_advantage, baseline=best_of_two, sync_only=True)
+        """,
+    )
+    calls = []
+
+    def generate_scores(*, do_sample, n):
+        calls.append((do_sample, n))
+        return torch.tensor([1.0, 2.0, 0.0, 5.0])[: 2 * n]
+
+    ctx = SimpleNamespace(n=3, generate_scores=generate_scores)
+    assert get_advantage_spec(f"{path}:SPEC").baseline(ctx).tolist() == [2.0] * 3 + [5.0] * 3
+    assert get_advantage_spec("remax").baseline(ctx).tolist() == [1.0] * 3 + [2.0] * 3  # one greedy per prompt
+    assert calls == [(True, 2), (False, 1)]
 
 
 @pytest.mark.parametrize("name", KL_ESTIMATORS.names())
