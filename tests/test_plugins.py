@@ -17,7 +17,8 @@ PLUGIN = """
 import os
 from pathlib import Path
 
-from hybridflow.algos import get_advantage_estimator, get_policy_loss_fn, register_adv_est, register_policy_loss
+from hybridflow.algos import LOSS_AGG_MODES, get_advantage_estimator, get_policy_loss_fn
+from hybridflow.algos import register_adv_est, register_policy_loss
 from hybridflow.rewards import register_scorer
 from hybridflow.rollout import ROLLOUT_BACKENDS, RolloutBackendSpec
 
@@ -65,12 +66,18 @@ def counting_rollout(config, model, tokenizer, tp_stride):
 
 
 ROLLOUT_BACKENDS.register("counting", RolloutBackendSpec(build=counting_rollout))
+
+
+def marked_token_mean(loss_mat, valid, global_norm, norm_length):  # selected by path, not registered
+    mark("loss_agg")
+    return LOSS_AGG_MODES.get("token-mean")(loss_mat, valid, global_norm, norm_length)
 """
 
 USE_ALL = [
     "actor.policy_loss_mode=pid_vanilla",
     "algorithm.adv_estimator=halved_grpo",
     "rollout.name=counting",
+    "actor.loss_agg_mode=plug.py:marked_token_mean",  # relative: made absolute at load for the workers
 ]
 
 
@@ -92,7 +99,8 @@ def test_a_ray_run_uses_every_plugin_kind_in_the_workers(tmp_path: Path):
     controller = set(_pids(tmp_path, "estimator"))  # the estimator runs on the controller, once per step
     assert len(_pids(tmp_path, "estimator")) == 2 and len(controller) == 1
     workers = set(_pids(tmp_path, "policy_loss"))
-    assert set(_pids(tmp_path, "rollout")) == workers and not workers & controller
+    assert set(_pids(tmp_path, "rollout")) == set(_pids(tmp_path, "loss_agg")) == workers
+    assert not workers & controller
     assert {int(r["actor/plugin_pid"]) for r in steps} == workers  # the loss's own stat reached the metrics
     assert all(r["critic/score/mean"] == pytest.approx(0.375) for r in steps)  # every response scored by it
     assert len(_pids(tmp_path, "scorer")) >= 2 * 4 * 2  # 2 steps x 4 prompts x n=2
@@ -104,7 +112,9 @@ def test_the_spec_of_a_plugin_estimator_is_checked_at_load(tmp_path: Path):
     plugins = f"trainer.plugins=[{tmp_path / 'plug.py'}]"
     with pytest.raises(ConfigError, match="adv_estimator=halved_grpo compares the samples .* rollout.n >= 2"):
         load_config(RunConfig, None, [plugins, "algorithm.adv_estimator=halved_grpo", "rollout.n=1"])
-    cfg = load_config(RunConfig, None, [plugins, *USE_ALL])
+    cfg = load_config(
+        RunConfig, None, [plugins, *USE_ALL[:-1], f"actor.loss_agg_mode={tmp_path}/plug.py:marked_token_mean"]
+    )
     assert cfg.trainer.plugins == [str(tmp_path / "plug.py")]
 
 
@@ -113,7 +123,7 @@ def test_the_spec_of_a_plugin_estimator_is_checked_at_load(tmp_path: Path):
     [
         ("trainer.plugins=[missing_plugin.py]", "trainer.plugins: plugin file 'missing_plugin.py' does not exist"),
         ("trainer.plugins=[no_such_module_xyz]", "trainer.plugins: cannot import module 'no_such_module_xyz'"),
-        ("actor.policy_loss_mode=other.py:nope", "actor.policy_loss_mode='other.py:nope': 'other.py' has no attribute"),
+        ("actor.policy_loss_mode=other.py:nope", "other.py' has no attribute 'nope'; callables there: ['mine']"),
     ],
 )
 def test_a_wrong_plugin_fails_with_one_line(tmp_path: Path, monkeypatch, capsys, override: str, expect: str):
@@ -124,4 +134,4 @@ def test_a_wrong_plugin_fails_with_one_line(tmp_path: Path, monkeypatch, capsys,
     assert main(["train", override]) == 2
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("hybridflow train: error: "), lines
-    assert expect in lines[0], lines[0]
+    assert expect in lines[0] and override.split("=")[0] in lines[0], lines[0]
