@@ -38,7 +38,7 @@ from hybridflow.utils.plugins import PluginError, import_plugins, resolve_spec
 T = TypeVar("T")
 PLUGINS_KEY = "trainer.plugins"
 """The config key listing user modules to import before the checks run (`TrainerConfig.plugins`)."""
-_FILE_ATTR = re.compile(r"^[^:]+\.py:[A-Za-z_]\w*$")
+_FILE_ATTR = re.compile(r"^[^:]+\.py:[A-Za-z_]\w*\+?$")  # "+": a KL estimator's straight-through suffix
 _OVERRIDE = re.compile(r"^[A-Za-z_][\w\-]*(\.[A-Za-z_][\w\-]*)*=")
 
 

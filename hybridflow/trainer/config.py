@@ -200,10 +200,11 @@ class AlgorithmConfig(Section):
         ADV_ESTIMATORS.get(self.adv_estimator)  # an unknown name fails naming the key and the known ones
         if not 0.0 <= self.gamma <= 1.0 or not 0.0 <= self.lam <= 1.0:
             raise ValueError(f"algorithm.gamma and algorithm.lam must lie in [0, 1], got {self.gamma}, {self.lam}")
-        if not is_path(self.kl_penalty):  # a module:function path is looked up (and loaded) below
-            _one_of("algorithm.kl_penalty", self.kl_penalty.removesuffix("+"), tuple(KL_ESTIMATORS.names()))
+        kl_name = self.kl_penalty.removesuffix("+")
+        if is_path(kl_name):
+            KL_ESTIMATORS.get(kl_name)  # imports a module:function path; a bad one fails naming the key
         else:
-            KL_ESTIMATORS.get(self.kl_penalty)
+            _one_of("algorithm.kl_penalty", kl_name, tuple(KL_ESTIMATORS.names()))
         self._check_rollout_is()
 
     def _check_rollout_is(self) -> None:
