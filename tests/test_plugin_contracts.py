@@ -247,3 +247,17 @@ def test_a_path_that_does_not_load_names_the_key(tmp_path):
         POLICY_LOSSES.get(f"{tmp_path}/nowhere.py:f")
     with pytest.raises(PluginError, match=r"rollout.name='no_such_pkg_q:f': cannot import module 'no_such_pkg_q'"):
         ROLLOUT_BACKENDS.get("no_such_pkg_q:f")
+
+
+def test_engine_backend_is_chosen_by_the_config_and_checked_at_load():
+    from hybridflow.config_utils import ConfigError, load_config
+    from hybridflow.engine.config import EngineConfig
+    from hybridflow.trainer.run_config import RunConfig
+    from hybridflow.workers.engines import engine_backend
+
+    assert engine_backend(EngineConfig()) == "fsdp"
+    assert engine_backend(EngineConfig(tensor_parallel_size=2)) == "fsdp_tp"
+    assert engine_backend(EngineConfig(ulysses_sequence_parallel_size=2)) == "fsdp_sp"
+    assert engine_backend(EngineConfig(tensor_parallel_size=2, backend="mine")) == "mine"
+    with pytest.raises(ConfigError, match=r"critic.engine.backend='nope' is not a registered engine backend"):
+        load_config(RunConfig, None, ["algorithm.adv_estimator=gae", "critic.engine.backend=nope"])
