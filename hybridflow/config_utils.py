@@ -10,6 +10,10 @@ becomes one `ConfigError` naming the key:
 - a value of the wrong type names the key and the source (file or override);
 - a failed `__post_init__` check is prefixed with the section's key path.
 
+`trainer.plugins` (where the config has it) is read from the merged values and
+imported before any section is built, so names the plugins register pass the checks;
+`file.py:function` values get absolute file paths, so workers find them too.
+
 Config dataclasses derive from `Section`, so that `freeze` can make a resolved
 config read-only (hybridflow/trainer/resolve.py): a value computed once is never
 overwritten later by code that should have read it.
@@ -29,7 +33,12 @@ from typing import Any, TypeVar
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
+from hybridflow.utils.plugins import PluginError, import_plugins, resolve_spec
+
 T = TypeVar("T")
+PLUGINS_KEY = "trainer.plugins"
+"""The config key listing user modules to import before the checks run (`TrainerConfig.plugins`)."""
+_FILE_ATTR = re.compile(r"^[^:]+\.py:[A-Za-z_]\w*\+?$")  # "+": a KL estimator's straight-through suffix
 _OVERRIDE = re.compile(r"^[A-Za-z_][\w\-]*(\.[A-Za-z_][\w\-]*)*=")
 
 
@@ -79,7 +88,36 @@ def load_config(cls: type[T], yaml_path: str | Path | None = None, overrides: Se
         except OmegaConfBaseException as err:
             key = getattr(err, "full_key", None) or "?"
             raise ConfigError(f"{source}: bad value for config key {key!r}: {_first_line(err)}") from None
+    _import_plugins(merged)
+    _absolute_file_paths(merged)
     return build(cls, merged)
+
+
+def _import_plugins(merged: DictConfig) -> None:
+    """Import `trainer.plugins` (if the config has that key) before any section is built and checked, so names
+    the plugins register pass the checks; the list is stored back with file paths made absolute."""
+    if OmegaConf.select(merged, PLUGINS_KEY) is None:
+        return
+    try:
+        resolved = import_plugins(OmegaConf.select(merged, PLUGINS_KEY), PLUGINS_KEY)
+    except PluginError as err:
+        raise ConfigError(str(err)) from None
+    OmegaConf.update(merged, PLUGINS_KEY, resolved)
+
+
+def _absolute_file_paths(node: DictConfig | ListConfig) -> None:
+    """Make the file of every `relative/file.py:attr` registry name absolute, against the working directory at
+    load: worker processes look the name up again, from another working directory."""
+    keys = range(len(node)) if isinstance(node, ListConfig) else list(node.keys())
+    for key in keys:
+        if OmegaConf.is_missing(node, key):
+            continue
+        value = node[key]
+        if isinstance(value, (DictConfig, ListConfig)):
+            _absolute_file_paths(value)
+        elif isinstance(value, str) and _FILE_ATTR.match(value):
+            file, _, attr = value.rpartition(":")
+            node[key] = f"{resolve_spec(file)}:{attr}"
 
 
 def build(cls: type[T], node: DictConfig, prefix: str = "") -> T:

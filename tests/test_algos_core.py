@@ -94,7 +94,7 @@ def test_agg_loss_gradient_is_zero_on_padding():
 
 
 def test_agg_loss_and_global_norm_reject_bad_input():
-    with pytest.raises(ValueError, match="unknown loss_agg_mode 'mean'.*token-mean"):
+    with pytest.raises(ValueError, match="loss_agg_mode='mean' is not a registered loss aggregation mode.*token-mean"):
         agg_loss(LOSS, LOSS_MASK, "mean")
     with pytest.raises(ValueError, match="dp_size"):
         GlobalNorm(4, 2, 0)

@@ -109,7 +109,7 @@ def _ported() -> dict[str, tuple[Registry, list[str]]]:
         "algorithm.kl_ctrl.type": (KL_CONTROLLERS, ["fixed", "adaptive"]),
         "data_source": (SCORERS, ["arithmetic", "openai/gsm8k", "countdown", "lighteval/MATH"]),
         "data.task": (TASKS, ["arithmetic", "gsm8k", "countdown"]),
-        "backend": (ENGINES, ["fsdp", "fsdp_tp"]),
+        "engine.backend": (ENGINES, ["fsdp", "fsdp_tp"]),
         "trainer.logger": (BACKENDS, ["console", "jsonl", "tensorboard", "wandb", "mlflow"]),
         "dispatch_mode": (DISPATCH_MODES, ["ONE_TO_ALL", "DP_COMPUTE_PROTO", "DP_COMPUTE_METRIC"]),
     }
@@ -134,7 +134,7 @@ def test_public_wrappers_resolve_through_the_registries():
     from hybridflow.data.tasks import TASKS
     from hybridflow.rewards import default_compute_score
 
-    assert get_advantage_estimator("grpo") is ADV_ESTIMATORS.get("grpo")
+    assert get_advantage_estimator("grpo") is ADV_ESTIMATORS.get("grpo").fn
     assert list_advantage_estimators() == ADV_ESTIMATORS.names()
     assert get_policy_loss_fn("vanilla") is POLICY_LOSSES.get("vanilla")
     assert get_task("countdown") is TASKS.get("countdown")

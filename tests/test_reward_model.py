@@ -186,7 +186,8 @@ def test_remax_baseline_includes_the_reward_model_score():
     """ReMax's greedy baseline is scored like the samples: rule score + reward-model score."""
     from types import SimpleNamespace
 
-    from hybridflow.trainer.core_steps import remax_baselines
+    from hybridflow.trainer.config import AlgorithmConfig
+    from hybridflow.trainer.core_steps import reward_baselines
 
     calls = []
 
@@ -205,6 +206,7 @@ def test_remax_baseline_includes_the_reward_model_score():
         return SimpleNamespace(token_level_scores=rule + data.batch[K.RM_SCORES])
 
     prompts = DataProto.from_dict({"input_ids": torch.ones(2, 4, dtype=torch.long)})
-    base = remax_baselines(SimpleNamespace(actor_rollout=Policy(), reward_model=RM()), prompts, reward_fn, n=3)
+    roles = SimpleNamespace(actor_rollout=Policy(), reward_model=RM())
+    base = reward_baselines(AlgorithmConfig(adv_estimator="remax"), roles, prompts, reward_fn, n=3)
     assert base.tolist() == [2.5, 2.5, 2.5, -0.5, -0.5, -0.5]
     assert calls == [{K.META_DO_SAMPLE: False, K.META_N: 1}]

@@ -1,9 +1,13 @@
 """Pure tensor math of the RL algorithms: advantages, policy/value losses, KL, masked reductions.
 
 No Ray, no torch.distributed, no I/O: everything here is a function of
-tensors (and of counts passed in, see `GlobalNorm`). Estimators and policy
-losses are registered by name; register your own with `@register_adv_est`
-or `@register_policy_loss` and select it from the config.
+tensors (and of counts passed in, see `GlobalNorm`). Estimators (with their
+spec: needs a critic, groups, a baseline, sync mode), policy losses, KL
+estimators and loss aggregation modes are registered by name. Register your own
+with `@register_adv_est`, `@register_policy_loss`, `KL_ESTIMATORS.register` or
+`LOSS_AGG_MODES.register` in a module listed in `trainer.plugins` (imported on
+the controller before the config is checked and in every worker), or name it by
+a `module:function` path in the config; docs/extending.md has an example of each.
 """
 
 from hybridflow.algos import cov_losses as _cov_losses  # noqa: F401  (registers clip_cov, kl_cov)

@@ -1,6 +1,8 @@
 """Advantage estimators, registered by name so the config can pick one.
 
-Every estimator has the same signature (see `AdvantageEstimatorFn`):
+Each is registered with an `AdvantageEstimatorSpec` saying what the trainer must
+provide (a critic, groups, a baseline such as ReMax's greedy response, sync
+mode). Every estimator has the same signature (see `AdvantageEstimatorFn`):
 
     fn(token_level_rewards [B, R], response_mask [B, R], index [B], *,
        values=None, reward_baselines=None, gamma=1.0, lam=1.0,
@@ -32,46 +34,26 @@ Choices and departures (from the papers and from verl):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from hybridflow.algos.core import masked_sum, masked_var, masked_whiten
-from hybridflow.utils.registry import Registry
-
-
-class AdvantageEstimatorFn(Protocol):
-    """The uniform estimator signature the trainer calls by name."""
-
-    def __call__(
-        self, token_level_rewards: Tensor, response_mask: Tensor, index: np.ndarray, **kwargs: Any
-    ) -> tuple[Tensor, Tensor]: ...
-
-
-ADV_ESTIMATORS: Registry[AdvantageEstimatorFn] = Registry(
-    "advantage estimator", "algorithm.adv_estimator", "add one with @hybridflow.algos.register_adv_est"
+from hybridflow.algos.adv_spec import (  # noqa: F401  (re-exported: the registry's public home is here)
+    ADV_ESTIMATORS,
+    AdvantageEstimatorFn,
+    AdvantageEstimatorSpec,
+    BaselineContext,
+    BaselineFn,
+    get_advantage_estimator,
+    get_advantage_spec,
+    list_advantage_estimators,
+    register_adv_est,
 )
-"""Advantage estimators by name."""
-
-
-def register_adv_est(name: str, *, override: bool = False) -> Callable[[AdvantageEstimatorFn], AdvantageEstimatorFn]:
-    """Decorator registering an advantage estimator under `name` (config: algorithm.adv_estimator)."""
-    return ADV_ESTIMATORS.register(name, override=override)
-
-
-def get_advantage_estimator(name: str) -> AdvantageEstimatorFn:
-    """The estimator registered under `name`; unknown names raise with the valid list."""
-    return ADV_ESTIMATORS.get(name)
-
-
-def list_advantage_estimators() -> list[str]:
-    """Sorted names of all registered estimators."""
-    return ADV_ESTIMATORS.names()
-
+from hybridflow.algos.core import masked_sum, masked_var, masked_whiten
 
 # --- shared pieces -------------------------------------------------------------
 
@@ -155,7 +137,7 @@ def _zero_flat(adv: Tensor, stats: _GroupStats) -> Tensor:
 # --- estimators ----------------------------------------------------------------
 
 
-@register_adv_est("gae")
+@register_adv_est("gae", needs_critic=True)
 @torch.no_grad()
 def compute_gae_advantage_return(
     token_level_rewards: Tensor,
@@ -184,7 +166,7 @@ def compute_gae_advantage_return(
     return masked_whiten(adv, response_mask), returns
 
 
-@register_adv_est("grpo")
+@register_adv_est("grpo", needs_groups=True)
 @torch.no_grad()
 def compute_grpo_outcome_advantage(
     token_level_rewards: Tensor,
@@ -211,7 +193,7 @@ def compute_grpo_outcome_advantage(
     return adv, adv
 
 
-@register_adv_est("grpo_passk")
+@register_adv_est("grpo_passk", needs_groups=True)
 @torch.no_grad()
 def compute_grpo_passk_outcome_advantage(
     token_level_rewards: Tensor,
@@ -247,7 +229,7 @@ def compute_grpo_passk_outcome_advantage(
     return adv, adv
 
 
-@register_adv_est("rloo")
+@register_adv_est("rloo", needs_groups=True)
 @torch.no_grad()
 def compute_rloo_outcome_advantage(
     token_level_rewards: Tensor,
@@ -267,7 +249,7 @@ def compute_rloo_outcome_advantage(
     return adv, adv
 
 
-@register_adv_est("opo")
+@register_adv_est("opo", needs_groups=True)
 @torch.no_grad()
 def compute_opo_outcome_advantage(
     token_level_rewards: Tensor,
@@ -291,7 +273,7 @@ def compute_opo_outcome_advantage(
     return adv, adv
 
 
-@register_adv_est("gpg")
+@register_adv_est("gpg", needs_groups=True)
 @torch.no_grad()
 def compute_gpg_outcome_advantage(
     token_level_rewards: Tensor,
@@ -339,7 +321,7 @@ def compute_reinforce_plus_plus_outcome_advantage(
     return masked_whiten(returns, response_mask), returns
 
 
-@register_adv_est("reinforce_plus_plus_baseline")
+@register_adv_est("reinforce_plus_plus_baseline", needs_groups=True)
 @torch.no_grad()
 def compute_reinforce_plus_plus_baseline_outcome_advantage(
     token_level_rewards: Tensor,
@@ -361,7 +343,12 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
     return adv, adv
 
 
-@register_adv_est("remax")
+def remax_greedy_baseline(ctx: BaselineContext) -> Tensor:
+    """ReMax's baseline: the score of one greedy response per prompt (current weights), repeated for its n samples."""
+    return ctx.generate_scores(do_sample=False, n=1).repeat_interleave(ctx.n)
+
+
+@register_adv_est("remax", baseline=remax_greedy_baseline, sync_only=True)
 @torch.no_grad()
 def compute_remax_outcome_advantage(
     token_level_rewards: Tensor,

@@ -33,12 +33,13 @@ its own counts, and the caller owns any further scaling.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+from hybridflow.utils.registry import Registry
 
 
 def _valid(mask: Tensor) -> Tensor:
@@ -128,9 +129,60 @@ class GlobalNorm:
         return cls(int(valid.sum()), int(valid.any(dim=-1).sum()), dp_size)
 
 
-def _check_mode(loss_agg_mode: str) -> None:
-    if loss_agg_mode not in LOSS_AGG_MODES:
-        raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; choose one of {', '.join(LOSS_AGG_MODES)}")
+LossAggFn = Callable[[Tensor, Tensor, "GlobalNorm | None", "int | float | None"], Tensor]
+"""(loss_mat [B, R], valid [B, R] bool, global_norm, norm_length) -> scalar loss: one loss aggregation mode.
+With `global_norm` the count is the global one and the result is multiplied by dp_size (module docstring)."""
+
+LOSS_AGG_MODES: Registry[LossAggFn] = Registry(
+    "loss aggregation mode",
+    "loss_agg_mode",
+    "chosen by actor.loss_agg_mode and critic.loss_agg_mode; add one with LOSS_AGG_MODES.register(name, fn)",
+)
+"""Loss aggregation modes by name (see `agg_loss`)."""
+
+
+def _normalise(total: Tensor, count: Tensor | int, like: Tensor, global_norm: GlobalNorm | None) -> Tensor:
+    scale = 1 if global_norm is None else global_norm.dp_size
+    count_t = torch.as_tensor(count, dtype=like.dtype, device=like.device).clamp(min=1)
+    return total / count_t * scale
+
+
+def _seq_mean(row_values: Tensor, valid: Tensor, like: Tensor, global_norm: GlobalNorm | None) -> Tensor:
+    count = valid.any(dim=-1).sum() if global_norm is None else global_norm.num_seqs
+    return _normalise(row_values.sum(), count, like, global_norm)
+
+
+@LOSS_AGG_MODES.register("token-mean")
+def token_mean(loss_mat: Tensor, valid: Tensor, global_norm: GlobalNorm | None, norm_length: float | None) -> Tensor:
+    """sum_{i,t} l_it / N (DAPO, Yu et al. 2025)."""
+    count = valid.sum() if global_norm is None else global_norm.num_tokens
+    return _normalise(masked_sum(loss_mat, valid), count, loss_mat, global_norm)
+
+
+@LOSS_AGG_MODES.register("seq-mean-token-sum")
+def seq_mean_token_sum(
+    loss_mat: Tensor, valid: Tensor, global_norm: GlobalNorm | None, norm_length: float | None
+) -> Tensor:
+    """sum_i (sum_t l_it) / S."""
+    return _seq_mean(masked_sum(loss_mat, valid, dim=-1), valid, loss_mat, global_norm)
+
+
+@LOSS_AGG_MODES.register("seq-mean-token-mean")
+def seq_mean_token_mean(
+    loss_mat: Tensor, valid: Tensor, global_norm: GlobalNorm | None, norm_length: float | None
+) -> Tensor:
+    """sum_i (sum_t l_it / n_i) / S (GRPO, Shao et al. 2024)."""
+    rows = masked_sum(loss_mat, valid, dim=-1) / valid.sum(dim=-1).clamp(min=1).to(loss_mat.dtype)
+    return _seq_mean(rows, valid, loss_mat, global_norm)
+
+
+@LOSS_AGG_MODES.register("seq-mean-token-sum-norm")
+def seq_mean_token_sum_norm(
+    loss_mat: Tensor, valid: Tensor, global_norm: GlobalNorm | None, norm_length: float | None
+) -> Tensor:
+    """sum_i (sum_t l_it / norm_length) / S (Dr.GRPO, Liu et al. 2025); norm_length None: the padded width."""
+    rows = masked_sum(loss_mat, valid, dim=-1) / float(loss_mat.shape[-1] if norm_length is None else norm_length)
+    return _seq_mean(rows, valid, loss_mat, global_norm)
 
 
 def agg_loss(
@@ -140,7 +192,7 @@ def agg_loss(
     global_norm: GlobalNorm | None = None,
     norm_length: int | float | None = None,
 ) -> Tensor:
-    """Reduce a [B, R] per-token loss to a scalar.
+    """Reduce a [B, R] per-token loss to a scalar with the mode registered as `loss_agg_mode`.
 
     With n_i valid tokens in row i, S valid rows and N = sum_i n_i:
     - "token-mean":              sum_{i,t} l_it / N                      (DAPO, Yu et al. 2025)
@@ -152,19 +204,4 @@ def agg_loss(
     they are padded differently). With `global_norm`, N and S are the global
     counts and the result is multiplied by dp_size (module docstring).
     """
-    _check_mode(loss_agg_mode)
-    valid = _valid(loss_mask)
-    if loss_agg_mode == "token-mean":
-        total = masked_sum(loss_mat, valid)
-        count = valid.sum() if global_norm is None else global_norm.num_tokens
-    else:
-        row_sum = masked_sum(loss_mat, valid, dim=-1)
-        if loss_agg_mode == "seq-mean-token-mean":
-            row_sum = row_sum / valid.sum(dim=-1).clamp(min=1).to(loss_mat.dtype)
-        elif loss_agg_mode == "seq-mean-token-sum-norm":
-            row_sum = row_sum / float(loss_mat.shape[-1] if norm_length is None else norm_length)
-        total = row_sum.sum()
-        count = valid.any(dim=-1).sum() if global_norm is None else global_norm.num_seqs
-    scale = 1 if global_norm is None else global_norm.dp_size
-    count_t = torch.as_tensor(count, dtype=loss_mat.dtype, device=loss_mat.device).clamp(min=1)
-    return total / count_t * scale
+    return LOSS_AGG_MODES.get(loss_agg_mode)(loss_mat, _valid(loss_mask), global_norm, norm_length)

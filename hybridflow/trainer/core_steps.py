@@ -6,11 +6,15 @@ calls them between worker calls. No worker, no I/O.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
 import numpy as np
 import torch
 
 from hybridflow import keys as K
-from hybridflow.algos.advantages import get_advantage_estimator
+from hybridflow.algos.adv_spec import get_advantage_estimator, get_advantage_spec
 from hybridflow.algos.kl import apply_kl_penalty, get_kl_controller
 from hybridflow.algos.rollout_is import mismatch_metrics, rollout_importance_weights
 from hybridflow.protocol import DataProto
@@ -84,22 +88,44 @@ def compute_advantage(batch: DataProto, cfg: AlgorithmConfig) -> None:
     batch.batch[K.RETURNS] = returns.float()
 
 
-def remax_baselines(roles, prompts: DataProto, reward_fn, n: int) -> torch.Tensor:
-    """ReMax (Li et al. 2023): the reward of one greedy response per prompt, repeated for its n samples.
+@dataclass
+class StepBaselineContext:
+    """`BaselineContext` of one step: generates for this step's prompts with the current weights."""
 
-    The greedy response is scored like the samples: rule score plus the reward model's, if the run has one.
-    """
-    greedy = DataProto(
-        batch=prompts.batch,
-        non_tensor_batch=dict(prompts.non_tensor_batch),
-        meta_info={**prompts.meta_info, K.META_DO_SAMPLE: False, K.META_N: 1},
-    )
-    out = roles.actor_rollout.generate_sequences(greedy)
-    out.meta_info.pop(K.META_METRICS, None)
-    if roles.reward_model is not None:
-        out.union(roles.reward_model.compute_rm_score(out))
-    scores = reward_fn(out).token_level_scores.sum(-1).float()
-    return scores.repeat_interleave(n)
+    roles: Any
+    """The run's worker groups (actor_rollout generates, reward_model scores if present)."""
+    prompts: DataProto
+    """This step's prompts, one row per prompt."""
+    reward_fn: Callable[[DataProto], Any]
+    """The run's reward function (returns an object with token_level_scores [B, R])."""
+    n: int
+    """Samples per prompt (rollout.n)."""
+
+    def generate_scores(self, *, do_sample: bool, n: int) -> torch.Tensor:
+        """Generate n responses per prompt and score them like the samples: rule score plus the reward
+        model's, if the run has one; returns sequence scores [P * n]."""
+        meta = {**self.prompts.meta_info, K.META_DO_SAMPLE: do_sample, K.META_N: n}
+        request = DataProto(
+            batch=self.prompts.batch, non_tensor_batch=dict(self.prompts.non_tensor_batch), meta_info=meta
+        )
+        out = self.roles.actor_rollout.generate_sequences(request)
+        out.meta_info.pop(K.META_METRICS, None)
+        if self.roles.reward_model is not None:
+            out.union(self.roles.reward_model.compute_rm_score(out))
+        return self.reward_fn(out).token_level_scores.sum(-1).float()
+
+
+def has_baseline(cfg: AlgorithmConfig) -> bool:
+    """Whether the configured estimator computes reward_baselines in the scoring step."""
+    return get_advantage_spec(cfg.adv_estimator).baseline is not None
+
+
+def reward_baselines(cfg: AlgorithmConfig, roles, prompts: DataProto, reward_fn, n: int) -> torch.Tensor:
+    """The estimator's reward_baselines [P * n] for this step (its spec's `baseline`, e.g. ReMax's greedy reward)."""
+    baseline = get_advantage_spec(cfg.adv_estimator).baseline
+    if baseline is None:
+        raise ValueError(f"algorithm.adv_estimator={cfg.adv_estimator} has no baseline; check has_baseline first")
+    return baseline(StepBaselineContext(roles, prompts, reward_fn, n))
 
 
 def pass_at_n(uids: np.ndarray, scores: torch.Tensor) -> float:

@@ -112,9 +112,11 @@ class PPOTrainer:
                     batch.union(roles.reward_model.compute_rm_score(batch))
                 reward = self.reward_fn(batch)
                 batch.batch[K.TOKEN_LEVEL_SCORES] = reward.token_level_scores
-                if cfg.algorithm.adv_estimator == "remax":
+                if S.has_baseline(cfg.algorithm):  # e.g. ReMax: the greedy response's reward (its spec's baseline)
                     prompts = self.rollout.prompts_of(batch)
-                    batch.batch[K.REWARD_BASELINES] = S.remax_baselines(roles, prompts, self.reward_fn, cfg.rollout.n)
+                    batch.batch[K.REWARD_BASELINES] = S.reward_baselines(
+                        cfg.algorithm, roles, prompts, self.reward_fn, cfg.rollout.n
+                    )
             # 3. log-probs of the policy before the update, of the reference, and values
             #    (ref and critic calls return futures: with split placement they overlap; old log-probs
             #    are skipped when the update is one optimizer step, which then uses its own)

@@ -70,12 +70,20 @@ def _set_classes(cfg: RunConfig, worker_set: WorkerSet) -> dict[str, ClassWithIn
     policy_roles = [r for r in POLICY_ROLES if r in worker_set.roles]
     if policy_roles:
         classes["policy"] = ClassWithInitArgs(
-            ActorRolloutRefWorker, cfg.model, cfg.actor, cfg.rollout, cfg.ref, "_".join(policy_roles)
+            ActorRolloutRefWorker,
+            cfg.model,
+            cfg.actor,
+            cfg.rollout,
+            cfg.ref,
+            "_".join(policy_roles),
+            plugins=cfg.trainer.plugins,
         )
     if "critic" in worker_set.roles:
-        classes["critic"] = ClassWithInitArgs(CriticWorker, cfg.model, cfg.critic, cfg.rollout.n)
+        classes["critic"] = ClassWithInitArgs(
+            CriticWorker, cfg.model, cfg.critic, cfg.rollout.n, plugins=cfg.trainer.plugins
+        )
     if "reward_model" in worker_set.roles:
-        classes["reward_model"] = ClassWithInitArgs(RewardModelWorker, cfg.reward_model)
+        classes["reward_model"] = ClassWithInitArgs(RewardModelWorker, cfg.reward_model, plugins=cfg.trainer.plugins)
     return classes
 
 

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hybridflow.algos.adv_spec import AdvantageEstimatorSpec, get_advantage_spec
 from hybridflow.config_utils import Section
 from hybridflow.engine.config import OptimConfig
+from hybridflow.rollout.backends import ROLLOUT_BACKENDS
 from hybridflow.rollout.config import RolloutConfig
 from hybridflow.trainer.config import AlgorithmConfig, DataConfig, RewardConfig, TrainerConfig
 from hybridflow.workers.config import (
@@ -23,11 +25,7 @@ from hybridflow.workers.config import (
     RefConfig,
     RewardModelConfig,
 )
-
-VALUE_ESTIMATORS = ("gae",)
-"""Advantage estimators that need a critic."""
-GROUP_ESTIMATORS = ("grpo", "grpo_passk", "rloo", "opo", "gpg", "reinforce_plus_plus_baseline")
-"""Advantage estimators whose baseline comes from the other samples of the same prompt."""
+from hybridflow.workers.engines import check_engine_backend
 
 
 # The main job's defaults, sized so `hybridflow train` learns within ~30 minutes on 2 CPU cores:
@@ -84,10 +82,15 @@ class RunConfig(Section):
         return (self.trainer.n_workers_per_node or 0) * self.trainer.nnodes
 
     @property
+    def estimator(self) -> AdvantageEstimatorSpec:
+        """The spec of algorithm.adv_estimator: what the estimator needs (critic, groups, baseline, sync mode)."""
+        return get_advantage_spec(self.algorithm.adv_estimator)
+
+    @property
     def use_critic(self) -> bool:
         """Whether a critic is built."""
         if self.critic.enable is None:
-            return self.algorithm.adv_estimator in VALUE_ESTIMATORS
+            return self.estimator.needs_critic
         return self.critic.enable
 
     @property
@@ -146,13 +149,13 @@ class RunConfig(Section):
                 )
 
     def _check_algorithm(self) -> None:
-        est = self.algorithm.adv_estimator
-        if est in VALUE_ESTIMATORS and self.critic.enable is False:
+        est, spec = self.algorithm.adv_estimator, self.estimator
+        if spec.needs_critic and self.critic.enable is False:
             raise ValueError(
                 f"algorithm.adv_estimator={est} needs a critic, but critic.enable=false; "
                 "enable the critic or pick a critic-free estimator (grpo, rloo, reinforce_plus_plus, ...)"
             )
-        if est in GROUP_ESTIMATORS and self.rollout.n < 2:
+        if spec.needs_groups and self.rollout.n < 2:
             raise ValueError(
                 f"algorithm.adv_estimator={est} compares the samples of one prompt and needs "
                 f"rollout.n >= 2, got rollout.n={self.rollout.n}"
@@ -174,10 +177,11 @@ class RunConfig(Section):
         t = self.trainer
         if t.placement == "split" and t.backend == "local":
             raise ValueError("trainer.placement=split needs trainer.backend=ray")
-        if t.mode != "sync" and self.algorithm.adv_estimator == "remax":
+        if t.mode != "sync" and self.estimator.sync_only:
             raise ValueError(
-                f"algorithm.adv_estimator=remax generates a greedy baseline with the training weights "
-                f"inside the step, which trainer.mode={t.mode} does not support; use trainer.mode=sync"
+                f"algorithm.adv_estimator={self.algorithm.adv_estimator} needs the training weights inside the "
+                f"step (e.g. to generate its baseline), which trainer.mode={t.mode} does not support; "
+                "use trainer.mode=sync"
             )
         if t.placement == "split" and t.mode == "sync" and not (self.use_critic or self.use_ref):
             raise ValueError(
@@ -187,29 +191,18 @@ class RunConfig(Section):
 
     def _check_backends(self) -> None:
         """Packages and devices the configured backends need, checked here rather than in a worker."""
-        device = self.trainer.device
-        if self.rollout.name == "vllm":
-            from hybridflow.rollout.vllm_engine import installed_vllm_device
-
-            build = installed_vllm_device()
-            if build is None:
-                raise ValueError(
-                    "rollout.name=vllm needs the vllm package, which is not installed; on CPU run "
-                    "./scripts/setup.sh --vllm and use .venv-vllm/bin/hybridflow, on a GPU pip "
-                    "install 'hybridflow[vllm]'; or use rollout.name=native"
-                )
-            if build != device:
-                raise ValueError(
-                    f"rollout.name=vllm: the installed vllm build runs on {build}, but "
-                    f"trainer.device={device}; set trainer.device={build} or install the vllm "
-                    f"build for {device}"
-                )
+        ROLLOUT_BACKENDS.get(self.rollout.name).check_installed(self.rollout.name, self.trainer.device)
+        check_engine_backend("actor.engine", self.actor.engine)
+        if self.use_critic:
+            check_engine_backend("critic.engine", self.critic.engine)
+        if self.reward_model.enable:
+            check_engine_backend("reward_model", self.reward_model.engine_config())
 
     def _check_lora(self) -> None:
         lora = self.actor.lora
-        if lora.enabled and self.rollout.name == "vllm":
+        if lora.enabled and not ROLLOUT_BACKENDS.get(self.rollout.name).supports_lora_sync:
             raise ValueError(
-                f"actor.lora.rank={lora.rank} with rollout.name=vllm is not supported yet (its sync "
-                "sends only the adapted layers, and vllm reloads whole layers); use rollout.name=native "
+                f"actor.lora.rank={lora.rank} with rollout.name={self.rollout.name} is not supported yet (its "
+                "sync sends only the adapted layers, which this backend cannot take); use rollout.name=native "
                 "or hf, or actor.lora.rank=0"
             )

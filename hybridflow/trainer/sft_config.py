@@ -120,6 +120,9 @@ class SFTConfig(Section):
         return self.trainer.n_workers_per_node * self.trainer.nnodes
 
     def __post_init__(self) -> None:
+        from hybridflow.workers.engines import check_engine_backend
+
+        check_engine_backend("engine", self.engine)
         t, world = self.trainer, self.world_size
         if t.n_workers_per_node is None:
             raise ValueError(

@@ -93,7 +93,13 @@ class SFTJob:
 
         cfg = self.config
         cls = ClassWithInitArgs(
-            SFTWorker, cfg.model, cfg.engine, cfg.optim, cfg.data.micro_batch_size_per_device, cfg.lora
+            SFTWorker,
+            cfg.model,
+            cfg.engine,
+            cfg.optim,
+            cfg.data.micro_batch_size_per_device,
+            cfg.lora,
+            plugins=cfg.trainer.plugins,
         )
         make_group, pools, self._release = group_factory(cfg.trainer, [cfg.world_size], "sft")
         self.group = make_group(pools[0], cls)

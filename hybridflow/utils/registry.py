@@ -7,14 +7,17 @@
 
     ESTIMATORS.register("alias", grpo)    # or as a plain call
     ESTIMATORS.get("grpo")                # unknown names fail naming the key and the known names
+    ESTIMATORS.get("my_pkg.adv:my_est")   # a `module:attr` (or `file.py:attr`) path is imported on first lookup
 
-This module imports nothing from hybridflow, so any layer (algos, controller) may use it.
+This module imports nothing from hybridflow but utils.plugins, so any layer (algos, controller) may use it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar, overload
+
+from hybridflow.utils.plugins import is_path, load_object
 
 T = TypeVar("T")
 _NO_ENTRY: Any = object()
@@ -34,7 +37,14 @@ class UnknownNameError(KeyError, ValueError):
 class Registry(Generic[T]):
     """Entries of one kind (functions, classes, specs) by name, selected by one config key."""
 
-    def __init__(self, kind: str, key: str, hint: str = "", load: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        kind: str,
+        key: str,
+        hint: str = "",
+        load: Callable[[], None] | None = None,
+        wrap: Callable[[Any], T] | None = None,
+    ) -> None:
         self.kind = kind
         """What an entry is, for messages ("advantage estimator")."""
         self.key = key
@@ -42,6 +52,7 @@ class Registry(Generic[T]):
         self.hint = hint
         """How to add an entry, appended to the unknown-name message."""
         self._load = load
+        self._wrap = wrap
         self._entries: dict[str, T] = {}
 
     @overload
@@ -70,8 +81,16 @@ class Registry(Generic[T]):
         return self._entries.pop(name)
 
     def get(self, name: str) -> T:
-        """The entry registered under `name`; an unknown name raises `UnknownNameError`."""
+        """The entry registered under `name`; an unknown name raises `UnknownNameError`.
+
+        A name with a colon is a `module:attr` or `path/to/file.py:attr` path: on its first lookup in this
+        process the module is imported and the attribute (passed through `wrap`, e.g. a function made into a
+        spec) is registered under that name. An unloadable path raises `PluginError` naming the key.
+        """
         self._ensure_loaded()
+        if name not in self._entries and is_path(name):
+            obj = load_object(name, self.key)
+            self._entries[name] = self._wrap(obj) if self._wrap is not None else obj
         if name not in self._entries:
             hint = f" ({self.hint})" if self.hint else ""
             raise UnknownNameError(

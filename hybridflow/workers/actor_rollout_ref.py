@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -49,6 +50,7 @@ from hybridflow.protocol import DataProto
 from hybridflow.rollout.config import RolloutConfig
 from hybridflow.utils.device import device_kind
 from hybridflow.utils.peak_memory import operator_peak
+from hybridflow.utils.plugins import import_plugins
 from hybridflow.workers.config import ActorConfig, ModelConfig, RefConfig
 from hybridflow.workers.engines import build_engine, declare_engine_mesh
 from hybridflow.workers.losses import actor_loss_builder
@@ -65,9 +67,17 @@ class ActorRolloutRefWorker(Worker):
     """The policy: generates (rollout), scores its own tokens (actor / ref) and trains (actor)."""
 
     def __init__(
-        self, model: ModelConfig, actor: ActorConfig, rollout: RolloutConfig, ref: RefConfig, role: str
+        self,
+        model: ModelConfig,
+        actor: ActorConfig,
+        rollout: RolloutConfig,
+        ref: RefConfig,
+        role: str,
+        plugins: Sequence[str] = (),
     ) -> None:
+        """`plugins`: the run's trainer.plugins, imported here first (in the worker process)."""
         super().__init__()
+        import_plugins(plugins)
         self.roles = set(role.split("_"))
         if not self.roles or not self.roles <= set(ROLES):
             raise ValueError(f"ActorRolloutRefWorker role={role!r}: expected a '_'-joined combination of {ROLES}")
@@ -122,6 +132,7 @@ class ActorRolloutRefWorker(Worker):
                     param_dtype=self.ref_cfg.param_dtype,
                     tensor_parallel_size=engine.tensor_parallel_size,
                     ulysses_sequence_parallel_size=engine.ulysses_sequence_parallel_size,
+                    backend=engine.backend,  # the reference runs on the actor's engine backend
                 ),
             )
         if "rollout" in self.roles:

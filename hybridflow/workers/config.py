@@ -11,11 +11,12 @@ from dataclasses import dataclass, field
 
 from hybridflow.algos.core import LOSS_AGG_MODES
 from hybridflow.algos.kl import KL_ESTIMATORS
-from hybridflow.algos.losses import PolicyLossConfig
+from hybridflow.algos.losses import POLICY_LOSSES, PolicyLossConfig
 from hybridflow.config_utils import Section
 from hybridflow.engine.batch import MicroBatchSize, TokenBudget
 from hybridflow.engine.config import EngineConfig, LoraConfig, OptimConfig
 from hybridflow.utils.dtypes import check_dtype
+from hybridflow.utils.registry import Registry, UnknownNameError
 
 OLD_LOG_PROB_MODES = ("auto", "recompute")
 """Values of actor.old_log_prob."""
@@ -24,6 +25,15 @@ OLD_LOG_PROB_MODES = ("auto", "recompute")
 def _one_of(key: str, value: str, allowed) -> None:
     if value not in allowed:
         raise ValueError(f"{key}={value!r} is unknown; valid: {list(allowed)}")
+
+
+def _registered(key: str, value: str, registry: Registry) -> None:
+    """Look `value` up (loading a module:function path); an unknown name fails naming `key`, not the registry's
+    shared key."""
+    try:
+        registry.get(value)
+    except UnknownNameError:
+        raise ValueError(f"{key}={value!r} is unknown; valid: {registry.names()} (or a module:function path)") from None
 
 
 @dataclass
@@ -86,8 +96,6 @@ class ActorConfig(Section):
     policy is the same model with its adapters disabled: no second copy of the weights."""
 
     def __post_init__(self) -> None:
-        from hybridflow.algos.losses import list_policy_losses
-
         for key in (
             "ppo_mini_batch_size",
             "ppo_micro_batch_size_per_device",
@@ -98,13 +106,10 @@ class ActorConfig(Section):
         ):
             if (getattr(self, key) or 1) < 1:
                 raise ValueError(f"actor.{key} must be >= 1, got {getattr(self, key)}")
-        if self.policy_loss_mode not in list_policy_losses():
-            raise ValueError(
-                f"actor.policy_loss_mode={self.policy_loss_mode!r} is unknown; valid: {list_policy_losses()}"
-            )
-        _one_of("actor.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+        POLICY_LOSSES.get(self.policy_loss_mode)  # unknown names (or unloadable paths) fail naming the key
+        _registered("actor.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
         _one_of("actor.old_log_prob", self.old_log_prob, OLD_LOG_PROB_MODES)
-        _one_of("actor.kl_loss_type", self.kl_loss_type, KL_ESTIMATORS.names())
+        _registered("actor.kl_loss_type", self.kl_loss_type, KL_ESTIMATORS)
 
     def update_micro(self) -> MicroBatchSize:
         """Micro-batch size of the update: rows, or a token budget with use_dynamic_bsz."""
@@ -190,7 +195,7 @@ class CriticConfig(Section):
                 raise ValueError(f"critic.{key} must be >= 1, got {getattr(self, key)}")
         if self.cliprange_value <= 0:
             raise ValueError(f"critic.cliprange_value must be > 0, got {self.cliprange_value}")
-        _one_of("critic.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+        _registered("critic.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
 
     def update_micro(self) -> MicroBatchSize:
         """Micro-batch size of the critic update: rows, or a token budget with use_dynamic_bsz."""
@@ -225,10 +230,15 @@ class RewardModelConfig(Section):
     ulysses_sequence_parallel_size: int = 1
     """Ranks each micro-batch's tokens are split over (verl's key; see EngineConfig); 1: off."""
 
+    backend: str | None = None
+    """Engine backend of the reward model (see EngineConfig.backend); None: chosen from the layout."""
+
     def engine_config(self) -> EngineConfig:
         """The inference engine's settings."""
         return EngineConfig(
-            param_dtype=self.param_dtype, ulysses_sequence_parallel_size=self.ulysses_sequence_parallel_size
+            param_dtype=self.param_dtype,
+            ulysses_sequence_parallel_size=self.ulysses_sequence_parallel_size,
+            backend=self.backend,
         )
 
     def __post_init__(self) -> None:

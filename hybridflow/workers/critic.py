@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from hybridflow import keys as K
@@ -11,6 +12,7 @@ from hybridflow.controller.dispatch import make_nd_compute_dataproto_dispatch_fn
 from hybridflow.controller.worker import Worker
 from hybridflow.protocol import DataProto
 from hybridflow.utils.peak_memory import operator_peak
+from hybridflow.utils.plugins import import_plugins
 from hybridflow.workers.config import CriticConfig, ModelConfig
 from hybridflow.workers.engines import build_engine, declare_engine_mesh
 from hybridflow.workers.losses import critic_loss_builder
@@ -29,8 +31,10 @@ class CriticWorker(Worker):
     `.get()`), so with split placement they overlap the actor's calls.
     """
 
-    def __init__(self, model: ModelConfig, critic: CriticConfig, rollout_n: int) -> None:
+    def __init__(self, model: ModelConfig, critic: CriticConfig, rollout_n: int, plugins: Sequence[str] = ()) -> None:
+        """`plugins`: the run's trainer.plugins, imported here first (in the worker process)."""
         super().__init__()
+        import_plugins(plugins)
         self.model_cfg = critic.model or model
         self.cfg = critic
         self.rollout_n = rollout_n

@@ -2,7 +2,7 @@
 
 Role workers never name a backend class; they call `build_engine`, so a tensor-
 parallel, sequence-parallel or GPU-specific engine is one more entry in `ENGINES`, not a
-copy of a worker; `declare_engine_mesh` gives the worker its dp layout for the N-D dispatch.
+copy of a worker, selected by `engine.backend` (actor, critic, sft; `reward_model.backend`); `declare_engine_mesh` gives the worker its dp layout for the N-D dispatch.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 from hybridflow.engine.base import Engine
 from hybridflow.engine.config import EngineConfig, LoraConfig, OptimConfig
-from hybridflow.utils.registry import Registry
+from hybridflow.utils.registry import Registry, UnknownNameError
 
 
 def _fsdp(
@@ -40,13 +40,40 @@ def _fsdp_sp(
     return SequenceParallelEngine.from_pretrained(path, cfg, optim, value_model=value_model, lora=lora)
 
 
-ENGINES: Registry[Callable[[str | Path, EngineConfig, OptimConfig | None, bool, LoraConfig | None], Engine]] = Registry(
-    "engine backend", "backend", "add one with hybridflow.workers.engines.ENGINES.register(name, build_fn)"
+EngineBuilder = Callable[[str | Path, EngineConfig, OptimConfig | None, bool, LoraConfig | None], Engine]
+"""(path, cfg, optim, value_model, lora) -> Engine: load the HF model at `path` on this process group (optim None:
+inference only; value_model: a value head instead of the LM head; lora with rank > 0: train adapters)."""
+
+ENGINES: Registry[EngineBuilder] = Registry(
+    "engine backend",
+    "engine.backend",
+    "add one with hybridflow.workers.engines.ENGINES.register(name, build_fn) in a trainer.plugins module, "
+    "or give a module:function path",
 )
-"""Engine backends by name: build_fn(path, cfg, optim, value_model, lora) -> Engine."""
+"""Engine backends by name (config: actor.engine.backend, critic.engine.backend, reward_model.backend)."""
 ENGINES.register("fsdp", _fsdp)
 ENGINES.register("fsdp_tp", _fsdp_tp)
 ENGINES.register("fsdp_sp", _fsdp_sp)
+
+
+def engine_backend(cfg: EngineConfig) -> str:
+    """The backend name `cfg` selects: cfg.backend, or from the layout when it is None."""
+    if cfg.backend is not None:
+        return cfg.backend
+    if cfg.tensor_parallel_size > 1:
+        return "fsdp_tp"
+    return "fsdp_sp" if cfg.ulysses_sequence_parallel_size > 1 else "fsdp"
+
+
+def check_engine_backend(section: str, cfg: EngineConfig) -> None:
+    """Raise ValueError naming `section`.backend when it names no registered (or loadable) engine backend."""
+    try:
+        ENGINES.get(engine_backend(cfg))
+    except UnknownNameError:
+        raise ValueError(
+            f"{section}.backend={cfg.backend!r} is not a registered engine backend; known: {ENGINES.names()} "
+            "(or a module:function path; register one in a trainer.plugins module)"
+        ) from None
 
 
 def build_engine(
@@ -57,18 +84,10 @@ def build_engine(
     backend: str | None = None,
     lora: LoraConfig | None = None,
 ) -> Engine:
-    """Load the model at `path` into the `backend` engine (optim=None: inference only; `lora` with
-    rank > 0: train adapters on a causal LM instead of its weights). `backend` None: "fsdp_tp" when
-    `cfg.tensor_parallel_size` > 1, "fsdp_sp" when `cfg.ulysses_sequence_parallel_size` > 1, else "fsdp"."""
-    if backend is None:
-        backend = (
-            "fsdp_tp"
-            if cfg.tensor_parallel_size > 1
-            else "fsdp_sp"
-            if cfg.ulysses_sequence_parallel_size > 1
-            else "fsdp"
-        )
-    return ENGINES.get(backend)(path, cfg, optim, value_model, lora)
+    """Load the model at `path` into the engine backend `backend` (None: `cfg.backend`, itself None: chosen from
+    the layout, see `engine_backend`); optim=None: inference only; `lora` with rank > 0: train adapters on a
+    causal LM instead of its weights."""
+    return ENGINES.get(backend or engine_backend(cfg))(path, cfg, optim, value_model, lora)
 
 
 def declare_engine_mesh(worker: Any, mesh_name: str, cfg: EngineConfig, section: str) -> int:

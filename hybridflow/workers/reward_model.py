@@ -14,6 +14,7 @@ explains how the critic-aligned engine is made to produce it).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -23,6 +24,7 @@ from hybridflow.controller.decorator import Dispatch, register
 from hybridflow.controller.dispatch import make_nd_compute_dataproto_dispatch_fn
 from hybridflow.controller.worker import Worker
 from hybridflow.protocol import DataProto
+from hybridflow.utils.plugins import import_plugins
 from hybridflow.workers.config import RewardModelConfig
 from hybridflow.workers.engines import build_engine, declare_engine_mesh
 
@@ -88,8 +90,10 @@ def last_token_scores(values: torch.Tensor, response_mask: torch.Tensor) -> torc
 class RewardModelWorker(Worker):
     """Scores whole responses with a reward model."""
 
-    def __init__(self, config: RewardModelConfig) -> None:
+    def __init__(self, config: RewardModelConfig, plugins: Sequence[str] = ()) -> None:
+        """`plugins`: the run's trainer.plugins, imported here first (in the worker process)."""
         super().__init__()
+        import_plugins(plugins)
         self.cfg = config
         self.engine = None
         declare_engine_mesh(self, REWARD_MESH, config.engine_config(), "reward_model.")

@@ -11,6 +11,7 @@ exactly the token-mean NLL of the global batch.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -23,6 +24,7 @@ from hybridflow.controller.worker import Worker
 from hybridflow.engine.base import Engine, LossFn, MicroBatch
 from hybridflow.engine.config import EngineConfig, LoraConfig, OptimConfig
 from hybridflow.protocol import DataProto
+from hybridflow.utils.plugins import import_plugins
 from hybridflow.workers.config import ModelConfig
 from hybridflow.workers.engines import build_engine
 from hybridflow.workers.ppo_update import global_norm
@@ -61,8 +63,11 @@ class SFTWorker(Worker):
         optim: OptimConfig,
         micro_batch_size: int,
         lora: LoraConfig | None = None,
+        plugins: Sequence[str] = (),
     ) -> None:
+        """`plugins`: the run's trainer.plugins, imported here first (in the worker process)."""
         super().__init__()
+        import_plugins(plugins)
         self.model_cfg, self.engine_cfg, self.optim_cfg, self.lora_cfg = model, engine, optim, lora
         self.micro_batch_size = micro_batch_size
         self.engine: Engine | None = None

@@ -1,0 +1,263 @@
+"""Every plugin kind's signature, pinned: the built-ins satisfy it, and a minimal user implementation in a module
+of a temporary directory, named by `file.py:function` path, works through the same public entry point.
+
+Kinds and where their signature is written: policy loss (algos/losses.py PolicyLossFn), advantage estimator
+(algos/adv_spec.py AdvantageEstimatorFn + AdvantageEstimatorSpec), KL estimator (algos/kl.py KLEstimatorFn),
+loss aggregation (algos/core.py LossAggFn), reward scorer (rewards/registry.py Scorer), rollout backend
+(rollout/backends.py RolloutBuilder + RolloutBackendSpec), engine backend (workers/engines.py EngineBuilder).
+"""
+
+from __future__ import annotations
+
+import inspect
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from rollout_helpers import prompt_batch, tiny
+
+from hybridflow.algos import agg_loss, get_policy_loss_fn, kl_penalty
+from hybridflow.algos.adv_spec import ADV_ESTIMATORS, AdvantageEstimatorSpec, get_advantage_spec
+from hybridflow.algos.core import LOSS_AGG_MODES
+from hybridflow.algos.kl import KL_ESTIMATORS
+from hybridflow.algos.losses import POLICY_LOSSES, PolicyLossConfig
+from hybridflow.keys import RESPONSES
+from hybridflow.rewards import default_compute_score
+from hybridflow.rewards.registry import SCORERS
+from hybridflow.rollout import ROLLOUT_BACKENDS, RolloutBackendSpec, RolloutConfig, build_rollout
+from hybridflow.utils.plugins import PluginError, import_plugins
+from hybridflow.workers.engines import ENGINES
+
+B, R = 4, 5
+
+
+def _batch() -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(0)
+    old, new = torch.randn(B, R, generator=gen) - 2, torch.randn(B, R, generator=gen) - 2
+    adv, mask = torch.randn(B, R, generator=gen), torch.ones(B, R)
+    mask[1, 3:] = 0
+    return old, new, adv, mask
+
+
+def _module(tmp_path: Path, source: str) -> str:
+    file = tmp_path / "user_plugin.py"
+    file.write_text(textwrap.dedent(source))
+    return str(file)
+
+
+@pytest.mark.parametrize("name", ["vanilla", "gspo", "gpg", "cispo", "sapo", "clip_cov", "kl_cov"])
+def test_policy_loss_contract_builtins(name):
+    old, new, adv, mask = _batch()
+    loss, stats = POLICY_LOSSES.get(name)(
+        old, new.requires_grad_(), adv, mask, loss_agg_mode="token-mean", config=PolicyLossConfig()
+    )
+    assert loss.dim() == 0 and loss.requires_grad
+    assert {"pg_clipfrac", "ppo_kl"} <= set(stats) and all(
+        not torch.is_tensor(v) or v.dim() == 0 for v in stats.values()
+    )
+
+
+def test_policy_loss_contract_user(tmp_path):
+    path = _module(
+        tmp_path,
+        """
+        from hybridflow.algos.losses import finish_policy_loss
+
+        def neg_adv_logp(old_log_prob, log_prob, advantages, response_mask, *, loss_agg_mode="token-mean",
+                         config, global_norm=None, rollout_log_probs=None, rollout_is_weights=None):
+            loss_mat = -advantages * log_prob
+            stats = {"pg_clipfrac": loss_mat.new_zeros(())}
+            return finish_policy_loss(loss_mat, old_log_prob, log_prob, response_mask, loss_agg_mode, config,
+                                      global_norm, rollout_log_probs, stats, rollout_is_weights)
+        """,
+    )
+    old, new, adv, mask = _batch()
+    loss, stats = get_policy_loss_fn(f"{path}:neg_adv_logp")(old, new, adv, mask, config=PolicyLossConfig())
+    expect = (-(adv * new) * mask).sum() / mask.sum()
+    assert torch.allclose(loss, expect) and "ppo_kl" in stats
+
+
+@pytest.mark.parametrize("name", ADV_ESTIMATORS.names())
+def test_advantage_estimator_contract_builtins(name):
+    spec = get_advantage_spec(name)
+    assert isinstance(spec, AdvantageEstimatorSpec)
+    _, _, rewards, mask = _batch()
+    adv, ret = spec.fn(
+        rewards, mask, np.array([0, 0, 1, 1]), values=torch.zeros(B, R), reward_baselines=torch.zeros(B), gamma=1.0
+    )
+    assert adv.shape == ret.shape == (B, R) and float(adv[1, 3:].abs().sum()) == 0.0
+    assert not (spec.sync_only is False and spec.baseline is not None)  # a baseline generates with current weights
+
+
+def test_advantage_estimator_contract_user(tmp_path):
+    path = _module(
+        tmp_path,
+        """
+        from hybridflow.algos import register_adv_est
+
+        @register_adv_est("score_minus_half", needs_groups=True)
+        def score_minus_half(token_level_rewards, response_mask, index, **unused):
+            adv = (token_level_rewards - 0.5) * response_mask
+            return adv, adv
+
+        def bare(token_level_rewards, response_mask, index, **unused):
+            return token_level_rewards, token_level_rewards
+        """,
+    )
+    import_plugins([path])
+    spec = get_advantage_spec("score_minus_half")
+    assert spec.needs_groups and not spec.needs_critic and spec.baseline is None
+    adv, _ = spec.fn(torch.ones(2, 3), torch.ones(2, 3), np.array([0, 0]))
+    assert adv.tolist() == [[0.5] * 3] * 2
+    bare = get_advantage_spec(f"{path}:bare")  # a bare function by path gets a spec that needs nothing
+    assert bare == AdvantageEstimatorSpec(fn=bare.fn) and bare.fn(torch.ones(1, 2), torch.ones(1, 2), [0])[0].sum() == 2
+
+
+def test_advantage_estimator_baseline_contract(tmp_path):
+    path = _module(
+        tmp_path,
+        """
+        from hybridflow.algos.adv_spec import AdvantageEstimatorSpec
+        from hybridflow.algos.advantages import compute_remax_outcome_advantage
+
+        def best_of_two(ctx):
+            return ctx.generate_scores(do_sample=True, n=2).view(-1, 2).amax(-1).repeat_interleave(ctx.n)
+
+        SPEC = AdvantageEstimatorSpec(compute_remax_outcome_advantage, baseline=best_of_two, sync_only=True)
+        """,
+    )
+    calls = []
+
+    def generate_scores(*, do_sample, n):
+        calls.append((do_sample, n))
+        return torch.tensor([1.0, 2.0, 0.0, 5.0])[: 2 * n]
+
+    ctx = SimpleNamespace(n=3, generate_scores=generate_scores)
+    assert get_advantage_spec(f"{path}:SPEC").baseline(ctx).tolist() == [2.0] * 3 + [5.0] * 3
+    assert get_advantage_spec("remax").baseline(ctx).tolist() == [1.0] * 3 + [2.0] * 3  # one greedy per prompt
+    assert calls == [(True, 2), (False, 1)]
+
+
+@pytest.mark.parametrize("name", KL_ESTIMATORS.names())
+def test_kl_estimator_contract_builtins(name):
+    old, new, _, _ = _batch()
+    assert KL_ESTIMATORS.get(name)(new, old).shape == (B, R)
+
+
+def test_kl_estimator_contract_user(tmp_path):
+    path = _module(tmp_path, "def sq(logprob, ref_logprob):\n    return (logprob - ref_logprob) ** 2\n")
+    old, new, _, _ = _batch()
+    torch.testing.assert_close(kl_penalty(new, old, f"{path}:sq"), (new - old) ** 2)
+
+
+@pytest.mark.parametrize("name", LOSS_AGG_MODES.names())
+def test_loss_agg_contract_builtins(name):
+    _, new, _, mask = _batch()
+    out = LOSS_AGG_MODES.get(name)(new, mask.bool(), None, None)
+    assert out.dim() == 0 and torch.equal(out, agg_loss(new, mask, name))
+
+
+def test_loss_agg_contract_user(tmp_path):
+    path = _module(
+        tmp_path,
+        """
+        def token_sum(loss_mat, valid, global_norm, norm_length):
+            return loss_mat.where(valid, 0.0).sum()
+        """,
+    )
+    _, new, _, mask = _batch()
+    torch.testing.assert_close(agg_loss(new, mask, f"{path}:token_sum"), (new * mask).sum())
+
+
+def test_reward_scorer_contract(tmp_path):
+    truths = {"arithmetic": "4", "gsm8k": "4", "math": "4", "countdown": '{"target": 4, "numbers": [2, 2]}'}
+    for name, truth in truths.items():
+        assert isinstance(SCORERS.get(name)("#### 4 <answer>2+2</answer> \\boxed{4}", truth), (int, float))
+    path = _module(
+        tmp_path,
+        """
+        from hybridflow.rewards import register_scorer
+
+        register_scorer("contract/exact", lambda solution_str, ground_truth: float(solution_str == ground_truth))
+        """,
+    )
+    import_plugins([path])
+    assert default_compute_score("contract/exact", "42", "42") == 1.0
+    assert default_compute_score("contract/exact", "41", "42") == 0.0
+
+
+@pytest.mark.parametrize("name", ROLLOUT_BACKENDS.names())
+def test_rollout_backend_contract_builtins(name):
+    spec = ROLLOUT_BACKENDS.get(name)
+    assert isinstance(spec, RolloutBackendSpec)
+    inspect.signature(spec.build).bind(RolloutConfig(), "model_dir", None, 1)
+
+
+def test_rollout_backend_contract_user(tmp_path):
+    path = _module(
+        tmp_path,
+        """
+        from hybridflow.rollout import ROLLOUT_BACKENDS
+
+        def first_token_only(config, model_path_or_module, tokenizer, tp_stride):
+            from dataclasses import replace
+            return ROLLOUT_BACKENDS.get("native").build(replace(config, name="native", response_length=1),
+                                                        model_path_or_module, tokenizer, tp_stride)
+        """,
+    )
+    model, tok = tiny("llama")
+    cfg = RolloutConfig(name=f"{path}:first_token_only", dtype="fp32", do_sample=False, response_length=4)
+    out = build_rollout(cfg, model, tok).generate_sequences(prompt_batch(tok))
+    assert out.batch[RESPONSES].shape[1] == 1
+
+
+@pytest.mark.parametrize("name", ENGINES.names())
+def test_engine_backend_contract_builtins(name):
+    from hybridflow.engine.config import EngineConfig
+
+    inspect.signature(ENGINES.get(name)).bind("model_dir", EngineConfig(), None, False, None)
+
+
+def test_engine_backend_contract_user(tmp_path):
+    from hybridflow.engine.base import Engine
+    from hybridflow.engine.config import EngineConfig
+    from hybridflow.models import tiny_model_dir
+    from hybridflow.workers.engines import build_engine
+
+    path = _module(
+        tmp_path,
+        """
+        from hybridflow.workers.engines import ENGINES
+
+        def tagged_fsdp(path, cfg, optim, value_model, lora):
+            engine = ENGINES.get("fsdp")(path, cfg, optim, value_model, lora)
+            engine.built_by_plugin = True
+            return engine
+        """,
+    )
+    engine = build_engine(tiny_model_dir("llama"), EngineConfig(param_dtype="fp32", backend=f"{path}:tagged_fsdp"))
+    assert isinstance(engine, Engine) and engine.built_by_plugin
+
+
+def test_a_path_that_does_not_load_names_the_key(tmp_path):
+    with pytest.raises(PluginError, match=r"actor.policy_loss_mode='.*nowhere.py:f': plugin file .* does not exist"):
+        POLICY_LOSSES.get(f"{tmp_path}/nowhere.py:f")
+    with pytest.raises(PluginError, match=r"rollout.name='no_such_pkg_q:f': cannot import module 'no_such_pkg_q'"):
+        ROLLOUT_BACKENDS.get("no_such_pkg_q:f")
+
+
+def test_engine_backend_is_chosen_by_the_config_and_checked_at_load():
+    from hybridflow.config_utils import ConfigError, load_config
+    from hybridflow.engine.config import EngineConfig
+    from hybridflow.trainer.run_config import RunConfig
+    from hybridflow.workers.engines import engine_backend
+
+    assert engine_backend(EngineConfig()) == "fsdp"
+    assert engine_backend(EngineConfig(tensor_parallel_size=2)) == "fsdp_tp"
+    assert engine_backend(EngineConfig(ulysses_sequence_parallel_size=2)) == "fsdp_sp"
+    assert engine_backend(EngineConfig(tensor_parallel_size=2, backend="mine")) == "mine"
+    with pytest.raises(ConfigError, match=r"critic.engine.backend='nope' is not a registered engine backend"):
+        load_config(RunConfig, None, ["algorithm.adv_estimator=gae", "critic.engine.backend=nope"])
