@@ -1,0 +1,7 @@
+"""Agentic RL: environments, tools (with a process sandbox), tool-call parsing and the multi-turn loop.
+
+- `env.py`: the `Environment` users write (`reset(row)`, `step(text)`), the `ENVIRONMENTS`
+  registry and the built-in `ToolEnvironment`.
+- `tool_calls.py`: the `<tool_call>{json}</tool_call>` format and chat-template rendering.
+- `tools/`: the `Tool` interface, the `TOOLS` registry, `calculator`, `python` (sandboxed).
+"""
