@@ -14,14 +14,8 @@ from hybridflow.agent.tool_calls import (
 )
 from hybridflow.agent.tools import TOOLS, Tool, ToolResult, run_tool
 from hybridflow.agent.tools.calculator import CalculatorError, evaluate
+from tests.agent_helpers import QWEN2_STYLE_TEMPLATE
 
-QWEN2_STYLE = (
-    "{%- if tools %}<|im_start|>system\n# Tools\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>"
-    "<|im_end|>\n{%- endif %}"
-    "{%- for m in messages %}{%- if m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n"
-    "</tool_response><|im_end|>\n{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endif %}"
-    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
-)
 STRICT = (
     "{%- for m in messages %}{%- if m.role not in ['user', 'assistant', 'system'] %}"
     "{{ raise_exception('unknown role') }}{%- endif %}[{{ m.role }}]{{ m.content }}{%- endfor %}"
@@ -88,7 +82,7 @@ def test_template_probes_and_fallbacks():
         {"role": "assistant", "content": "c"},
         {"role": "tool", "content": "7"},
     ]
-    qwen = _Tok(QWEN2_STYLE)
+    qwen = _Tok(QWEN2_STYLE_TEMPLATE)
     assert template_renders_tools(qwen) and template_renders_tool_role(qwen)
     out, kwargs = render_messages(qwen, messages, [schema])
     assert out == messages and kwargs == {"tools": [schema]}
