@@ -7,8 +7,9 @@ library, so the worktree need not be importable in the child). In order:
    process forked next. If that is refused, exit `UNAVAILABLE` without running anything.
 2. The forked init (killed with its parent: PR_SET_PDEATHSIG; and when init dies the kernel
    kills every process of the namespace, so nothing the code spawns outlives the call)
-   bind-mounts the scratch directory onto itself, remounts every other mount read-only,
-   and mounts a fresh read-only /proc of the new PID namespace.
+   mounts empty tmpfs over /tmp, /var/tmp, /run and /dev/shm (no Unix socket of the host is
+   reachable), binds the scratch directory back at its own path, remounts every other mount
+   read-only, and mounts a fresh read-only /proc of the new PID namespace.
 3. Init forks the worker (PID 2), which sets resource limits (CPU seconds: SIGXCPU at the
    limit, SIGKILL a second later; address space; processes; file size), chdirs to scratch,
    sets `no_new_privs` and drops every capability (bounding set and effective/permitted), so
@@ -31,6 +32,7 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
 PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 24, 38
 _LINUX_CAPABILITY_VERSION_3 = 0x20080522
+HIDDEN = ("/tmp", "/var/tmp", "/run", "/dev/shm")
 _FLAG_BITS = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC}
 
 libc = ctypes.CDLL(None, use_errno=True)
@@ -50,10 +52,10 @@ def check(result: int, what: str) -> None:
         fail(f"{what}: {os.strerror(err)} (errno {err})")
 
 
-def mount(source, target, fstype, flags: int, what: str) -> None:
+def mount(source, target, fstype, flags: int, what: str, data=None) -> None:
     """mount(2) with byte-string arguments; fails closed."""
-    enc = [s.encode() if s is not None else None for s in (source, target, fstype)]
-    check(libc.mount(enc[0], enc[1], enc[2], ctypes.c_ulong(flags), None), what)
+    enc = [s.encode() if s is not None else None for s in (source, target, fstype, data)]
+    check(libc.mount(enc[0], enc[1], enc[2], ctypes.c_ulong(flags), enc[3]), what)
 
 
 def mount_points() -> list:
@@ -69,9 +71,18 @@ def mount_points() -> list:
 
 
 def lock_filesystem(scratch: str) -> None:
-    """Every mount read-only except `scratch`; /proc replaced by the new PID namespace's."""
+    """Every mount read-only except `scratch`; the shared temporary and runtime directories
+    (`HIDDEN`) replaced by empty ones, so no Unix socket there (Ray's, a daemon's) can be
+    reached (connect() on a socket file ignores read-only mounts); /proc replaced by the new
+    PID namespace's."""
     mount(None, "/", None, MS_REC | MS_PRIVATE, "make mounts private")
-    mount(scratch, scratch, None, MS_BIND, "bind the scratch directory")
+    handle = os.open(scratch, os.O_PATH | os.O_DIRECTORY)  # reachable after its parent is hidden
+    for directory in HIDDEN:
+        if os.path.isdir(directory) and not os.path.islink(directory):
+            mount("tmpfs", directory, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, f"hide {directory}", "size=1m")
+    os.makedirs(scratch, exist_ok=True)
+    mount(f"/proc/self/fd/{handle}", scratch, None, MS_BIND, "bind the scratch directory")
+    os.close(handle)
     for point, keep in mount_points():
         if point == scratch or not os.path.lexists(point):
             continue
