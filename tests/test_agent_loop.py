@@ -166,3 +166,35 @@ def test_a_template_without_the_stop_token_is_refused(tok):
     plain = with_template(tok, "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
     with pytest.raises(TemplateDeltaError, match="stop tokens"):
         observation_ids(plain, [{"role": "tool", "content": "1"}], [tok.eos_token_id])
+
+
+def test_trajectories_become_a_batch_in_the_rollout_layout(tok):
+    from hybridflow import keys
+    from hybridflow.agent.batch import trajectories_to_batch
+
+    texts = iter(["first", "second", "third", "fourth"])
+
+    def generate(batch, budgets):
+        return [TurnOutput(encode(tok, next(texts)) + [tok.eos_token_id], None) for _ in batch]
+
+    rows = [{"q": "short"}, {"q": "a much longer question " * 3}]
+    trajs = run_agent_loop(rows, lambda: Chatty(2), generate, tok, AgentLoopConfig())
+    batch = trajectories_to_batch(trajs, tok.pad_token_id, response_length=64)
+    prompts, responses = batch.batch[keys.PROMPTS], batch.batch[keys.RESPONSES]
+    assert prompts.shape[1] == max(len(t.prompt_ids) for t in trajs) and responses.shape[1] == 64
+    for i, traj in enumerate(trajs):
+        n_p, n_r = len(traj.prompt_ids), len(traj.response_ids)
+        assert prompts[i, prompts.shape[1] - n_p :].tolist() == traj.prompt_ids
+        assert responses[i, :n_r].tolist() == traj.response_ids
+        assert batch.batch[keys.RESPONSE_MASK][i, :n_r].tolist() == traj.response_mask
+        assert batch.batch[keys.RESPONSE_MASK][i, n_r:].sum() == 0
+        attention = batch.batch[keys.ATTENTION_MASK][i]
+        assert attention.sum() == n_p + n_r and attention[prompts.shape[1] : prompts.shape[1] + n_r].all()
+        scores = batch.batch[keys.TOKEN_LEVEL_SCORES][i]
+        assert scores.sum().item() == pytest.approx(traj.reward) and scores[n_r - 1] == 1.0
+        assert batch.non_tensor_batch["num_turns"][i] == 2 and batch.non_tensor_batch["stop_reason"][i] == "done"
+    positions = batch.batch[keys.POSITION_IDS][0]
+    first = prompts.shape[1] - len(trajs[0].prompt_ids)
+    assert positions[first] == 0 and positions[first + len(trajs[0].prompt_ids)] == len(trajs[0].prompt_ids)
+    with pytest.raises(ValueError, match="exceed the widths"):
+        trajectories_to_batch(trajs, tok.pad_token_id, response_length=4)
