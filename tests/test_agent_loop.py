@@ -75,6 +75,11 @@ def test_trained_ids_are_the_sampled_ids_over_several_turns(tiny, tok):
         assert traj.reward_positions[-1] == len(traj.response_ids) - 1
         assert traj.response_ids[traj.reward_positions[0]] == tok.eos_token_id
         _assert_text_is_the_template_rendering(tok, traj)
+    # The check has teeth: decoding and re-encoding (what a text-level loop does) changes the ids.
+    drifted = [
+        t for t in trajs if encode(tok, tok.decode(t.prompt_ids + t.response_ids)) != t.prompt_ids + t.response_ids
+    ]
+    assert drifted
 
 
 def _assert_text_is_the_template_rendering(tok, traj: Trajectory) -> None:
