@@ -128,3 +128,11 @@ def test_sft_dataset_trains_each_assistant_turn_once(tmp_path):
     assert responses[0].startswith("<tool_call>") and responses[1].isdigit() and len(examples) == 4
     with pytest.raises(ValueError, match="messages_key"):
         SFTDataset(train, tok, 512)
+
+
+def test_sft_config_asks_for_the_messages_column_of_a_multi_turn_task():
+    from hybridflow.trainer.sft_config import SFTDataConfig
+
+    with pytest.raises(ValueError, match="data.messages_key=messages"):
+        SFTDataConfig(task="tool_arithmetic")
+    assert SFTDataConfig(task="tool_arithmetic", messages_key="messages").task == "tool_arithmetic"

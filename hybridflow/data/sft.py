@@ -51,12 +51,16 @@ SFT_TRANSCRIPTS: dict[str, Callable[[dict[str, Any]], list[dict[str, str]]]] = {
 """Multi-turn tasks with a known ideal episode: verl-format row -> its chat messages."""
 
 
-def check_sft_task(name: str) -> None:
-    """Refuse a task that has no known correct response."""
+def check_sft_task(name: str, messages_key: str | None = None) -> None:
+    """Refuse a task that has no known correct response, and a multi-turn task read without its messages."""
     if name not in SFT_RESPONSES and name not in SFT_TRANSCRIPTS:
         raise ValueError(
             f"task {name!r} has no known correct response to fine-tune on; SFT sets exist for "
             f"{sorted(SFT_RESPONSES) + sorted(SFT_TRANSCRIPTS)} (or set data.train_files)"
+        )
+    if name in SFT_TRANSCRIPTS and messages_key != "messages":
+        raise ValueError(
+            f"task {name!r} is multi-turn: its SFT set holds only a `messages` column; set data.messages_key=messages"
         )
 
 
@@ -94,7 +98,7 @@ def build_sft_task(
     """
     if train_size < 1 or test_size < 1:
         raise ValueError(f"train_size and test_size must be >= 1, got {train_size}, {test_size}")
-    check_sft_task(name)
+    check_sft_task(name, messages_key="messages")  # the files are written, not read, here
     level = make_difficulty(name, **difficulty)
     train = make_rows(name, train_size, "train", seed, level)
     seen = {row["prompt"][0]["content"] for row in train}
