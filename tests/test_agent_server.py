@@ -138,7 +138,8 @@ def test_n_choices_fork_and_the_continued_one_is_extended(tokenizer):
 
 
 def test_tool_calls_round_trip_in_the_chat_format(tokenizer):
-    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>'
+    # compact JSON: not what format_tool_call would write, so re-rendering the turn would change its ids
+    call = '<tool_call>{"name":"calculator","arguments":{"expression":"2+3"}}</tool_call>'
 
     def reply(req: GenerationRequest, k: int) -> str:
         return "It is 5." if "<|im_start|>tool" in tokenizer.decode(req.prompt_ids) else call
@@ -245,3 +246,31 @@ def test_non_loopback_bind_without_a_key_is_refused(tokenizer, capsys):
     assert main(["serve", "--host", "0.0.0.0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--api-key" in err[0]
+
+
+def test_session_carriers_header_extra_body_and_api_key(tokenizer):
+    backend = Scripted(tokenizer, lambda req, k: "x")
+    with serving(backend, tokenizer) as (running, client):
+        question = [{"role": "user", "content": "q"}]
+        _chat(client, question, session="from-header")
+        client.chat.completions.create(model="m", messages=question, extra_body={"session_id": "from-body"})
+        keyed = openai.OpenAI(base_url=running.url, api_key="from-key", max_retries=0, timeout=30)
+        keyed.chat.completions.create(model="m", messages=question)
+        sessions = running.server.sessions.pop_all()
+    assert sorted(sessions) == ["from-body", "from-header", "from-key"]
+    assert all(len(trajs) == 1 for trajs in sessions.values())
+
+
+def test_a_failing_backend_call_is_a_500_and_the_server_serves_on(tokenizer):
+    fail = [True]
+
+    def reply(req: GenerationRequest, k: int) -> str:
+        if fail.pop() if fail else False:
+            raise RuntimeError("backend exploded")
+        return "fine"
+
+    with serving(Scripted(tokenizer, reply), tokenizer) as (running, client):
+        with pytest.raises(openai.InternalServerError, match="backend exploded"):
+            _chat(client, [{"role": "user", "content": "q"}])
+        assert _chat(client, [{"role": "user", "content": "q"}]).choices[0].message.content == "fine"
+        assert running.server.metrics()["server/backend_calls"] == 2

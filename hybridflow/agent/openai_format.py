@@ -8,6 +8,7 @@ keeps as an extra field).
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -98,16 +99,14 @@ def assistant_reply(text: str, with_tools: bool) -> tuple[dict[str, Any], bool]:
     if parsed is None or not parsed.calls:
         return {"role": "assistant", "content": text}, False
     calls = [
-        {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": c.name, "arguments": _json(c)}}
+        {
+            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {"name": c.name, "arguments": json.dumps(c.arguments)},
+        }
         for c in parsed.calls
     ]
     return {"role": "assistant", "content": parsed.content or None, "tool_calls": calls}, True
-
-
-def _json(call: Any) -> str:
-    import json
-
-    return json.dumps(call.arguments)
 
 
 def chat_logprobs(tokenizer: Any, sample: Sample) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ from hybridflow.agent.openai_format import (
 from hybridflow.agent.sessions import HistoryMismatch, Pending, SessionStore
 
 SESSION_HEADER = "x-session-id"
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -139,6 +141,10 @@ class AgentServer:
                 return JSONResponse(error_body(str(err), err.param, err.code), status_code=err.status)
             except HistoryMismatch as err:
                 return JSONResponse(error_body(str(err), "messages", "history_mismatch"), status_code=400)
+            except Exception as err:  # a backend failure fails this request, not the server
+                logger.exception("request failed")
+                body = error_body(f"generation failed: {type(err).__name__}: {err}", kind="server_error")
+                return JSONResponse(body, status_code=500)
 
         return endpoint
 
