@@ -5,9 +5,14 @@ the HTTP / session logic."""
 from __future__ import annotations
 
 import json
+import queue
+import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import openai
 import pytest
@@ -274,3 +279,23 @@ def test_a_failing_backend_call_is_a_500_and_the_server_serves_on(tokenizer):
             _chat(client, [{"role": "user", "content": "q"}])
         assert _chat(client, [{"role": "user", "content": "q"}]).choices[0].message.content == "fine"
         assert running.server.metrics()["server/backend_calls"] == 2
+
+
+def test_serve_cli_prints_its_url_answers_and_stops_on_ctrl_c():
+    repo = Path(__file__).resolve().parents[1]
+    command = [sys.executable, "-m", "hybridflow.trainer.cli", "serve", "--model", str(tiny_model_dir("llama"))]
+    proc = subprocess.Popen(command + ["--port", "0", "--max-tokens", "4"], cwd=repo, stdout=subprocess.PIPE, text=True)
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    try:
+        line = lines.get(timeout=180)
+        assert line.startswith("serving ") and " at http://127.0.0.1:" in line, line
+        client = openai.OpenAI(base_url=line.split(" at ")[-1].strip(), api_key="k", max_retries=0, timeout=60)
+        reply = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+        assert 1 <= len(reply.choices[0].token_ids) <= 4
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
