@@ -44,7 +44,7 @@ class Recording:
 
     def __init__(self, backend) -> None:
         self.backend = backend
-        self.max_tokens, self.stop_ids = backend.max_tokens, backend.stop_ids
+        self.max_tokens, self.stop_ids, self.max_model_len = backend.max_tokens, backend.stop_ids, backend.max_model_len
         self.calls: list[tuple[list[GenerationRequest], list[list[Sample]]]] = []
 
     def generate(self, requests: list[GenerationRequest]) -> list[list[Sample]]:
@@ -58,7 +58,7 @@ class Scripted:
 
     def __init__(self, tokenizer, reply: Callable[[GenerationRequest, int], str]) -> None:
         self.tokenizer, self.reply = tokenizer, reply
-        self.max_tokens, self.stop_ids = 64, (tokenizer.eos_token_id,)
+        self.max_tokens, self.stop_ids, self.max_model_len = 64, (tokenizer.eos_token_id,), 400
 
     def generate(self, requests: list[GenerationRequest]) -> list[list[Sample]]:
         out = []
@@ -229,6 +229,16 @@ def test_stream_and_bad_fields_get_clear_400s(tokenizer):
             _chat(client, [{"role": "user", "content": "q"}], stream=True)
         with pytest.raises(openai.BadRequestError, match="top_p must be in"):
             _chat(client, [{"role": "user", "content": "q"}], top_p=0)
+        with pytest.raises(openai.BadRequestError, match="the model takes at most 400"):
+            _chat(client, [{"role": "user", "content": "word " * 500}])
+
+
+def test_the_least_recently_used_sessions_are_evicted_past_max_sessions(tokenizer):
+    with serving(Scripted(tokenizer, lambda req, k: "x"), tokenizer, max_sessions=2) as (running, client):
+        for session in ("a", "b", "a", "c"):
+            _chat(client, [{"role": "user", "content": "q"}], session=session)
+        assert running.server.metrics()["sessions/evicted"] == 1
+        assert sorted(running.server.sessions.pop_all()) == ["a", "c"]
 
 
 def test_api_key_is_required_when_set(tokenizer):

@@ -59,6 +59,8 @@ class GenerationBackend(Protocol):
     """Most new tokens one sample may have; requests asking more are clamped to it."""
     stop_ids: tuple[int, ...]
     """The ids that always end a sample (the model's EOS ids)."""
+    max_model_len: int | None
+    """Most prompt + new tokens the model takes (None: no limit known)."""
 
     def generate(self, requests: list[GenerationRequest]) -> list[list[Sample]]:
         """`request.n` samples per request, in order."""

@@ -43,6 +43,7 @@ class RolloutBackend:
         self.rollout = rollout
         self.max_tokens = int(rollout.config.response_length)
         self.stop_ids = tuple(rollout.eos_ids)
+        self.max_model_len = getattr(rollout.model.config, "max_position_embeddings", None)
 
     def generate(self, requests: list[GenerationRequest]) -> list[list[Sample]]:
         """See `GenerationBackend.generate`."""

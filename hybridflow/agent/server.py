@@ -67,6 +67,9 @@ class ServerConfig:
     """An idle batcher waits this long after a request for more to batch with it."""
     max_batch: int = 64
     """Most requests per backend call."""
+    max_sessions: int | None = None
+    """Keep at most this many sessions, dropping the oldest (counted as sessions/evicted); None: keep
+    all until `sessions.pop` (a trainer pops them every step)."""
 
 
 def is_loopback(host: str) -> bool:
@@ -94,7 +97,7 @@ class AgentServer:
         self.config = config or ServerConfig()
         self.backend = backend
         self.tokenizer = tokenizer
-        self.sessions = SessionStore(tokenizer, backend.stop_ids, self.config.on_mismatch)
+        self.sessions = SessionStore(tokenizer, backend.stop_ids, self.config.on_mismatch, self.config.max_sessions)
         self.batcher = Batcher(backend, self.config.max_wait_s, self.config.max_batch)
         self.app = self._build_app()
 
@@ -206,11 +209,21 @@ class AgentServer:
 
     async def _sample(self, pending: Pending, params: Params) -> tuple[list[Sample], list[str]]:
         request = GenerationRequest(
-            pending.prompt_ids, params.max_tokens, params.n, params.temperature, params.top_p, ()
+            pending.prompt_ids, self._room(len(pending.prompt_ids), params), params.n, params.temperature, params.top_p
         )
         samples = await asyncio.wrap_future(self.batcher.submit(request))
         cut = [cut_at_stop(self.tokenizer, s, params.stop) for s in samples]
         return [s for s, _ in cut], [t for _, t in cut]
+
+    def _room(self, prompt_len: int, params: Params) -> int:
+        """`max_tokens`, clamped to what fits after the prompt; a prompt that leaves no room is a 400."""
+        limit = self.backend.max_model_len
+        if limit is None:
+            return params.max_tokens
+        if prompt_len >= limit:
+            message = f"the prompt is {prompt_len} tokens; the model takes at most {limit} (prompt and completion)"
+            raise RequestError(message, "messages", code="context_length_exceeded")
+        return min(params.max_tokens, limit - prompt_len)
 
 
 class RunningServer:

@@ -141,13 +141,19 @@ class Pending:
 class SessionStore:
     """All sessions' branches, thread-safe (module docstring)."""
 
-    def __init__(self, tokenizer: Any, stop_ids: Sequence[int], on_mismatch: str = "split") -> None:
+    def __init__(
+        self, tokenizer: Any, stop_ids: Sequence[int], on_mismatch: str = "split", max_sessions: int | None = None
+    ) -> None:
         if on_mismatch not in MISMATCH_POLICIES:
             raise ValueError(f"on_mismatch must be one of {MISMATCH_POLICIES}, got {on_mismatch!r}")
         self.tokenizer = tokenizer
         self.stop_ids = list(stop_ids)
         self.on_mismatch = on_mismatch
-        self.metrics = {"sessions/requests": 0, "sessions/extended": 0, "sessions/split": 0, "sessions/refused": 0}
+        if max_sessions is not None and max_sessions < 1:
+            raise ValueError(f"max_sessions must be None or >= 1, got {max_sessions}")
+        self.max_sessions = max_sessions
+        counters = ("requests", "extended", "split", "refused", "evicted")
+        self.metrics = {f"sessions/{name}": 0 for name in counters}
         self._sessions: dict[str, list[Branch]] = {}
         self._lock = threading.Lock()
         self._end_id = _turn_end_id(tokenizer, self.stop_ids)
@@ -191,7 +197,9 @@ class SessionStore:
         """Record each sample (with the assistant message returned for it) on `pending`'s branch: the
         first extends it, the others fork copies of it."""
         with self._lock:
-            branches = self._sessions.setdefault(pending.session_id, [])
+            branches = self._sessions.pop(pending.session_id, [])
+            self._sessions[pending.session_id] = branches  # the most recently used last
+            self._evict()
             base = pending.branch
             if not pending.is_new and len(base.response_ids) != pending.base_len:
                 base = _truncated(base, pending.base_len)  # another request extended it meanwhile: fork
@@ -203,6 +211,11 @@ class SessionStore:
             branches.extend(forks)
             for branch, sample, reply in zip([base, *forks], samples, replies):
                 _append(branch, delta, pending.messages, sample, reply)
+
+    def _evict(self) -> None:
+        while self.max_sessions is not None and len(self._sessions) > self.max_sessions:
+            del self._sessions[next(iter(self._sessions))]  # the least recently used
+            self.metrics["sessions/evicted"] += 1
 
     def pop(self, session_id: str, row_index: int = 0) -> list[Trajectory]:
         """Remove a session and return its branches as trajectories (none: an unknown id)."""

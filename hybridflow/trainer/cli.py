@@ -91,7 +91,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_bind(args.host, args.api_key)  # before loading the model: a refused bind fails fast
     path = resolve_model_path(args.model)
     backend = load_rollout_backend(path, max_tokens=args.max_tokens, dtype=args.dtype, seed=args.seed)
-    config = ServerConfig(args.served_name or str(args.model), args.api_key, args.on_mismatch)
+    config = ServerConfig(args.served_name or str(args.model), args.api_key, args.on_mismatch, max_sessions=1000)
     running = start_server(AgentServer(backend, load_tokenizer(path), config), args.host, args.port)
     print(f"serving {path} at {running.url}", flush=True)
     try:
