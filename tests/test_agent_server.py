@@ -309,3 +309,14 @@ def test_serve_cli_prints_its_url_answers_and_stops_on_ctrl_c():
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=30)
+
+
+def test_rollout_backend_stops_at_extra_stop_ids_and_max_tokens(tiny_backend):
+    prompt = [1, 504, 3458, 28]
+    (greedy,) = tiny_backend.generate([GenerationRequest(prompt, 6, temperature=0)])[0]
+    assert len(greedy.token_ids) == 6 and greedy.finish_reason == "length"
+    stop = greedy.token_ids[2]
+    (cut,) = tiny_backend.generate([GenerationRequest(prompt, 6, temperature=0, stop_ids=(stop,))])[0]
+    end = greedy.token_ids.index(stop) + 1
+    assert cut.token_ids == greedy.token_ids[:end] and cut.finish_reason == "stop" and not cut.stopped_on_id
+    assert cut.log_probs == pytest.approx(greedy.log_probs[:end])

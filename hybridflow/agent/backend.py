@@ -36,7 +36,8 @@ class GenerationRequest:
     """0 means greedy."""
     top_p: float = 1.0
     stop_ids: tuple[int, ...] = ()
-    """Ids that end a sample (besides the backend's EOS ids); the stop id is kept in the sample."""
+    """Ids that end a sample besides the backend's EOS ids (the server passes the stop strings that are
+    one token); the stop id is kept in the sample."""
 
 
 @dataclass
@@ -48,7 +49,8 @@ class Sample:
     finish_reason: str = "length"
     """"stop" when it ended on a stop id or stop string, else "length"."""
     stopped_on_id: bool = False
-    """True when the last id is a stop id the model sampled (an end of turn the template also writes)."""
+    """True when the last id is one of the backend's `stop_ids` (EOS: an end of turn the chat template
+    also writes); False after `max_tokens`, an extra stop id or a stop string."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -6,6 +6,7 @@ group's largest `max_tokens`; each sample is then cut at its own `max_tokens` an
 of its extra `stop_ids` (the rollout itself stops at its EOS ids). Log-probs are the rollout's
 (`rollout/sampling.py`: the temperature-scaled, unfiltered distribution).
 
+Not thread-safe (it swaps `rollout.config` per call): the server's `Batcher` calls it from one thread.
 This is the one place that knows `generate_sequences`' input (left-padded DataProto, sampling
 params as meta_info) and output (hybridflow/keys.py): adjust it here when that signature changes.
 """
@@ -96,7 +97,7 @@ def _sample(
     end = next((k + 1 for k, t in enumerate(tokens) if t in stops), None)
     if end is None:
         return Sample(tokens, values, "length", False)
-    return Sample(tokens[:end], values[:end], "stop", True)
+    return Sample(tokens[:end], values[:end], "stop", tokens[end - 1] in eos)
 
 
 def load_rollout_backend(

@@ -47,6 +47,7 @@ from hybridflow.agent.openai_format import (
     parse_params,
 )
 from hybridflow.agent.sessions import HistoryMismatch, Pending, SessionStore
+from hybridflow.agent.tokens import encode
 
 SESSION_HEADER = "x-session-id"
 logger = logging.getLogger(__name__)
@@ -208,8 +209,10 @@ class AgentServer:
         return [list(self.tokenizer(p)["input_ids"]) for p in prompt]
 
     async def _sample(self, pending: Pending, params: Params) -> tuple[list[Sample], list[str]]:
+        one_token = [ids for s in params.stop if len(ids := encode(self.tokenizer, s)) == 1]
+        room = self._room(len(pending.prompt_ids), params)
         request = GenerationRequest(
-            pending.prompt_ids, self._room(len(pending.prompt_ids), params), params.n, params.temperature, params.top_p
+            pending.prompt_ids, room, params.n, params.temperature, params.top_p, tuple(ids[0] for ids in one_token)
         )
         samples = await asyncio.wrap_future(self.batcher.submit(request))
         cut = [cut_at_stop(self.tokenizer, s, params.stop) for s in samples]
