@@ -65,8 +65,8 @@ def parse_params(body: dict[str, Any], max_tokens_cap: int) -> Params:
     stop = (stop,) if isinstance(stop, str) else tuple(stop)
     if not all(isinstance(s, str) for s in stop):
         raise RequestError("stop must be a string or a list of strings", "stop")
-    logprobs = body.get("logprobs")
-    return Params(n, temperature, top_p, min(max_tokens, max_tokens_cap), stop, bool(logprobs))
+    logprobs = body.get("logprobs") not in (None, False)  # completions: 0 still asks for the sampled tokens'
+    return Params(n, temperature, top_p, min(max_tokens, max_tokens_cap), stop, logprobs)
 
 
 def _number(body: dict[str, Any], key: str, default: float, kind: type) -> Any:

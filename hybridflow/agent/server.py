@@ -6,7 +6,8 @@ Endpoints (FastAPI; `openai_format.py` holds the request/response shapes):
   results go back as role `tool` messages), `n`, `temperature` (0: greedy), `top_p`,
   `max_tokens` / `max_completion_tokens`, `stop`, `logprobs`;
 - `POST /v1/completions`: `prompt` (a string, a list of strings, or a list of token ids) and
-  the same sampling fields (`logprobs`: any positive number gives the sampled tokens' log-probs);
+  the same sampling fields (`logprobs`: any number, 0 included, gives the sampled tokens' log-probs;
+  no alternatives are returned);
 - `GET /v1/models`: the one model served.
 `stream=true` is refused (400). Each choice also carries `token_ids` (the ids it was decoded from).
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -122,7 +124,7 @@ class AgentServer:
 
     async def _authorize(self, request: Request, call_next):
         key = self.config.api_key
-        if key and request.headers.get("authorization", "") != f"Bearer {key}":
+        if key and not secrets.compare_digest(request.headers.get("authorization", ""), f"Bearer {key}"):
             body = error_body("missing or wrong API key (Authorization: Bearer ...)", code="invalid_api_key")
             return JSONResponse(body, status_code=401)
         return await call_next(request)
@@ -145,9 +147,9 @@ class AgentServer:
                 return JSONResponse(error_body(str(err), err.param, err.code), status_code=err.status)
             except HistoryMismatch as err:
                 return JSONResponse(error_body(str(err), "messages", "history_mismatch"), status_code=400)
-            except Exception as err:  # a backend failure fails this request, not the server
+            except Exception as err:  # e.g. a backend failure: it fails this request, not the server
                 logger.exception("request failed")
-                body = error_body(f"generation failed: {type(err).__name__}: {err}", kind="server_error")
+                body = error_body(f"request failed: {type(err).__name__}: {err}", kind="server_error")
                 return JSONResponse(body, status_code=500)
 
         return endpoint
