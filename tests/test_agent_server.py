@@ -320,3 +320,28 @@ def test_rollout_backend_stops_at_extra_stop_ids_and_max_tokens(tiny_backend):
     end = greedy.token_ids.index(stop) + 1
     assert cut.token_ids == greedy.token_ids[:end] and cut.finish_reason == "stop" and not cut.stopped_on_id
     assert cut.log_probs == pytest.approx(greedy.log_probs[:end])
+
+
+def test_two_requests_extending_one_branch_at_once_keep_both_trajectories(tokenizer):
+    from hybridflow.agent.sessions import SessionStore
+
+    store, eos = SessionStore(tokenizer, [tokenizer.eos_token_id]), tokenizer.eos_token_id
+    reply = {"role": "assistant", "content": "a"}
+    first = store.begin_chat("s", [{"role": "user", "content": "q"}], [])
+    store.commit(first, [Sample([64, eos], [-1.0, -2.0], "stop", True)], [reply])
+    history = [{"role": "user", "content": "q"}, reply]
+    left = store.begin_chat("s", [*history, {"role": "user", "content": "left"}], [])
+    right = store.begin_chat("s", [*history, {"role": "user", "content": "right"}], [])
+    store.commit(left, [Sample([65, eos], [-0.5, -0.5], "stop", True)], [reply])
+    store.commit(right, [Sample([66, eos], [-0.5, -0.5], "stop", True)], [reply])
+    trajs = store.pop("s")
+    assert sorted(t.prompt_ids + t.response_ids for t in trajs) == sorted(
+        [left.prompt_ids + [65, eos], right.prompt_ids + [66, eos]]
+    )
+    assert all(t.response_mask[:2] == [1, 1] and t.assistant_turns == 2 for t in trajs)
+    store.commit(store.begin_chat("gone", history[:1], []), [Sample([64, eos], [-1.0, -2.0], "stop", True)], [reply])
+    late = store.begin_chat("gone", [*history, {"role": "user", "content": "late"}], [])
+    store.pop("gone")  # a trainer popping the session before the request's samples arrive does not lose them
+    store.commit(late, [Sample([67, eos], [-1.0, -1.0], "stop", True)], [reply])
+    (kept,) = store.pop("gone")
+    assert kept.prompt_ids + kept.response_ids == late.prompt_ids + [67, eos]

@@ -203,8 +203,7 @@ class SessionStore:
             base = pending.branch
             if not pending.is_new and len(base.response_ids) != pending.base_len:
                 base = _truncated(base, pending.base_len)  # another request extended it meanwhile: fork
-                branches.append(base)
-            elif pending.is_new:
+            if not any(b is base for b in branches):  # new, forked, or popped by the trainer meanwhile
                 branches.append(base)
             delta = pending.delta
             forks = [_copy_branch(base) for _ in samples[1:]]
