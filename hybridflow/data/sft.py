@@ -7,6 +7,12 @@ built-in tasks whose correct response is known:
 - `messages` (list): the same as a chat, `[{"role": "user", ...}, {"role": "assistant", ...}]`;
 - `data_source`, `extra_info` (with `question` and `answer`, verl's extra_info.question layout).
 
+Multi-turn tasks (`SFT_TRANSCRIPTS`, e.g. tool_arithmetic) write `messages`, `data_source` and
+`extra_info` only, one row per assistant turn of the ideal episode: row k holds the episode up
+to and including its k-th assistant turn, so `SFTDataset(..., messages_key="messages")`, which
+trains the last assistant turn of a row, trains every assistant turn once (the tool call and
+the answer). They have no prompt/response columns: a single pair cannot hold an episode.
+
 `SFTDataset` tokenises with the model's chat template: the prompt is the template of the
 conversation up to the response with the generation prompt, the response is the answer
 text followed by EOS. Only response tokens carry loss (`response_mask`); with a messages
@@ -33,12 +39,28 @@ SFT_RESPONSES: dict[str, Callable[[dict[str, Any]], str]] = {
 """Tasks with a known correct response: verl-format row -> the response the reward scores 1.0."""
 
 
-def check_sft_task(name: str) -> None:
-    """Refuse a task that has no known correct response."""
-    if name not in SFT_RESPONSES:
+def _tool_arithmetic_transcript(row: dict[str, Any]) -> list[dict[str, str]]:
+    from hybridflow.data.tool_arithmetic import transcript
+
+    return transcript(row)
+
+
+SFT_TRANSCRIPTS: dict[str, Callable[[dict[str, Any]], list[dict[str, str]]]] = {
+    "tool_arithmetic": _tool_arithmetic_transcript,
+}
+"""Multi-turn tasks with a known ideal episode: verl-format row -> its chat messages."""
+
+
+def check_sft_task(name: str, messages_key: str | None = None) -> None:
+    """Refuse a task that has no known correct response, and a multi-turn task read without its messages."""
+    if name not in SFT_RESPONSES and name not in SFT_TRANSCRIPTS:
         raise ValueError(
             f"task {name!r} has no known correct response to fine-tune on; SFT sets exist for "
-            f"{sorted(SFT_RESPONSES)} (or set data.train_files)"
+            f"{sorted(SFT_RESPONSES) + sorted(SFT_TRANSCRIPTS)} (or set data.train_files)"
+        )
+    if name in SFT_TRANSCRIPTS and messages_key != "messages":
+        raise ValueError(
+            f"task {name!r} is multi-turn: its SFT set holds only a `messages` column; set data.messages_key=messages"
         )
 
 
@@ -55,6 +77,18 @@ def sft_row(row: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def sft_rows(row: dict[str, Any]) -> list[dict[str, Any]]:
+    """The SFT rows of one verl RL row: one (`sft_row`), or one per assistant turn of a transcript."""
+    make = SFT_TRANSCRIPTS.get(row["data_source"])
+    if make is None:
+        return [sft_row(row)]
+    messages = make(row)
+    ends = [i + 1 for i, m in enumerate(messages) if m["role"] == "assistant"]
+    return [
+        {"data_source": row["data_source"], "messages": messages[:end], "extra_info": row["extra_info"]} for end in ends
+    ]
+
+
 def build_sft_task(
     name: str, out_dir: str | Path, train_size: int, test_size: int, seed: int = 0, **difficulty: Any
 ) -> tuple[str, str]:
@@ -64,7 +98,7 @@ def build_sft_task(
     """
     if train_size < 1 or test_size < 1:
         raise ValueError(f"train_size and test_size must be >= 1, got {train_size}, {test_size}")
-    check_sft_task(name)
+    check_sft_task(name, messages_key="messages")  # the files are written, not read, here
     level = make_difficulty(name, **difficulty)
     train = make_rows(name, train_size, "train", seed, level)
     seen = {row["prompt"][0]["content"] for row in train}
@@ -74,7 +108,7 @@ def build_sft_task(
     paths = []
     for split, rows in (("train", train), ("test", test)):
         path = out / f"{name}_sft_{split}.parquet"
-        pd.DataFrame([sft_row(r) for r in rows]).to_parquet(path, index=False)
+        pd.DataFrame([out for r in rows for out in sft_rows(r)]).to_parquet(path, index=False)
         paths.append(str(path))
     return paths[0], paths[1]
 

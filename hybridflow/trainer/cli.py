@@ -1,4 +1,4 @@
-"""The `hybridflow` command: train, sft, data, export, generate.
+"""The `hybridflow` command: train, sft, data, export, generate, serve.
 
 hybridflow train [--config FILE] key=value ...   # PPO / GRPO run (defaults: the main job)
 hybridflow sft [--config FILE] key=value ...     # supervised fine-tuning (hybridflow/trainer/sft_main.py)
@@ -7,6 +7,7 @@ hybridflow export CKPT_DIR --out HF_DIR [--tokenizer PATH] [--base-model PATH] [
 hybridflow plan [--config FILE] --profile PROFILE.json [key=value ...]  # rank placements (trainer/plan_cli.py)
 hybridflow profile --model M [--out device_profile.json]  # per-token operator costs here (planner/device.py)
 hybridflow generate --model PATH_OR_CKPT --data FILE.parquet [--n N] [--rollout native|hf|vllm] [--out FILE.jsonl]
+hybridflow serve [--model M] [--host 127.0.0.1] [--port 0] [--api-key K]  # OpenAI-compatible server (agent/server.py)
 """
 
 from __future__ import annotations
@@ -81,6 +82,27 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Serve a model over the OpenAI API until interrupted; prints the base URL once it listens."""
+    from hybridflow.agent.rollout_backend import load_rollout_backend
+    from hybridflow.agent.server import AgentServer, ServerConfig, check_bind, start_server
+    from hybridflow.models import load_tokenizer, resolve_model_path
+
+    check_bind(args.host, args.api_key)  # before loading the model: a refused bind fails fast
+    path = resolve_model_path(args.model)
+    backend = load_rollout_backend(path, max_tokens=args.max_tokens, dtype=args.dtype, seed=args.seed)
+    config = ServerConfig(args.served_name or str(args.model), args.api_key, args.on_mismatch, max_sessions=1000)
+    running = start_server(AgentServer(backend, load_tokenizer(path), config), args.host, args.port)
+    print(f"serving {path} at {running.url}", flush=True)
+    try:
+        running.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        running.stop()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand except train (which parses its own overrides)."""
     parser = argparse.ArgumentParser(
@@ -117,6 +139,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--batch-size", type=int, default=64)
     g.add_argument("--rollout", choices=ROLLOUT_NAMES, default="native", help="generation backend (rollout.name)")
     g.add_argument("--out", help="write prompts, responses and scores as JSON lines")
+    s = sub.add_parser("serve", help="serve a model over the OpenAI API (chat/completions, completions, models)")
+    s.add_argument("--model", default="default", help="HF directory or 'default' (the bundled SmolLM2-135M-Instruct)")
+    s.add_argument("--host", default="127.0.0.1", help="bind address; anything but loopback needs --api-key")
+    s.add_argument("--port", type=int, default=0, help="0: pick a free port (printed)")
+    s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every request")
+    s.add_argument("--served-name", help="the model id in /v1/models (default: --model)")
+    s.add_argument("--max-tokens", type=int, default=512, help="most new tokens per sample")
+    s.add_argument("--dtype", default="fp32", help="rollout dtype: fp32, bf16 or auto")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument(
+        "--on-mismatch", choices=("split", "refuse"), default="split", help="edited history: new trajectory or 400"
+    )
     return parser
 
 
@@ -150,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         extra = [a for a in extra if a not in args.difficulty]
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    handler = {"data": cmd_data, "export": cmd_export, "generate": cmd_generate}[args.command]
+    handler = {"data": cmd_data, "export": cmd_export, "generate": cmd_generate, "serve": cmd_serve}[args.command]
     try:
         return handler(args)
     except USER_ERRORS as err:

@@ -69,7 +69,7 @@ class SFTDataConfig(TaskFilesConfig):
         if self.task and not self.train_files:
             from hybridflow.data.sft import check_sft_task
 
-            check_sft_task(self.task)
+            check_sft_task(self.task, self.messages_key)
         _positive(
             **{
                 "data.train_batch_size": self.train_batch_size,

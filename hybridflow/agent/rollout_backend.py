@@ -1,0 +1,116 @@
+"""A native/hf `Rollout` as the server's generation backend (`backend.GenerationBackend`).
+
+One `generate_sequences` call per distinct (temperature, top_p) among the batch's requests, with
+every request's prompt repeated `n` times (n=1 per row) and the response width set to the
+group's largest `max_tokens`; each sample is then cut at its own `max_tokens` and at the first
+of its extra `stop_ids` (the rollout itself stops at its EOS ids). Log-probs are the rollout's
+(`rollout/sampling.py`: the temperature-scaled, unfiltered distribution).
+
+Not thread-safe (it swaps `rollout.config` per call): the server's `Batcher` calls it from one thread.
+This is the one place that knows `generate_sequences`' input (left-padded DataProto, sampling
+params as meta_info) and output (hybridflow/keys.py): adjust it here when that signature changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+from hybridflow.agent.backend import GenerationRequest, Sample
+from hybridflow.keys import (
+    ATTENTION_MASK,
+    INPUT_IDS,
+    META_DO_SAMPLE,
+    META_N,
+    META_TEMPERATURE,
+    POSITION_IDS,
+    RESPONSE_MASK,
+    RESPONSES,
+    ROLLOUT_LOG_PROBS,
+)
+from hybridflow.protocol import DataProto
+from hybridflow.rollout.base import ModuleRollout, build_rollout
+from hybridflow.rollout.config import META_TOP_P, RolloutConfig
+
+
+class RolloutBackend:
+    """`GenerationBackend` over an in-process `ModuleRollout` (module docstring)."""
+
+    def __init__(self, rollout: ModuleRollout) -> None:
+        if not rollout.config.calculate_log_probs:
+            rollout.config = dataclasses.replace(rollout.config, calculate_log_probs=True)
+        self.rollout = rollout
+        self.max_tokens = int(rollout.config.response_length)
+        self.stop_ids = tuple(rollout.eos_ids)
+        self.max_model_len = getattr(rollout.model.config, "max_position_embeddings", None)
+
+    def generate(self, requests: list[GenerationRequest]) -> list[list[Sample]]:
+        """See `GenerationBackend.generate`."""
+        out: list[list[Sample]] = [[] for _ in requests]
+        groups: dict[tuple[float, float], list[int]] = {}
+        for i, req in enumerate(requests):
+            groups.setdefault((req.temperature, req.top_p), []).append(i)
+        for (temperature, top_p), members in groups.items():
+            rows = [requests[i] for i in members for _ in range(requests[i].n)]
+            samples = iter(self._generate(rows, temperature, top_p))
+            for i in members:
+                out[i] = [next(samples) for _ in range(requests[i].n)]
+        return out
+
+    def _generate(self, rows: list[GenerationRequest], temperature: float, top_p: float) -> list[Sample]:
+        base = self.rollout.config
+        width = max(min(r.max_tokens, self.max_tokens) for r in rows)
+        meta = {META_N: 1, META_DO_SAMPLE: temperature > 0, META_TOP_P: top_p}
+        if temperature > 0:
+            meta[META_TEMPERATURE] = temperature
+        self.rollout.config = dataclasses.replace(base, response_length=width, prompt_length=_widest(rows, base))
+        try:
+            result = self.rollout.generate_sequences(
+                _left_padded([r.prompt_ids for r in rows], self.rollout.pad_id, meta)
+            )
+        finally:
+            self.rollout.config = base
+        ids, mask, logps = (result.batch[k] for k in (RESPONSES, RESPONSE_MASK, ROLLOUT_LOG_PROBS))
+        return [_sample(r, ids[i], mask[i], logps[i], self.stop_ids) for i, r in enumerate(rows)]
+
+
+def _widest(rows: list[GenerationRequest], config: RolloutConfig) -> int:
+    return max(max(len(r.prompt_ids) for r in rows), config.prompt_length or 1)
+
+
+def _left_padded(prompts: list[list[int]], pad_id: int, meta: dict) -> DataProto:
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    return DataProto.from_dict({INPUT_IDS: ids, ATTENTION_MASK: mask, POSITION_IDS: pos}, meta_info=meta)
+
+
+def _sample(
+    req: GenerationRequest, ids: torch.Tensor, mask: torch.Tensor, logps: torch.Tensor, eos: tuple[int, ...]
+) -> Sample:
+    length = min(int(mask.sum()), req.max_tokens)
+    tokens, values = ids[:length].tolist(), logps[:length].tolist()
+    stops = set(eos) | set(req.stop_ids)
+    end = next((k + 1 for k, t in enumerate(tokens) if t in stops), None)
+    if end is None:
+        return Sample(tokens, values, "length", False)
+    return Sample(tokens[:end], values[:end], "stop", tokens[end - 1] in eos)
+
+
+def load_rollout_backend(
+    model_path: str | os.PathLike, max_tokens: int = 512, dtype: str = "fp32", seed: int = 0, name: str = "native"
+) -> RolloutBackend:
+    """A backend over a `name` rollout ("native" or "hf") of the HF model directory `model_path`,
+    sampling at most `max_tokens` new tokens per sample."""
+    from hybridflow.models import load_tokenizer
+
+    config = RolloutConfig(
+        name=name, response_length=max_tokens, prompt_length=None, dtype=dtype, seed=seed, calculate_log_probs=True
+    )
+    rollout = build_rollout(config, model_path, load_tokenizer(model_path))
+    if not isinstance(rollout, ModuleRollout):
+        raise ValueError(f"the server runs in-process rollouts (native, hf), not {name!r}")
+    return RolloutBackend(rollout)

@@ -1,0 +1,77 @@
+"""Tool arithmetic: products of multi-digit numbers, to be solved with the calculator tool.
+
+`tool_arithmetic` rows are arithmetic rows (verl's format, see `tasks.py`) plus the tools the
+model may call, in `extra_info.tools`: a JSON list of `hybridflow.agent.tools.TOOLS` names,
+here `["calculator"]` (a JSON string because every extra_info value is stored as one). The
+question asks for `a * b` with `min_digits`..`max_digits`-digit operands (default 3 x 3:
+products SmolLM2-135M-Instruct cannot do in its head); the answer is scored like arithmetic
+(the last number, or the number after `####`), under data_source `tool_arithmetic`.
+
+`transcript(row)` is the ideal multi-turn episode for an SFT warm-up: the tool system prompt,
+the question, an assistant turn calling the calculator, the tool's result, and the answer.
+The system prompt is written out (the Hermes-style `tools_system_prompt`), so templates that
+ignore `tools=` (SmolLM2's) see the same prompt in SFT as the agent loop renders in RL.
+
+Departure from verl: verl rows name their agent loop (`agent_name: tool_agent`) and carry
+per-row tool arguments (`extra_info.tools_kwargs`); here the row lists tool names only.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from hybridflow.data.arithmetic import INSTRUCTION
+from hybridflow.data.tasks import Problem, register_task
+
+TOOL_NAMES = ["calculator"]
+"""The tools every row offers."""
+
+
+@dataclass
+class ToolArithmeticDifficulty:
+    """Difficulty knobs of the tool arithmetic task."""
+
+    min_digits: int = 3
+    """Fewest decimal digits of each factor."""
+    max_digits: int = 3
+    """Most decimal digits of each factor."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_digits <= self.max_digits <= 12:
+            raise ValueError(f"need 1 <= min_digits <= max_digits <= 12, got {self.min_digits}, {self.max_digits}")
+
+
+def _factor(rng: np.random.Generator, level: ToolArithmeticDifficulty) -> int:
+    digits = int(rng.integers(level.min_digits, level.max_digits + 1))
+    return int(rng.integers(10 ** (digits - 1), 10**digits))
+
+
+@register_task("tool_arithmetic", ToolArithmeticDifficulty)
+def make_tool_arithmetic(rng: np.random.Generator, level: ToolArithmeticDifficulty) -> Problem:
+    """One product question; the ground truth is the product as a string; the row offers the calculator."""
+    a, b = _factor(rng, level), _factor(rng, level)
+    expression = f"{a} * {b}"
+    return Problem(f"What is {expression}? {INSTRUCTION}", str(a * b), {"expression": expression, "tools": TOOL_NAMES})
+
+
+def transcript(row: dict[str, Any]) -> list[dict[str, str]]:
+    """The ideal episode of a tool_arithmetic row as chat messages (module docstring)."""
+    from hybridflow.agent.tool_calls import format_tool_call, tools_system_prompt
+    from hybridflow.agent.tools import TOOLS, run_tool
+
+    extra = row["extra_info"]
+    names = json.loads(extra["tools"]) if isinstance(extra["tools"], str) else list(extra["tools"])
+    calculator = TOOLS.get("calculator")()
+    arguments = {"expression": extra["expression"]}
+    result = run_tool(calculator, arguments).text
+    return [
+        {"role": "system", "content": tools_system_prompt([TOOLS.get(n).schema for n in names])},
+        {"role": "user", "content": row["prompt"][-1]["content"]},
+        {"role": "assistant", "content": format_tool_call("calculator", arguments)},
+        {"role": "tool", "content": result},
+        {"role": "assistant", "content": result},
+    ]
