@@ -106,9 +106,9 @@ class FakeRollout:
     def __init__(self, log: list) -> None:
         self.weights, self.log = 0, log
 
-    def call_nonblocking(self, method: str, prompts: DataProto) -> DataProto:
-        assert method == "generate_sequences"
-        self.log.append(("gen", prompts.meta_info[K.META_GLOBAL_STEP]))
+    def call_nonblocking(self, method: str, prompts: DataProto, *, step: int) -> DataProto:
+        assert method == "generate_sequences" and prompts.meta_info[K.META_GLOBAL_STEP] == step
+        self.log.append(("gen", step))
         rows = prompts.batch["prompt_id"].repeat_interleave(2)
         return DataProto.from_dict(
             {"prompt_id": rows, "made_by": torch.full_like(rows, self.weights)}, meta_info={K.META_METRICS: {}}

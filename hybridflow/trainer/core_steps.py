@@ -14,6 +14,7 @@ from hybridflow.algos.advantages import get_advantage_estimator
 from hybridflow.algos.kl import apply_kl_penalty, get_kl_controller
 from hybridflow.algos.rollout_is import mismatch_metrics, rollout_importance_weights
 from hybridflow.protocol import DataProto
+from hybridflow.rollout.config import SamplingParams
 from hybridflow.trainer.config import AlgorithmConfig
 
 
@@ -89,12 +90,9 @@ def remax_baselines(roles, prompts: DataProto, reward_fn, n: int) -> torch.Tenso
 
     The greedy response is scored like the samples: rule score plus the reward model's, if the run has one.
     """
-    greedy = DataProto(
-        batch=prompts.batch,
-        non_tensor_batch=dict(prompts.non_tensor_batch),
-        meta_info={**prompts.meta_info, K.META_DO_SAMPLE: False, K.META_N: 1},
-    )
-    out = roles.actor_rollout.generate_sequences(greedy)
+    greedy = DataProto(batch=prompts.batch, non_tensor_batch=dict(prompts.non_tensor_batch), meta_info={})
+    step = prompts.meta_info[K.META_GLOBAL_STEP]
+    out = roles.actor_rollout.generate_sequences(greedy, step=step, sampling=SamplingParams(do_sample=False))
     out.meta_info.pop(K.META_METRICS, None)
     if roles.reward_model is not None:
         out.union(roles.reward_model.compute_rm_score(out))
