@@ -31,7 +31,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -59,6 +59,7 @@ def _issue_prompts(prompts: DataProto, step: int) -> DataProto:
     return prompts
 
 
+@runtime_checkable
 class RolloutSource(Protocol):
     """What the trainer asks of the source of its generated batches (see the module docstring)."""
 
