@@ -90,9 +90,8 @@ def remax_baselines(roles, prompts: DataProto, reward_fn, n: int) -> torch.Tenso
 
     The greedy response is scored like the samples: rule score plus the reward model's, if the run has one.
     """
-    greedy = DataProto(batch=prompts.batch, non_tensor_batch=dict(prompts.non_tensor_batch), meta_info={})
-    step = prompts.meta_info[K.META_GLOBAL_STEP]
-    out = roles.actor_rollout.generate_sequences(greedy, step=step, sampling=SamplingParams(do_sample=False))
+    step = prompts.meta_info[K.META_GLOBAL_STEP]  # reseed as the sampled call did: validation continues from it
+    out = roles.actor_rollout.generate_sequences(prompts, step=step, sampling=SamplingParams(do_sample=False))
     out.meta_info.pop(K.META_METRICS, None)
     if roles.reward_model is not None:
         out.union(roles.reward_model.compute_rm_score(out))
