@@ -39,12 +39,14 @@ RAW_PROMPT = "raw_prompt"  # [B] list[dict]: the chat messages before templating
 EXTRA_INFO = "extra_info"  # [B] dict: the dataset row's extra_info
 
 # --- meta_info keys ----------------------------------------------------------
-META_TEMPERATURE = "temperature"  # float: sampling temperature, also used to scale logits for log-probs
-META_DO_SAMPLE = "do_sample"  # bool: False means greedy (validation)
-META_N = "n"  # int: samples per prompt for this generate call
-META_GLOBAL_STEP = "global_step"  # int: training step (prompts and the generated batch); the rollout reseeds from it
-META_GLOBAL_TOKEN_NUM = "global_token_num"  # list[int]: valid tokens per sample, for throughput metrics
-META_OWN_OLD_LOG_PROB = (
-    "own_old_log_prob"  # bool: update_actor uses its own forward's detached log-probs as the old ones
-)
-META_METRICS = "metrics"  # dict[str, float | list[float]]: metrics returned by a worker call
+# meta_info carries what a batch IS, never what a worker should DO: control flags (sampling params,
+# n, validate, temperature, own_old_log_prob, the step to reseed from) are typed arguments of the
+# worker methods (workers/actor_rollout_ref.py). Only these two keys remain:
+META_GLOBAL_STEP = "global_step"
+"""int: the training step whose batch (or prompts) this is, stamped by the controller (the PPO rollout
+source, trainer/async_pipeline.py; the SFT trainer). Provenance, not a flag: no worker branches on it (generate_sequences
+takes `step` as an argument); fault injection (controller/faults.py) keys on it, and the ReMax
+baseline regenerates a batch's prompts with the step they carry."""
+META_METRICS = "metrics"
+"""dict[str, float | list[float]]: metrics returned by a worker call. Valid-token counts for
+throughput are derived from attention_mask on the controller (trainer/metrics.py), not sent."""

@@ -159,10 +159,12 @@ class MeshWorker(Worker):
         super().__init__()
         self.dp_rank, self.tp_rank = divmod(self.rank, tp)
         self._register_dispatch_collect_info("actor", dp_rank=self.dp_rank, is_collect=self.tp_rank == 0)
+        self.labels: list[int] = []
 
     @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn("actor"))
-    def tag(self, data: DataProto) -> DataProto:
-        """The shard with the dp, tp and global rank of each row's worker."""
+    def tag(self, data: DataProto, *, label: int = 0) -> DataProto:
+        """The shard with the dp, tp and global rank of each row's worker; remembers `label`."""
+        self.labels.append(label)
         n = len(data)
         return DataProto.from_dict(
             {
@@ -172,6 +174,11 @@ class MeshWorker(Worker):
                 "rank": torch.full((n,), self.rank),
             }
         )
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def labels_seen(self) -> list[int]:
+        """The `label` of every `tag` call on this rank, in order."""
+        return self.labels
 
 
 class ActorRole(Worker):

@@ -43,12 +43,15 @@ def _actor(**kwargs) -> LocalWorkerGroup:
     return group
 
 
-def _rollout_batch(own_old_log_prob: bool = False) -> DataProto:
+T = 1.0  # the sampling temperature the log-probs are taken at
+
+
+def _rollout_batch() -> DataProto:
     data = make_batch(4, 6, 5, seed=11)
     mask = data[K.ATTENTION_MASK][:, -5:]
     data[K.RESPONSE_MASK] = mask
     data[K.ADVANTAGES] = torch.tensor([1.0, -0.5, 0.25, -1.0])[:, None] * mask
-    return DataProto.from_dict(data, meta_info={K.META_OWN_OLD_LOG_PROB: own_old_log_prob})
+    return DataProto.from_dict(data)
 
 
 def _weights(group: LocalWorkerGroup) -> dict[str, torch.Tensor]:
@@ -63,9 +66,13 @@ def _one_step(metrics: dict) -> dict[str, float]:
 def test_on_policy_update_equals_the_update_with_recomputed_old_log_probs():
     recomputed, on_policy = _actor(), _actor()
     batch = _rollout_batch()
-    old = recomputed.compute_log_prob(batch)
-    m_re = _one_step(recomputed.update_actor(batch.union(old)).meta_info["metrics"])
-    m_on = _one_step(on_policy.update_actor(_rollout_batch(own_old_log_prob=True)).meta_info["metrics"])
+    old = recomputed.compute_log_prob(batch, temperature=T)
+    m_re = _one_step(
+        recomputed.update_actor(batch.union(old), temperature=T, own_old_log_prob=False).meta_info["metrics"]
+    )
+    m_on = _one_step(
+        on_policy.update_actor(_rollout_batch(), temperature=T, own_old_log_prob=True).meta_info["metrics"]
+    )
     assert m_on["actor/pg_loss"] == pytest.approx(m_re["actor/pg_loss"], rel=1e-4)
     assert m_on["actor/ppo_kl"] == pytest.approx(0.0, abs=1e-7) and m_re["actor/ppo_kl"] == pytest.approx(0.0, abs=1e-5)
     # entropy of the update forward, logged instead of compute_log_prob's (same weights, same rows)
@@ -80,12 +87,12 @@ def test_on_policy_update_equals_the_update_with_recomputed_old_log_probs():
 @pytest.mark.parametrize("kwargs", [dict(ppo_epochs=2), dict(ppo_mini_batch_size=2)])
 def test_on_policy_update_refuses_more_than_one_optimizer_step(kwargs):
     with pytest.raises(ValueError, match="needs exactly one optimizer step.*call compute_log_prob first"):
-        _actor(**kwargs).update_actor(_rollout_batch(own_old_log_prob=True))
+        _actor(**kwargs).update_actor(_rollout_batch(), temperature=T, own_old_log_prob=True)
 
 
 def test_update_without_old_log_probs_is_refused_unless_the_plan_says_so():
     with pytest.raises(ValueError, match="rows lack 'old_log_probs'; call compute_log_prob first"):
-        _actor().update_actor(_rollout_batch(own_old_log_prob=False))
+        _actor().update_actor(_rollout_batch(), temperature=T, own_old_log_prob=False)
 
 
 @pytest.mark.parametrize(
@@ -111,10 +118,15 @@ def test_unknown_old_log_prob_mode_is_rejected():
 def test_token_budget_micro_batches_give_the_row_micro_batch_update():
     by_rows, by_tokens = _actor(), _actor(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=12)
     batch = _rollout_batch()
-    old = by_rows.compute_log_prob(batch)
-    torch.testing.assert_close(by_tokens.compute_log_prob(batch).batch[K.OLD_LOG_PROBS], old.batch[K.OLD_LOG_PROBS])
-    m_rows = _one_step(by_rows.update_actor(batch.union(old)).meta_info["metrics"])
-    m_tokens = _one_step(by_tokens.update_actor(batch.union(old)).meta_info["metrics"])
+    old = by_rows.compute_log_prob(batch, temperature=T)
+    by_tokens_old = by_tokens.compute_log_prob(batch, temperature=T)
+    torch.testing.assert_close(by_tokens_old.batch[K.OLD_LOG_PROBS], old.batch[K.OLD_LOG_PROBS])
+    m_rows = _one_step(
+        by_rows.update_actor(batch.union(old), temperature=T, own_old_log_prob=False).meta_info["metrics"]
+    )
+    m_tokens = _one_step(
+        by_tokens.update_actor(batch.union(old), temperature=T, own_old_log_prob=False).meta_info["metrics"]
+    )
     assert m_tokens["actor/loss"] == pytest.approx(m_rows["actor/loss"], rel=1e-4)  # the whole mini-batch's loss
     w_rows, w_tokens = _weights(by_rows), _weights(by_tokens)
     for k in w_rows:

@@ -15,7 +15,7 @@ from hybridflow.config_utils import load_config
 from hybridflow.protocol import DataProto
 from hybridflow.rollout.bridge import WeightBridge, manifest_of, open_store
 from hybridflow.trainer import async_pipeline
-from hybridflow.trainer.async_pipeline import AsyncRollout, staleness_metrics
+from hybridflow.trainer.async_pipeline import AsyncRollout, RolloutSource, SyncRollout, staleness_metrics
 from hybridflow.trainer.config import TrainerConfig
 from hybridflow.trainer.resolve import resolve_trainer, worker_sets
 from hybridflow.trainer.run_config import RunConfig
@@ -106,9 +106,9 @@ class FakeRollout:
     def __init__(self, log: list) -> None:
         self.weights, self.log = 0, log
 
-    def call_nonblocking(self, method: str, prompts: DataProto) -> DataProto:
-        assert method == "generate_sequences"
-        self.log.append(("gen", prompts.meta_info[K.META_GLOBAL_STEP]))
+    def call_nonblocking(self, method: str, prompts: DataProto, *, step: int) -> DataProto:
+        assert method == "generate_sequences" and prompts.meta_info[K.META_GLOBAL_STEP] == step
+        self.log.append(("gen", step))
         rows = prompts.batch["prompt_id"].repeat_interleave(2)
         return DataProto.from_dict(
             {"prompt_id": rows, "made_by": torch.full_like(rows, self.weights)}, meta_info={K.META_METRICS: {}}
@@ -183,6 +183,26 @@ def test_schedule_versions_and_staleness(s: int) -> None:
         assert metrics["async/staleness/max"] == min(k - 1, s) <= s
         assert torch.equal(batch.batch["prompt_id"], torch.tensor([2 * k - 2] * 2 + [2 * k - 1] * 2))
     assert [e for e in roles.log if e[0] == "gen"] == [("gen", k) for k in range(1, total + 1)]
+
+
+def test_both_sources_implement_the_protocol_the_trainer_types() -> None:
+    roles = FakeRoles()
+    assert isinstance(SyncRollout(roles, _prompts()), RolloutSource)
+    assert isinstance(_pipeline(roles, 1, 3, _prompts()), RolloutSource)
+
+
+def test_sync_source_generates_with_the_step_and_stamps_it() -> None:
+    calls = []
+
+    class Policy:
+        def generate_sequences(self, prompts: DataProto, **kwargs) -> DataProto:
+            calls.append(kwargs)
+            return DataProto.from_dict({"prompt_id": prompts.batch["prompt_id"]}, meta_info={K.META_METRICS: {}})
+
+    source = SyncRollout(type("Roles", (), {"actor_rollout": Policy()})(), _prompts())
+    batch = source.batch(3)
+    assert calls == [{"step": 3}] and batch.meta_info[K.META_GLOBAL_STEP] == 3
+    assert source.prompts_of(batch).meta_info == {K.META_GLOBAL_STEP: 3}  # ReMax regenerates them at step 3
 
 
 def test_staleness_zero_issues_the_calls_of_sync() -> None:

@@ -68,6 +68,20 @@ def test_dp_proto_dispatch_pads_to_world_size_and_collect_unpads():
     assert merged.non_tensor_batch["uid"].tolist() == rows(7).non_tensor_batch["uid"].tolist()
 
 
+def test_keyword_arguments_reach_every_rank_in_proto_modes():
+    """Non-DataProto keywords go whole to every rank (every tp rank of a mesh too); DataProto keywords are split."""
+    args, kwargs = get_dispatch_mode(Dispatch.DP_COMPUTE_PROTO_WITH_FUNC).dispatch_fn(
+        GroupInfo("g", 2), abs, data=rows(4), step=3, flags=(True, False)
+    )
+    assert args == ([abs, abs],) and kwargs["step"] == [3, 3] and kwargs["flags"] == [(True, False)] * 2
+    assert [len(d) for d in kwargs["data"]] == [2, 2]
+    mesh = make_nd_compute_dataproto_dispatch_fn("m")
+    info = GroupInfo("g", 4, {"m": [(0, True), (0, False), (1, True), (1, False)]})
+    args, kwargs = mesh["dispatch_fn"](info, rows(4), step=3, sampling={"n": 2})
+    assert kwargs["step"] == [3] * 4 and kwargs["sampling"] == [{"n": 2}] * 4
+    assert [d.batch["x"][0, 0].item() for d in args[0]] == [0, 0, 20, 20]
+
+
 def test_dp_proto_dispatch_rejects_mismatched_lengths():
     with pytest.raises(ValueError, match="same length"):
         get_dispatch_mode(Dispatch.DP_COMPUTE_PROTO).dispatch_fn(GroupInfo("g", 2), rows(4), rows(6))
@@ -103,6 +117,8 @@ def test_mesh_worker_and_colocated_roles_run_in_process():
     mesh = LocalWorkerGroup(None, ClassWithInitArgs(MeshWorker, tp=1))
     out = mesh.tag(rows(3))
     assert torch.equal(out.batch["x"], rows(3).batch["x"]) and out.batch["rank"].tolist() == [0, 0, 0]
+    mesh.tag(data=rows(3), label=7)  # the DataProto by keyword, a keyword-only argument
+    assert mesh.labels_seen() == [[0, 7]]
     roles_cls = {"actor": ClassWithInitArgs(ActorRole, 100), "critic": CriticRole}
     fused = LocalWorkerGroup(None, create_colocated_worker_cls(roles_cls))
     roles = fused.spawn({"actor", "critic"})

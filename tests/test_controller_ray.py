@@ -120,6 +120,8 @@ def test_dp_by_tp_mesh_dispatch(ray_local):
         assert torch.equal(out.batch["x"], rows(5).batch["x"])
         assert out.batch["dp"].tolist() == [0, 0, 0, 1, 1]
         assert out.batch["tp"].tolist() == [0] * 5 and out.batch["rank"].tolist() == [0, 0, 0, 2, 2]
+        mesh.tag(rows(4), label=7)  # a keyword reaches every rank, those not collected too
+        assert mesh.labels_seen() == [[0, 7]] * 4
     finally:
         release(pool, mesh)
 

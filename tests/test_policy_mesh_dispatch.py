@@ -18,7 +18,7 @@ from hybridflow.controller.resource_pool import ClassWithInitArgs
 from hybridflow.controller.worker_group import WorkerGroup
 from hybridflow.engine.config import EngineConfig
 from hybridflow.protocol import DataProto
-from hybridflow.rollout.config import RolloutConfig
+from hybridflow.rollout.config import RolloutConfig, SamplingParams
 from hybridflow.workers import ActorRolloutRefWorker, CriticWorker
 from hybridflow.workers.config import ActorConfig, CriticConfig, ModelConfig, RefConfig, RewardModelConfig
 from hybridflow.workers.reward_model import RewardModelWorker
@@ -30,10 +30,11 @@ class RecordingEngine:
     """Stands in for an engine: remembers the rows it was given, answers with the rank in every entry."""
 
     def __init__(self, rank: int) -> None:
-        self.rank, self.seen = rank, []
+        self.rank, self.seen, self.temperatures = rank, [], []
 
     def compute_log_probs(self, batch: Any, micro: Any, temperature: float = 1.0, calc_entropy: bool = False):
         self.seen.append(batch["row"].tolist())
+        self.temperatures.append(temperature)
         out = torch.full((len(batch["row"]), R), float(self.rank))
         return out, out.clone() if calc_entropy else None
 
@@ -96,10 +97,14 @@ class RecordingRollout:
     """Stands in for a rollout: remembers the prompt rows, tags its outputs with the rank."""
 
     def __init__(self, rank: int) -> None:
-        self.rank, self.seen = rank, []
+        self.rank, self.seen, self.calls = rank, [], []
 
-    def generate_sequences(self, prompts: DataProto) -> DataProto:
+    def reseed(self, step: int) -> None:
+        self.calls.append(("reseed", step))
+
+    def generate_sequences(self, prompts: DataProto, sampling: SamplingParams | None = None) -> DataProto:
         self.seen.append(prompts.batch["row"].tolist())
+        self.calls.append(("generate", sampling))
         return DataProto.from_dict({"row": prompts.batch["row"], "by": torch.full((len(prompts),), self.rank)})
 
 
@@ -116,14 +121,15 @@ def test_policy_calls_split_over_dp_and_collect_one_rank_per_group(world, tp, sp
         w.actor = w.ref = RecordingEngine(w.rank)
     per = tp * sp  # ranks of one dp group
     dp = world // per
-    out = group.compute_log_prob(_rows(8))
+    out = group.compute_log_prob(_rows(8), temperature=0.7)
+    assert [w.actor.temperatures for w in group.workers] == [[0.7]] * world  # keywords reach every rank
     # each tp / sp rank of dp group d got the d-th contiguous shard, the same rows as its peers
     for w in group.workers:
         d, rows = w.rank // per, 8 // dp
         assert w.actor.seen == [list(range(d * rows, (d + 1) * rows))]
     # one output per dp group (its first rank), in dp order
     assert out.batch[K.OLD_LOG_PROBS][:, 0].tolist() == [float(d * per) for d in range(dp) for _ in range(8 // dp)]
-    ref = group.compute_ref_log_prob(_rows(6))  # 6 rows: padded to a multiple of dp, padding dropped
+    ref = group.compute_ref_log_prob(_rows(6), temperature=0.7)  # 6 rows: padded to a multiple of dp, padding dropped
     assert len(ref) == 6
     assert [len(w.ref.seen[-1]) for w in group.workers] == [-(-6 // dp)] * world
     assert group.get_dispatch_info("rollout") == [(r, True) for r in range(world)]  # generation: plain dp
@@ -140,7 +146,7 @@ def test_colocated_critic_declares_its_own_mesh():
     for w in workers:
         w.workers["policy"].actor = RecordingEngine(w.rank)
         w.workers["critic"].engine = RecordingEngine(w.rank)
-    groups["policy"].compute_log_prob(_rows(4))
+    groups["policy"].compute_log_prob(_rows(4), temperature=1.0)
     values = groups["critic"].compute_values(_rows(4))
     assert [w.workers["policy"].actor.seen for w in workers] == [[[0, 1]], [[0, 1]], [[2, 3]], [[2, 3]]]
     assert [w.workers["critic"].engine.seen for w in workers] == [[[0]], [[1]], [[2]], [[3]]]
@@ -184,8 +190,10 @@ def test_generation_follows_the_rollout_mesh_not_the_actor_mesh():
     group = InProcessGroup(_policy(1, rollout_tp=2), 4)
     for w in group.workers:
         w.rollout = RecordingRollout(w.rank)
-    out = group.generate_sequences(_rows(4))
+    sampling = SamplingParams(temperature=0.5)
+    out = group.generate_sequences(_rows(4), step=5, sampling=sampling)
     assert [w.rollout.seen for w in group.workers] == [[[0, 1]], [[0, 1]], [[2, 3]], [[2, 3]]]
+    assert all(w.rollout.calls == [("reseed", 5), ("generate", sampling)] for w in group.workers)
     assert out.batch["row"].tolist() == [0, 1, 2, 3] and out.batch["by"].tolist() == [0, 0, 2, 2]
     assert group.get_dispatch_info("policy") == [(r, True) for r in range(4)]
 
@@ -206,6 +214,8 @@ def test_rollout_groups_are_spaced_beside_a_sharded_fsdp_actor():
     assert [w.rollout_stride for w in group.workers] == [2] * 4
     for w in group.workers:
         w.rollout = RecordingRollout(w.rank)
-    out = group.generate_sequences(_rows(4))
+    out = group.generate_sequences(_rows(4), validate=True)
     assert [w.rollout.seen for w in group.workers] == [[[0, 1]], [[2, 3]], [[0, 1]], [[2, 3]]]
+    val = group.workers[0].rollout_cfg.sampling_params(validate=True)
+    assert all(w.rollout.calls == [("generate", val)] for w in group.workers)  # validation: no reseed
     assert out.batch["row"].tolist() == [0, 1, 2, 3] and out.batch["by"].tolist() == [0, 0, 1, 1]

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from hybridflow.keys import META_METRICS, META_TEMPERATURE, UID
+from hybridflow.keys import META_METRICS, UID
 from hybridflow.protocol import (
     DataProto,
     DataProtoItem,
@@ -15,6 +15,8 @@ from hybridflow.protocol import (
     pad_dataproto_to_divisor,
     unpad_dataproto,
 )
+
+META_TEMPERATURE = "temperature"  # any batch-wide meta_info value
 
 
 def make(n: int = 6) -> DataProto:

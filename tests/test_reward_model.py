@@ -186,14 +186,15 @@ def test_remax_baseline_includes_the_reward_model_score():
     """ReMax's greedy baseline is scored like the samples: rule score + reward-model score."""
     from types import SimpleNamespace
 
+    from hybridflow.rollout.config import SamplingParams
     from hybridflow.trainer.config import AlgorithmConfig
     from hybridflow.trainer.core_steps import reward_baselines
 
     calls = []
 
     class Policy:
-        def generate_sequences(self, prompts):
-            calls.append(dict(prompts.meta_info))
+        def generate_sequences(self, prompts, **kwargs):
+            calls.append(kwargs)
             return DataProto.from_dict({"responses": torch.zeros(len(prompts), 3, dtype=torch.long)})
 
     class RM:
@@ -205,8 +206,9 @@ def test_remax_baseline_includes_the_reward_model_score():
         rule[:, -1] = 0.5
         return SimpleNamespace(token_level_scores=rule + data.batch[K.RM_SCORES])
 
-    prompts = DataProto.from_dict({"input_ids": torch.ones(2, 4, dtype=torch.long)})
+    prompts = DataProto.from_dict({"input_ids": torch.ones(2, 4, dtype=torch.long)}, meta_info={K.META_GLOBAL_STEP: 7})
     roles = SimpleNamespace(actor_rollout=Policy(), reward_model=RM())
-    base = reward_baselines(AlgorithmConfig(adv_estimator="remax"), roles, prompts, reward_fn, n=3)
+    sampling = SamplingParams(temperature=0.7, n=3)
+    base = reward_baselines(AlgorithmConfig(adv_estimator="remax"), roles, prompts, reward_fn, sampling)
     assert base.tolist() == [2.5, 2.5, 2.5, -0.5, -0.5, -0.5]
-    assert calls == [{K.META_DO_SAMPLE: False, K.META_N: 1}]
+    assert calls == [{"step": 7, "sampling": SamplingParams(temperature=0.7, do_sample=False, n=1)}]

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import replace
 
 import pytest
 import torch
 
-from hybridflow.keys import META_DO_SAMPLE, META_N, META_TEMPERATURE
 from hybridflow.rollout import RolloutConfig, SamplingParams, ValKwargs, build_rollout
-from hybridflow.rollout.config import META_TOP_P, META_VALIDATE
 from hybridflow.rollout.sampling import filter_logits, sample_next
 
 
@@ -32,17 +31,14 @@ def test_bad_combinations_are_rejected_naming_the_key(kwargs, message):
         RolloutConfig(**kwargs)
 
 
-def test_sampling_params_from_config_meta_and_validation():
+def test_sampling_params_from_config_and_validation():
     cfg = RolloutConfig(temperature=0.8, top_p=0.9, n=4, val_kwargs={"temperature": 0.5, "do_sample": True})
     assert isinstance(cfg.val_kwargs, ValKwargs)
     assert cfg.sampling_params() == SamplingParams(0.8, 0.9, -1, True, 4)
-    assert cfg.sampling_params({META_TEMPERATURE: 1.2, META_N: 2, META_TOP_P: 1.0}) == SamplingParams(
-        1.2, 1.0, -1, True, 2
-    )
-    assert cfg.sampling_params({META_VALIDATE: True}) == SamplingParams(0.5, 1.0, -1, True, 1)
-    assert cfg.sampling_params({META_DO_SAMPLE: False, META_N: 1}).do_sample is False
+    assert cfg.sampling_params(validate=True) == SamplingParams(0.5, 1.0, -1, True, 1)
+    assert replace(cfg.sampling_params(), do_sample=False, n=1).do_sample is False
     with pytest.raises(ValueError, match="do_sample"):
-        cfg.sampling_params({META_DO_SAMPLE: False})  # greedy with n=4 identical samples
+        replace(cfg.sampling_params(), do_sample=False)  # greedy with n=4 identical samples
 
 
 def test_filter_logits_top_k_and_top_p_by_hand():

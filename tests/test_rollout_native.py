@@ -9,9 +9,6 @@ from rollout_helpers import add_eos_bias, full_forward_logits, prompt_batch, rec
 from hybridflow.keys import (
     ATTENTION_MASK,
     INPUT_IDS,
-    META_DO_SAMPLE,
-    META_N,
-    META_TEMPERATURE,
     POSITION_IDS,
     PROMPTS,
     RESPONSE_MASK,
@@ -20,7 +17,7 @@ from hybridflow.keys import (
 )
 from hybridflow.rollout import RolloutConfig, build_rollout
 from hybridflow.rollout import decoder as decoder_module
-from hybridflow.rollout.config import META_TOP_K, META_VALIDATE
+from hybridflow.rollout.config import SamplingParams
 from hybridflow.rollout.layout import pad_responses
 from hybridflow.rollout.native import NativeRollout
 
@@ -74,16 +71,17 @@ def test_greedy_with_early_eos_matches_transformers():
     assert torch.equal(out.batch[RESPONSES], hf_greedy(model, tok, batch))
 
 
-def test_top_k_one_is_greedy_and_meta_overrides(llama):
+def test_top_k_one_is_greedy_and_call_params_override_the_config(llama):
     model, tok = llama
     greedy = native(model, tok, do_sample=False).generate_sequences(prompt_batch(tok))
     top1 = native(model, tok, top_k=1, temperature=0.7).generate_sequences(prompt_batch(tok))
     assert torch.equal(top1.batch[RESPONSES], greedy.batch[RESPONSES])
-    meta_greedy = native(model, tok).generate_sequences(prompt_batch(tok, **{META_DO_SAMPLE: False}))
-    assert torch.equal(meta_greedy.batch[RESPONSES], greedy.batch[RESPONSES])
-    meta_k1 = native(model, tok).generate_sequences(prompt_batch(tok, **{META_TOP_K: 1}))
-    assert torch.equal(meta_k1.batch[RESPONSES], greedy.batch[RESPONSES])
-    validate = native(model, tok, n=2).generate_sequences(prompt_batch(tok, **{META_VALIDATE: True}))
+    call_greedy = native(model, tok).generate_sequences(prompt_batch(tok), SamplingParams(do_sample=False))
+    assert torch.equal(call_greedy.batch[RESPONSES], greedy.batch[RESPONSES])
+    call_k1 = native(model, tok).generate_sequences(prompt_batch(tok), SamplingParams(top_k=1))
+    assert torch.equal(call_k1.batch[RESPONSES], greedy.batch[RESPONSES])
+    rollout = native(model, tok, n=2)
+    validate = rollout.generate_sequences(prompt_batch(tok), rollout.config.sampling_params(validate=True))
     assert torch.equal(validate.batch[RESPONSES], greedy.batch[RESPONSES])  # val_kwargs: greedy, n=1
 
 
@@ -146,7 +144,7 @@ def test_rollout_log_probs_match_full_forward(llama, temperature):
     out = rollout.generate_sequences(prompt_batch(tok))
     expect = recomputed_log_probs(model, out, temperature)
     torch.testing.assert_close(out.batch[ROLLOUT_LOG_PROBS], expect, atol=1e-4, rtol=0)
-    hot = rollout.generate_sequences(prompt_batch(tok, **{META_TEMPERATURE: 1.5, META_N: 1}))
+    hot = rollout.generate_sequences(prompt_batch(tok), SamplingParams(temperature=1.5, n=1))
     assert len(hot) == 3
     torch.testing.assert_close(hot.batch[ROLLOUT_LOG_PROBS], recomputed_log_probs(model, hot, 1.5), atol=1e-4, rtol=0)
 
@@ -231,7 +229,7 @@ def test_extra_left_padding_is_trimmed_before_prefill(llama, monkeypatch):
     responses and log-probs as tightly padded ones, the prefill sees only the used columns, and the
     output keeps the caller's prompt width."""
     model, tok = llama
-    tight = prompt_batch(tok, **{META_DO_SAMPLE: False})
+    tight = prompt_batch(tok)
     extra = 5
     wide = tight.batch[INPUT_IDS].shape[1] + extra
     padded = {
@@ -241,7 +239,7 @@ def test_extra_left_padding_is_trimmed_before_prefill(llama, monkeypatch):
     loose = tight.select_idxs(torch.arange(3))
     for k, v in padded.items():
         loose.batch[k] = v
-    rollout = native(model, tok, calculate_log_probs=True)
+    rollout = native(model, tok, calculate_log_probs=True, do_sample=False)
     widths = []
     decoder = rollout._decoder()
     prefill = decoder.prefill
@@ -282,11 +280,11 @@ def test_shared_prefix_prefill_matches_transformers(arch, monkeypatch):
     """Prompts that start alike run their common prefix once; greedy output still equals HF generate
     and the sampled log-probs equal a full forward of the final sequences."""
     model, tok = tiny(arch)
-    batch = prompt_batch(tok, SHARED, **{META_DO_SAMPLE: False})
+    batch = prompt_batch(tok, SHARED)
     calls = []
     real = decoder_module.shared_prefix
     monkeypatch.setattr(decoder_module, "shared_prefix", lambda *a: calls.append(real(*a)) or calls[-1])
-    out = native(model, tok, True, calculate_log_probs=True).generate_sequences(batch)
+    out = native(model, tok, True, calculate_log_probs=True, do_sample=False).generate_sequences(batch)
     assert calls and calls[0] is not None and calls[0].prefix_ids.shape[1] >= 30
     assert torch.equal(out.batch[RESPONSES], hf_greedy(model, tok, batch))
     torch.testing.assert_close(out.batch[ROLLOUT_LOG_PROBS], recomputed_log_probs(model, out), atol=1e-4, rtol=0)

@@ -16,7 +16,7 @@ from rollout_helpers import prompt_batch, recomputed_log_probs
 from hybridflow.engine import EngineConfig, FSDPEngine
 from hybridflow.keys import RESPONSE_MASK, RESPONSES, ROLLOUT_LOG_PROBS
 from hybridflow.models import default_model_dir, load_causal_lm, load_tokenizer, tiny_model_dir
-from hybridflow.rollout import RolloutConfig, build_rollout, sync_weights
+from hybridflow.rollout import RolloutConfig, SamplingParams, build_rollout, sync_weights
 
 pytest.importorskip(
     "vllm", reason="needs vllm: ./scripts/setup.sh --vllm, then .venv-vllm/bin/python -m pytest -m vllm"
@@ -81,7 +81,7 @@ def test_greedy_vllm_native_hf_agree_on_smollm2(smol):
 def test_sampled_log_probs_match_the_trainers_compute_log_prob(smol):
     path, tok, vllm_rollout = smol
     vllm_rollout.reseed(1)
-    out = vllm_rollout.generate_sequences(prompt_batch(tok, SMOL_PROMPTS, do_sample=True, temperature=0.7, n=2))
+    out = vllm_rollout.generate_sequences(prompt_batch(tok, SMOL_PROMPTS), SamplingParams(temperature=0.7, n=2))
     engine = FSDPEngine.from_pretrained(path, EngineConfig(param_dtype="fp32"))
     trainer_lp, _ = engine.compute_log_probs(out.batch, micro_batch_size=8, temperature=0.7)
     mask = out.batch[RESPONSE_MASK].bool()

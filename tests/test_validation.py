@@ -10,7 +10,6 @@ import torch
 
 from hybridflow import keys as K
 from hybridflow.protocol import DataProto
-from hybridflow.rollout.config import META_VALIDATE
 from hybridflow.trainer.core_steps import pass_at_n
 from hybridflow.trainer.validation import summarize_scores, validate
 
@@ -59,8 +58,8 @@ class FakeRollout:
     def __init__(self) -> None:
         self.calls: list[dict] = []
 
-    def generate_sequences(self, prompts: DataProto) -> DataProto:
-        self.calls.append(dict(prompts.meta_info))
+    def generate_sequences(self, prompts: DataProto, **kwargs) -> DataProto:
+        self.calls.append(kwargs)
         out = prompts.repeat(N, interleave=True)
         out.batch["sample"] = torch.arange(len(out)) % N
         out.meta_info[K.META_METRICS] = {"timing/gen": 1.0}
@@ -90,7 +89,7 @@ def _loader() -> list[DataProto]:
 def test_validate_generates_scores_and_summarizes_every_batch():
     rollout = FakeRollout()
     metrics = validate(rollout, _loader(), _score, N)
-    assert len(rollout.calls) == 2 and all(c[META_VALIDATE] is True for c in rollout.calls)
+    assert len(rollout.calls) == 2 and all(c == {"validate": True} for c in rollout.calls)
     assert metrics.keys() == EXPECTED.keys()
     for key, value in EXPECTED.items():
         assert metrics[key] == pytest.approx(value), key

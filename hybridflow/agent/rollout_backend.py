@@ -7,8 +7,8 @@ of its extra `stop_ids` (the rollout itself stops at its EOS ids). Log-probs are
 (`rollout/sampling.py`: the temperature-scaled, unfiltered distribution).
 
 Not thread-safe (it swaps `rollout.config` per call): the server's `Batcher` calls it from one thread.
-This is the one place that knows `generate_sequences`' input (left-padded DataProto, sampling
-params as meta_info) and output (hybridflow/keys.py): adjust it here when that signature changes.
+This is the one place that knows `generate_sequences`' input (left-padded DataProto and
+`SamplingParams`) and output (hybridflow/keys.py).
 """
 
 from __future__ import annotations
@@ -22,9 +22,6 @@ from hybridflow.agent.backend import GenerationRequest, Sample
 from hybridflow.keys import (
     ATTENTION_MASK,
     INPUT_IDS,
-    META_DO_SAMPLE,
-    META_N,
-    META_TEMPERATURE,
     POSITION_IDS,
     RESPONSE_MASK,
     RESPONSES,
@@ -32,7 +29,7 @@ from hybridflow.keys import (
 )
 from hybridflow.protocol import DataProto
 from hybridflow.rollout.base import ModuleRollout, build_rollout
-from hybridflow.rollout.config import META_TOP_P, RolloutConfig
+from hybridflow.rollout.config import RolloutConfig, SamplingParams
 
 
 class RolloutBackend:
@@ -62,13 +59,14 @@ class RolloutBackend:
     def _generate(self, rows: list[GenerationRequest], temperature: float, top_p: float) -> list[Sample]:
         base = self.rollout.config
         width = max(min(r.max_tokens, self.max_tokens) for r in rows)
-        meta = {META_N: 1, META_DO_SAMPLE: temperature > 0, META_TOP_P: top_p}
-        if temperature > 0:
-            meta[META_TEMPERATURE] = temperature
+        greedy = temperature <= 0  # OpenAI's temperature 0; the rollout's temperature must stay > 0
+        sampling = SamplingParams(
+            temperature=base.temperature if greedy else temperature, top_p=top_p, do_sample=not greedy, n=1
+        )
         self.rollout.config = dataclasses.replace(base, response_length=width, prompt_length=_widest(rows, base))
         try:
             result = self.rollout.generate_sequences(
-                _left_padded([r.prompt_ids for r in rows], self.rollout.pad_id, meta)
+                _left_padded([r.prompt_ids for r in rows], self.rollout.pad_id), sampling
             )
         finally:
             self.rollout.config = base
@@ -80,12 +78,12 @@ def _widest(rows: list[GenerationRequest], config: RolloutConfig) -> int:
     return max(max(len(r.prompt_ids) for r in rows), config.prompt_length or 1)
 
 
-def _left_padded(prompts: list[list[int]], pad_id: int, meta: dict) -> DataProto:
+def _left_padded(prompts: list[list[int]], pad_id: int) -> DataProto:
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    return DataProto.from_dict({INPUT_IDS: ids, ATTENTION_MASK: mask, POSITION_IDS: pos}, meta_info=meta)
+    return DataProto.from_dict({INPUT_IDS: ids, ATTENTION_MASK: mask, POSITION_IDS: pos})
 
 
 def _sample(

@@ -1,9 +1,9 @@
 """The rollout interface and the shared in-process implementation (backends by name: rollout/backends.py).
 
 Input of `generate_sequences`: a DataProto with `input_ids` [B, P] (left-padded),
-`attention_mask` and `position_ids`; meta_info may override the sampling params
-(see `RolloutConfig.sampling_params`). Output: B*n rows, the n samples of a prompt
-adjacent, with the keys of hybridflow/keys.py (see `layout.build_output`).
+`attention_mask` and `position_ids`, and the call's `SamplingParams` (None: the
+configured training params, `RolloutConfig.sampling_params()`). Output: B*n rows, the n
+samples of a prompt adjacent, with the keys of hybridflow/keys.py (see `layout.build_output`).
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ class Rollout(ABC):
     """A sequence-generation backend: prompts in, sampled responses out."""
 
     @abstractmethod
-    def generate_sequences(self, prompts: DataProto) -> DataProto:
-        """Sample `n` responses per prompt row; returns B*n rows in the layout of hybridflow/keys.py."""
+    def generate_sequences(self, prompts: DataProto, sampling: SamplingParams | None = None) -> DataProto:
+        """Sample `sampling.n` responses per prompt row with `sampling` (None: the configured training
+        params); returns B*n rows in the layout of hybridflow/keys.py. Reads no meta_info."""
 
     @abstractmethod
     def load_weights(self, state_dict: dict[str, Tensor], partial: bool = False) -> None:
@@ -125,9 +126,9 @@ class ModuleRollout(Rollout):
         return next(self.model.parameters()).dtype
 
     @torch.inference_mode()
-    def generate_sequences(self, prompts: DataProto) -> DataProto:
+    def generate_sequences(self, prompts: DataProto, sampling: SamplingParams | None = None) -> DataProto:
         """See `Rollout.generate_sequences`."""
-        params = self.config.sampling_params(prompts.meta_info)
+        params = sampling or self.config.sampling_params()
         ids, mask, pos = self._prompt_tensors(prompts)
         per_chunk = max(1, self.config.max_batch_size // params.n)
         parts = [

@@ -3,28 +3,21 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from hybridflow.config_utils import Section
-from hybridflow.keys import META_DO_SAMPLE, META_N, META_TEMPERATURE
 from hybridflow.utils.dtypes import check_dtype, dtype_of
 
 ROLLOUT_NAMES = ("native", "hf", "vllm")
 """The built-in rollout backends; rollout.name accepts any name in `ROLLOUT_BACKENDS` (rollout/backends.py)."""
 
-META_TOP_P = "top_p"
-"""meta_info key (float) overriding `top_p` for one generate call."""
-META_TOP_K = "top_k"
-"""meta_info key (int, -1 = off) overriding `top_k` for one generate call."""
-META_VALIDATE = "validate"
-"""meta_info key (bool): True makes the call use `val_kwargs` instead of the training params."""
-
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """The sampling parameters in effect for one generate call."""
+    """The sampling parameters in effect for one generate call (the `sampling` argument of
+    `Rollout.generate_sequences` and of the worker's generate_sequences; change one field with
+    `dataclasses.replace(params, do_sample=False, n=1)`)."""
 
     temperature: float = 1.0
     """Softmax temperature; logits are divided by it before sampling (ignored when greedy)."""
@@ -44,18 +37,6 @@ class SamplingParams:
     def filters(self) -> bool:
         """True when top-k or top-p removes part of the distribution."""
         return self.top_k > 0 or self.top_p < 1.0
-
-    def override(self, meta_info: dict[str, Any]) -> SamplingParams:
-        """These params with any of temperature/top_p/top_k/do_sample/n replaced from meta_info."""
-        keys = {
-            META_TEMPERATURE: "temperature",
-            META_TOP_P: "top_p",
-            META_TOP_K: "top_k",
-            META_DO_SAMPLE: "do_sample",
-            META_N: "n",
-        }
-        values = {f: meta_info[k] for k, f in keys.items() if k in meta_info}
-        return SamplingParams(**{**self.__dict__, **values}) if values else self
 
 
 def check_sampling(temperature: float, top_p: float, top_k: int, do_sample: bool, n: int, where: str) -> None:
@@ -80,7 +61,7 @@ def check_sampling(temperature: float, top_p: float, top_k: int, do_sample: bool
 
 @dataclass
 class ValKwargs(Section):
-    """Sampling parameters for validation calls (meta_info[validate]=True)."""
+    """Sampling parameters for validation calls (generate_sequences(..., validate=True))."""
 
     temperature: float = 1.0
     """Softmax temperature for validation (ignored when do_sample=False)."""
@@ -150,7 +131,7 @@ class RolloutConfig(Section):
     """vllm: free the KV cache and offload the weights between generations (sleep mode level 1) so training
     has the memory. Only where vllm's platform has a sleep mode (CUDA); on CPU it is a no-op."""
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
-    """Sampling parameters used when meta_info["validate"] is True."""
+    """Sampling parameters of validation calls (generate_sequences(..., validate=True))."""
 
     def __post_init__(self) -> None:
         if self.tensor_model_parallel_size < 1:
@@ -178,9 +159,7 @@ class RolloutConfig(Section):
         """`dtype` as a torch dtype."""
         return dtype_of(self.dtype)
 
-    def sampling_params(self, meta_info: dict[str, Any] | None = None) -> SamplingParams:
-        """The params for one call: training or validation defaults, then meta_info overrides."""
-        meta_info = meta_info or {}
-        src = self.val_kwargs if META_VALIDATE in meta_info and meta_info[META_VALIDATE] else self
-        base = SamplingParams(src.temperature, src.top_p, src.top_k, src.do_sample, src.n)
-        return base.override(meta_info)
+    def sampling_params(self, validate: bool = False) -> SamplingParams:
+        """The configured params of a training call, or of a validation call (`val_kwargs`)."""
+        src = self.val_kwargs if validate else self
+        return SamplingParams(src.temperature, src.top_p, src.top_k, src.do_sample, src.n)

@@ -91,9 +91,9 @@ class VLLMRollout(Rollout):
         """See `Rollout.reseed`."""
         self.generator.manual_seed(step_seed(self.config.seed, step))
 
-    def generate_sequences(self, prompts: DataProto) -> DataProto:
+    def generate_sequences(self, prompts: DataProto, sampling: SamplingParams | None = None) -> DataProto:
         """See `Rollout.generate_sequences`."""
-        params = self.config.sampling_params(prompts.meta_info)
+        params = sampling or self.config.sampling_params()
         ids, mask = prompts.batch[INPUT_IDS], prompts.batch[ATTENTION_MASK]
         if ids.shape[1] > self.config.prompt_length:
             raise ValueError(

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any
 from hybridflow.config_utils import to_yaml
 from hybridflow.utils import checkpoint_dirs as C
 
-if TYPE_CHECKING:  # both pull in the worker and engine stack; export and generate read checkpoints without it
+if TYPE_CHECKING:  # these pull in the worker and engine stack; export and generate read checkpoints without it
+    from hybridflow.trainer.async_pipeline import RolloutSource
     from hybridflow.trainer.roles import Roles
     from hybridflow.trainer.run_config import RunConfig
 
@@ -110,7 +111,7 @@ class TrainerCheckpointer:
     """PPO's checkpoints: the actor and critic groups, the KL coefficient, and what the rollout has in flight
     (trainer.mode one_step_off / async: the batches generated ahead, hybridflow/trainer/async_pipeline.py)."""
 
-    def __init__(self, cfg: RunConfig, roles: Roles, train_loader: Any, rollout: Any) -> None:
+    def __init__(self, cfg: RunConfig, roles: Roles, train_loader: Any, rollout: RolloutSource) -> None:
         """`rollout`: the trainer's batch source (SyncRollout / AsyncRollout)."""
         groups = [g for g in (roles.actor_rollout, roles.critic) if g is not None]
         self.checkpointer = RunCheckpointer(cfg, groups, train_loader)

@@ -7,7 +7,7 @@ calls them between worker calls. No worker, no I/O.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -18,6 +18,7 @@ from hybridflow.algos.adv_spec import get_advantage_estimator, get_advantage_spe
 from hybridflow.algos.kl import apply_kl_penalty, get_kl_controller
 from hybridflow.algos.rollout_is import mismatch_metrics, rollout_importance_weights
 from hybridflow.protocol import DataProto
+from hybridflow.rollout.config import SamplingParams
 from hybridflow.trainer.config import AlgorithmConfig
 
 
@@ -100,15 +101,15 @@ class StepBaselineContext:
     """The run's reward function (returns an object with token_level_scores [B, R])."""
     n: int
     """Samples per prompt (rollout.n)."""
+    sampling: SamplingParams
+    """The run's training sampling params (rollout.*); a baseline's call changes do_sample and n only."""
 
     def generate_scores(self, *, do_sample: bool, n: int) -> torch.Tensor:
         """Generate n responses per prompt and score them like the samples: rule score plus the reward
         model's, if the run has one; returns sequence scores [P * n]."""
-        meta = {**self.prompts.meta_info, K.META_DO_SAMPLE: do_sample, K.META_N: n}
-        request = DataProto(
-            batch=self.prompts.batch, non_tensor_batch=dict(self.prompts.non_tensor_batch), meta_info=meta
-        )
-        out = self.roles.actor_rollout.generate_sequences(request)
+        step = self.prompts.meta_info[K.META_GLOBAL_STEP]  # reseed as the sampled call did: validation continues
+        sampling = replace(self.sampling, do_sample=do_sample, n=n)
+        out = self.roles.actor_rollout.generate_sequences(self.prompts, step=step, sampling=sampling)
         out.meta_info.pop(K.META_METRICS, None)
         if self.roles.reward_model is not None:
             out.union(self.roles.reward_model.compute_rm_score(out))
@@ -120,12 +121,14 @@ def has_baseline(cfg: AlgorithmConfig) -> bool:
     return get_advantage_spec(cfg.adv_estimator).baseline is not None
 
 
-def reward_baselines(cfg: AlgorithmConfig, roles, prompts: DataProto, reward_fn, n: int) -> torch.Tensor:
+def reward_baselines(
+    cfg: AlgorithmConfig, roles, prompts: DataProto, reward_fn, sampling: SamplingParams
+) -> torch.Tensor:
     """The estimator's reward_baselines [P * n] for this step (its spec's `baseline`, e.g. ReMax's greedy reward)."""
     baseline = get_advantage_spec(cfg.adv_estimator).baseline
     if baseline is None:
         raise ValueError(f"algorithm.adv_estimator={cfg.adv_estimator} has no baseline; check has_baseline first")
-    return baseline(StepBaselineContext(roles, prompts, reward_fn, n))
+    return baseline(StepBaselineContext(roles, prompts, reward_fn, sampling.n, sampling))
 
 
 def pass_at_n(uids: np.ndarray, scores: torch.Tensor) -> float:

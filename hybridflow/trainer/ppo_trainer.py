@@ -17,7 +17,7 @@ from typing import Any
 from hybridflow import keys as K
 from hybridflow.protocol import DataProto
 from hybridflow.trainer import core_steps as S
-from hybridflow.trainer.async_pipeline import AsyncRollout, SyncRollout, endless
+from hybridflow.trainer.async_pipeline import AsyncRollout, RolloutSource, SyncRollout, endless
 from hybridflow.trainer.balance import balance_batch
 from hybridflow.trainer.checkpointing import TrainerCheckpointer
 from hybridflow.trainer.metrics import data_metrics, throughput_metrics, worker_metrics
@@ -60,7 +60,7 @@ class PPOTrainer:
         self.kl_ctrl = S.make_kl_controller(self.cfg.algorithm)
         t = self.cfg.trainer
         prompts = endless(inputs.train_loader)
-        self.rollout = (
+        self.rollout: RolloutSource = (
             SyncRollout(roles, prompts)
             if t.mode == "sync"
             else AsyncRollout(roles, prompts, run.total_steps, t.max_staleness)
@@ -115,15 +115,16 @@ class PPOTrainer:
                 if S.has_baseline(cfg.algorithm):  # e.g. ReMax: the greedy response's reward (its spec's baseline)
                     prompts = self.rollout.prompts_of(batch)
                     batch.batch[K.REWARD_BASELINES] = S.reward_baselines(
-                        cfg.algorithm, roles, prompts, self.reward_fn, cfg.rollout.n
+                        cfg.algorithm, roles, prompts, self.reward_fn, cfg.rollout.sampling_params()
                     )
             # 3. log-probs of the policy before the update, of the reference, and values
             #    (ref and critic calls return futures: with split placement they overlap; old log-probs
             #    are skipped when the update is one optimizer step, which then uses its own)
+            temp = cfg.rollout.temperature  # the policy's log-probs are those of the distribution sampled from
             with timer("old_log_prob_ref_values", timing):
-                ref = roles.ref.compute_ref_log_prob(batch) if plan.ref_log_prob else None
+                ref = roles.ref.compute_ref_log_prob(batch, temperature=temp) if plan.ref_log_prob else None
                 values = roles.critic.compute_values(batch) if plan.values else None
-                old = roles.actor_rollout.compute_log_prob(batch) if plan.old_log_prob else None
+                old = roles.actor_rollout.compute_log_prob(batch, temperature=temp) if plan.old_log_prob else None
                 for part in (old, ref, values):
                     if part is not None:
                         batch.union(_take_metrics(_resolve(part), worker_out))
@@ -135,7 +136,6 @@ class PPOTrainer:
                 S.compute_advantage(batch, cfg.algorithm)
             # 5. update the critic, then (after warm-up) the actor; with split placement they overlap
             with timer("update", timing):
-                batch.meta_info[K.META_OWN_OLD_LOG_PROB] = not plan.old_log_prob
                 for out in self._update(batch, plan):
                     _take_metrics(out, worker_out)
             # 6. off-policy modes: the batch's staleness, and the new weights pushed to the rollout workers
@@ -157,7 +157,8 @@ class PPOTrainer:
         if plan.update_critic:
             pending.append(self.roles.critic.update_critic(batch))
         if plan.update_actor:
-            pending.append(self.roles.actor_rollout.update_actor(batch))
+            temp, own = self.cfg.rollout.temperature, not plan.old_log_prob
+            pending.append(self.roles.actor_rollout.update_actor(batch, temperature=temp, own_old_log_prob=own))
         return [_resolve(p) for p in pending]
 
     def _validate_and_save(self, plan: StepPlan) -> dict[str, float]:

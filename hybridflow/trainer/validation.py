@@ -13,7 +13,6 @@ from typing import Any
 import numpy as np
 
 from hybridflow import keys as K
-from hybridflow.rollout.config import META_VALIDATE
 from hybridflow.trainer.core_steps import pass_at_n
 
 
@@ -22,8 +21,7 @@ def validate(actor_rollout: Any, val_loader: Any, reward_fn: Any, n: int) -> dic
     sources, uids, scores = [], [], []
     for i, prompts in enumerate(val_loader):
         prompts.non_tensor_batch[K.UID] = np.array([f"val-{i}-{j}" for j in range(len(prompts))], dtype=object)
-        prompts.meta_info[META_VALIDATE] = True
-        out = actor_rollout.generate_sequences(prompts)
+        out = actor_rollout.generate_sequences(prompts, validate=True)
         out.meta_info.pop(K.META_METRICS, None)
         result = reward_fn(out)
         sources += [str(s) for s in out.non_tensor_batch[K.DATA_SOURCE]]

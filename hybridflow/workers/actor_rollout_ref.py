@@ -47,7 +47,7 @@ from hybridflow.controller.worker import Worker, collective_timeout_s
 from hybridflow.engine.config import EngineConfig
 from hybridflow.engine.reshard import aligned_stride, group_coords
 from hybridflow.protocol import DataProto
-from hybridflow.rollout.config import RolloutConfig
+from hybridflow.rollout.config import RolloutConfig, SamplingParams
 from hybridflow.utils.device import device_kind
 from hybridflow.utils.peak_memory import operator_peak
 from hybridflow.utils.plugins import import_plugins
@@ -142,36 +142,48 @@ class ActorRolloutRefWorker(Worker):
 
     # --- rollout ----------------------------------------------------------------
     @register(dispatch_mode=_ON_ROLLOUT_MESH)
-    def generate_sequences(self, prompts: DataProto) -> DataProto:
-        """Prompts [b, P] (left-padded) -> b * n rows of prompts, responses, masks, rollout_log_probs."""
+    def generate_sequences(
+        self,
+        prompts: DataProto,
+        *,
+        step: int | None = None,
+        sampling: SamplingParams | None = None,
+        validate: bool = False,
+    ) -> DataProto:
+        """Prompts [b, P] (left-padded) -> b * n rows of prompts, responses, masks, rollout_log_probs.
+
+        `step`: the training step; the sampler reseeds from it first (None: no reseed, the sampler goes on
+        from its state, as validation does). `sampling`: this call's params; None: the configured ones,
+        rollout.val_kwargs when `validate`, else the training ones (giving both is refused).
+        """
         from hybridflow.rollout.sync import sync_weights
 
+        if sampling is not None and validate:
+            raise ValueError("generate_sequences: pass sampling or validate=True, not both")
         metrics: dict[str, float] = {}
         if self._rollout_stale and self.actor is not None:
             metrics["timing_s/weight_sync"] = sync_weights(self.rollout, self.actor, self._rollout_has_all_weights)
             self._rollout_stale = False
             self._rollout_has_all_weights = True
-        if K.META_GLOBAL_STEP in prompts.meta_info:
+        if step is not None:
             # Seeded by (seed, step, rank) rather than by call count, so a resumed run samples exactly as an uninterrupted one.
-            self.rollout.reseed(int(prompts.meta_info[K.META_GLOBAL_STEP]))
+            self.rollout.reseed(step)
         start = time.perf_counter()
         with operator_peak("generate", metrics):
-            out = self.rollout.generate_sequences(prompts)
+            out = self.rollout.generate_sequences(prompts, sampling or self.rollout_cfg.sampling_params(validate))
         metrics["timing_s/generate_on_worker"] = time.perf_counter() - start
         out.meta_info[K.META_METRICS] = metrics
         return out
 
     # --- log-probs ----------------------------------------------------------------
-    def _temperature(self, data: DataProto) -> float:
-        return float(data.meta_info.get(K.META_TEMPERATURE, self.rollout_cfg.temperature))
-
     @register(dispatch_mode=_ON_POLICY_MESH)
-    def compute_log_prob(self, data: DataProto) -> DataProto:
-        """Rows with input_ids/attention_mask/position_ids/responses -> old_log_probs [b, R], entropys [b, R]."""
+    def compute_log_prob(self, data: DataProto, *, temperature: float) -> DataProto:
+        """Rows with input_ids/attention_mask/position_ids/responses -> old_log_probs [b, R], entropys [b, R],
+        from logits divided by `temperature` (the rollout's sampling temperature)."""
         metrics: dict[str, float] = {}
         with operator_peak("old_log_prob", metrics):
             log_probs, entropy = self.actor.compute_log_probs(
-                data.batch, self.actor_cfg.log_prob_micro(), self._temperature(data), calc_entropy=True
+                data.batch, self.actor_cfg.log_prob_micro(), temperature, calc_entropy=True
             )
         mask = data.batch[K.RESPONSE_MASK]
         metrics["actor/entropy"] = float(masked_mean(entropy, mask))
@@ -180,8 +192,8 @@ class ActorRolloutRefWorker(Worker):
         )
 
     @register(dispatch_mode=_ON_POLICY_MESH, blocking=False)
-    def compute_ref_log_prob(self, data: DataProto) -> DataProto:
-        """Rows as for compute_log_prob -> ref_log_prob [b, R] from the frozen reference policy.
+    def compute_ref_log_prob(self, data: DataProto, *, temperature: float) -> DataProto:
+        """Rows as for compute_log_prob -> ref_log_prob [b, R] from the frozen reference policy, at `temperature`.
 
         Non-blocking (returns a future) so that with split placement it overlaps the actor.
         """
@@ -193,7 +205,7 @@ class ActorRolloutRefWorker(Worker):
             operator_peak("ref_log_prob", metrics),
             self.actor.adapters_disabled() if self.ref is None else contextlib.nullcontext(),
         ):
-            log_probs, _ = engine.compute_log_probs(data.batch, self.ref_cfg.log_prob_micro(), self._temperature(data))
+            log_probs, _ = engine.compute_log_probs(data.batch, self.ref_cfg.log_prob_micro(), temperature)
         return DataProto.from_dict({K.REF_LOG_PROB: log_probs}, meta_info={K.META_METRICS: metrics})
 
     def _ref_is_actor_base(self) -> bool:
@@ -202,9 +214,9 @@ class ActorRolloutRefWorker(Worker):
 
     # --- training ----------------------------------------------------------------
     @register(dispatch_mode=_ON_POLICY_MESH)
-    def update_actor(self, data: DataProto) -> DataProto:
-        """PPO epochs over mini-batches over micro-batches; rows need advantages (+ ref_log_prob) and
-        old_log_probs. With meta_info["own_old_log_prob"]=True (the trainer's step plan, see
+    def update_actor(self, data: DataProto, *, temperature: float, own_old_log_prob: bool) -> DataProto:
+        """PPO epochs over mini-batches over micro-batches, log-probs at `temperature`; rows need advantages
+        (+ ref_log_prob) and old_log_probs. With `own_old_log_prob` (the trainer's step plan, see
         ActorConfig.old_log_prob) the update must be one optimizer step, and takes the old log-probs
         from its own forward instead.
 
@@ -212,7 +224,7 @@ class ActorRolloutRefWorker(Worker):
         """
         cfg = self.actor_cfg
         mini_rows = max(cfg.ppo_mini_batch_size * self.rollout_cfg.n // self.dp_size, 1)
-        own = bool(data.meta_info.get(K.META_OWN_OLD_LOG_PROB, False))
+        own = own_old_log_prob
         _check_old_log_probs(data, own, cfg.ppo_epochs, mini_rows)
         start, peak = time.perf_counter(), {}
         with operator_peak("update_actor", peak):
@@ -225,7 +237,7 @@ class ActorRolloutRefWorker(Worker):
                 actor_loss_builder(cfg, own),
                 shuffle=cfg.shuffle,
                 seed=self._update_calls,
-                temperature=self._temperature(data),
+                temperature=temperature,
                 calc_entropy=cfg.entropy_coeff != 0 or own,
             )
         self._update_calls += 1
@@ -302,12 +314,12 @@ def _check_old_log_probs(data: DataProto, own: bool, epochs: int, mini_rows: int
     """Refuse an update whose old log-probs are missing or cannot be its own."""
     if own and (epochs > 1 or len(data) > mini_rows):
         raise ValueError(
-            f"update_actor: meta_info[{K.META_OWN_OLD_LOG_PROB!r}]=True needs exactly one optimizer step, but "
+            "update_actor: own_old_log_prob=True needs exactly one optimizer step, but "
             f"ppo_epochs={epochs} and {len(data)} rows > {mini_rows} rows per mini-batch on this worker; "
             "call compute_log_prob first"
         )
     if not own and K.OLD_LOG_PROBS not in data.batch.keys():
         raise ValueError(
             f"update_actor: rows lack {K.OLD_LOG_PROBS!r}; call compute_log_prob first, or set "
-            f"meta_info[{K.META_OWN_OLD_LOG_PROB!r}]=True for a single-step update"
+            "own_old_log_prob=True for a single-step update"
         )
