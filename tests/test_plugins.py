@@ -57,9 +57,9 @@ def counting_rollout(config, model, tokenizer, tp_stride):
     rollout = ROLLOUT_BACKENDS.get("native").build(config, model, tokenizer, tp_stride)
     generate = rollout.generate_sequences
 
-    def counted(prompts):
+    def counted(prompts, sampling=None):
         mark("rollout")
-        return generate(prompts)
+        return generate(prompts, sampling)
 
     rollout.generate_sequences = counted
     return rollout

@@ -28,7 +28,8 @@ from hybridflow.keys import (
     ROLLOUT_LOG_PROBS,
 )
 from hybridflow.protocol import DataProto
-from hybridflow.rollout.base import ModuleRollout, build_rollout
+from hybridflow.rollout.backends import build_rollout
+from hybridflow.rollout.base import ModuleRollout
 from hybridflow.rollout.config import RolloutConfig, SamplingParams
 
 
