@@ -16,6 +16,7 @@ from hybridflow.models import (
     tiny_model_dir,
 )
 from hybridflow.models.default import cached_dir
+from hybridflow.models.value import value_head
 
 
 def test_missing_path_is_named(tmp_path):
@@ -85,6 +86,16 @@ def test_value_model_starts_from_the_actor_backbone(tmp_path):
     assert values.shape == (2, 5) and values.dtype == torch.float32
     critic.save_pretrained(tmp_path / "critic")
     torch.testing.assert_close(load_value_model(tmp_path / "critic")(ids, torch.ones_like(ids)), values)
+
+
+def test_a_fresh_value_head_is_the_same_in_every_process_whatever_the_global_seed():
+    path = tiny_model_dir("llama")
+    torch.manual_seed(1)
+    first = value_head(load_value_model(path).backbone)[1].weight.detach().clone()
+    torch.manual_seed(2)  # another global RNG state (another process or rank) builds the same head
+    second = value_head(load_value_model(path).backbone)[1].weight
+    assert first.abs().sum() > 0 and torch.equal(first, second)
+    assert abs(float(first.std()) - 0.02) < 0.01  # initializer_range
 
 
 def test_default_model_answers_a_chat_prompt():

@@ -114,9 +114,18 @@ def load_value_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32
     return ValueModel(backbone)
 
 
+VALUE_HEAD_SEED = 0
+"""Seed of a fresh value head's weights: every process and rank builds the same head, so a run with a
+critic is reproducible and its FSDP ranks start from one model."""
+
+
 def _init_fresh_head(head: nn.Linear, config: PretrainedConfig) -> None:
-    """Small weights so that initial values are near 0 whatever the scale of the hidden states."""
-    nn.init.normal_(head.weight, std=getattr(config, "initializer_range", 0.02))
+    """Small weights so that initial values are near 0 whatever the scale of the hidden states; drawn from
+    their own generator (`VALUE_HEAD_SEED`), not torch's global one."""
+    std = getattr(config, "initializer_range", 0.02)
+    weight = torch.randn(head.weight.shape, generator=torch.Generator().manual_seed(VALUE_HEAD_SEED)) * std
+    with torch.no_grad():
+        head.weight.copy_(weight)
     if head.bias is not None:
         nn.init.zeros_(head.bias)
 
