@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -138,6 +140,17 @@ class Worker:
                 "call self._register_dispatch_collect_info(mesh_name, dp_rank, is_collect) in __init__"
             )
         return self._dispatch_info[mesh_name]
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO_WITH_FUNC)
+    def execute_with_func_generator(self, func: Callable, *args: Any, **kwargs: Any) -> Any:
+        """verl's: run `func(self, *shard_args, **shard_kwargs)` on every rank, DataProto arguments split
+        over the ranks and the outputs concatenated (`func` must be picklable)."""
+        return func(self, *args, **kwargs)
+
+    @register(dispatch_mode=Dispatch.RANK_ZERO)
+    def execute_func_rank_zero(self, func: Callable, *args: Any, **kwargs: Any) -> Any:
+        """verl's: run `func(*args, **kwargs)` (no worker argument) on rank 0 only; returns its output."""
+        return func(*args, **kwargs)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def _hf_process_info(self) -> dict:
