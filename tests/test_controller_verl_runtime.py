@@ -78,7 +78,10 @@ def test_async_method_is_awaited_from_inside_a_running_loop_locally():
 def test_async_role_method_of_a_colocated_worker_is_awaited():
     fused = create_colocated_worker_cls({"a": AsyncWorker})
     group = LocalWorkerGroup(LocalResourcePool(), fused)
-    assert group.spawn({"a"})["a"].add_later(2) == [2]
+    view = group.spawn({"a"})["a"]
+    assert view.add_later(2) == [2]
+    view.shutdown()  # stops the loop the views share: the next async call starts a new one
+    assert group.spawn({"a"})["a"].add_later(3) == [3]
     group.shutdown()
 
 

@@ -79,6 +79,11 @@ class _LoopThread:
         """Run `coro` on the loop and return its result (its exception is raised here)."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
+    @property
+    def alive(self) -> bool:
+        """False once stopped (e.g. by the shutdown of a group spawned from the same worker)."""
+        return self._thread.is_alive()
+
     def stop(self) -> None:
         """Stop the loop and its thread."""
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -126,7 +131,7 @@ class LocalWorkerGroup(WorkerGroup):
         """Call the worker's method; an `async def` one is awaited to completion on the group's loop."""
         out = getattr(self._worker, method_name)(*args, **kwargs)
         if inspect.iscoroutine(out):
-            if self._loop is None:
+            if self._loop is None or not self._loop.alive:
                 self._loop = _LoopThread()
             out = self._loop.run(out)
         return out
