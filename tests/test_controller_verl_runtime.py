@@ -184,6 +184,17 @@ def test_split_resource_pool_takes_verls_keyword(ray_local):
     pool.remove()
 
 
+def test_worker_reports_its_rendezvous_and_visible_devices(monkeypatch):
+    group = LocalWorkerGroup(LocalResourcePool(), ClassWithInitArgs(AsyncWorker))
+    addr, port = group.worker.get_master_addr_port()
+    assert (addr, port) == (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert group.worker.get_cuda_visible_devices() == "not set"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert group.worker.get_cuda_visible_devices() == "1"
+    group.shutdown()
+
+
 def test_base_names_and_fused_colocation():
     assert ResourcePool([2]).world_size == 2 and issubclass(LocalWorkerGroup, WorkerGroup)
     group = LocalWorkerGroup(LocalResourcePool(), create_colocated_worker_cls_fused({"a": AsyncWorker}))

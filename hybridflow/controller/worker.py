@@ -97,6 +97,14 @@ class Worker:
         """Port of rank 0 for torch.distributed rendezvous."""
         return self._master_port
 
+    def get_master_addr_port(self) -> tuple[str, str]:
+        """verl's: (MASTER_ADDR, MASTER_PORT) of the group's rendezvous, the port as a string."""
+        return self._master_addr, str(self._master_port)
+
+    def get_cuda_visible_devices(self) -> str:
+        """verl's: this process's CUDA_VISIBLE_DEVICES, or "not set"."""
+        return os.environ.get("CUDA_VISIBLE_DEVICES", "not set")
+
     def init_process_group(self, backend: str | None = None, timeout_s: float | None = None) -> None:
         """Join the default torch.distributed group of all ranks (idempotent).
 
