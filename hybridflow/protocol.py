@@ -36,6 +36,7 @@ from hybridflow.protocol_utils import (
     same_value,
     tensor_to_numpy,
 )
+from hybridflow.protocol_verl import DataProtoConfig, DataProtoVerlMixin
 from hybridflow.utils.atomic import atomic_file
 
 IndexLike = Sequence[int] | Sequence[bool] | np.ndarray | torch.Tensor
@@ -52,7 +53,7 @@ class DataProtoItem:
 
 
 @dataclass
-class DataProto:
+class DataProto(DataProtoVerlMixin):
     """A batch of B rows: tensors, numpy object arrays and meta info (see module docstring)."""
 
     batch: TensorDict | None = None
@@ -82,12 +83,14 @@ class DataProto:
     @classmethod
     def from_dict(
         cls,
-        tensors: dict[str, torch.Tensor],
+        tensors: dict[str, torch.Tensor] | None = None,
         non_tensors: dict[str, Any] | None = None,
         meta_info: dict[str, Any] | None = None,
+        auto_padding: bool = False,
     ) -> DataProto:
-        """Build from a dict of tensors (dim 0 = batch) and a dict of per-row values."""
+        """Build from a dict of tensors (dim 0 = batch) and per-row values (`auto_padding`: see DataProtoConfig)."""
         tensors, non_tensors = tensors or {}, non_tensors or {}
+        meta_info = {**(meta_info or {}), DataProtoConfig.auto_padding_key: True} if auto_padding else meta_info
         for key, value in non_tensors.items():
             if key in tensors or isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
                 raise ValueError(
@@ -105,11 +108,13 @@ class DataProto:
         return cls(TensorDict(dict(tensors), batch_size=batch_size), dict(non_tensors), meta_info)
 
     @classmethod
-    def from_single_dict(cls, data: dict[str, Any], meta_info: dict[str, Any] | None = None) -> DataProto:
+    def from_single_dict(
+        cls, data: dict[str, Any], meta_info: dict[str, Any] | None = None, auto_padding: bool = False
+    ) -> DataProto:
         """Build from one dict: tensors go to `batch`, everything else to `non_tensor_batch`."""
         tensors = {k: v for k, v in data.items() if isinstance(v, torch.Tensor)}
         others = {k: v for k, v in data.items() if k not in tensors}
-        return cls.from_dict(tensors, others, meta_info)
+        return cls.from_dict(tensors, others, meta_info, auto_padding)
 
     # --- indexing -------------------------------------------------------------
     def __len__(self) -> int:
@@ -225,9 +230,11 @@ class DataProto:
 
     # --- splitting and joining --------------------------------------------------
     def chunk(self, chunks: int) -> list[DataProto]:
-        """Split into `chunks` equal parts (views); len(self) must be divisible by `chunks`."""
+        """Split into `chunks` equal parts (views); unequal ones only when `is_padding_enabled()` (verl)."""
         if chunks < 1:
             raise ValueError(f"DataProto.chunk: chunks must be >= 1, got {chunks}")
+        if len(self) % chunks and self.is_padding_enabled():
+            return self._uneven_chunk(chunks)
         if len(self) % chunks:
             raise ValueError(
                 f"DataProto.chunk: batch size {len(self)} is not divisible by {chunks} chunks; "
@@ -385,5 +392,8 @@ def collate_fn(rows: Sequence[dict[str, Any]]) -> DataProto:
 
 # Re-exported so callers need only `hybridflow.protocol`; that module imports nothing from here at load time.
 from hybridflow.protocol_future import DataProtoFuture, pad_dataproto_to_divisor, unpad_dataproto  # noqa: E402
+from hybridflow.protocol_verl import *  # noqa: E402, F403  (verl's helper names, listed in its __all__)
+from hybridflow.protocol_verl import __all__ as _verl_names  # noqa: E402
 
 __all__ = ["DataProto", "DataProtoFuture", "DataProtoItem", "collate_fn", "pad_dataproto_to_divisor", "unpad_dataproto"]
+__all__ += _verl_names

@@ -10,6 +10,7 @@ the same processes, so the roles share memory, devices and process groups.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -19,9 +20,15 @@ from hybridflow.controller.worker import Worker
 from hybridflow.controller.worker_group import registered_methods
 
 
-def _forwarder(role: str, name: str, spec: MethodSpec) -> Callable:
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self.workers[role], name)(*args, **kwargs)
+def _forwarder(role: str, name: str, spec: MethodSpec, is_async: bool = False) -> Callable:
+    if is_async:  # an async role method stays async, so the fused worker awaits it
+
+        async def forward(self, *args: Any, **kwargs: Any) -> Any:
+            return await getattr(self.workers[role], name)(*args, **kwargs)
+    else:
+
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            return getattr(self.workers[role], name)(*args, **kwargs)
 
     forward.__name__ = f"{role}_{name}"
     setattr(forward, REGISTER_ATTR, spec)
@@ -53,7 +60,8 @@ def create_colocated_worker_cls(class_dict: dict[str, type | ClassWithInitArgs])
     namespace: dict[str, Any] = {"__init__": __init__, "__doc__": f"Colocated roles {list(roles)}."}
     for role, cwa in roles.items():
         for name, spec in registered_methods(cwa.cls).items():
-            namespace[f"{role}_{name}"] = _forwarder(role, name, spec)
+            is_async = inspect.iscoroutinefunction(getattr(cwa.cls, name))
+            namespace[f"{role}_{name}"] = _forwarder(role, name, spec, is_async)
     fused = ClassWithInitArgs(type("Colocated_" + "_".join(roles), (Worker,), namespace))
     fused.ray_options = _merged_ray_options(roles)
     return fused
@@ -70,3 +78,9 @@ def _merged_ray_options(roles: dict[str, ClassWithInitArgs]) -> dict[str, Any]:
                     f"role {role!r} wants {value!r}, an earlier role {merged[key]!r}"
                 )
     return merged
+
+
+def create_colocated_worker_cls_fused(class_dict: dict[str, type | ClassWithInitArgs]) -> ClassWithInitArgs:
+    """verl's name for a fused worker class: the same as `create_colocated_worker_cls` here (one worker
+    group from it, then `spawn(prefix_set)` or `fuse(prefix_set)` for one group per role)."""
+    return create_colocated_worker_cls(class_dict)

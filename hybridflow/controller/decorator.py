@@ -19,6 +19,7 @@ as `{"dispatch_fn": f, "collect_fn": g}` — that is how the mesh-aware modes of
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
@@ -166,7 +167,9 @@ def register(
     """Mark a worker method as callable from a WorkerGroup (see module docstring).
 
     `execute_mode` defaults to Execute.RANK_ZERO for Dispatch.RANK_ZERO and to
-    Execute.ALL otherwise.
+    Execute.ALL otherwise. An `async def` method stays a coroutine function: the
+    worker awaits it (on Ray the worker becomes an async actor, see Ray's
+    `max_concurrency` for async actors) and its result is collected as usual.
     """
     get_dispatch_mode(dispatch_mode)  # fail at class definition on an unknown mode
     if execute_mode is None:
@@ -175,12 +178,25 @@ def register(
     spec = MethodSpec(dispatch_mode, execute_mode, blocking, materialize_futures)
 
     def decorator(func: Callable) -> Callable:
-        @functools.wraps(func)
-        def inner(self, *args, **kwargs):
+        def prepare(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             if materialize_futures:
                 args, kwargs = materialize(args, kwargs)
             maybe_fail(func.__name__, args, kwargs)  # testing-only fault injection (controller/faults.py)
-            return func(self, *args, **kwargs)
+            return args, kwargs
+
+        if inspect.iscoroutinefunction(func):
+            # Stays a coroutine function: Ray then runs the actor as an async actor and awaits it;
+            # the local backend runs it to completion (local.py).
+            @functools.wraps(func)
+            async def inner(self, *args, **kwargs):
+                args, kwargs = prepare(args, kwargs)
+                return await func(self, *args, **kwargs)
+        else:
+
+            @functools.wraps(func)
+            def inner(self, *args, **kwargs):
+                args, kwargs = prepare(args, kwargs)
+                return func(self, *args, **kwargs)
 
         setattr(inner, REGISTER_ATTR, spec)
         return inner

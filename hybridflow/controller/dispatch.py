@@ -101,8 +101,28 @@ def collect_rank_zero(wg: Any, outputs: list) -> Any:
     return outputs[0]
 
 
-def _split_value(value: Any, parts: int, pad_size: int) -> list:
-    """One shard per part for a DataProto / future / ObjectRef; else repeated."""
+def _is_tensordict(x: Any) -> bool:
+    from tensordict import TensorDict
+
+    return isinstance(x, TensorDict)
+
+
+def _split_tensordict(value: Any, parts: int, pad_size: int) -> list:
+    """`parts` equal shards of a TensorDict along dim 0 (it is never padded: its length must divide)."""
+    n = value.batch_size[0] if value.batch_dims else 0
+    if n % parts or pad_size:
+        raise ValueError(
+            f"a TensorDict argument of {n} rows must split evenly over {parts} dp ranks "
+            f"(and DataProto arguments of the call must need no padding, pad {pad_size}); pad it yourself"
+        )
+    return list(value.split(n // parts, dim=0))
+
+
+def _split_value(value: Any, parts: int, pad_size: int, tensordicts: bool = False) -> list:
+    """One shard per part for a DataProto / future / ObjectRef (and a TensorDict when `tensordicts`);
+    anything else repeated."""
+    if tensordicts and _is_tensordict(value):
+        return _split_tensordict(value, parts, pad_size)
     if _is_proto(value):
         if pad_size:
             from hybridflow.protocol import pad_dataproto_to_divisor
@@ -147,11 +167,12 @@ def _pad_size(values: list, parts: int) -> int:
     return -lengths.pop() % parts
 
 
-def split_data_proto(parts: int, args: tuple, kwargs: dict) -> tuple[tuple, dict, int]:
-    """Split every DataProto-like argument into `parts` shards (padding if needed)."""
+def split_data_proto(parts: int, args: tuple, kwargs: dict, tensordicts: bool = False) -> tuple[tuple, dict, int]:
+    """Split every DataProto-like argument into `parts` shards (padding if needed); `tensordicts`:
+    TensorDict arguments too (unpadded, as verl's mesh dispatch does)."""
     pad = _pad_size([*args, *kwargs.values()], parts)
-    s_args = tuple(_split_value(a, parts, pad) for a in args)
-    s_kwargs = {k: _split_value(v, parts, pad) for k, v in kwargs.items()}
+    s_args = tuple(_split_value(a, parts, pad, tensordicts) for a in args)
+    s_kwargs = {k: _split_value(v, parts, pad, tensordicts) for k, v in kwargs.items()}
     return s_args, s_kwargs, pad
 
 
@@ -198,13 +219,14 @@ def make_nd_compute_dataproto_dispatch_fn(mesh_name: str) -> dict:
     `Worker._register_dispatch_collect_info`. The batch is split into as many
     shards as there are dp ranks; every rank of a dp group (all its tp ranks)
     gets that group's shard; the outputs of the collecting ranks (one per dp
-    group, e.g. tp rank 0) are concatenated in dp order.
+    group, e.g. tp rank 0) are concatenated in dp order. A TensorDict argument is split too (its
+    length must divide by the dp size) and TensorDict outputs are concatenated, as in verl.
     """
 
     def dispatch_fn(wg: Any, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
         info = wg.get_dispatch_info(mesh_name)
         dp_size = 1 + max(dp for dp, _ in info)
-        s_args, s_kwargs, pad = split_data_proto(dp_size, args, kwargs)
+        s_args, s_kwargs, pad = split_data_proto(dp_size, args, kwargs, tensordicts=True)
         r_args = tuple([shards[dp] for dp, _ in info] for shards in s_args)
         r_kwargs = {k: [shards[dp] for dp, _ in info] for k, shards in s_kwargs.items()}
         if pad:
@@ -220,6 +242,10 @@ def make_nd_compute_dataproto_dispatch_fn(mesh_name: str) -> dict:
                 f"mesh {mesh_name!r}: collecting ranks cover dp ranks {dps}; exactly one rank per "
                 "dp group must be declared is_collect=True"
             )
-        return collect_dp_compute_data_proto(wg, [out for _, out in picked])
+        outputs = [out for _, out in picked]
+        if outputs and all(_is_tensordict(o) for o in outputs):
+            with single_thread():
+                return torch.cat(outputs, dim=0)
+        return collect_dp_compute_data_proto(wg, outputs)
 
     return {"dispatch_fn": dispatch_fn, "collect_fn": collect_fn, "collects_proto": True}

@@ -10,7 +10,10 @@ applies: calls run synchronously here, and a breakpoint must not trip one.
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import os
+import threading
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -60,6 +63,33 @@ def _resolve(value: Any) -> Any:
     return value
 
 
+class _LoopThread:
+    """One event loop on a daemon thread that runs a local worker's `async def` methods to completion.
+
+    One loop for the worker's lifetime, so state an async method keeps (locks, tasks) stays on
+    one loop; a thread of its own, so a call works even from inside the caller's running loop.
+    """
+
+    def __init__(self) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="hybridflow-local-loop", daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Any) -> Any:
+        """Run `coro` on the loop and return its result (its exception is raised here)."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    @property
+    def alive(self) -> bool:
+        """False once stopped (e.g. by the shutdown of a group spawned from the same worker)."""
+        return self._thread.is_alive()
+
+    def stop(self) -> None:
+        """Stop the loop and its thread."""
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+
+
 def _process_group_ready() -> bool:
     import torch.distributed as dist
 
@@ -86,6 +116,7 @@ class LocalWorkerGroup(WorkerGroup):
             # A fresh port every time: one inherited from a parent process may still be held by its group.
             os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(find_free_port())})
         self._worker = cls_with_init()
+        self._loop: _LoopThread | None = None
         self._bind_worker_methods(cls_with_init.cls)
 
     @property
@@ -96,9 +127,17 @@ class LocalWorkerGroup(WorkerGroup):
     def _prepare_args(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         return tuple(_resolve(a) for a in args), {k: _resolve(v) for k, v in kwargs.items()}
 
+    def _run(self, method_name: str, args: tuple, kwargs: dict) -> Any:
+        """Call the worker's method; an `async def` one is awaited to completion on the group's loop."""
+        out = getattr(self._worker, method_name)(*args, **kwargs)
+        if inspect.iscoroutine(out):
+            if self._loop is None or not self._loop.alive:
+                self._loop = _LoopThread()
+            out = self._loop.run(out)
+        return out
+
     def _execute(self, method_name: str, ranks: list[int], per_rank: list[tuple[tuple, dict]]) -> list:
-        method = getattr(self._worker, method_name)
-        return [method(*a, **k) for a, k in per_rank]
+        return [self._run(method_name, a, k) for a, k in per_rank]
 
     def _wait(self, method_name: str, ranks: list[int], outputs: list) -> list:
         return outputs
@@ -112,8 +151,11 @@ class LocalWorkerGroup(WorkerGroup):
 
     def execute_all_sync(self, method_name: str, *args: Any, **kwargs: Any) -> list:
         """Call any worker method with these arguments; its output in a one-element list."""
-        return [getattr(self._worker, method_name)(*args, **kwargs)]
+        return [self._run(method_name, args, kwargs)]
 
     def shutdown(self) -> None:
-        """Drop the worker object."""
+        """Drop the worker object (and stop the loop of its async methods)."""
         self._worker = None
+        if self._loop is not None:
+            self._loop.stop()
+            self._loop = None

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -95,6 +97,14 @@ class Worker:
         """Port of rank 0 for torch.distributed rendezvous."""
         return self._master_port
 
+    def get_master_addr_port(self) -> tuple[str, str]:
+        """verl's: (MASTER_ADDR, MASTER_PORT) of the group's rendezvous, the port as a string."""
+        return self._master_addr, str(self._master_port)
+
+    def get_cuda_visible_devices(self) -> str:
+        """verl's: this process's CUDA_VISIBLE_DEVICES, or "not set"."""
+        return os.environ.get("CUDA_VISIBLE_DEVICES", "not set")
+
     def init_process_group(self, backend: str | None = None, timeout_s: float | None = None) -> None:
         """Join the default torch.distributed group of all ranks (idempotent).
 
@@ -138,6 +148,17 @@ class Worker:
                 "call self._register_dispatch_collect_info(mesh_name, dp_rank, is_collect) in __init__"
             )
         return self._dispatch_info[mesh_name]
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO_WITH_FUNC)
+    def execute_with_func_generator(self, func: Callable, *args: Any, **kwargs: Any) -> Any:
+        """verl's: run `func(self, *shard_args, **shard_kwargs)` on every rank, DataProto arguments split
+        over the ranks and the outputs concatenated (`func` must be picklable)."""
+        return func(self, *args, **kwargs)
+
+    @register(dispatch_mode=Dispatch.RANK_ZERO)
+    def execute_func_rank_zero(self, func: Callable, *args: Any, **kwargs: Any) -> Any:
+        """verl's: run `func(*args, **kwargs)` (no worker argument) on rank 0 only; returns its output."""
+        return func(*args, **kwargs)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def _hf_process_info(self) -> dict:

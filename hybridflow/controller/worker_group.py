@@ -240,6 +240,13 @@ class WorkerGroup:
             groups[prefix] = view
         return groups
 
+    def fuse(self, prefix_set: Iterable[str]) -> None:
+        """verl's: `spawn(prefix_set)` and set each role's group as an attribute (`group.actor`)."""
+        for prefix, group in self.spawn(prefix_set).items():
+            if hasattr(self, prefix):
+                raise ValueError(f"fuse: role {prefix!r} would shadow the attribute {type(self).__name__}.{prefix}")
+            setattr(self, prefix, group)
+
     def _view(self, name: str) -> WorkerGroup:
         view = object.__new__(type(self))
         view.__dict__.update({k: v for k, v in self.__dict__.items() if k not in self._bound})

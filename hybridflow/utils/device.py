@@ -64,3 +64,65 @@ def compute_device(kind: str | None = None) -> torch.device:
     index = cuda_index(int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count())
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
+
+
+# --- verl's `verl.utils.device` names ------------------------------------------------------------------
+# verl programs ask these which accelerator to use; hybridflow has no NPU backend, so the NPU branches only
+# report what torch offers. `get_device_name` follows DEVICE_ENV where it is set (every worker), so a CPU
+# worker on a GPU machine answers "cpu"; elsewhere it detects like verl.
+
+
+def is_torch_npu_available(check_device: bool = True) -> bool:
+    """Whether torch has Ascend NPU support (`check_device`: and an NPU is usable)."""
+    npu = getattr(torch, "npu", None)
+    if npu is None:
+        return False
+    return bool(npu.is_available()) if check_device else True
+
+
+is_cuda_available: bool = torch.cuda.is_available()
+"""Whether torch sees a CUDA device (evaluated at import, as in verl)."""
+is_npu_available: bool = is_torch_npu_available()
+"""Whether torch sees an Ascend NPU (evaluated at import, as in verl)."""
+
+
+def get_device_name() -> str:
+    """ "cuda", "npu" or "cpu": DEVICE_ENV when set (a worker's device), else the accelerator torch sees."""
+    if os.environ.get(DEVICE_ENV):
+        return device_kind()
+    if is_cuda_available:
+        return "cuda"
+    return "npu" if is_npu_available else "cpu"
+
+
+def get_torch_device() -> object:
+    """torch's module for this process's accelerator (`torch.cuda`, `torch.npu`; `torch.cuda` for the CPU)."""
+    name = get_device_name()
+    return torch.cuda if name == "cpu" else getattr(torch, name, torch.cuda)
+
+
+def get_device_id() -> int:
+    """Index of the current accelerator device (`get_torch_device().current_device()`)."""
+    return get_torch_device().current_device()
+
+
+def get_nccl_backend() -> str:
+    """The collective backend verl uses for accelerators: "hccl" on an NPU machine, else "nccl"
+    (for the backend that fits this process's device, CPU included, use `dist_backend(device_kind())`)."""
+    return "hccl" if is_npu_available else "nccl"
+
+
+def get_resource_name() -> str:
+    """Ray's resource name of the accelerator: "GPU" when CUDA is available, else "NPU"."""
+    return "GPU" if is_cuda_available else "NPU"
+
+
+def get_visible_devices_keyword() -> str:
+    """The environment variable that narrows the visible accelerators."""
+    return "ASCEND_RT_VISIBLE_DEVICES" if is_torch_npu_available(check_device=False) else "CUDA_VISIBLE_DEVICES"
+
+
+def set_expandable_segments(enable: bool) -> None:
+    """Turn the CUDA caching allocator's expandable segments on or off (no-op without CUDA)."""
+    if is_cuda_available:
+        torch.cuda.memory._set_allocator_settings(f"expandable_segments:{enable}")

@@ -6,7 +6,7 @@ from typing import Any
 
 import ray
 
-from hybridflow.controller.colocate import create_colocated_worker_cls
+from hybridflow.controller.colocate import create_colocated_worker_cls, create_colocated_worker_cls_fused
 from hybridflow.controller.ray.resource_pool import (
     RayClassWithInitArgs,
     RayResourcePool,
@@ -20,6 +20,7 @@ __all__ = [
     "RayResourcePool",
     "RayWorkerGroup",
     "create_colocated_worker_cls",
+    "create_colocated_worker_cls_fused",
     "init_local_ray",
     "merge_resource_pool",
     "split_resource_pool",

@@ -127,10 +127,10 @@ def _view_pool(slots: list[Slot], like: RayResourcePool, name_prefix: str) -> Ra
     return pool
 
 
-def split_resource_pool(pool: RayResourcePool, split_size: int | list[int]) -> list[RayResourcePool]:
+def split_resource_pool(resource_pool: RayResourcePool, split_size: int | list[int]) -> list[RayResourcePool]:
     """Split a pool's slots, in rank order, into pools of `split_size` slots each
     (an int: equal parts; a list: those sizes, summing to the pool's world size)."""
-    n = pool.world_size
+    pool, n = resource_pool, resource_pool.world_size
     sizes = [split_size] * (n // split_size) if isinstance(split_size, int) else list(split_size)
     if sum(sizes) != n or any(s <= 0 for s in sizes):
         raise ValueError(f"split_resource_pool: sizes {sizes} must be positive and sum to the world size {n}")

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -11,6 +13,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from hybridflow.controller.ray.resource_pool import RayResourcePool, Slot
+from hybridflow.controller.ray.verl_api import VerlRayGroupMixin, check_device_name, merge_worker_env
 from hybridflow.controller.ray.wait import RankCall
 from hybridflow.controller.resource_pool import ClassWithInitArgs
 from hybridflow.controller.worker import COLLECTIVE_TIMEOUT_ENV, NUM_THREADS_ENV, find_free_port
@@ -62,7 +65,37 @@ def _with_env_vars(runtime_env: dict[str, Any] | None, env_vars: dict[str, str])
     return {**runtime_env, "env_vars": {**(runtime_env.get("env_vars") or {}), **env_vars}}
 
 
-class RayWorkerGroup(WorkerGroup):
+_SLOT_GROUPS: dict[tuple[str, int], weakref.WeakSet] = {}
+"""Live worker groups with a process on each slot (placement group id, bundle index)."""
+
+
+def _slot_key(slot: Slot) -> tuple[str, int]:
+    return slot.pg.id.hex(), slot.bundle_index
+
+
+def _live_groups(slot: Slot) -> list[RayWorkerGroup]:
+    return [g for g in _SLOT_GROUPS.get(_slot_key(slot), ()) if not g._life["shut_down"]]
+
+
+def _claim_slots(group: RayWorkerGroup, pool: RayResourcePool, slots: list[Slot]) -> None:
+    """Record `group` on `slots`, refusing it when a slot already hosts `max_colocate_count` live groups
+    (its actors could never be placed: its first call would wait out the whole call timeout)."""
+    limit = pool.max_colocate_count
+    if any(len(_live_groups(s)) >= limit for s in slots):
+        gc.collect()  # groups dropped without shutdown() may linger in reference cycles
+    full = {g.name for s in slots for g in _live_groups(s) if len(_live_groups(s)) >= limit}
+    if full:
+        raise ValueError(
+            f"worker group {group.name}: {pool!r} (name_prefix={pool.name_prefix!r}) allows "
+            f"max_colocate_count={limit} group(s) per slot and already hosts {sorted(full)}; "
+            f"build the pool with RayResourcePool(..., max_colocate_count={limit + 1}) or more, "
+            "shutdown() the other group first, or fuse the roles with create_colocated_worker_cls"
+        )
+    for s in slots:
+        _SLOT_GROUPS.setdefault(_slot_key(s), weakref.WeakSet()).add(group)
+
+
+class RayWorkerGroup(VerlRayGroupMixin, WorkerGroup):
     """A WorkerGroup whose ranks are Ray actors placed on a RayResourcePool's bundles.
 
     Each actor gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
@@ -79,6 +112,11 @@ class RayWorkerGroup(WorkerGroup):
     raise the timeout and attach py-spy to the stuck process while it hangs. `timeouts.collective_s`
     reaches the workers' `init_process_group` as HYBRIDFLOW_COLLECTIVE_TIMEOUT_S. (A non-blocking
     call whose result is not a DataProto returns bare object refs: bound their `ray.get` yourself.)
+
+    verl's keywords: `device_name` ("cuda" or "cpu"; the pool's use_gpu decides the device), `worker_env`
+    (extra variables; redefining one of the group's own is refused) and `detached` (named actors that
+    outlive this driver: `worker_names`, `from_detached`). As in verl, workers also see
+    RAY_LOCAL_WORLD_SIZE (= LOCAL_WORLD_SIZE), WG_PREFIX (the group's name) and WG_BACKEND=ray.
     """
 
     def __init__(
@@ -89,18 +127,50 @@ class RayWorkerGroup(WorkerGroup):
         poll_interval_s: float = 0.5,
         env_vars: dict[str, str] | None = None,
         timeouts: Timeouts | None = None,
+        *,
+        device_name: str = "cuda",
+        worker_env: dict[str, str] | None = None,
+        detached: bool = False,
     ) -> None:
         if not isinstance(ray_cls_with_init, ClassWithInitArgs):
             raise TypeError("RayWorkerGroup needs a RayClassWithInitArgs(WorkerCls, *args, **kwargs)")
         name = name_prefix or f"{ray_cls_with_init.cls.__name__}_{uuid.uuid4().hex[:6]}"
         slots = resource_pool.slots()
-        super().__init__(name, len(slots))
-        self._poll_interval_s = poll_interval_s
+        self._init_state(name, len(slots), poll_interval_s, timeouts)
         self._env_vars = dict(env_vars or {})
-        self._timeouts = timeouts or Timeouts()
+        self.device_name = check_device_name(device_name)
+        """verl's device name; the pool's use_gpu decides the device."""
+        self._worker_env, self._detached = dict(worker_env or {}), detached
+        _claim_slots(self, resource_pool, slots)
         self._workers = self._create_workers(resource_pool, slots, ray_cls_with_init)
-        self._method_handles: dict[str, list[Any]] = {}
         self._bind_worker_methods(ray_cls_with_init.cls)
+
+    def _init_state(self, name: str, world_size: int, poll_interval_s: float, timeouts: Timeouts | None) -> None:
+        WorkerGroup.__init__(self, name, world_size)
+        self._poll_interval_s = poll_interval_s
+        self._timeouts = timeouts or Timeouts()
+        self._life = {"shut_down": False}  # shared with the groups spawn() makes: one set of processes
+        self._worker_names: list[str] = []
+        self._method_handles: dict[str, list[Any]] = {}
+
+    @classmethod
+    def _attach(cls, name: str | None, handles: list[Any], names: list[str], cwa: Any, **kwargs: Any) -> RayWorkerGroup:
+        """A group over running actors (see `from_detached`)."""
+        group = object.__new__(cls)
+        group._init_state(
+            name or f"detached_{uuid.uuid4().hex[:6]}",
+            len(handles),
+            kwargs.pop("poll_interval_s", 0.5),
+            kwargs.pop("timeouts", None),
+        )
+        group.device_name = check_device_name(kwargs.pop("device_name", "cuda"))
+        if kwargs:
+            raise TypeError(f"from_detached: unexpected arguments {sorted(kwargs)}")
+        group._env_vars, group._worker_env, group._detached = {}, {}, True
+        group._workers, group._worker_names = handles, names
+        if cwa is not None:
+            group._bind_worker_methods(cwa.cls)
+        return group
 
     @property
     def workers(self) -> list[Any]:
@@ -124,7 +194,9 @@ class RayWorkerGroup(WorkerGroup):
                 "HYBRIDFLOW_WORKER_GROUP": self._name,
                 COLLECTIVE_TIMEOUT_ENV: str(self._timeouts.collective_s),
                 DEVICE_ENV: "cuda" if pool.use_gpu else "cpu",
+                "RAY_LOCAL_WORLD_SIZE": str(local_ws), "WG_PREFIX": self._name, "WG_BACKEND": "ray",
             }  # fmt: skip
+            env = merge_worker_env(env, self._worker_env)
             actor_options = {
                 **options,
                 "num_cpus": cpus,
@@ -132,6 +204,9 @@ class RayWorkerGroup(WorkerGroup):
                 "scheduling_strategy": PlacementGroupSchedulingStrategy(slot.pg, slot.bundle_index),
                 "runtime_env": _with_env_vars(options.get("runtime_env"), env),
             }
+            if self._detached:
+                self._worker_names.append(f"{self._name}{cwa.cls.__name__}_{rank}:{local_rank}")
+                actor_options.update(name=self._worker_names[-1], lifetime="detached")
             workers.append(remote_cls.options(**actor_options).remote(*cwa.args, **cwa.kwargs))
         return workers
 
@@ -177,5 +252,6 @@ class RayWorkerGroup(WorkerGroup):
 
     def shutdown(self) -> None:
         """Kill the worker actors (of every group spawned from this one too)."""
+        self._life["shut_down"] = True
         for worker in self._workers:
             ray.kill(worker, no_restart=True)
