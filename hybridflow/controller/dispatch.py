@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from hybridflow.protocol import DataProto, DataProtoFuture, pad_dataproto_to_divisor
+
 PAD_SIZE_KEY = "_hybridflow_pad_size"
 
 
@@ -44,14 +46,10 @@ def single_thread() -> Iterator[None]:
 
 
 def _is_proto(x: Any) -> bool:
-    from hybridflow.protocol import DataProto
-
     return isinstance(x, DataProto)
 
 
 def _is_future(x: Any) -> bool:
-    from hybridflow.protocol import DataProtoFuture
-
     return isinstance(x, DataProtoFuture)
 
 
@@ -105,8 +103,6 @@ def _split_value(value: Any, parts: int, pad_size: int) -> list:
     """One shard per part for a DataProto / future / ObjectRef; else repeated."""
     if _is_proto(value):
         if pad_size:
-            from hybridflow.protocol import pad_dataproto_to_divisor
-
             with single_thread():
                 value, _ = pad_dataproto_to_divisor(value, parts)
         return value.chunk(parts)
@@ -119,7 +115,7 @@ def _split_value(value: Any, parts: int, pad_size: int) -> list:
 
 def _is_object_ref(x: Any) -> bool:
     try:
-        import ray
+        import ray  # noqa: PLC0415  (lazy: the local backend runs without Ray)
     except ImportError:  # the local backend works without Ray
         return False
     return isinstance(x, ray.ObjectRef)
@@ -130,8 +126,6 @@ def _first(outputs: list) -> Any:
 
 
 def _future_of_ref(ref: Any) -> Any:
-    from hybridflow.protocol import DataProtoFuture
-
     return DataProtoFuture(collect_fn=_first, futures=[ref])
 
 
@@ -179,7 +173,6 @@ def dispatch_dp_compute_data_proto_with_func(wg: Any, func: Callable, *args: Any
 
 def collect_dp_compute_data_proto(wg: Any, outputs: list) -> Any:
     """Concatenate the per-rank DataProto outputs in rank order."""
-    from hybridflow.protocol import DataProto
 
     bad = [type(o).__name__ for o in outputs if not isinstance(o, DataProto)]
     if bad:
