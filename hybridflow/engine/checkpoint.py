@@ -40,7 +40,6 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 
 from hybridflow.engine.base import Engine
 from hybridflow.engine.config import LoraConfig
-from hybridflow.engine.lora import apply_lora
 from hybridflow.models import load_causal_lm, load_tokenizer
 from hybridflow.models.value import ValueModel
 from hybridflow.utils.atomic import OLD_INFIX, TMP_INFIX, atomic_dir, fresh_dir, temp_sibling
@@ -197,6 +196,7 @@ def _model_from_checkpoint(path: Path, base_model: str | os.PathLike | None) -> 
 
 def _adapted_model(path: Path, meta: dict[str, Any], base_model: str | os.PathLike | None) -> Any:
     """The base model at `base_model` with the adapters of the LoRA checkpoint at `path` (a peft model)."""
+    from hybridflow.engine.lora import apply_lora  # noqa: PLC0415  (lazy: peft, only LoRA runs need it)
 
     if base_model is None:
         raise CheckpointError(

@@ -44,7 +44,6 @@ from hybridflow.engine.base import Engine, LossFn, MicroBatch
 from hybridflow.engine.checkpoint import load_checkpoint, save_checkpoint
 from hybridflow.engine.config import EngineConfig, LoraConfig, OptimConfig, dtype_of
 from hybridflow.engine.gather import gather_named, tied_aliases
-from hybridflow.engine.lora import apply_lora, merged_state_dict
 from hybridflow.engine.optim import build_lr_scheduler, build_optimizer
 from hybridflow.engine.prefix import pack_shared_prompts, sharing_pays
 from hybridflow.models import load_causal_lm, load_value_model
@@ -121,6 +120,8 @@ class FSDPEngine(Engine):
         if config.gradient_checkpointing:
             enable_activation_checkpointing(model.backbone if self._value else model)
         if self._lora:
+            from hybridflow.engine.lora import apply_lora  # noqa: PLC0415  (lazy: peft, only LoRA runs need it)
+
             model = apply_lora(model, self._lora)
         _contiguous_lm_head_input(model)
         self.model = self._shard(model.to(self.device))
@@ -362,6 +363,8 @@ class FSDPEngine(Engine):
     def full_state_dict(self, dtype: torch.dtype | None = None, changed_only: bool = False) -> dict[str, torch.Tensor]:
         """See `Engine.full_state_dict`; fp32 master weights unless `dtype`, value models under their HF names."""
         if self._lora:
+            from hybridflow.engine.lora import merged_state_dict  # noqa: PLC0415  (lazy: peft, only LoRA runs need it)
+
             return merged_state_dict(self.model, dtype, changed_only)
         prefix = "backbone." if self._value else ""
         named = {name.removeprefix(prefix): t for name, t in self.model.state_dict().items()}
