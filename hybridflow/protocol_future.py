@@ -67,7 +67,7 @@ class DataProtoFuture:
     @staticmethod
     def concat(data: list[ray.ObjectRef]) -> DataProtoFuture:
         """A future of the concatenation of the DataProtos behind `data`."""
-        from hybridflow.protocol import DataProto
+        from hybridflow.protocol import DataProto  # noqa: PLC0415  (lazy: import cycle, hybridflow.protocol imports this module)
 
         return DataProtoFuture(collect_fn=DataProto.concat, futures=list(data))
 
@@ -88,7 +88,7 @@ class DataProtoFuture:
     def get(self) -> Any:
         """Wait for the refs, collect them and apply dispatch_fn."""
         if self.fetch_fn is None:
-            import ray
+            import ray  # noqa: PLC0415  (lazy: the local backend runs without Ray)
 
             values = ray.get(self.futures)
         else:

@@ -15,6 +15,8 @@ from transformers import AutoModelForCausalLM
 
 from hybridflow.engine import EngineConfig, FSDPEngine, OptimConfig
 from hybridflow.models import tiny_model_dir
+from hybridflow.rollout.config import ROLLOUT_NAMES
+from hybridflow.trainer.args import ROLLOUT_NAMES as CLI_ROLLOUT_NAMES
 from tests.engine_helpers import make_batch
 
 SCRIPT = Path(sys.executable).parent / "hybridflow"
@@ -136,3 +138,23 @@ def test_generate_scores_every_prompt_of_an_exported_checkpoint(tmp_path: Path, 
     printed = dict(line.split(": ") for line in proc.stdout.strip().splitlines() if ": " in line)
     mean_key = next(k for k in printed if k.endswith("mean@2"))
     assert float(printed[mean_key]) == pytest.approx(sum(r["score"] for r in rows) / 10, abs=1e-4)
+
+
+@pytest.mark.parametrize("args", [["--help"], ["train", "--help"], ["sft", "--help"]])
+def test_help_imports_no_torch_transformers_or_ray(args: list[str]):
+    """The dispatcher and the train/sft parsers are light (trainer/args.py); each subcommand imports its
+    implementation only when it runs."""
+    code = (
+        "import contextlib, io, sys\n"
+        "from hybridflow.trainer.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        f"    main({args!r})\n"
+        "print(sorted({'torch', 'transformers', 'ray'} & set(sys.modules)))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]", proc.stdout
+
+
+def test_cli_rollout_names_match_the_rollout_config():
+    assert CLI_ROLLOUT_NAMES == ROLLOUT_NAMES

@@ -201,24 +201,24 @@ def test_loader_over_dataset_yields_dataproto(tmp_path, tokenizer):
 
 
 def test_task_files_generate_once_atomically_into_the_cache(tmp_path, monkeypatch):
-    from hybridflow.data import tasks
+    from hybridflow.trainer import data_setup
     from hybridflow.trainer.config import DataConfig
     from hybridflow.trainer.data_setup import task_files
 
     cfg = DataConfig(task="arithmetic", task_dir=str(tmp_path), gen_train_size=6, gen_val_size=3)
-    real_build = tasks.build_task
+    real_build = data_setup.build_task
 
     def killed(name, out_dir, *args, **kwargs):
         real_build(name, out_dir, *args, **kwargs)
         raise KeyboardInterrupt("killed after writing")
 
-    monkeypatch.setattr(tasks, "build_task", killed)
+    monkeypatch.setattr(data_setup, "build_task", killed)
     with pytest.raises(KeyboardInterrupt):
         task_files(cfg)
     assert list(tmp_path.iterdir()) == []  # nothing a later run could mistake for a finished cache
-    monkeypatch.setattr(tasks, "build_task", real_build)
+    monkeypatch.setattr(data_setup, "build_task", real_build)
     train, val = task_files(cfg)
     assert len(pd.read_parquet(train[0])) == 6 and len(pd.read_parquet(val[0])) == 3
     assert [p.name for p in tmp_path.iterdir()] == [Path(train[0]).parent.name]
-    monkeypatch.setattr(tasks, "build_task", killed)  # a second call reuses the cache: no build at all
+    monkeypatch.setattr(data_setup, "build_task", killed)  # a second call reuses the cache: no build at all
     assert task_files(cfg) == (train, val)

@@ -121,10 +121,9 @@ def test_generate_reads_a_trainer_checkpoint_without_loading_the_cli(tmp_path):
     code = (
         "import sys\n"
         "from pathlib import Path\n"
-        "import hybridflow.engine.checkpoint as engine_checkpoint\n"
         "import hybridflow.trainer.generate as generate\n"
         "calls = []\n"
-        "engine_checkpoint.export_hf = lambda src, out, tok, base_model: calls.append((src, tok, base_model)) or out\n"
+        "generate.export_hf = lambda src, out, tok, base_model: calls.append((src, tok, base_model)) or out\n"
         f"out = generate.model_dir({str(ckpt)!r}, Path({str(tmp_path)!r}))\n"
         f"assert calls == [(Path({str(ckpt / 'actor')!r}), None, None)], calls\n"
         f"loaded = sorted(set(sys.modules) & set({sorted(CLI_MODULES)!r}))\n"

@@ -105,8 +105,10 @@ def test_null_workers_with_threads_given_or_on_the_local_backend_needs_no_search
 @pytest.mark.slow  # ~17 s under load: loads the model and times it
 def test_auto_measures_and_caches_a_device_profile(tmp_path, monkeypatch):
     from hybridflow.models import default, tiny_model_dir
+    from hybridflow.planner import auto
 
     monkeypatch.setattr(default, "cache_root", lambda: tmp_path)
+    monkeypatch.setattr(auto, "cache_root", lambda: tmp_path)  # auto.py imports it by name
     cfg = load_config(RunConfig, None, [*PPO, "trainer.placement=auto", f"model.path={tiny_model_dir('llama')}"])
     chosen = resolve_here(cfg, 10).config.trainer.placement  # which one wins depends on this machine's figures
     assert chosen in ("colocate", "split")

@@ -35,6 +35,7 @@ from typing import Any
 
 from hybridflow.agent.tool_calls import parse_tool_calls
 from hybridflow.agent.tools import TOOLS, Tool, run_tool
+from hybridflow.rewards import default_compute_score
 from hybridflow.utils.registry import Registry
 
 Message = dict[str, Any]
@@ -117,7 +118,6 @@ class ToolEnvironment(Environment):
         """`tool_kwargs`: constructor arguments per tool name; `scorer(data_source, text, ground_truth,
         extra_info)` defaults to the registered rule scorers; tool results are cut to
         `max_tool_response_length` characters."""
-        from hybridflow.rewards import default_compute_score
 
         self.tool_kwargs = tool_kwargs or {}
         self.scorer = scorer or default_compute_score

@@ -27,6 +27,7 @@ from hybridflow.keys import (
     RESPONSES,
     ROLLOUT_LOG_PROBS,
 )
+from hybridflow.models import load_tokenizer
 from hybridflow.protocol import DataProto
 from hybridflow.rollout.backends import build_rollout
 from hybridflow.rollout.base import ModuleRollout
@@ -104,7 +105,6 @@ def load_rollout_backend(
 ) -> RolloutBackend:
     """A backend over a `name` rollout ("native" or "hf") of the HF model directory `model_path`,
     sampling at most `max_tokens` new tokens per sample."""
-    from hybridflow.models import load_tokenizer
 
     config = RolloutConfig(
         name=name, response_length=max_tokens, prompt_length=None, dtype=dtype, seed=seed, calculate_log_probs=True

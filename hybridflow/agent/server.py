@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
@@ -258,7 +259,6 @@ class RunningServer:
 def start_server(server: AgentServer, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0) -> RunningServer:
     """Serve `server.app` on `host:port` (0: a free port) from a daemon thread; returns once it listens.
     Raises ValueError for a non-loopback host without `server.config.api_key` (`check_bind`)."""
-    import uvicorn
 
     check_bind(host, server.config.api_key)
     config = uvicorn.Config(server.app, host=host, port=port, log_level="warning", lifespan="off")

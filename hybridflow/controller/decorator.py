@@ -27,6 +27,7 @@ from typing import Any
 
 from hybridflow.controller import dispatch as _d
 from hybridflow.controller.faults import maybe_fail
+from hybridflow.protocol import DataProtoFuture
 from hybridflow.utils.registry import Registry
 
 DispatchFn = Callable[..., tuple[tuple, dict]]
@@ -211,7 +212,6 @@ def get_method_spec(method: Any) -> MethodSpec | None:
 
 def materialize(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """Resolve DataProtoFuture arguments (worker side, before the method runs)."""
-    from hybridflow.protocol import DataProtoFuture
 
     if not any(isinstance(a, DataProtoFuture) for a in (*args, *kwargs.values())):
         return args, kwargs

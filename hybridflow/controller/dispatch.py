@@ -19,6 +19,9 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from tensordict import TensorDict
+
+from hybridflow.protocol import DataProto, DataProtoFuture, pad_dataproto_to_divisor
 
 PAD_SIZE_KEY = "_hybridflow_pad_size"
 
@@ -44,14 +47,10 @@ def single_thread() -> Iterator[None]:
 
 
 def _is_proto(x: Any) -> bool:
-    from hybridflow.protocol import DataProto
-
     return isinstance(x, DataProto)
 
 
 def _is_future(x: Any) -> bool:
-    from hybridflow.protocol import DataProtoFuture
-
     return isinstance(x, DataProtoFuture)
 
 
@@ -102,8 +101,6 @@ def collect_rank_zero(wg: Any, outputs: list) -> Any:
 
 
 def _is_tensordict(x: Any) -> bool:
-    from tensordict import TensorDict
-
     return isinstance(x, TensorDict)
 
 
@@ -125,8 +122,6 @@ def _split_value(value: Any, parts: int, pad_size: int, tensordicts: bool = Fals
         return _split_tensordict(value, parts, pad_size)
     if _is_proto(value):
         if pad_size:
-            from hybridflow.protocol import pad_dataproto_to_divisor
-
             with single_thread():
                 value, _ = pad_dataproto_to_divisor(value, parts)
         return value.chunk(parts)
@@ -139,7 +134,7 @@ def _split_value(value: Any, parts: int, pad_size: int, tensordicts: bool = Fals
 
 def _is_object_ref(x: Any) -> bool:
     try:
-        import ray
+        import ray  # noqa: PLC0415  (lazy: the local backend runs without Ray)
     except ImportError:  # the local backend works without Ray
         return False
     return isinstance(x, ray.ObjectRef)
@@ -150,8 +145,6 @@ def _first(outputs: list) -> Any:
 
 
 def _future_of_ref(ref: Any) -> Any:
-    from hybridflow.protocol import DataProtoFuture
-
     return DataProtoFuture(collect_fn=_first, futures=[ref])
 
 
@@ -200,7 +193,6 @@ def dispatch_dp_compute_data_proto_with_func(wg: Any, func: Callable, *args: Any
 
 def collect_dp_compute_data_proto(wg: Any, outputs: list) -> Any:
     """Concatenate the per-rank DataProto outputs in rank order."""
-    from hybridflow.protocol import DataProto
 
     bad = [type(o).__name__ for o in outputs if not isinstance(o, DataProto)]
     if bad:

@@ -18,6 +18,9 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+import torch.distributed as dist
+
+from hybridflow.controller.dispatch import _is_future, _is_object_ref
 from hybridflow.controller.resource_pool import ClassWithInitArgs, ResourcePool
 from hybridflow.controller.worker import find_free_port
 from hybridflow.controller.worker_group import WorkerGroup
@@ -52,12 +55,11 @@ def _resolve(value: Any) -> Any:
     """Materialise futures and object refs (everything runs here anyway)."""
     if isinstance(value, LocalFuture):
         return value.get()
-    from hybridflow.controller.dispatch import _is_future, _is_object_ref
 
     if _is_future(value):
         return value.get()
     if _is_object_ref(value):
-        import ray
+        import ray  # noqa: PLC0415  (lazy: the local backend runs without Ray)
 
         return ray.get(value)
     return value
@@ -91,8 +93,6 @@ class _LoopThread:
 
 
 def _process_group_ready() -> bool:
-    import torch.distributed as dist
-
     return dist.is_available() and dist.is_initialized()
 
 

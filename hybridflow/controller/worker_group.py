@@ -22,6 +22,7 @@ from hybridflow.controller.decorator import (
     get_method_spec,
 )
 from hybridflow.controller.dispatch import PAD_SIZE_KEY
+from hybridflow.protocol import DataProto, unpad_dataproto
 
 
 class WorkerError(RuntimeError):
@@ -94,8 +95,6 @@ def registered_methods(cls: type) -> dict[str, MethodSpec]:
 def _collect(collect_fn: Callable, group: Any, pad_size: int, outputs: list) -> Any:
     result = collect_fn(group, outputs)
     if pad_size:
-        from hybridflow.protocol import DataProto, unpad_dataproto
-
         if isinstance(result, DataProto):
             result = unpad_dataproto(result, pad_size)
     return result

@@ -18,7 +18,7 @@ __all__ = ["TASKS", "RLDataset", "StatefulDataLoader", "build_task", "collate", 
 def __getattr__(name: str):
     # dataset.py imports torch and the tokenizer stack; load it on first use.
     if name in ("RLDataset", "collate"):
-        from hybridflow.data import dataset
+        from hybridflow.data import dataset  # noqa: PLC0415  (lazy: keeps `import hybridflow.data` free of torch and tokenizers)
 
         return getattr(dataset, name)
     raise AttributeError(f"module 'hybridflow.data' has no attribute {name!r}")

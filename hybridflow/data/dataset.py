@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 import torch
 
 from hybridflow import keys
+from hybridflow.protocol import collate_fn
 
 logger = logging.getLogger(__name__)
 
@@ -173,6 +174,5 @@ def _check_row(path: str, i: int, row: dict[str, Any]) -> dict[str, Any]:
 
 def collate(rows: Sequence[dict[str, Any]]):
     """Items of an RLDataset to one DataProto (tensors stacked, the rest as object arrays)."""
-    from hybridflow.protocol import collate_fn
 
     return collate_fn(rows)

@@ -31,6 +31,8 @@ import torch
 from hybridflow import keys
 from hybridflow.data.dataset import read_parquet_table
 from hybridflow.data.tasks import make_difficulty, make_rows
+from hybridflow.data.tool_arithmetic import transcript
+from hybridflow.protocol import DataProto
 
 SFT_RESPONSES: dict[str, Callable[[dict[str, Any]], str]] = {
     "arithmetic": lambda row: row["reward_model"]["ground_truth"],
@@ -40,8 +42,6 @@ SFT_RESPONSES: dict[str, Callable[[dict[str, Any]], str]] = {
 
 
 def _tool_arithmetic_transcript(row: dict[str, Any]) -> list[dict[str, str]]:
-    from hybridflow.data.tool_arithmetic import transcript
-
     return transcript(row)
 
 
@@ -214,7 +214,6 @@ def _read_table(path: str, columns: list[str]) -> list[dict[str, Any]]:
 
 def sft_collate(examples: Sequence[tuple[list[int], list[int]]], pad_token_id: int):
     """Examples -> DataProto in the engine layout: prompts left-padded | responses right-padded (keys.py)."""
-    from hybridflow.protocol import DataProto
 
     prompt_len = max(len(p) for p, _ in examples)
     resp_len = max(len(r) for _, r in examples)

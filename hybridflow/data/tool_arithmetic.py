@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from hybridflow.agent.tool_calls import format_tool_call, tools_system_prompt
+from hybridflow.agent.tools import TOOLS, run_tool
 from hybridflow.data.arithmetic import INSTRUCTION
 from hybridflow.data.tasks import Problem, register_task
 
@@ -60,8 +62,6 @@ def make_tool_arithmetic(rng: np.random.Generator, level: ToolArithmeticDifficul
 
 def transcript(row: dict[str, Any]) -> list[dict[str, str]]:
     """The ideal episode of a tool_arithmetic row as chat messages (module docstring)."""
-    from hybridflow.agent.tool_calls import format_tool_call, tools_system_prompt
-    from hybridflow.agent.tools import TOOLS, run_tool
 
     extra = row["extra_info"]
     names = json.loads(extra["tools"]) if isinstance(extra["tools"], str) else list(extra["tools"])

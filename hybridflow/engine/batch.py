@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from hybridflow import keys
 
@@ -98,8 +99,6 @@ def token_bounds(tokens: list[int], max_tokens: int) -> list[int]:
 
 
 def _max_over_ranks(n: int) -> int:
-    import torch.distributed as dist
-
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return n
     t = torch.tensor([n], dtype=torch.int64)

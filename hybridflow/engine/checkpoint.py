@@ -38,6 +38,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
+from hybridflow.engine.base import Engine
+from hybridflow.engine.config import LoraConfig
+from hybridflow.models import load_causal_lm, load_tokenizer
 from hybridflow.models.value import ValueModel
 from hybridflow.utils.atomic import OLD_INFIX, TMP_INFIX, atomic_dir, fresh_dir, temp_sibling
 from hybridflow.utils.checkpoint_dirs import COMPLETE_MARKER as COMPLETE
@@ -193,9 +196,7 @@ def _model_from_checkpoint(path: Path, base_model: str | os.PathLike | None) -> 
 
 def _adapted_model(path: Path, meta: dict[str, Any], base_model: str | os.PathLike | None) -> Any:
     """The base model at `base_model` with the adapters of the LoRA checkpoint at `path` (a peft model)."""
-    from hybridflow.engine.config import LoraConfig
-    from hybridflow.engine.lora import apply_lora
-    from hybridflow.models import load_causal_lm
+    from hybridflow.engine.lora import apply_lora  # noqa: PLC0415  (lazy: peft, only LoRA runs need it)
 
     if base_model is None:
         raise CheckpointError(
@@ -235,7 +236,6 @@ def export_hf(
     A LoRA checkpoint needs `base_model`, the directory of the model its adapters were trained
     on; the adapters are merged into it (an engine with adapters exports merged weights too).
     """
-    from hybridflow.engine.base import Engine
 
     out = Path(out_dir)
     if isinstance(source, Engine):
@@ -255,8 +255,6 @@ def export_hf(
 
 def _write_hf(model: torch.nn.Module, out: Path, tokenizer: Any) -> None:
     if isinstance(tokenizer, (str, os.PathLike)):
-        from hybridflow.models import load_tokenizer
-
         tokenizer = load_tokenizer(tokenizer)
     with atomic_dir(out) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)

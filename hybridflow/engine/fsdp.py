@@ -41,10 +41,12 @@ from hybridflow import keys
 from hybridflow.algos.logits import entropy_from_logits, logprobs_from_logits
 from hybridflow.engine import batch as B
 from hybridflow.engine.base import Engine, LossFn, MicroBatch
+from hybridflow.engine.checkpoint import load_checkpoint, save_checkpoint
 from hybridflow.engine.config import EngineConfig, LoraConfig, OptimConfig, dtype_of
 from hybridflow.engine.gather import gather_named, tied_aliases
 from hybridflow.engine.optim import build_lr_scheduler, build_optimizer
 from hybridflow.engine.prefix import pack_shared_prompts, sharing_pays
+from hybridflow.models import load_causal_lm, load_value_model
 from hybridflow.models.loading import enable_activation_checkpointing
 from hybridflow.models.value import ValueModel
 from hybridflow.utils.device import compute_device, device_kind, dist_backend
@@ -118,7 +120,7 @@ class FSDPEngine(Engine):
         if config.gradient_checkpointing:
             enable_activation_checkpointing(model.backbone if self._value else model)
         if self._lora:
-            from hybridflow.engine.lora import apply_lora
+            from hybridflow.engine.lora import apply_lora  # noqa: PLC0415  (lazy: peft, only LoRA runs need it)
 
             model = apply_lora(model, self._lora)
         _contiguous_lm_head_input(model)
@@ -138,7 +140,6 @@ class FSDPEngine(Engine):
     ) -> FSDPEngine:
         """Load a causal LM (or, with `value_model`, a value model) from a local HF dir and shard it,
         with adapters when `lora` has rank > 0."""
-        from hybridflow.models import load_causal_lm, load_value_model
 
         _refuse_value_lora(value_model, lora)  # before loading any weights
         model = load_value_model(path) if value_model else load_causal_lm(path)
@@ -362,7 +363,7 @@ class FSDPEngine(Engine):
     def full_state_dict(self, dtype: torch.dtype | None = None, changed_only: bool = False) -> dict[str, torch.Tensor]:
         """See `Engine.full_state_dict`; fp32 master weights unless `dtype`, value models under their HF names."""
         if self._lora:
-            from hybridflow.engine.lora import merged_state_dict
+            from hybridflow.engine.lora import merged_state_dict  # noqa: PLC0415  (lazy: peft, only LoRA runs need it)
 
             return merged_state_dict(self.model, dtype, changed_only)
         prefix = "backbone." if self._value else ""
@@ -374,11 +375,7 @@ class FSDPEngine(Engine):
         return self.model.config
 
     def save_checkpoint(self, path: str | Path, extra: dict[str, Any] | None = None) -> Path:
-        from hybridflow.engine.checkpoint import save_checkpoint
-
         return save_checkpoint(self, Path(path), extra)
 
     def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
-        from hybridflow.engine.checkpoint import load_checkpoint
-
         return load_checkpoint(self, Path(path))

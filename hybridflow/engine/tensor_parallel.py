@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -168,8 +169,6 @@ class TensorParallelEngine(FSDPEngine):
         super().__init__(model, config, optim, lora)
 
     def _shard(self, model: nn.Module) -> nn.Module:
-        import torch.distributed as dist
-
         world, tp = dist.get_world_size(), self.config.tensor_parallel_size
         hf = model.config
         check_tp_layout(tp, world, hf.num_attention_heads, hf.num_key_value_heads)

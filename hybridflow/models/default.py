@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2Config
 
 from hybridflow.utils.atomic import atomic_dir
 
@@ -78,8 +79,6 @@ def cached_dir(target: Path, build: Callable[[Path], None]) -> Path:
 
 
 def _convert_gguf(out: Path) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     src = gguf_path()
     tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
     model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
@@ -102,8 +101,6 @@ def default_model_dir() -> Path:
 
 
 def _tiny_config(arch: str, vocab_size: int, layers: int, hidden: int, heads: int, kv_heads: int):
-    from transformers import LlamaConfig, Qwen2Config
-
     common = dict(
         vocab_size=vocab_size,
         hidden_size=hidden,
@@ -131,7 +128,6 @@ def tiny_model_dir(
 
     Same arguments give the same weights (seeded init), so tests can compare runs.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     name = f"tiny-{arch}-L{num_layers}-H{hidden_size}-A{num_heads}-KV{num_kv_heads}-s{seed}"
     if arch not in ("llama", "qwen2"):  # fail before the (slow) default conversion

@@ -21,6 +21,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from hybridflow.models.default import default_model_dir
+
 DEFAULT_MODEL_ALIASES = ("default", "smollm2")
 
 # Config fields that hold dropout probabilities in the supported families. RL
@@ -48,8 +50,6 @@ def resolve_model_path(path: str | os.PathLike) -> Path:
     holding `config.json`, else `ModelPathError` names the path and what is missing.
     """
     if str(path).lower() in DEFAULT_MODEL_ALIASES:
-        from hybridflow.models.default import default_model_dir
-
         return default_model_dir()
     p = Path(path).expanduser()
     if not p.exists():

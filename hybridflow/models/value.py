@@ -25,6 +25,7 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from torch import nn
 from transformers import AutoModelForTokenClassification, PretrainedConfig, PreTrainedModel
 
@@ -178,8 +179,6 @@ def _read_tensors(p: Path, names: list[str]) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for file in _weight_files(p):
         if file.suffix == ".safetensors":
-            from safetensors import safe_open
-
             with safe_open(str(file), framework="pt") as f:
                 out.update({n: f.get_tensor(n) for n in names if n in f.keys()})
         else:

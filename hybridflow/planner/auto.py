@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from hybridflow.models.default import cache_root
 from hybridflow.planner.cost import OperatorCosts, Workers, predict_step_time_v1
 from hybridflow.planner.device import DeviceProfile, profile_device
 from hybridflow.planner.inputs import RunShape
@@ -68,7 +69,6 @@ def cached_device_profile(model: Path, threads: int, dtype: torch.dtype, rows_pe
     """The device profile of the model directory `model` at `threads` threads in `dtype`, decoding
     `rows_per_thread` rows per thread (decode's cost per token falls with the rows per step): read from
     the cache, else measured once (a minute or more) and cached. The one function here that measures."""
-    from hybridflow.models.default import cache_root
 
     key = f"{model.resolve()}:{threads}:{dtype}:{rows_per_thread}:{PROFILE_VERSION}"
     path = cache_root() / "device_profiles" / f"{hashlib.sha1(key.encode()).hexdigest()[:12]}.json"

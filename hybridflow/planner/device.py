@@ -10,6 +10,7 @@ speeds up with more threads, and what tensor / sequence parallel and FSDP collec
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -20,7 +21,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
+from hybridflow.models import default_model_dir
 from hybridflow.planner.operators import EngineOperators
 
 
@@ -157,7 +161,6 @@ def interleaved_points(
 
 def measure_weight_sync(model: torch.nn.Module) -> float:
     """Seconds per byte to load `model`'s state dict into a copy of it (the colocated weight sync's work)."""
-    import copy
 
     target = copy.deepcopy(model)
     state = model.state_dict()
@@ -166,8 +169,6 @@ def measure_weight_sync(model: torch.nn.Module) -> float:
 
 
 def _allreduce_worker(rank: int, store_dir: str, out: str) -> None:
-    import torch.distributed as dist
-
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_dir}/store", rank=rank, world_size=2)
     small, large = torch.zeros(256), torch.zeros(1 << 20)
@@ -195,7 +196,6 @@ def _allreduce_worker(rank: int, store_dir: str, out: str) -> None:
 
 def _timed_call(fn: Callable[[], None], n: int) -> float:
     """Mean seconds of `fn` (a collective) over `n` calls after one warm-up, ranks lined up by a barrier."""
-    import torch.distributed as dist
 
     fn()
     dist.barrier()
@@ -208,7 +208,6 @@ def _timed_call(fn: Callable[[], None], n: int) -> float:
 def measure_allreduce() -> tuple[float, float, float, float]:
     """(latency s, all-reduce, all-gather and reduce-scatter s per byte) of gloo collectives between two
     local processes."""
-    import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
@@ -227,7 +226,6 @@ def profile_device(
 ) -> DeviceProfile:
     """Measure every (threads, shape) point (`repeats` interleaved rounds), the weight sync and (collectives)
     the all-reduce for `model_path`."""
-    import torch.distributed as dist
 
     had_group = dist.is_initialized()
     ops = EngineOperators(model_path, dtype)  # opens a world-size-1 process group when none is open
@@ -269,8 +267,6 @@ def main(argv: Sequence[str]) -> int:
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     model = args.model
     if model == "default":
-        from hybridflow.models import default_model_dir
-
         model = str(default_model_dir())
     prof = profile_device(
         model,

@@ -16,16 +16,17 @@ from dataclasses import replace
 import torch
 
 from hybridflow import keys
+from hybridflow.engine import EngineConfig, FSDPEngine, OptimConfig
+from hybridflow.models import load_tokenizer
+from hybridflow.protocol import DataProto
+from hybridflow.rollout import RolloutConfig, build_rollout
+from hybridflow.rollout.base import load_rollout_model
 
 
 class EngineOperators:
     """An FSDPEngine and a native rollout of one model in this process, in one dtype."""
 
     def __init__(self, model_path: str, dtype: torch.dtype) -> None:
-        from hybridflow.engine import EngineConfig, FSDPEngine, OptimConfig
-        from hybridflow.models import load_tokenizer
-        from hybridflow.rollout import RolloutConfig
-
         name = "bf16" if dtype == torch.bfloat16 else "fp32"
         # lr ~0: the update's work without moving the weights away from the model measured
         self.engine = FSDPEngine.from_pretrained(model_path, EngineConfig(param_dtype=name), OptimConfig(lr=1e-12))
@@ -60,8 +61,6 @@ class EngineOperators:
 
     def generate(self, rows: int, length: int, new_tokens: int) -> Callable[[], None]:
         """One native-rollout generate call: `rows` prompts of `length` tokens, `new_tokens` each."""
-        from hybridflow.protocol import DataProto
-        from hybridflow.rollout import build_rollout
 
         cfg = replace(self.rollout_config, response_length=new_tokens, prompt_length=length, max_batch_size=rows)
         rollout = build_rollout(cfg, self.rollout_model, self.tokenizer)
@@ -74,7 +73,5 @@ class EngineOperators:
         """The rollout's model (a plain module in the profile's dtype), loaded on first use and shared by every
         `generate` call."""
         if self._rollout_model is None:
-            from hybridflow.rollout.base import load_rollout_model
-
             self._rollout_model = load_rollout_model(self.model_path, self.rollout_config.torch_dtype)
         return self._rollout_model

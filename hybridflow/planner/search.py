@@ -14,7 +14,10 @@ import argparse
 import json
 from dataclasses import dataclass
 
+from hybridflow.models import resolve_model_path
 from hybridflow.planner.cost import OperatorCosts, predict_step_time
+from hybridflow.planner.gpu import SHAPES, SPECS, RLWorkload
+from hybridflow.planner.gpu_search import search
 from hybridflow.planner.inputs import RunShape
 from hybridflow.planner.plans import Plan, RoleModel, Workload, enumerate_plans, peak_memory
 
@@ -70,7 +73,6 @@ def rank_plans(
 
 def model_params(model_path: str) -> float:
     """Parameter count of a model directory, from its safetensors headers (no weights are read)."""
-    from hybridflow.models import resolve_model_path
 
     total = 0.0
     for file in sorted(resolve_model_path(model_path).glob("*.safetensors")):
@@ -87,8 +89,6 @@ def model_params(model_path: str) -> float:
 
 def main_gpu(args: argparse.Namespace) -> int:
     """`hybridflow plan --cluster SPEC:GPUS --shape NAME`: PPO's plans on a GPU cluster spec (planner/gpu_search.py)."""
-    from hybridflow.planner.gpu import SHAPES, SPECS, RLWorkload
-    from hybridflow.planner.gpu_search import search
 
     name, _, gpus = args.cluster.partition(":")
     if name not in SPECS or not gpus.isdigit():

@@ -22,7 +22,7 @@ __all__ = [
 def __getattr__(name: str):
     # The manager imports torch and DataProto; keep `import hybridflow.rewards` light.
     if name in ("RewardManager", "RewardResult"):
-        from hybridflow.rewards import manager
+        from hybridflow.rewards import manager  # noqa: PLC0415  (lazy: keeps `import hybridflow.rewards` free of torch)
 
         return getattr(manager, name)
     raise AttributeError(f"module 'hybridflow.rewards' has no attribute {name!r}")

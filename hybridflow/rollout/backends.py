@@ -19,6 +19,10 @@ from torch import nn
 
 from hybridflow.rollout.base import Rollout, load_rollout_model, tensor_parallel_group
 from hybridflow.rollout.config import RolloutConfig
+from hybridflow.rollout.hf import HFRollout
+from hybridflow.rollout.native import NativeRollout
+from hybridflow.rollout.vllm_engine import installed_vllm_device
+from hybridflow.rollout.vllm_rollout import VLLMRollout
 from hybridflow.utils.registry import Registry
 
 RolloutBuilder = Callable[[RolloutConfig, "str | os.PathLike | nn.Module", Any, int], Rollout]
@@ -74,8 +78,6 @@ ROLLOUT_BACKENDS: Registry[RolloutBackendSpec] = Registry(
 
 
 def _native(config: RolloutConfig, model: str | os.PathLike | nn.Module, tokenizer: Any, tp_stride: int) -> Rollout:
-    from hybridflow.rollout.native import NativeRollout
-
     tp = config.tensor_model_parallel_size
     group = tensor_parallel_group(tp, tp_stride) if tp > 1 else None
     loaded = load_rollout_model(model, config.torch_dtype)
@@ -83,20 +85,14 @@ def _native(config: RolloutConfig, model: str | os.PathLike | nn.Module, tokeniz
 
 
 def _hf(config: RolloutConfig, model: str | os.PathLike | nn.Module, tokenizer: Any, tp_stride: int) -> Rollout:
-    from hybridflow.rollout.hf import HFRollout
-
     return HFRollout(config, load_rollout_model(model, config.torch_dtype), tokenizer)
 
 
 def _vllm(config: RolloutConfig, model: str | os.PathLike | nn.Module, tokenizer: Any, tp_stride: int) -> Rollout:
-    from hybridflow.rollout.vllm_rollout import VLLMRollout
-
     return VLLMRollout(config, model, tokenizer)
 
 
 def _vllm_device() -> str | None:
-    from hybridflow.rollout.vllm_engine import installed_vllm_device
-
     return installed_vllm_device()
 
 

@@ -12,10 +12,13 @@ import os
 from abc import ABC, abstractmethod
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.device_mesh import init_device_mesh
 
 from hybridflow.engine.reshard import GenerationLayout
 from hybridflow.keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS
+from hybridflow.models import load_causal_lm
 from hybridflow.protocol import DataProto
 from hybridflow.rollout.config import RolloutConfig, SamplingParams
 from hybridflow.rollout.layout import build_output
@@ -91,7 +94,6 @@ def load_rollout_model(model_path_or_module: str | os.PathLike | nn.Module, dtyp
                 "pass a model path (loaded in rollout.dtype) or set rollout.dtype to match"
             )
         return model_path_or_module.eval()
-    from hybridflow.models import load_causal_lm
 
     return load_causal_lm(model_path_or_module, dtype=dtype).eval()
 
@@ -184,8 +186,6 @@ def trim_left_padding(ids: Tensor, mask: Tensor, pos: Tensor) -> tuple[Tensor, T
 def tensor_parallel_group(tp: int, stride: int = 1):
     """This rank's group of `tp` ranks of the default group, `stride` apart: the ranks laid out as
     (outer, tp, stride), stride fastest; 1 gives consecutive ranks (collective: every rank calls it)."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.get_world_size()
     if world % (tp * stride):

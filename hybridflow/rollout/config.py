@@ -136,7 +136,7 @@ class RolloutConfig(Section):
     def __post_init__(self) -> None:
         if self.tensor_model_parallel_size < 1:
             raise ValueError(f"rollout.tensor_model_parallel_size must be >= 1, got {self.tensor_model_parallel_size}")
-        from hybridflow.rollout.backends import ROLLOUT_BACKENDS
+        from hybridflow.rollout.backends import ROLLOUT_BACKENDS  # noqa: PLC0415  (lazy: import cycle, rollout.backends imports this module)
 
         spec = ROLLOUT_BACKENDS.get(self.name)  # unknown names (or unloadable paths) fail naming rollout.name
         if self.tensor_model_parallel_size > 1 and not spec.supports_tensor_parallel:

@@ -12,6 +12,8 @@ import importlib.util
 import os
 from typing import Any
 
+from transformers import AutoConfig
+
 from hybridflow.rollout.config import RolloutConfig
 
 KV_BLOCK_TOKENS = 128
@@ -32,7 +34,6 @@ def installed_vllm_device() -> str | None:
 
 def kv_cache_bytes(model_path: str, config: RolloutConfig) -> int:
     """KV-cache bytes that hold `max_batch_size` sequences of prompt + response tokens (CPU sizing)."""
-    from transformers import AutoConfig
 
     hf = AutoConfig.from_pretrained(model_path)
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads

@@ -51,7 +51,7 @@ def _load_weights(worker: Any, weights: list[tuple[str, Tensor]]) -> None:
 def _import_vllm():
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine: load_weights needs it
     try:
-        import vllm
+        import vllm  # noqa: PLC0415  (lazy: vllm is an optional extra)
     except ImportError as exc:
         raise RuntimeError(
             "rollout.name=vllm needs vllm: on CPU run ./scripts/setup.sh --vllm and use "
@@ -68,7 +68,7 @@ class VLLMRollout(Rollout):
         if not isinstance(model_path, (str, os.PathLike)):
             raise TypeError("the vllm rollout loads its own model: pass a model directory, not a module")
         vllm = _import_vllm()
-        from vllm.platforms import current_platform
+        from vllm.platforms import current_platform  # noqa: PLC0415  (lazy: vllm is an optional extra)
 
         self.config, self._vllm = config, vllm
         self.eos_ids = eos_token_ids(tokenizer)

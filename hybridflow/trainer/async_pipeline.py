@@ -207,7 +207,7 @@ class AsyncRollout:
 
 
 def _ray_get(refs: list) -> list:
-    import ray
+    import ray  # noqa: PLC0415  (lazy: the local backend runs without Ray)
 
     return ray.get(refs)
 
@@ -215,7 +215,7 @@ def _ray_get(refs: list) -> list:
 def bridge_host() -> str | None:
     """Loopback when Ray runs on one node (the bridge's traffic then never leaves the machine); None: the
     actor's rank 0 uses its node's address."""
-    import ray
+    import ray  # noqa: PLC0415  (lazy: the local backend runs without Ray)
 
     return "127.0.0.1" if sum(1 for n in ray.nodes() if n["Alive"]) == 1 else None
 

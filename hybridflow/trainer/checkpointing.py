@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hybridflow.config_utils import to_yaml
+from hybridflow.models import resolve_model_path
 from hybridflow.utils import checkpoint_dirs as C
 
 if TYPE_CHECKING:  # these pull in the worker and engine stack; export and generate read checkpoints without it
@@ -49,8 +50,6 @@ def model_of(ckpt: Path) -> str | None:
     """The model directory the run of trainer checkpoint `ckpt` trained (a LoRA run's base model), or None."""
     state = ckpt / STATE_FILE
     if state.exists():
-        from hybridflow.models import resolve_model_path
-
         return str(resolve_model_path(json.loads(state.read_text()).get("model_path", "default")))
     return None
 

@@ -17,14 +17,20 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from hybridflow.rollout.config import ROLLOUT_NAMES
-from hybridflow.trainer.checkpointing import actor_dir, model_of, tokenizer_of
-from hybridflow.trainer.main import USER_ERRORS
+import yaml
+
+from hybridflow.trainer.args import (
+    ROLLOUT_NAMES,
+    SFT_DESCRIPTION,
+    SFT_PROG,
+    TRAIN_DESCRIPTION,
+    TRAIN_PROG,
+    USER_ERRORS,
+    parse_args,
+)
 
 
 def _kv(pairs: Sequence[str]) -> dict[str, object]:
-    import yaml
-
     out = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
@@ -36,8 +42,8 @@ def _kv(pairs: Sequence[str]) -> dict[str, object]:
 
 def cmd_data(args: argparse.Namespace) -> int:
     """Generate a task as verl-format parquet (train and test splits); with --sft, as an SFT set."""
-    from hybridflow.data.sft import build_sft_task
-    from hybridflow.data.tasks import build_task
+    from hybridflow.data.sft import build_sft_task  # noqa: PLC0415  (lazy: a subcommand imports its implementation when it runs)
+    from hybridflow.data.tasks import build_task  # noqa: PLC0415  (lazy: a subcommand imports its implementation when it runs)
 
     build = build_sft_task if args.sft else build_task
     train, test = build(args.task, args.out, args.train_size, args.test_size, seed=args.seed, **_kv(args.difficulty))
@@ -48,7 +54,8 @@ def cmd_data(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     """Write a full Hugging Face directory (LoRA adapters merged) or, with --adapter, a peft adapter
     directory from a sharded checkpoint."""
-    from hybridflow.engine.checkpoint import export_adapter, export_hf
+    from hybridflow.engine.checkpoint import export_adapter, export_hf  # noqa: PLC0415  (lazy: a subcommand imports its implementation when it runs)
+    from hybridflow.trainer.checkpointing import actor_dir, model_of, tokenizer_of  # noqa: PLC0415  (lazy: a subcommand imports its implementation when it runs)
 
     ckpt = Path(args.ckpt_dir)
     if not ckpt.is_dir():
@@ -64,7 +71,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """Sample from a model (or checkpoint) on a parquet file, score and report accuracy."""
-    from hybridflow.trainer.generate import generate_and_score
+    from hybridflow.trainer.generate import generate_and_score  # noqa: PLC0415  (lazy: a subcommand imports its implementation when it runs)
 
     metrics = generate_and_score(
         args.model,
@@ -84,9 +91,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve a model over the OpenAI API until interrupted; prints the base URL once it listens."""
-    from hybridflow.agent.rollout_backend import load_rollout_backend
-    from hybridflow.agent.server import AgentServer, ServerConfig, check_bind, start_server
-    from hybridflow.models import load_tokenizer, resolve_model_path
+    from hybridflow.agent.rollout_backend import load_rollout_backend  # noqa: PLC0415  (lazy: a subcommand imports its implementation when it runs)
+    from hybridflow.agent.server import AgentServer, ServerConfig, check_bind, start_server  # noqa: PLC0415  (lazy: a subcommand imports its implementation when it runs)
+    from hybridflow.models import load_tokenizer, resolve_model_path  # noqa: PLC0415  (lazy: a subcommand imports its implementation when it runs)
 
     check_bind(args.host, args.api_key)  # before loading the model: a refused bind fails fast
     path = resolve_model_path(args.model)
@@ -158,19 +165,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Dispatch to the subcommand; user errors print one line and exit 2."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "train":
-        from hybridflow.trainer.main import main as train_main
+        args = parse_args(argv[1:], TRAIN_PROG, TRAIN_DESCRIPTION)  # here, so `train --help` needs no torch
+        from hybridflow.trainer.main import train  # noqa: PLC0415  (lazy: a subcommand imports its implementation when it runs)
 
-        return train_main(argv[1:])
+        return train(args)
     if argv and argv[0] == "sft":
-        from hybridflow.trainer.sft_main import main as sft_main
+        args = parse_args(argv[1:], SFT_PROG, SFT_DESCRIPTION)
+        from hybridflow.trainer.sft_main import sft  # noqa: PLC0415  (lazy: a subcommand imports its implementation when it runs)
 
-        return sft_main(argv[1:])
+        return sft(args)
     if argv and argv[0] == "profile":
-        from hybridflow.planner.device import main as profile_main
+        from hybridflow.planner.device import main as profile_main  # noqa: PLC0415  (lazy: a subcommand imports its implementation when it runs)
 
         return profile_main(argv[1:])
     if argv and argv[0] == "plan":
-        from hybridflow.trainer.plan_cli import main as plan_main
+        from hybridflow.trainer.plan_cli import main as plan_main  # noqa: PLC0415  (lazy: a subcommand imports its implementation when it runs)
 
         try:
             return plan_main(argv[1:])

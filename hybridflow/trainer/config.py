@@ -12,8 +12,14 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
+from hybridflow.algos.advantages import ADV_ESTIMATORS
+from hybridflow.algos.kl import KL_CONTROLLERS, KL_ESTIMATORS
+from hybridflow.algos.rollout_is import ROLLOUT_IS_LEVELS, ROLLOUT_IS_MODES
 from hybridflow.config_utils import Section
 from hybridflow.data.dataset import TRUNCATIONS
+from hybridflow.data.tasks import get_task, make_difficulty
 from hybridflow.utils.plugins import is_path
 from hybridflow.utils.tracking import BACKENDS
 
@@ -54,8 +60,6 @@ class TaskFilesConfig(Section):
         if not self.train_files and not self.task:
             raise ValueError("set data.train_files to parquet file(s) or data.task to a task builder name")
         if self.task and not self.train_files:
-            from hybridflow.data.tasks import get_task, make_difficulty
-
             get_task(self.task)
             make_difficulty(self.task, **self.task_kwargs)
         _positive(**{"data.gen_train_size": self.gen_train_size, "data.gen_val_size": self.gen_val_size})
@@ -149,8 +153,6 @@ class KLControlConfig(Section):
     """Adaptive controller horizon, in samples."""
 
     def __post_init__(self) -> None:
-        from hybridflow.algos.kl import KL_CONTROLLERS
-
         _one_of("algorithm.kl_ctrl.type", self.type, tuple(KL_CONTROLLERS.names()))
         if self.kl_coef < 0:
             raise ValueError(f"algorithm.kl_ctrl.kl_coef must be >= 0, got {self.kl_coef}")
@@ -194,9 +196,6 @@ class AlgorithmConfig(Section):
     mismatch/* metrics (verl's default)."""
 
     def __post_init__(self) -> None:
-        from hybridflow.algos.advantages import ADV_ESTIMATORS
-        from hybridflow.algos.kl import KL_ESTIMATORS
-
         ADV_ESTIMATORS.get(self.adv_estimator)  # an unknown name fails naming the key and the known ones
         if not 0.0 <= self.gamma <= 1.0 or not 0.0 <= self.lam <= 1.0:
             raise ValueError(f"algorithm.gamma and algorithm.lam must lie in [0, 1], got {self.gamma}, {self.lam}")
@@ -208,8 +207,6 @@ class AlgorithmConfig(Section):
         self._check_rollout_is()
 
     def _check_rollout_is(self) -> None:
-        from hybridflow.algos.rollout_is import ROLLOUT_IS_LEVELS, ROLLOUT_IS_MODES
-
         ROLLOUT_IS_LEVELS.get(self.rollout_is_level)
         ROLLOUT_IS_MODES.get(self.rollout_is_mode)
         upper, lower = self.rollout_is_threshold, self.rollout_is_threshold_lower
@@ -414,6 +411,4 @@ MODE_STALENESS = {"sync": 0, "one_step_off": 1, "async": 1}
 
 
 def _cuda_available() -> bool:
-    import torch
-
     return torch.cuda.is_available()

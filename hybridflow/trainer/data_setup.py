@@ -9,6 +9,8 @@ from typing import Any
 
 from hybridflow.data.dataset import RLDataset, collate
 from hybridflow.data.loader import StatefulDataLoader
+from hybridflow.data.sft import build_sft_task
+from hybridflow.data.tasks import build_task
 from hybridflow.trainer.config import DataConfig, TaskFilesConfig
 from hybridflow.utils.atomic import atomic_dir
 
@@ -18,8 +20,6 @@ def task_files(cfg: TaskFilesConfig, sft: bool = False) -> tuple[list[str], list
     with `sft`, the task's SFT set (hybridflow/data/sft.py) instead of its prompts."""
     if cfg.train_files:
         return list(cfg.train_files), list(cfg.val_files or cfg.train_files)
-    from hybridflow.data.sft import build_sft_task
-    from hybridflow.data.tasks import build_task
 
     spec = {"task": cfg.task, "kw": cfg.task_kwargs, "n": [cfg.gen_train_size, cfg.gen_val_size], "seed": cfg.seed}
     spec.update({"sft": True} if sft else {})  # RL sets keep the cache names they always had

@@ -14,17 +14,20 @@ from pathlib import Path
 import numpy as np
 
 from hybridflow import keys as K
+from hybridflow.data.dataset import RLDataset, collate
+from hybridflow.engine.checkpoint import export_hf
+from hybridflow.models import load_tokenizer, resolve_model_path
+from hybridflow.rewards import RewardManager
+from hybridflow.rollout import RolloutConfig, build_rollout
+from hybridflow.trainer.checkpointing import actor_dir, model_of, tokenizer_of
+from hybridflow.trainer.validation import summarize_scores
 
 
 def model_dir(model: str, tmp: Path) -> Path:
     """An HF directory for `model`: as given, "default", or exported from a trainer checkpoint."""
-    from hybridflow.models import resolve_model_path
 
     path = Path(model)
     if (path / "actor").is_dir() or (path / ".metadata").exists():
-        from hybridflow.engine.checkpoint import export_hf
-        from hybridflow.trainer.checkpointing import actor_dir, model_of, tokenizer_of
-
         # A LoRA checkpoint is merged into the run's model (full checkpoints ignore base_model).
         return Path(export_hf(actor_dir(path), tmp / "hf", tokenizer_of(path, None), base_model=model_of(path)))
     return Path(resolve_model_path(model))
@@ -42,11 +45,6 @@ def generate_and_score(
     rollout: str = "native",
 ) -> dict[str, float]:
     """Generate n responses per prompt (greedy when n == 1) with the `rollout` backend, score them, return metrics."""
-    from hybridflow.data.dataset import RLDataset, collate
-    from hybridflow.models import load_tokenizer
-    from hybridflow.rewards import RewardManager
-    from hybridflow.rollout import RolloutConfig, build_rollout
-    from hybridflow.trainer.validation import summarize_scores
 
     with tempfile.TemporaryDirectory() as tmp:
         path = model_dir(model, Path(tmp))

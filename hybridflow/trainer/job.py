@@ -15,9 +15,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
+import yaml
+
 from hybridflow.config_utils import to_yaml
 from hybridflow.controller.worker_group import WorkerGroup
 from hybridflow.trainer.recovery import Failure, Recovery
+from hybridflow.utils.progress import phase
+from hybridflow.utils.quiet import quiet_libraries
 from hybridflow.utils.tracking import Tracking
 
 
@@ -89,8 +93,6 @@ def fit_with_restarts(job: Job, inputs: Inputs) -> tuple[Trainer, Any]:
 def started_workers(job: Job) -> Iterator[list[WorkerGroup]]:
     """Start the backend and build the job's worker groups, load their models (one phase line each, libraries
     quiet unless trainer.verbose), yield the groups; at exit shut every group down, then `job.release()`."""
-    from hybridflow.utils.progress import phase
-    from hybridflow.utils.quiet import quiet_libraries
 
     cfg = job.config
     n = cfg.world_size
@@ -112,9 +114,9 @@ def start_backend(cfg: Any) -> None:
     """Ray: join the cluster at RAY_ADDRESS (started with `ray start` on every node), else start a local one."""
     if cfg.trainer.backend != "ray":
         return
-    import ray
+    import ray  # noqa: PLC0415  (lazy: the local backend runs without Ray)
 
-    from hybridflow.controller.ray import init_local_ray
+    from hybridflow.controller.ray import init_local_ray  # noqa: PLC0415  (lazy: the local backend runs without Ray)
 
     level = logging.INFO if cfg.trainer.verbose else logging.WARNING
     if os.environ.get("RAY_ADDRESS") and not ray.is_initialized():
@@ -125,7 +127,6 @@ def start_backend(cfg: Any) -> None:
 
 def plain(cfg: Any) -> dict:
     """The config as plain YAML data (what the loggers record)."""
-    import yaml
 
     return yaml.safe_load(to_yaml(cfg))
 

@@ -15,11 +15,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from hybridflow.config_utils import load_config
-from hybridflow.trainer.checkpointing import check_writable
+from hybridflow.models import load_tokenizer, resolve_model_path
+from hybridflow.planner.profile import write_profile
+from hybridflow.rewards import RewardManager, load_custom_reward_fn
+from hybridflow.trainer.args import TRAIN_DESCRIPTION, TRAIN_PROG, USER_ERRORS, fail, parse_args
+from hybridflow.trainer.checkpointing import check_writable, resume_path
+from hybridflow.trainer.data_setup import make_loaders
 from hybridflow.trainer.job import fit_with_restarts
 from hybridflow.trainer.measure import measure
+from hybridflow.trainer.ppo_trainer import PPOTrainer
 from hybridflow.trainer.recovery import RunFailedError
 from hybridflow.trainer.resolve import ResolvedRun, resolve
+from hybridflow.trainer.roles import build_roles
 from hybridflow.trainer.run_config import RunConfig
 
 if TYPE_CHECKING:  # heavy imports, loaded where the workers start
@@ -29,13 +36,9 @@ if TYPE_CHECKING:  # heavy imports, loaded where the workers start
 
 log = logging.getLogger("hybridflow")
 
-USER_ERRORS = (ValueError, KeyError, TypeError, FileNotFoundError, NotADirectoryError)
-"""What bad config, paths or data raise; the CLI prints these as one line instead of a traceback."""
-
 
 def make_reward_fn(cfg: RunConfig, tokenizer: Any):
     """The reward manager: rule scorers by data_source, or the configured custom function."""
-    from hybridflow.rewards import RewardManager, load_custom_reward_fn
 
     custom = cfg.reward.custom_reward_function
     fn = load_custom_reward_fn(custom.path, custom.name) if custom.path else None
@@ -59,8 +62,6 @@ def prepare_inputs(cfg: RunConfig) -> RunInputs:
     Runs before any worker starts, so a bad model path, parquet file or batch size fails
     fast with one message and nothing is written to the checkpoint directory.
     """
-    from hybridflow.models import load_tokenizer, resolve_model_path
-    from hybridflow.trainer.data_setup import make_loaders
 
     path = resolve_model_path(cfg.model.path)
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or path)
@@ -71,7 +72,6 @@ def prepare_inputs(cfg: RunConfig) -> RunInputs:
 def load_run(config_path: str | None, overrides: Sequence[str]) -> tuple[ResolvedRun, RunInputs]:
     """Load and check the config, read the inputs, measure this machine, resolve; starts no worker.
     What resolve chose for the user (the planner's layouts) is logged, never printed on stdout."""
-    from hybridflow.trainer.checkpointing import resume_path
 
     cfg = load_config(RunConfig, config_path, overrides)
     inputs = prepare_inputs(cfg)
@@ -93,7 +93,6 @@ class PPOJob:
 
     def build_workers(self) -> list:
         """One worker group per worker set (trainer/roles.py); models not loaded."""
-        from hybridflow.trainer.roles import build_roles
 
         self.roles = build_roles(self.run)
         return self.roles.all()
@@ -104,7 +103,6 @@ class PPOJob:
 
     def make_trainer(self, inputs: RunInputs, tracker: Tracking, recovery: Recovery) -> PPOTrainer:
         """A PPOTrainer over the roles built last, with the previous trainer's validation results."""
-        from hybridflow.trainer.ppo_trainer import PPOTrainer
 
         fresh = PPOTrainer(self.run, self.roles, inputs, tracker, recovery)
         if self.trainer is not None:
@@ -121,8 +119,7 @@ def run(resolved: ResolvedRun, inputs: RunInputs) -> dict[str, dict[str, float]]
 
 
 def _report(log_dir: Path, before: dict[str, float], after: dict[str, float]) -> None:
-    from hybridflow.planner.profile import write_profile
-    from hybridflow.utils.plot import plot_run, summarize_run
+    from hybridflow.utils.plot import plot_run, summarize_run  # noqa: PLC0415  (lazy: matplotlib, only for the end-of-run plots)
 
     for key in sorted(set(before) | set(after)):
         print(f"{key}: before {before.get(key, float('nan')):.3f} -> after {after.get(key, float('nan')):.3f}")
@@ -135,34 +132,17 @@ def _report(log_dir: Path, before: dict[str, float], after: dict[str, float]) ->
             print(f"profile: {profile}")
 
 
-def parse_args(argv: Sequence[str] | None, prog: str, description: str) -> argparse.Namespace:
-    """`[--config FILE] [--print-config] key=value ...` (sys.argv[1:] when `argv` is None); sets up the console
-    log: our own info lines on stderr, other libraries' warnings only (matplotlib's font cache, ...)."""
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
-    logging.getLogger("hybridflow").setLevel(logging.INFO)
-    parser = argparse.ArgumentParser(prog=prog, description=description)
-    parser.add_argument("--config", help="YAML file with the run's config fields; key=value overrides apply on top")
-    parser.add_argument(
-        "--print-config",
-        action="store_true",
-        help="print the resolved run (every derived value filled in) as YAML and exit",
-    )
-    parser.add_argument("overrides", nargs="*", help="verl-style overrides, e.g. actor.optim.lr=1e-5")
-    return parser.parse_args(sys.argv[1:] if argv is None else argv)
-
-
-def fail(prog: str, err: BaseException, code: int) -> int:
-    """Print `<prog>: error: <err>` (one line, no traceback) on stderr; return `code`."""
-    print(f"{prog}: error: {err}", file=sys.stderr)
-    return code
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    """CLI entry of `hybridflow train`: load, measure, resolve, then print the run (--print-config: YAML only
-    on stdout) or train it. Bad config, paths or data exit 2 with one line; a failure the run cannot recover
+    """CLI entry of `python -m hybridflow.trainer.main`: parse the arguments, then `train` (`hybridflow train`
+    parses them in trainer/cli.py, so that its --help needs no torch)."""
+    return train(parse_args(argv, TRAIN_PROG, TRAIN_DESCRIPTION))
+
+
+def train(args: argparse.Namespace) -> int:
+    """`hybridflow train` on parsed arguments: load, measure, resolve, then print the run (--print-config: YAML
+    only on stdout) or train it. Bad config, paths or data exit 2 with one line; a failure the run cannot recover
     from exits 1."""
-    prog = "hybridflow train"
-    args = parse_args(argv, prog, "Train with PPO / GRPO / ... (see README).")
+    prog = TRAIN_PROG
     try:
         resolved, inputs = load_run(args.config, args.overrides)
         if args.print_config:

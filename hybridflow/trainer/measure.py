@@ -21,12 +21,14 @@ from pathlib import Path
 
 import torch
 
+from hybridflow.models import resolve_model_path
 from hybridflow.planner.auto import cached_device_profile, has_collectives
 from hybridflow.planner.device import DeviceProfile
 from hybridflow.planner.search import model_params
 from hybridflow.trainer.config import TrainerConfig
 from hybridflow.trainer.run_config import RunConfig
 from hybridflow.utils.dtypes import AUTO, DTYPES
+from hybridflow.utils.hardware import auto_compute_dtype
 
 
 @dataclass(frozen=True)
@@ -85,7 +87,6 @@ def measure_dtypes(t: TrainerConfig, names: Iterable[str], cpu_count: int | None
 
 def probe_auto_dtypes(device: str, threads: Iterable[int]) -> dict[int, str]:
     """The compute dtype "auto" stands for on `device` at each thread count (probed once per machine)."""
-    from hybridflow.utils.hardware import auto_compute_dtype
 
     return {n: auto_compute_dtype(device, n) for n in sorted(set(threads))}
 
@@ -166,7 +167,6 @@ def device_profile(cfg: RunConfig, threads: int, auto_dtypes: Mapping[int, str])
     compute dtype, decoding the rows one of `cfg`'s workers generates per thread (measured once)."""
     if cfg.trainer.device_profile:
         return DeviceProfile.load(Path(cfg.trainer.device_profile))
-    from hybridflow.models import resolve_model_path
 
     name = cfg.actor.engine.param_dtype
     dtype = DTYPES[auto_dtypes[threads] if name == AUTO else name]

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
 from hybridflow.controller.worker_group import WorkerError, WorkerTimeoutError
 from hybridflow.utils import checkpoint_dirs as C
 
@@ -63,8 +65,7 @@ class Failure:
 
 def is_worker_failure(err: BaseException, dead: list[str]) -> bool:
     """Whether `err` is a worker failure (see the module docstring); `dead`: the run's dead workers."""
-    import ray.exceptions as rx
-    import torch.distributed as dist
+    import ray.exceptions as rx  # noqa: PLC0415  (lazy: the local backend runs without Ray)
 
     if isinstance(err, WorkerError):
         return True
@@ -81,7 +82,7 @@ def is_worker_failure(err: BaseException, dead: list[str]) -> bool:
 def _actor_info(actor: Any) -> dict[str, Any]:
     """Ray's record of an actor (State, Pid, Address.NodeID), or {} where Ray cannot say."""
     try:
-        from ray._private import state  # the actor table; the public state API needs the dashboard
+        from ray._private import state  # noqa: PLC0415  (lazy: the local backend runs without Ray; the actor table; the public state API needs the dashboard)
 
         return state.actors(actor_id=actor._actor_id.hex()) or {}
     except Exception:  # a diagnostic only: never let it hide the failure being reported

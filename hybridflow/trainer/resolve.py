@@ -32,8 +32,13 @@ import math
 import os
 from dataclasses import dataclass, replace
 
+import torch
+
 from hybridflow.config_utils import ConfigError, freeze, to_yaml
 from hybridflow.engine.config import EngineConfig, OptimConfig
+from hybridflow.engine.sequence_parallel import check_sp_layout
+from hybridflow.engine.tensor_parallel import check_tp_layout
+from hybridflow.models.loading import load_config
 from hybridflow.trainer.config import MODE_STALENESS, TrainerConfig
 from hybridflow.trainer.layout import choose_layout
 from hybridflow.trainer.measure import Measurements
@@ -223,7 +228,6 @@ def resolve_engine(engine: EngineConfig, device: str, world: int, section: str, 
     """The engine config with fsdp_size and reshard_after_forward fixed for `device` and `world` ranks, and
     `param_dtype` (its own, with "auto" resolved: `Measurements.dtype`). `section`: the key path in front of `engine.` in messages
     ("actor.", "critic.", "" for SFT)."""
-    import torch
 
     try:
         fsdp_size = engine.resolve_fsdp_size(torch.device(device), world)
@@ -244,9 +248,6 @@ def check_parallel_layouts(cfg: RunConfig, sets: tuple[WorkerSet, ...]) -> None:
     """Refuse a tensor_parallel_size / ulysses_sequence_parallel_size that does not divide a worker set hosting
     the role (the reference shares the actor's) or does not fit its model's attention / kv heads; reads the
     model's config only when a size is > 1."""
-    from hybridflow.engine.sequence_parallel import check_sp_layout
-    from hybridflow.engine.tensor_parallel import check_tp_layout
-    from hybridflow.models.loading import load_config
 
     engine = cfg.actor.engine
     if cfg.actor.lora.enabled and engine.tensor_parallel_size > 1:

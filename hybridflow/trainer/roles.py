@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from hybridflow.controller.colocate import create_colocated_worker_cls
 from hybridflow.controller.faults import fault_env
+from hybridflow.controller.local import LocalResourcePool, LocalWorkerGroup
 from hybridflow.controller.resource_pool import ClassWithInitArgs
 from hybridflow.controller.worker_group import Timeouts, WorkerGroup
 from hybridflow.trainer.config import TrainerConfig
@@ -117,14 +118,12 @@ def group_factory(t: TrainerConfig, set_sizes: list[int], name_prefix: str):
     trainer.backend; `release` frees the pools' placement (after the groups are shut down). Ray groups get
     the quiet-library and fault-injection env vars and the call/collective timeouts. Shared by every trainer."""
     if t.backend == "local":
-        from hybridflow.controller.local import LocalResourcePool, LocalWorkerGroup
-
         return (
             (lambda pool, cls: LocalWorkerGroup(pool, cls)),
             [LocalResourcePool(use_gpu=t.device == "cuda")],
             lambda: None,
         )
-    from hybridflow.controller.ray import RayResourcePool, RayWorkerGroup, split_resource_pool
+    from hybridflow.controller.ray import RayResourcePool, RayWorkerGroup, split_resource_pool  # noqa: PLC0415  (lazy: the local backend runs without Ray)
 
     pool = RayResourcePool(
         [t.n_workers_per_node] * t.nnodes,

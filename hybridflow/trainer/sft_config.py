@@ -18,11 +18,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from hybridflow.config_utils import ConfigError, Section, freeze, to_yaml
+from hybridflow.data.sft import check_sft_task
 from hybridflow.engine.config import EngineConfig, LoraConfig, OptimConfig
 from hybridflow.trainer.config import TaskFilesConfig, TrainerConfig, _one_of, _positive
 from hybridflow.trainer.measure import Measurements
 from hybridflow.trainer.resolve import resolve_engine, resolve_schedule, resolve_trainer
 from hybridflow.workers.config import ModelConfig
+from hybridflow.workers.engines import check_engine_backend
 
 SFT_TRUNCATIONS = ("error", "left", "right")
 """What to do with an example longer than data.max_length (see SFTDataConfig.truncation)."""
@@ -67,8 +69,6 @@ class SFTDataConfig(TaskFilesConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.task and not self.train_files:
-            from hybridflow.data.sft import check_sft_task
-
             check_sft_task(self.task, self.messages_key)
         _positive(
             **{
@@ -120,8 +120,6 @@ class SFTConfig(Section):
         return self.trainer.n_workers_per_node * self.trainer.nnodes
 
     def __post_init__(self) -> None:
-        from hybridflow.workers.engines import check_engine_backend
-
         check_engine_backend("engine", self.engine)
         t, world = self.trainer, self.world_size
         if t.n_workers_per_node is None:

@@ -7,18 +7,28 @@ exits before any worker starts.
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from hybridflow.config_utils import load_config
-from hybridflow.trainer.checkpointing import check_writable
+from hybridflow.controller.resource_pool import ClassWithInitArgs
+from hybridflow.data.loader import StatefulDataLoader
+from hybridflow.data.sft import SFTDataset, sft_collate
+from hybridflow.models import load_tokenizer, resolve_model_path
+from hybridflow.trainer.args import SFT_DESCRIPTION, SFT_PROG, USER_ERRORS, fail, parse_args
+from hybridflow.trainer.checkpointing import check_writable, resume_path
+from hybridflow.trainer.data_setup import task_files
 from hybridflow.trainer.job import fit_with_restarts
-from hybridflow.trainer.main import USER_ERRORS, fail, parse_args
 from hybridflow.trainer.measure import measure_dtypes
 from hybridflow.trainer.recovery import RunFailedError
+from hybridflow.trainer.roles import group_factory
 from hybridflow.trainer.sft_config import ResolvedSFT, SFTConfig, resolve_sft
+from hybridflow.trainer.sft_trainer import SFTTrainer
+from hybridflow.workers.sft import SFTWorker
 
 if TYPE_CHECKING:  # heavy imports, loaded where the workers start
     from hybridflow.trainer.recovery import Recovery
@@ -38,12 +48,6 @@ class SFTInputs(NamedTuple):
 
 def prepare_inputs(cfg: SFTConfig) -> SFTInputs:
     """Tokenizer and train/val loaders; a bad model path, file, column or length fails here."""
-    from functools import partial
-
-    from hybridflow.data.loader import StatefulDataLoader
-    from hybridflow.data.sft import SFTDataset, sft_collate
-    from hybridflow.models import load_tokenizer, resolve_model_path
-    from hybridflow.trainer.data_setup import task_files
 
     d = cfg.data
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or resolve_model_path(cfg.model.path))
@@ -66,7 +70,6 @@ def prepare_inputs(cfg: SFTConfig) -> SFTInputs:
 
 def load_run(config_path: str | None, overrides: Sequence[str]) -> tuple[ResolvedSFT, SFTInputs]:
     """Load and check the config, read the inputs, measure this machine, resolve; starts no worker."""
-    from hybridflow.trainer.checkpointing import resume_path
 
     cfg = load_config(SFTConfig, config_path, overrides)
     inputs = prepare_inputs(cfg)
@@ -87,9 +90,6 @@ class SFTJob:
 
     def build_workers(self) -> list:
         """One SFTWorker per rank on Ray or in-process (trainer.backend); models not loaded."""
-        from hybridflow.controller.resource_pool import ClassWithInitArgs
-        from hybridflow.trainer.roles import group_factory
-        from hybridflow.workers.sft import SFTWorker
 
         cfg = self.config
         cls = ClassWithInitArgs(
@@ -111,7 +111,6 @@ class SFTJob:
 
     def make_trainer(self, inputs: SFTInputs, tracker: Tracking, recovery: Recovery) -> SFTTrainer:
         """An SFTTrainer over the group built last, with the previous trainer's validation losses."""
-        from hybridflow.trainer.sft_trainer import SFTTrainer
 
         fresh = SFTTrainer(self.run, self.group, inputs, tracker, recovery)
         if self.trainer is not None:
@@ -128,7 +127,7 @@ def run(resolved: ResolvedSFT, inputs: SFTInputs) -> list[float]:
 
 
 def _report(log_dir: Path, val_losses: list[float]) -> None:
-    from hybridflow.utils.plot import plot_run, summarize_run
+    from hybridflow.utils.plot import plot_run, summarize_run  # noqa: PLC0415  (lazy: matplotlib, only for the end-of-run plots)
 
     if val_losses:
         print(f"val/loss: first {val_losses[0]:.4f} -> last {val_losses[-1]:.4f}")
@@ -139,10 +138,15 @@ def _report(log_dir: Path, val_losses: list[float]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """CLI entry of `hybridflow sft`, as `hybridflow train`'s (trainer/main.py main): user errors exit 2 with one
-    line, a failure the run cannot recover from exits 1."""
-    prog = "hybridflow sft"
-    args = parse_args(argv, prog, "Supervised fine-tuning (see README).")
+    """CLI entry of `python -m hybridflow.trainer.sft_main`: parse the arguments, then `sft` (`hybridflow sft`
+    parses them in trainer/cli.py, so that its --help needs no torch)."""
+    return sft(parse_args(argv, SFT_PROG, SFT_DESCRIPTION))
+
+
+def sft(args: argparse.Namespace) -> int:
+    """`hybridflow sft` on parsed arguments, as `hybridflow train`'s (trainer/main.py train): user errors exit 2
+    with one line, a failure the run cannot recover from exits 1."""
+    prog = SFT_PROG
     try:
         resolved, inputs = load_run(args.config, args.overrides)
         if args.print_config:

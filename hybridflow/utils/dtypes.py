@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from hybridflow.utils.device import device_kind
+from hybridflow.utils.hardware import auto_compute_dtype
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
 """Config dtype name -> torch dtype. fp16 is left out on purpose: CPU fp16 matmul is ~100x slower."""
@@ -19,8 +20,6 @@ def dtype_of(name: str) -> torch.dtype:
     """torch dtype for a config dtype name ("fp32" | "bf16" | "auto": probed for this process's device kind and
     threads)."""
     if name == AUTO:
-        from hybridflow.utils.hardware import auto_compute_dtype
-
         name = auto_compute_dtype(device_kind())
     return DTYPES[name]
 
@@ -36,6 +35,5 @@ def resolve_dtype(name: str, device: str, threads: int) -> str:
     """`name`, with "auto" replaced by the measured choice for `device` with `threads` threads per worker."""
     if name != AUTO:
         return name
-    from hybridflow.utils.hardware import auto_compute_dtype
 
     return auto_compute_dtype(device, threads)

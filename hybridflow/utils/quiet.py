@@ -53,7 +53,7 @@ def quiet_libraries(verbose: bool = False) -> Iterator[None]:
     if verbose:
         yield
         return
-    from transformers.utils import logging as tf_logging
+    from transformers.utils import logging as tf_logging  # noqa: PLC0415  (lazy: transformers is heavy; utils/ stays light)
 
     level = tf_logging.get_verbosity()
     previous_hook = tf_logging.set_tqdm_hook(_disabled_bar)

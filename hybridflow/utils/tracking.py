@@ -154,7 +154,7 @@ class TensorboardBackend:
     """Scalars (and the config as text) in `<log_dir>/tensorboard/`."""
 
     def __init__(self, run: RunInfo) -> None:
-        from torch.utils.tensorboard import SummaryWriter  # slow import: only when asked for
+        from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415  (lazy: tensorboard is slow to import, only when asked for)
 
         self._dir = str(run.log_dir / "tensorboard")
         self._writer = SummaryWriter(log_dir=self._dir)
@@ -170,7 +170,7 @@ class TensorboardBackend:
 
     def rewind(self, step: int) -> None:
         """Reopen the writer with purge_step=step+1: TensorBoard discards the earlier events of later steps."""
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415  (lazy: tensorboard is slow to import, only when asked for)
 
         self._writer.close()
         self._writer = SummaryWriter(log_dir=self._dir, purge_step=step + 1)

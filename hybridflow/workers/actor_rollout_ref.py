@@ -44,10 +44,15 @@ from hybridflow.algos.core import masked_mean
 from hybridflow.controller.decorator import Dispatch, register
 from hybridflow.controller.dispatch import make_nd_compute_dataproto_dispatch_fn
 from hybridflow.controller.worker import Worker, collective_timeout_s
+from hybridflow.engine import export_hf
 from hybridflow.engine.config import EngineConfig
 from hybridflow.engine.reshard import aligned_stride, group_coords
+from hybridflow.models import load_tokenizer, resolve_model_path
 from hybridflow.protocol import DataProto
+from hybridflow.rollout import build_rollout
+from hybridflow.rollout.bridge import WeightBridge, manifest_of, open_store
 from hybridflow.rollout.config import RolloutConfig, SamplingParams
+from hybridflow.rollout.sync import sync_weights
 from hybridflow.utils.device import device_kind
 from hybridflow.utils.peak_memory import operator_peak
 from hybridflow.utils.plugins import import_plugins
@@ -116,8 +121,6 @@ class ActorRolloutRefWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
         """Form the process group and load the engines this worker's roles need."""
-        from hybridflow.models import load_tokenizer, resolve_model_path
-        from hybridflow.rollout import build_rollout
 
         self.init_process_group()
         path = resolve_model_path(self.model_cfg.path)
@@ -156,7 +159,6 @@ class ActorRolloutRefWorker(Worker):
         from its state, as validation does). `sampling`: this call's params; None: the configured ones,
         rollout.val_kwargs when `validate`, else the training ones (giving both is refused).
         """
-        from hybridflow.rollout.sync import sync_weights
 
         if sampling is not None and validate:
             raise ValueError("generate_sequences: pass sampling or validate=True, not both")
@@ -253,13 +255,12 @@ class ActorRolloutRefWorker(Worker):
         """Actor ranks: gather the weights once to describe them (a collective); rank 0 also opens the
         bridge's rendezvous store for `world` bridge ranks on `host` (None: this node's address). Returns
         (host, port, manifest) on rank 0, None on the others (hybridflow/rollout/bridge.py)."""
-        from hybridflow.rollout.bridge import manifest_of, open_store
 
         state = self.actor.full_state_dict(dtype=self.rollout_cfg.torch_dtype)
         if self.rank != 0:
             return None
         if host is None:
-            import ray
+            import ray  # noqa: PLC0415  (lazy: the local backend runs without Ray)
 
             host = ray.util.get_node_ip_address()
         self._bridge_store, port = open_store(host, world, collective_timeout_s())
@@ -269,7 +270,6 @@ class ActorRolloutRefWorker(Worker):
     def join_weight_bridge(self, host: str, port: int, world: int, manifest: list | None = None) -> None:
         """Join the bridge group: actor rank 0 as bridge rank 0, rollout rank r as 1 + r (other actor ranks
         take no part). Blocks until every bridge rank joined: issue both pools' calls before waiting."""
-        from hybridflow.rollout.bridge import WeightBridge
 
         if "actor" not in self.roles:
             self._bridge = WeightBridge(host, port, 1 + self.rank, world, collective_timeout_s())
@@ -305,7 +305,6 @@ class ActorRolloutRefWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def export_hf(self, out_dir: str) -> None:
         """Write the current actor as a full Hugging Face directory (collective gather; rank 0 writes)."""
-        from hybridflow.engine import export_hf
 
         export_hf(self.actor, out_dir, self.tokenizer)
 

@@ -10,6 +10,7 @@ from hybridflow import keys as K
 from hybridflow.controller.decorator import Dispatch, register
 from hybridflow.controller.dispatch import make_nd_compute_dataproto_dispatch_fn
 from hybridflow.controller.worker import Worker
+from hybridflow.models import resolve_model_path
 from hybridflow.protocol import DataProto
 from hybridflow.utils.peak_memory import operator_peak
 from hybridflow.utils.plugins import import_plugins
@@ -45,7 +46,6 @@ class CriticWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
         """Form the process group and load backbone + value head (head initialised from the backbone)."""
-        from hybridflow.models import resolve_model_path
 
         self.init_process_group()
         path = resolve_model_path(self.model_cfg.path)

@@ -13,30 +13,27 @@ from typing import Any
 
 from hybridflow.engine.base import Engine
 from hybridflow.engine.config import EngineConfig, LoraConfig, OptimConfig
+from hybridflow.engine.fsdp import FSDPEngine
+from hybridflow.engine.sequence_parallel import SequenceParallelEngine
+from hybridflow.engine.tensor_parallel import TensorParallelEngine
 from hybridflow.utils.registry import Registry, UnknownNameError
 
 
 def _fsdp(
     path: str | Path, cfg: EngineConfig, optim: OptimConfig | None, value_model: bool, lora: LoraConfig | None
 ) -> Engine:
-    from hybridflow.engine.fsdp import FSDPEngine
-
     return FSDPEngine.from_pretrained(path, cfg, optim, value_model=value_model, lora=lora)
 
 
 def _fsdp_tp(
     path: str | Path, cfg: EngineConfig, optim: OptimConfig | None, value_model: bool, lora: LoraConfig | None
 ) -> Engine:
-    from hybridflow.engine.tensor_parallel import TensorParallelEngine
-
     return TensorParallelEngine.from_pretrained(path, cfg, optim, value_model=value_model, lora=lora)
 
 
 def _fsdp_sp(
     path: str | Path, cfg: EngineConfig, optim: OptimConfig | None, value_model: bool, lora: LoraConfig | None
 ) -> Engine:
-    from hybridflow.engine.sequence_parallel import SequenceParallelEngine
-
     return SequenceParallelEngine.from_pretrained(path, cfg, optim, value_model=value_model, lora=lora)
 
 

@@ -23,6 +23,9 @@ from hybridflow import keys as K
 from hybridflow.controller.decorator import Dispatch, register
 from hybridflow.controller.dispatch import make_nd_compute_dataproto_dispatch_fn
 from hybridflow.controller.worker import Worker
+from hybridflow.models import resolve_model_path
+from hybridflow.models.loading import load_config
+from hybridflow.models.value import has_trained_head
 from hybridflow.protocol import DataProto
 from hybridflow.utils.plugins import import_plugins
 from hybridflow.workers.config import RewardModelConfig
@@ -40,8 +43,6 @@ _FIX = (
 
 def check_reward_model_dir(path: Path) -> None:
     """Raise ValueError unless the HF directory `path` holds a trained one-label scalar head."""
-    from hybridflow.models.loading import load_config
-    from hybridflow.models.value import has_trained_head
 
     config = load_config(path)
     if not has_trained_head(config):
@@ -101,7 +102,6 @@ class RewardModelWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
         """Check the reward-model directory, form the process group and load it (inference only)."""
-        from hybridflow.models import resolve_model_path
 
         path = resolve_model_path(self.cfg.model.path)
         check_reward_model_dir(path)

@@ -22,7 +22,9 @@ from hybridflow.algos.core import GlobalNorm
 from hybridflow.controller.decorator import Dispatch, register
 from hybridflow.controller.worker import Worker
 from hybridflow.engine.base import Engine, LossFn, MicroBatch
+from hybridflow.engine.checkpoint import export_hf
 from hybridflow.engine.config import EngineConfig, LoraConfig, OptimConfig
+from hybridflow.models import resolve_model_path
 from hybridflow.protocol import DataProto
 from hybridflow.utils.plugins import import_plugins
 from hybridflow.workers.config import ModelConfig
@@ -75,7 +77,6 @@ class SFTWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
         """Form the process group and load the model with its optimizer into the engine."""
-        from hybridflow.models import resolve_model_path
 
         self.init_process_group()
         self.engine = build_engine(
@@ -126,6 +127,5 @@ class SFTWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def export_hf(self, out_dir: str, tokenizer_path: str | None = None) -> None:
         """Write the current weights as a Hugging Face directory (collective; rank 0 writes)."""
-        from hybridflow.engine.checkpoint import export_hf
 
         export_hf(self.engine, out_dir, tokenizer_path)

@@ -55,7 +55,7 @@ class Tool:
 
 
 def _load_builtin_tools() -> None:
-    from hybridflow.agent.tools import calculator, python  # noqa: F401  (their decorators register)
+    from hybridflow.agent.tools import calculator, python  # noqa: F401, PLC0415  (lazy: import cycle, the tool modules import this one; their decorators register)
 
 
 TOOLS: Registry[type[Tool]] = Registry(

@@ -18,6 +18,7 @@ from hybridflow.controller.ray.wait import RankCall
 from hybridflow.controller.resource_pool import ClassWithInitArgs
 from hybridflow.controller.worker import COLLECTIVE_TIMEOUT_ENV, NUM_THREADS_ENV, find_free_port
 from hybridflow.controller.worker_group import Timeouts, WorkerGroup
+from hybridflow.protocol import DataProtoFuture
 from hybridflow.utils.device import DEVICE_ENV
 
 
@@ -239,7 +240,6 @@ class RayWorkerGroup(VerlRayGroupMixin, WorkerGroup):
     ) -> Any:
         if not collects_proto:
             return outputs
-        from hybridflow.protocol import DataProtoFuture
 
         return DataProtoFuture(collect_fn=collect, futures=outputs, fetch_fn=self._rank_call(method_name, ranks))
 
