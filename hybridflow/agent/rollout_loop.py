@@ -58,8 +58,9 @@ def generate_multi_turn(
         max_user_turns=mt.max_user_turns,
     )
     generate = rollout_generate_fn(rollout, dataclasses.replace(sampling, n=1))
+    labels = [f"dataset row {index} (sample {k})" for index in row_indices(prompts) for k in range(sampling.n)]
     trajs = run_agent_loop(
-        rows, env_factory(mt), generate, rollout.tokenizer, loop_cfg, stop_ids=rollout.eos_ids, env_name=mt.env
+        rows, env_factory(mt), generate, rollout.tokenizer, loop_cfg, rollout.eos_ids, mt.env, labels
     )
     out = trajectories_to_batch(trajs, rollout.pad_id, prompts.batch[keys.INPUT_IDS].shape[1], config.response_length)
     out.batch[keys.ENV_REWARDS] = out.batch.pop(keys.TOKEN_LEVEL_SCORES)
@@ -86,6 +87,13 @@ def dataset_rows(prompts: DataProto, n: int) -> list[dict[str, Any]]:
         for i in range(len(prompts))
     ]
     return [row for row in rows for _ in range(n)]
+
+
+def row_indices(prompts: DataProto) -> list[Any]:
+    """The dataset index of each prompt row (RLDataset's `index` column; else its position in the batch)."""
+    if "index" in prompts.non_tensor_batch:
+        return list(prompts.non_tensor_batch["index"])
+    return list(range(len(prompts)))
 
 
 def env_factory(config: MultiTurnConfig) -> Callable[[], Environment]:
