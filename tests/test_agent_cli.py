@@ -78,3 +78,24 @@ def test_an_environment_that_raises_fails_the_run_naming_it_and_the_row(tmp_path
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "failed in step() on dataset row" in line]
     assert lines and "environment '" in lines[-1] and "my_env.py:Broken'" in lines[-1], proc.stderr[-3000:]
     assert "KeyError: 'no such thing'" in lines[-1]
+
+
+def test_the_tool_task_trains_with_the_builtin_tool_environment(tmp_path: Path):
+    from hybridflow.models import tiny_model_dir
+
+    args = [
+        *base_overrides(str(tiny_model_dir("llama")), tmp_path),
+        "data.task=tool_arithmetic",
+        "data.max_prompt_length=256",
+        "rollout.multi_turn.enable=true",
+        "trainer.backend=local",
+        "trainer.n_workers_per_node=1",
+        "trainer.val_before_train=false",
+    ]
+    proc = run_cli(["train", *args], tmp_path, module="hybridflow.trainer.cli")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    records = read_metrics(tmp_path)
+    steps = [r for r in records if "actor/pg_loss" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(r["agent/turns/mean"] >= 1 and "agent/tool_calls/mean" in r for r in steps)
+    assert "val-core/tool_arithmetic/acc/mean@1" in records[-1] and "val-aux/agent/turns/mean" in records[-1]

@@ -62,7 +62,14 @@ def generate_multi_turn(
     trajs = run_agent_loop(
         rows, env_factory(mt), generate, rollout.tokenizer, loop_cfg, rollout.eos_ids, mt.env, labels
     )
-    out = trajectories_to_batch(trajs, rollout.pad_id, prompts.batch[keys.INPUT_IDS].shape[1], config.response_length)
+    width = prompts.batch[keys.INPUT_IDS].shape[1]
+    widest = max(len(t.prompt_ids) for t in trajs)
+    if widest > width:
+        raise ValueError(
+            f"rollout.multi_turn: environment {mt.env!r} renders a prompt of {widest} tokens (messages and tool "
+            f"schemas), wider than the prompt batch ({width}); raise data.max_prompt_length"
+        )
+    out = trajectories_to_batch(trajs, rollout.pad_id, width, config.response_length)
     out.batch[keys.ENV_REWARDS] = out.batch.pop(keys.TOKEN_LEVEL_SCORES)
     for key, column in prompts.non_tensor_batch.items():
         out.non_tensor_batch[key] = np.repeat(column, sampling.n, axis=0)
