@@ -58,8 +58,9 @@ def stopping_model(tmp: Path) -> tuple[str, list[int]]:
     return str(path), stops
 
 
-def worker(model: str, env: str = ENV) -> LocalWorkerGroup:
+def worker(model: str, env: str = ENV, name: str = "native") -> LocalWorkerGroup:
     rollout = RolloutConfig(
+        name=name,
         n=2,
         prompt_length=64,
         response_length=48,
@@ -106,11 +107,11 @@ def runs(ids: list[int], mask: list[int]) -> list[tuple[int, list[int]]]:
     return out
 
 
-@pytest.fixture(scope="module")
-def generated(tmp_path_factory):
+@pytest.fixture(scope="module", params=["native", "hf"])
+def generated(request, tmp_path_factory):
     """A worker, its multi-turn output for 3 prompts x 2 samples, and every turn its rollout sampled."""
     model, stops = stopping_model(tmp_path_factory.mktemp("agent_rollout"))
-    group = worker(model)
+    group = worker(model, name=request.param)
     rollout, sampled = group._worker.rollout, []
     plain = rollout.generate_sequences
 
@@ -192,3 +193,13 @@ def test_bad_multi_turn_configs_are_refused_at_load(overrides, message):
     kwargs = {"multi_turn": {"enable": True}, **overrides}
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
         RolloutConfig(**kwargs)
+
+
+def test_multi_turn_with_an_off_policy_trainer_mode_is_refused_at_load():
+    from hybridflow.config_utils import load_config
+    from hybridflow.trainer.run_config import RunConfig
+
+    with pytest.raises(ValueError, match=r"rollout\.multi_turn\.enable=true with trainer\.mode=one_step_off"):
+        load_config(
+            RunConfig, None, ["rollout.multi_turn.enable=true", "trainer.mode=one_step_off", "trainer.placement=split"]
+        )
