@@ -200,7 +200,7 @@ class RolloutConfig(Section):
     def _check_multi_turn(self) -> None:
         from hybridflow.agent.env import ENVIRONMENTS  # the agent package imports the rollout package
 
-        if self.name not in ("native", "hf"):
+        if self.name == "vllm":  # a plugin backend is checked when built: it must be an in-process ModuleRollout
             raise ValueError(
                 f"rollout.multi_turn.enable=true with rollout.name={self.name!r} is not supported yet: the agent "
                 "loop drives in-process rollouts turn by turn; use rollout.name=native or hf"
