@@ -73,7 +73,8 @@ def test_a_custom_environment_from_a_file_trains_on_ray_workers(tmp_path: Path):
 
 
 def test_an_environment_that_raises_fails_the_run_naming_it_and_the_row(tmp_path: Path):
-    proc = run_cli(["train", *multi_turn_args(tmp_path, "Broken")], tmp_path, module="hybridflow.trainer.cli")
+    args = [*multi_turn_args(tmp_path, "Broken"), "trainer.backend=local"]  # the Ray path: the test above
+    proc = run_cli(["train", *args], tmp_path, module="hybridflow.trainer.cli")
     assert proc.returncode != 0
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "failed in step() on dataset row" in line]
     assert lines and "environment '" in lines[-1] and "my_env.py:Broken'" in lines[-1], proc.stderr[-3000:]
