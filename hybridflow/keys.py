@@ -16,7 +16,8 @@ ATTENTION_MASK = "attention_mask"  # [B, T] int64: 1 on real tokens, 0 on paddin
 POSITION_IDS = "position_ids"  # [B, T] int64: cumsum(attention_mask) - 1, clipped at 0
 PROMPTS = "prompts"  # [B, P] int64: left-padded prompt ids
 RESPONSES = "responses"  # [B, R] int64: right-padded response ids
-RESPONSE_MASK = "response_mask"  # [B, R] int64/float: 1 on generated tokens up to and incl. EOS
+RESPONSE_MASK = "response_mask"  # [B, R] int64/float: 1 on generated tokens up to and incl. EOS; 0 on padding and
+# (multi-turn) on observation tokens, which attention_mask marks 1: trained tokens are response_mask, real ones attention_mask
 ROLLOUT_LOG_PROBS = "rollout_log_probs"  # [B, R] float32: log-probs the sampler drew with
 OLD_LOG_PROBS = "old_log_probs"  # [B, R] float32: actor log-probs before the update
 ENTROPYS = "entropys"  # [B, R] float32: per-token entropy of the actor
@@ -29,6 +30,9 @@ REWARD_BASELINES = "reward_baselines"  # [B] float32: ReMax's greedy-response sc
 ADVANTAGES = "advantages"  # [B, R] float32
 RETURNS = "returns"  # [B, R] float32: value targets
 ROLLOUT_IS_WEIGHTS = "rollout_is_weights"  # [B, R] float32: pi_old / pi_rollout, bounded (algorithm.rollout_is)
+ENV_REWARDS = (
+    "env_rewards"  # [B, R] float32: multi-turn rollouts: each model turn's environment reward on its last token
+)
 POLICY_VERSION = "policy_version"  # [B] int64: trainer step whose weights generated the row (0: initial weights)
 
 # --- numpy object arrays in DataProto.non_tensor_batch ----------------------
@@ -37,6 +41,9 @@ DATA_SOURCE = "data_source"  # [B] str: which scorer applies ("arithmetic", "gsm
 GROUND_TRUTH = "ground_truth"  # [B] str: reward_model.ground_truth of the dataset row
 RAW_PROMPT = "raw_prompt"  # [B] list[dict]: the chat messages before templating
 EXTRA_INFO = "extra_info"  # [B] dict: the dataset row's extra_info
+NUM_TURNS = "num_turns"  # [B] int: multi-turn rollouts: model turns of the trajectory
+TOOL_CALLS = "tool_calls"  # [B] int: multi-turn rollouts: tool calls the trajectory made
+STOP_REASON = "stop_reason"  # [B] str: multi-turn rollouts: why it stopped (hybridflow/agent/loop.py)
 
 # --- meta_info keys ----------------------------------------------------------
 # meta_info carries what a batch IS, never what a worker should DO: control flags (sampling params,

@@ -16,7 +16,7 @@ BLOCKS = re.findall(r"^```python\n(.*?)^```", PAGE.read_text(), flags=re.S | re.
 
 
 def test_the_page_has_one_block_per_plugin_kind():
-    assert len(BLOCKS) == 7
+    assert len(BLOCKS) == 8
 
 
 @pytest.fixture(scope="module")
@@ -40,5 +40,7 @@ def test_every_python_block_runs_and_its_names_select_from_the_config(executed):
         ],
     )
     assert cfg.rollout.name == "counted_native" and cfg.actor.engine.backend == "fsdp_logged"
+    agent = load_config(RunConfig, None, ["rollout.multi_turn.enable=true", "rollout.multi_turn.env=guess_twice"])
+    assert agent.rollout.multi_turn.env == "guess_twice"
     with pytest.raises(ValueError, match="group_mean compares the samples"):
         load_config(RunConfig, None, ["algorithm.adv_estimator=group_mean", "rollout.n=1"])

@@ -7,6 +7,8 @@
 - `tokens.py`: prompt and observation token ids from the chat template (tokenized once).
 - `loop.py`: `run_agent_loop`, the token-exact multi-turn loop over a batched turn generator.
 - `batch.py`: trajectories -> DataProto in the rollout layout of hybridflow/keys.py.
+- `rollout_loop.py`: the loop inside the rollout worker (rollout.multi_turn): prompt rows -> trajectories
+  over the worker's rollout, one generate call per round.
 - `server.py`: the OpenAI-compatible HTTP server (`hybridflow serve`) that records every sampled
   token per session; `openai_format.py` (request/response shapes), `sessions.py` (token capture),
   `backend.py` (the generation backend and the request batcher), `rollout_backend.py` (a Rollout as one).

@@ -71,8 +71,8 @@ def trajectories_to_batch(
         keys.TOKEN_LEVEL_SCORES: scores,
     }
     non_tensors = {
-        "num_turns": np.array([t.assistant_turns for t in trajs]),
-        "tool_calls": np.array([t.tool_calls for t in trajs]),
-        "stop_reason": np.array([t.stop_reason for t in trajs], dtype=object),
+        keys.NUM_TURNS: np.array([t.assistant_turns for t in trajs]),
+        keys.TOOL_CALLS: np.array([t.tool_calls for t in trajs]),
+        keys.STOP_REASON: np.array([t.stop_reason for t in trajs], dtype=object),
     }
     return DataProto.from_dict(tensors, non_tensors)

@@ -117,11 +117,14 @@ def run_agent_loop(
     config: AgentLoopConfig,
     stop_ids: Sequence[int] | None = None,
     env_name: str = "",
+    row_labels: Sequence[str] | None = None,
 ) -> list[Trajectory]:
-    """One trajectory per row, run together (module docstring); `stop_ids` default to the tokenizer's EOS."""
+    """One trajectory per row, run together (module docstring); `stop_ids` default to the tokenizer's EOS;
+    `row_labels` name the rows in an environment's failure (default: "row <index in rows>")."""
     stops = list(stop_ids) if stop_ids is not None else [tokenizer.eos_token_id]
+    labels = list(row_labels) if row_labels is not None else [f"row {i}" for i in range(len(rows))]
     envs = [env_factory() for _ in rows]
-    trajs = [_start(i, row, env, tokenizer, env_name) for i, (row, env) in enumerate(zip(rows, envs))]
+    trajs = [_start(i, row, env, tokenizer, env_name, labels[i]) for i, (row, env) in enumerate(zip(rows, envs))]
     with ThreadPoolExecutor(max_workers=config.max_parallel_steps) as pool:
         while running := [t for t in trajs if not t.done]:
             budgets = [min(config.max_turn_tokens, config.response_length - len(t.response_ids)) for t in running]
@@ -130,17 +133,19 @@ def run_agent_loop(
                 raise ValueError(f"generate returned {len(outputs)} turns for {len(running)} rows")
             texts = [_append_turn(t, out, b, stops, tokenizer) for t, out, b in zip(running, outputs, budgets)]
             stepping = [(t, text) for t, text in zip(running, texts) if not t.done]
-            results = pool.map(lambda tt: _step(envs[tt[0].row_index], tt[1], tt[0].row_index, env_name), stepping)
+            results = pool.map(
+                lambda tt: _step(envs[tt[0].row_index], tt[1], labels[tt[0].row_index], env_name), stepping
+            )
             for (traj, _), result in zip(stepping, list(results)):
                 _apply_step(traj, result, tokenizer, stops, config)
     return trajs
 
 
-def _start(index: int, row: dict[str, Any], env: Environment, tokenizer: Any, env_name: str) -> Trajectory:
+def _start(index: int, row: dict[str, Any], env: Environment, tokenizer: Any, env_name: str, label: str) -> Trajectory:
     try:
         first = env.reset(row)
     except Exception as exc:
-        raise RuntimeError(_env_failure(env, env_name, "reset", index, exc)) from exc
+        raise RuntimeError(_env_failure(env, env_name, "reset", label, exc)) from exc
     ids = prompt_ids(tokenizer, first.messages, first.tools)
     return Trajectory(index, ids, list(first.tools), list(first.messages))
 
@@ -165,16 +170,16 @@ def _append_turn(traj: Trajectory, out: TurnOutput, budget: int, stops: list[int
     return text
 
 
-def _step(env: Environment, text: str, index: int, env_name: str) -> StepResult:
+def _step(env: Environment, text: str, label: str, env_name: str) -> StepResult:
     try:
         return env.step(text)
     except Exception as exc:
-        raise RuntimeError(_env_failure(env, env_name, "step", index, exc)) from exc
+        raise RuntimeError(_env_failure(env, env_name, "step", label, exc)) from exc
 
 
-def _env_failure(env: Environment, env_name: str, method: str, index: int, exc: Exception) -> str:
+def _env_failure(env: Environment, env_name: str, method: str, label: str, exc: Exception) -> str:
     name = env_name or type(env).__name__
-    return f"environment {name!r} failed in {method}() on row {index}: {type(exc).__name__}: {exc}"
+    return f"environment {name!r} failed in {method}() on {label}: {type(exc).__name__}: {exc}"
 
 
 def _apply_step(

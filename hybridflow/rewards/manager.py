@@ -7,6 +7,12 @@ writes the score at the response's last valid token of a [B, R] tensor, zero
 elsewhere (`hybridflow.keys.TOKEN_LEVEL_SCORES`). When the batch also holds
 `rm_scores` from a reward-model worker, they are added to the rule scores.
 
+A multi-turn batch (rollout.multi_turn, it holds `env_rewards`) is not scored by the rule function:
+its token-level scores are the environment's per-turn rewards, each on the last token of its model
+turn (the built-in "tool" environment's final reward is the row's rule score), plus `rm_scores` if
+present (the reward model scores the whole trajectory at its last token, a model token); a row's
+`scores` entry is the sum of its environment rewards.
+
 A response with no valid token (empty mask) gets its score at column 0 so
 that it is not lost from sequence-level sums.
 """
@@ -54,6 +60,8 @@ class RewardManager:
 
     def __call__(self, data: DataProto) -> RewardResult:
         """Score every row of `data`; see the module docstring for the layout."""
+        if keys.ENV_REWARDS in data.batch.keys():
+            return self._environment_scores(data)
         responses = data.batch[keys.RESPONSES]
         lengths = data.batch[keys.RESPONSE_MASK].sum(-1).long()
         texts = self.tokenizer.batch_decode(
@@ -68,6 +76,15 @@ class RewardManager:
         token_scores[torch.arange(len(scores)), last] = torch.tensor(scores, dtype=torch.float32)
         if keys.RM_SCORES in data.batch.keys():
             token_scores = token_scores + data.batch[keys.RM_SCORES].float()
+        return RewardResult(token_scores, scores, source_metrics(sources, scores))
+
+    def _environment_scores(self, data: DataProto) -> RewardResult:
+        """A multi-turn batch: the environment's per-turn rewards (+ rm_scores); a row's score is their sum."""
+        token_scores = data.batch[keys.ENV_REWARDS].float()
+        scores = token_scores.sum(-1).tolist()
+        if keys.RM_SCORES in data.batch.keys():
+            token_scores = token_scores + data.batch[keys.RM_SCORES].float()
+        sources = [str(s) for s in data.non_tensor_batch[keys.DATA_SOURCE]]
         return RewardResult(token_scores, scores, source_metrics(sources, scores))
 
     def _score_all(self, items: list[tuple[str, str, str, Any]]) -> list[float]:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from hybridflow.config_utils import Section
 from hybridflow.utils.dtypes import check_dtype, dtype_of
+from hybridflow.utils.plugins import is_path, resolve_spec
 
 ROLLOUT_NAMES = ("native", "hf", "vllm")
 """The built-in rollout backends; rollout.name accepts any name in `ROLLOUT_BACKENDS` (rollout/backends.py)."""
@@ -79,6 +81,41 @@ class ValKwargs(Section):
 
 
 @dataclass
+class MultiTurnConfig(Section):
+    """Multi-turn agent rollouts (verl's `rollout.multi_turn` names): each prompt row runs as an episode of
+    its environment (hybridflow/agent/env.py) in the token-exact loop of hybridflow/agent/loop.py."""
+
+    enable: bool = False
+    """Generate with the agent loop instead of single-turn completions (native and hf rollouts, trainer.mode=sync)."""
+    max_assistant_turns: int = 4
+    """Most model turns per trajectory."""
+    max_user_turns: int = 4
+    """Most environment replies (tool results, user turns) per trajectory."""
+    max_tool_response_length: int = 256
+    """Characters kept of each tool result (the rest is replaced by a truncation note), as verl's."""
+    max_turn_tokens: int | None = None
+    """Most new tokens of one model turn; None: the whole response budget (rollout.response_length)."""
+    env: str = "tool"
+    """The environment: a name registered in ENVIRONMENTS ("tool": the row's tools, scored by its data_source)
+    or a `module:Class` / `path/to/file.py:Class` path. Its constructor gets `tool_kwargs` and
+    `max_tool_response_length` when it takes parameters of those names, nothing else."""
+    tool_config_path: str | None = None
+    """Optional YAML/JSON file mapping tool name -> constructor kwargs (e.g. `python: {timeout_s: 5}`)."""
+
+    def __post_init__(self) -> None:
+        for key in ("max_assistant_turns", "max_user_turns", "max_tool_response_length"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"rollout.multi_turn.{key} must be >= 1, got {getattr(self, key)}")
+        if self.max_turn_tokens is not None and self.max_turn_tokens < 1:
+            raise ValueError(f"rollout.multi_turn.max_turn_tokens must be >= 1 or null, got {self.max_turn_tokens}")
+        if self.tool_config_path is not None and not Path(self.tool_config_path).is_file():
+            raise ValueError(f"rollout.multi_turn.tool_config_path={self.tool_config_path!r} is not a file")
+        if self.enable and is_path(self.env):  # workers may run in another directory
+            module, _, name = self.env.rpartition(":")
+            self.env = f"{resolve_spec(module)}:{name}"
+
+
+@dataclass
 class RolloutConfig(Section):
     """How sequences are generated: backend, sampling parameters, lengths, dtype."""
 
@@ -132,6 +169,8 @@ class RolloutConfig(Section):
     has the memory. Only where vllm's platform has a sleep mode (CUDA); on CPU it is a no-op."""
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
     """Sampling parameters of validation calls (generate_sequences(..., validate=True))."""
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    """Multi-turn agent rollouts with an environment (off by default)."""
 
     def __post_init__(self) -> None:
         if self.tensor_model_parallel_size < 1:
@@ -146,6 +185,10 @@ class RolloutConfig(Section):
             )
         if isinstance(self.val_kwargs, dict):
             self.val_kwargs = ValKwargs(**self.val_kwargs)
+        if isinstance(self.multi_turn, dict):
+            self.multi_turn = MultiTurnConfig(**self.multi_turn)
+        if self.multi_turn.enable:
+            self._check_multi_turn()
         check_dtype("rollout.dtype", self.dtype)
         for key in ("prompt_length", "response_length", "max_batch_size"):
             if getattr(self, key) is not None and getattr(self, key) < 1:
@@ -153,6 +196,20 @@ class RolloutConfig(Section):
         check_sampling(self.temperature, self.top_p, self.top_k, self.do_sample, self.n, "rollout")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"rollout.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    def _check_multi_turn(self) -> None:
+        from hybridflow.agent.env import ENVIRONMENTS  # the agent package imports the rollout package
+
+        if self.name == "vllm":  # a plugin backend is checked when built: it must be an in-process ModuleRollout
+            raise ValueError(
+                f"rollout.multi_turn.enable=true with rollout.name={self.name!r} is not supported yet: the agent "
+                "loop drives in-process rollouts turn by turn; use rollout.name=native or hf"
+            )
+        if self.tensor_model_parallel_size > 1:
+            raise ValueError(
+                "rollout.multi_turn.enable=true with rollout.tensor_model_parallel_size > 1 is not supported yet"
+            )
+        ENVIRONMENTS.get(self.multi_turn.env)  # unknown names (or unloadable paths) fail naming the key
 
     @property
     def torch_dtype(self) -> torch.dtype:

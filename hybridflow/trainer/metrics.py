@@ -24,8 +24,8 @@ def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
 def data_metrics(batch: DataProto, response_length: int) -> dict[str, float]:
     """Scores, rewards, advantages, returns, values and lengths of one training batch."""
     b = batch.batch
-    mask = b[K.RESPONSE_MASK].bool()
-    resp_len = mask.sum(-1).float()
+    mask = b[K.RESPONSE_MASK].bool()  # trained tokens: multi-turn observation tokens are 0
+    resp_len = b[K.ATTENTION_MASK][:, -mask.shape[1] :].sum(-1).float()  # every real token after the prompt
     prompt_len = b[K.ATTENTION_MASK][:, : b[K.PROMPTS].shape[1]].sum(-1).float()
     metrics = {
         **_stats("critic/score", b[K.TOKEN_LEVEL_SCORES].sum(-1)),
@@ -40,6 +40,28 @@ def data_metrics(batch: DataProto, response_length: int) -> dict[str, float]:
         metrics.update(_stats("critic/values", b[K.VALUES][mask]))
     if K.RM_SCORES in b.keys():  # the reward model's share of critic/score
         metrics.update(_stats("reward_model/score", b[K.RM_SCORES].sum(-1)))
+    return {**metrics, **agent_metrics(batch)}
+
+
+def agent_metrics(batch: DataProto, prefix: str = "agent") -> dict[str, float]:
+    """Multi-turn rollouts (rows with num_turns): turns, tool calls, model-token share and the share of
+    trajectories per stop reason (`agent/stop_reason/<reason>`); {} for single-turn batches."""
+    columns = batch.non_tensor_batch
+    if K.NUM_TURNS not in columns:
+        return {}
+    turns = columns[K.NUM_TURNS].astype(float)
+    calls = columns[K.TOOL_CALLS].astype(float)
+    reasons = [str(r) for r in columns[K.STOP_REASON]]
+    model = batch.batch[K.RESPONSE_MASK].sum(-1).float()
+    metrics = {
+        f"{prefix}/turns/mean": float(turns.mean()),
+        f"{prefix}/turns/max": float(turns.max()),
+        f"{prefix}/tool_calls/mean": float(calls.mean()),
+        f"{prefix}/tool_call_rate": float((calls > 0).mean()),
+        f"{prefix}/model_tokens/mean": float(model.mean()),
+    }
+    for reason in sorted(set(reasons)):
+        metrics[f"{prefix}/stop_reason/{reason}"] = reasons.count(reason) / len(reasons)
     return metrics
 
 

@@ -183,6 +183,11 @@ class RunConfig(Section):
                 f"step (e.g. to generate its baseline), which trainer.mode={t.mode} does not support; "
                 "use trainer.mode=sync"
             )
+        if t.mode != "sync" and self.rollout.multi_turn.enable:
+            raise ValueError(
+                f"rollout.multi_turn.enable=true with trainer.mode={t.mode} is not supported yet (untested on "
+                "separate rollout workers); use trainer.mode=sync"
+            )
         if t.placement == "split" and t.mode == "sync" and not (self.use_critic or self.use_ref):
             raise ValueError(
                 "trainer.placement=split puts the critic/ref on their own workers, but this run has "

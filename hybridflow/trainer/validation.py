@@ -2,7 +2,9 @@
 
 Reports, per data_source, mean@n (mean score over all n responses of every prompt)
 and pass@n (share of prompts with at least one correct response) as
-`val-core/<data_source>/acc/mean@<n>` and `val-core/<data_source>/acc/pass@<n>`.
+`val-core/<data_source>/acc/mean@<n>` and `val-core/<data_source>/acc/pass@<n>`; multi-turn
+rollouts also report `val-aux/agent/turns/mean`, `val-aux/agent/tool_call_rate` (share of trajectories
+with a tool call), `val-aux/agent/tool_calls/mean` and the stop reasons.
 """
 
 from __future__ import annotations
@@ -13,12 +15,14 @@ from typing import Any
 import numpy as np
 
 from hybridflow import keys as K
+from hybridflow.protocol import DataProto
 from hybridflow.trainer.core_steps import pass_at_n
+from hybridflow.trainer.metrics import agent_metrics
 
 
 def validate(actor_rollout: Any, val_loader: Any, reward_fn: Any, n: int) -> dict[str, float]:
     """Generate and score every validation prompt once; returns the val-core metrics."""
-    sources, uids, scores = [], [], []
+    sources, uids, scores, outs = [], [], [], []
     for i, prompts in enumerate(val_loader):
         prompts.non_tensor_batch[K.UID] = np.array([f"val-{i}-{j}" for j in range(len(prompts))], dtype=object)
         out = actor_rollout.generate_sequences(prompts, validate=True)
@@ -27,7 +31,11 @@ def validate(actor_rollout: Any, val_loader: Any, reward_fn: Any, n: int) -> dic
         sources += [str(s) for s in out.non_tensor_batch[K.DATA_SOURCE]]
         uids += list(out.non_tensor_batch[K.UID])
         scores += result.scores
-    return summarize_scores(sources, uids, scores, n)
+        outs.append(out)
+    metrics = summarize_scores(sources, uids, scores, n)
+    if outs and K.NUM_TURNS in outs[0].non_tensor_batch:  # multi-turn: tool-call rate, turns per trajectory
+        metrics.update(agent_metrics(DataProto.concat(outs), prefix="val-aux/agent"))
+    return metrics
 
 
 def summarize_scores(

@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from hybridflow import keys as K
+from hybridflow.agent.rollout_loop import generate_multi_turn
 from hybridflow.algos.core import masked_mean
 from hybridflow.controller.decorator import Dispatch, register
 from hybridflow.controller.dispatch import make_nd_compute_dataproto_dispatch_fn
@@ -153,7 +154,8 @@ class ActorRolloutRefWorker(Worker):
         sampling: SamplingParams | None = None,
         validate: bool = False,
     ) -> DataProto:
-        """Prompts [b, P] (left-padded) -> b * n rows of prompts, responses, masks, rollout_log_probs.
+        """Prompts [b, P] (left-padded) -> b * n rows of prompts, responses, masks, rollout_log_probs
+        (rollout.multi_turn.enable: agent-loop trajectories, see hybridflow/agent/rollout_loop.py).
 
         `step`: the training step; the sampler reseeds from it first (None: no reseed, the sampler goes on
         from its state, as validation does). `sampling`: this call's params; None: the configured ones,
@@ -172,7 +174,11 @@ class ActorRolloutRefWorker(Worker):
             self.rollout.reseed(step)
         start = time.perf_counter()
         with operator_peak("generate", metrics):
-            out = self.rollout.generate_sequences(prompts, sampling or self.rollout_cfg.sampling_params(validate))
+            params = sampling or self.rollout_cfg.sampling_params(validate)
+            if self.rollout_cfg.multi_turn.enable:  # one agent-loop trajectory per sample (agent/rollout_loop.py)
+                out = generate_multi_turn(self.rollout, prompts, params, self.rollout_cfg)
+            else:
+                out = self.rollout.generate_sequences(prompts, params)
         metrics["timing_s/generate_on_worker"] = time.perf_counter() - start
         out.meta_info[K.META_METRICS] = metrics
         return out

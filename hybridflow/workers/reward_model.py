@@ -68,7 +68,7 @@ def score_inputs(batch) -> dict[str, torch.Tensor]:
     """
     ids, attn, resp = batch[K.INPUT_IDS], batch[K.ATTENTION_MASK], batch[K.RESPONSES]
     rows, prompt_len = ids.shape[0], ids.shape[1] - resp.shape[1]
-    lengths = batch[K.RESPONSE_MASK].long().sum(-1)
+    lengths = attn[:, prompt_len:].long().sum(-1)  # every real response token (multi-turn: observations too)
     ids = torch.cat([ids, ids.new_zeros(rows, 1)], -1)
     attn = torch.cat([attn, attn.new_zeros(rows, 1)], -1)
     attn[torch.arange(rows), prompt_len + lengths] = 1
@@ -112,4 +112,6 @@ class RewardModelWorker(Worker):
     def compute_rm_score(self, data: DataProto) -> DataProto:
         """Rows with input_ids/attention_mask/position_ids/responses/response_mask -> rm_scores [b, R]."""
         values = self.engine.compute_values(score_inputs(data.batch), self.cfg.micro_batch_size_per_device)
-        return DataProto.from_dict({K.RM_SCORES: last_token_scores(values, data.batch[K.RESPONSE_MASK])})
+        width = data.batch[K.RESPONSES].shape[1]
+        real = data.batch[K.ATTENTION_MASK][:, -width:]  # = response_mask, but for multi-turn observations
+        return DataProto.from_dict({K.RM_SCORES: last_token_scores(values, real)})

@@ -1,0 +1,102 @@
+"""`hybridflow train` with rollout.multi_turn: a custom environment from a .py file on Ray workers, and one
+that raises (the run fails with one line naming the environment and the row)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.test_agent_rollout import stopping_model
+from tests.test_trainer_cli import base_overrides, read_metrics, run_cli
+
+ENV_FILE = '''
+import os
+from pathlib import Path
+
+from hybridflow.agent.env import Environment, ResetResult, StepResult
+
+
+class Echo(Environment):
+    """Two tool replies, then done with reward 1 if the row's data_source reached the worker."""
+
+    def __init__(self, max_tool_response_length: int = 0) -> None:
+        self.seen = 0
+        Path(__file__).with_name("env_pids").open("a").write(f"{os.getpid()}\\n")
+
+    def reset(self, row):
+        self.row = row
+        return ResetResult(list(row["prompt"]))
+
+    def step(self, text):
+        self.seen += 1
+        if self.seen >= 3:
+            return StepResult(reward=float(self.row["data_source"] == "arithmetic"), done=True)
+        return StepResult([{"role": "tool", "content": "ok"}], info={"tool_calls": 1})
+
+
+class Broken(Echo):
+    def step(self, text):
+        raise KeyError("no such thing")
+'''
+
+
+def multi_turn_args(tmp_path: Path, env: str) -> list[str]:
+    (tmp_path / "my_env.py").write_text(ENV_FILE)
+    model, _ = stopping_model(tmp_path)
+    return [
+        *base_overrides(model, tmp_path),
+        "data.max_response_length=32",
+        "rollout.multi_turn.enable=true",
+        "rollout.multi_turn.max_turn_tokens=8",
+        f"rollout.multi_turn.env=my_env.py:{env}",
+        "trainer.plugins=[my_env.py]",
+        "trainer.n_workers_per_node=1",
+        "trainer.val_before_train=false",
+    ]
+
+
+def test_a_custom_environment_from_a_file_trains_on_ray_workers(tmp_path: Path):
+    proc = run_cli(["train", *multi_turn_args(tmp_path, "Echo")], tmp_path, module="hybridflow.trainer.cli")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    records = read_metrics(tmp_path)
+    steps = [r for r in records if "actor/pg_loss" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert 1 <= r["agent/turns/mean"] <= 3 and "agent/tool_calls/mean" in r
+        assert sum(v for k, v in r.items() if k.startswith("agent/stop_reason/")) == pytest.approx(1.0)
+    assert any(r["agent/turns/mean"] > 1 for r in steps)
+    assert "val-aux/agent/tool_call_rate" in records[-1] and "val-core/arithmetic/acc/mean@1" in records[-1]
+    pids = {int(p) for p in (tmp_path / "env_pids").read_text().split()}
+    assert os.getpid() not in pids and len(pids) == 1  # built in the (one) Ray worker, not the controller
+
+
+def test_an_environment_that_raises_fails_the_run_naming_it_and_the_row(tmp_path: Path):
+    args = [*multi_turn_args(tmp_path, "Broken"), "trainer.backend=local"]  # the Ray path: the test above
+    proc = run_cli(["train", *args], tmp_path, module="hybridflow.trainer.cli")
+    assert proc.returncode != 0
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "failed in step() on dataset row" in line]
+    assert lines and "environment '" in lines[-1] and "my_env.py:Broken'" in lines[-1], proc.stderr[-3000:]
+    assert "KeyError: 'no such thing'" in lines[-1]
+
+
+def test_the_tool_task_trains_with_the_builtin_tool_environment(tmp_path: Path):
+    from hybridflow.models import tiny_model_dir
+
+    args = [
+        *base_overrides(str(tiny_model_dir("llama")), tmp_path),
+        "data.task=tool_arithmetic",
+        "data.max_prompt_length=256",
+        "rollout.multi_turn.enable=true",
+        "trainer.backend=local",
+        "trainer.n_workers_per_node=1",
+        "trainer.val_before_train=false",
+    ]
+    proc = run_cli(["train", *args], tmp_path, module="hybridflow.trainer.cli")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    records = read_metrics(tmp_path)
+    steps = [r for r in records if "actor/pg_loss" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(r["agent/turns/mean"] >= 1 and "agent/tool_calls/mean" in r for r in steps)
+    assert "val-core/tool_arithmetic/acc/mean@1" in records[-1] and "val-aux/agent/turns/mean" in records[-1]
