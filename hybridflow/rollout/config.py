@@ -198,7 +198,7 @@ class RolloutConfig(Section):
             raise ValueError(f"rollout.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
     def _check_multi_turn(self) -> None:
-        from hybridflow.agent.env import ENVIRONMENTS  # the agent package imports the rollout package
+        from hybridflow.agent.env import ENVIRONMENTS  # noqa: PLC0415  (cycle: the agent package imports rollout)
 
         if self.name == "vllm":  # a plugin backend is checked when built: it must be an in-process ModuleRollout
             raise ValueError(
