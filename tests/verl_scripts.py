@@ -324,11 +324,6 @@ SCRIPTS: dict[str, str] = {
         trainer.save_freq=10
         trainer.test_freq=10
         trainer.total_epochs=15
-        trainer.logger=["console","wandb"]
-        trainer.project_name=verl_grpo_example_gsm8k
-        trainer.experiment_name=qwen2.5_3b_grpo_lora
-        actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1
-        critic.ppo_micro_batch_size_per_gpu=1
     """,
     "reinforce_pp_qwen2_7b_math": """
         algorithm.adv_estimator=reinforce_plus_plus

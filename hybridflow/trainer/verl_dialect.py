@@ -77,9 +77,9 @@ class VerlDialect:
             if mine is not None:
                 value = K.VALUES.get(mine, {}).get(value, value) if _hashable(value) else value
                 out[mine] = value
-            elif (why := lookup(K.NO_EFFECT, key)) is not None:
+            elif (why := _entry(K.NO_EFFECT, key)) is not None:
                 log.warning("%s: %s=%s has no effect here: %s", source, key, value, why)
-            elif (what := lookup(K.NOT_YET, key)) is not None:
+            elif (what := _entry(K.NOT_YET, key)) is not None:
                 if _is_off(value):  # e.g. trainer.val_only=False: the feature off is what hybridflow does
                     log.warning(
                         "%s: %s=%s accepted: hybridflow has no %s, which this value leaves off",
@@ -138,6 +138,13 @@ def _near_verl(key: str) -> str:
         return "; see docs/verl.md"
     target = K.RENAMED.get(near[0])
     return f"; did you mean {near[0]!r}" + (f" ({target!r} here)?" if target else "?")
+
+
+def _entry(table: dict[str, str], key: str) -> str | None:
+    """`lookup(table, key)`, unless another table names `key` exactly (an exact entry beats a `prefix.*`)."""
+    if key not in table and any(key in other for other in (K.RENAMED, K.NO_EFFECT, K.NOT_YET)):
+        return None
+    return lookup(table, key)
 
 
 def _is_off(value: Any) -> bool:
