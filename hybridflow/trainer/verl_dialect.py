@@ -77,6 +77,15 @@ class VerlDialect:
             if mine is not None:
                 value = K.VALUES.get(mine, {}).get(value, value) if _hashable(value) else value
                 out[mine] = value
+                if mine == "trainer.n_workers_per_node" and value:
+                    log.warning(
+                        "%s: %s=%s means %s worker processes here (on CPU: processes, not GPUs); "
+                        "trainer.n_workers_per_node=null lets hybridflow pick them for this machine",
+                        source,
+                        key,
+                        value,
+                        value,
+                    )
             elif (why := _entry(K.NO_EFFECT, key)) is not None:
                 log.warning("%s: %s=%s has no effect here: %s", source, key, value, why)
             elif (what := _entry(K.NOT_YET, key)) is not None:
@@ -104,7 +113,7 @@ class VerlDialect:
         if trigger is None:
             return None
         user = {k for layer in layers for k in flatten(self.translate_quiet(layer))}
-        changed = [f"{k}={_show(v)}" for k, v in K.VERL_DEFAULTS.items() if k not in user]
+        changed = [f"{k}={_show(v)}" for k, v in K.VERL_DEFAULTS.items() if k not in user]  # `${a.b}`: follows a.b
         log.info(
             "verl key names found (%s, ...): this run starts from verl's defaults (docs/verl.md); "
             "in effect where they differ from hybridflow's: %s",
