@@ -103,6 +103,7 @@ class VerlDialect:
                 problems.append(f"{key!r} is not one of verl's keys hybridflow knows{_near_verl(key)}")
             else:
                 out[key] = value
+        _warn_unused_memory_fraction(out, source)
         if isinstance(out.get("trainer.logger"), str):
             out["trainer.logger"] = [out["trainer.logger"]]
         return nest(out), problems
@@ -147,6 +148,23 @@ def _near_verl(key: str) -> str:
         return "; see docs/verl.md"
     target = K.RENAMED.get(near[0])
     return f"; did you mean {near[0]!r}" + (f" ({target!r} here)?" if target else "?")
+
+
+def _warn_unused_memory_fraction(layer: dict[str, Any], source: str) -> None:
+    """rollout.gpu_memory_utilization sizes only vllm on a GPU: one warning when the layer sets it for another
+    rollout or device (as written in the same layer; hybridflow's defaults: native, cpu)."""
+    if "rollout.gpu_memory_utilization" not in layer:
+        return
+    name, device = layer.get("rollout.name", "native"), layer.get("trainer.device", "cpu")
+    if name != "vllm" or device != "cuda":
+        log.warning(
+            "%s: rollout.gpu_memory_utilization=%s has no effect with rollout.name=%s on trainer.device=%s: "
+            "only vllm on a GPU sizes its memory by it",
+            source,
+            layer["rollout.gpu_memory_utilization"],
+            name,
+            device,
+        )
 
 
 def _entry(table: dict[str, str], key: str) -> str | None:

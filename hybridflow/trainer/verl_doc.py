@@ -26,7 +26,12 @@ Every layer (YAML file, command line) goes through one table, before any config 
 - **no effect here**: accepted, with one warning line on stderr saying why;
 - **not yet**: refused, one line each naming the key and the missing feature;
 - verl keys that hybridflow spells the same way (most of `data.*`, `algorithm.*`, `trainer.*`, `critic.*`)
-  pass unchanged; `trainer.logger=console` (a string) is read as `[console]`.
+  pass unchanged; `trainer.logger=console` (a string) is read as `[console]`;
+- two renamed keys also warn: `trainer.n_gpus_per_node=N` (N worker processes here, CPU processes on a CPU
+  machine), and `rollout.gpu_memory_utilization` where the run's rollout is not vllm on a GPU (the only
+  rollout it sizes);
+- a "not yet" key set to a value that leaves its feature off (`false`, `null`, `0`, `-1`, empty) is accepted
+  with a warning, since off is what hybridflow does.
 
 Every unknown or refused key of a run is reported at once, one line each; a hybridflow-style key with verl's
 leaf name (`actor.ppo_micro_batch_size_per_gpu`) names its hybridflow spelling.
