@@ -41,7 +41,8 @@ leaf name (`actor.ppo_micro_batch_size_per_gpu`) names its hybridflow spelling.
 **Rule: a run that uses any key hybridflow spells differently (any key of the three tables below, e.g.
 anything under `actor_rollout_ref.`) starts from verl's defaults**, layered between hybridflow's defaults and
 the run's own values. A run written with hybridflow's names only keeps hybridflow's defaults (the main job).
-When the rule applies, stderr says so and lists the verl defaults in effect (those the run does not set):
+When the rule applies, stderr says so and lists the verl defaults in effect (those the run does not set);
+`--print-config` prints them with the rest. `${actor.x}` means "follows the actor's value", as in verl:
 
 | hybridflow key | verl's default (hybridflow's differs) |
 |---|---|
