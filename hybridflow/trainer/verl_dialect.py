@@ -113,7 +113,7 @@ class VerlDialect:
         trigger = next((k for layer in layers for k in flatten(layer) if is_verl_name(k)), None)
         if trigger is None:
             return None
-        user = {k for layer in layers for k in flatten(self.translate_quiet(layer))}
+        user = {K.RENAMED.get(k, k) for layer in layers for k in flatten(layer)}  # hybridflow keys the run sets
         changed = [f"{k}={_show(v)}" for k, v in K.VERL_DEFAULTS.items() if k not in user]  # `${a.b}`: follows a.b
         log.info(
             "verl key names found (%s, ...): this run starts from verl's defaults (docs/verl.md); "
@@ -122,15 +122,6 @@ class VerlDialect:
             ", ".join(changed) or "none",
         )
         return nest(dict(K.VERL_DEFAULTS))
-
-    def translate_quiet(self, layer: dict) -> dict:
-        """`translate` without its warnings (for looking at which hybridflow keys a layer sets)."""
-        logger_level = log.level
-        log.setLevel(logging.ERROR)
-        try:
-            return self.translate(layer, "")[0]
-        finally:
-            log.setLevel(logger_level)
 
     def hint(self, key: str) -> str:
         """For a hybridflow key that does not exist: "; `verl key` is `hybridflow key` here" where one fits."""
