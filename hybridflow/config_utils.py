@@ -26,9 +26,9 @@ import difflib
 import re
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
@@ -73,24 +73,70 @@ def freeze(config: Any) -> Any:
     return config
 
 
+class KeyDialect(Protocol):
+    """Another framework's key names for a root config class (`cls.key_dialect`; RunConfig's: verl's)."""
+
+    def translate(self, data: dict, source: str) -> tuple[dict, list[str]]:
+        """One layer with the dialect's names replaced by ours, and one line per key it refuses."""
+
+    def base_layer(self, layers: list[dict]) -> dict | None:
+        """Defaults to start from, given the layers as written (before `translate`); None: the class's own."""
+
+    def hint(self, key: str) -> str:
+        """Text appended to the report of an unknown key (e.g. "; 'x.y' is 'z' here"), or ""."""
+
+
 def load_config(cls: type[T], yaml_path: str | Path | None = None, overrides: Sequence[str] = ()) -> T:
-    """An instance of dataclass `cls` from defaults, the YAML file and `key=value` overrides."""
+    """An instance of dataclass `cls` from defaults, the YAML file and `key=value` overrides.
+
+    When `cls` declares a `key_dialect` (KeyDialect), every layer is translated by it first and the run may
+    start from the dialect's base layer. Every unknown or refused key of all layers is reported in one
+    ConfigError (one line per key)."""
     layers = []
     if yaml_path is not None:
         layers.append((f"config file {str(yaml_path)!r}", _read_yaml(Path(yaml_path))))
     if overrides:
         layers.append(("command-line overrides", _parse_overrides(overrides)))
+    dialect: KeyDialect | None = getattr(cls, "key_dialect", None)
+    written = [(source, _as_mapping(layer, source)) for source, layer in layers]
     merged = OmegaConf.structured(cls)
-    for source, layer in layers:
-        check_keys(cls, OmegaConf.to_container(layer), source=source)
+    problems: list[str] = []
+    translated = []
+    for source, data in written:
+        if dialect is not None:
+            data, refused = dialect.translate(data, source)
+            problems += [f"{source}: {line}" for line in refused]
+        problems += unknown_keys(cls, data, source=source, hint=dialect.hint if dialect else None)
+        translated.append((source, data))
+    _raise_all(problems)
+    base = dialect.base_layer([data for _, data in written]) if dialect is not None else None
+    if base is not None:
+        translated.insert(0, ("the verl defaults", base))
+    for source, data in translated:
         try:
-            merged = OmegaConf.merge(merged, layer)
+            merged = OmegaConf.merge(merged, OmegaConf.create(data))
         except OmegaConfBaseException as err:
             key = getattr(err, "full_key", None) or "?"
             raise ConfigError(f"{source}: bad value for config key {key!r}: {_first_line(err)}") from None
     _import_plugins(merged)
     _absolute_file_paths(merged)
     return build(cls, merged)
+
+
+def _as_mapping(layer: DictConfig, source: str) -> dict:
+    """The layer as a plain dict (interpolations kept as written)."""
+    data = OmegaConf.to_container(layer)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of keys to values, got {data!r}")
+    return data
+
+
+def _raise_all(problems: list[str]) -> None:
+    """One ConfigError: the problem itself when there is one, else a count and one indented line each."""
+    if len(problems) == 1:
+        raise ConfigError(problems[0])
+    if problems:
+        raise ConfigError(f"{len(problems)} config keys are wrong:\n  " + "\n  ".join(problems))
 
 
 def _import_plugins(merged: DictConfig) -> None:
@@ -150,23 +196,33 @@ def build(cls: type[T], node: DictConfig, prefix: str = "") -> T:
 
 
 def check_keys(cls: type, data: Any, prefix: str = "", source: str = "config") -> None:
-    """Raise ConfigError for the first key in `data` that dataclass `cls` does not have."""
+    """Raise ConfigError for the keys in `data` that dataclass `cls` does not have (all of them at once)."""
+    _raise_all(unknown_keys(cls, data, prefix, source))
+
+
+def unknown_keys(
+    cls: type, data: Any, prefix: str = "", source: str = "config", hint: Callable[[str], str] | None = None
+) -> list[str]:
+    """One line per key in `data` that dataclass `cls` does not have, naming the closest known keys (and
+    `hint(key)`, e.g. a dialect's name for it)."""
     if not isinstance(data, dict):
         where = prefix.rstrip(".") or "the top level"
-        raise ConfigError(f"{source}: {where} must be a mapping of keys to values, got {data!r}")
+        return [f"{source}: {where} must be a mapping of keys to values, got {data!r}"]
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
+    lines = []
     for key, value in data.items():
         if key not in names:
+            extra = hint(prefix + str(key)) if hint else ""
             near = difflib.get_close_matches(str(key), names, n=3, cutoff=0.6)
-            hint = f"; did you mean {[prefix + n for n in near]}?" if near else ""
-            raise ConfigError(
-                f"{source}: unknown config key {prefix + str(key)!r}{hint} "
-                f"Known keys in {prefix.rstrip('.') or cls.__name__}: {names}"
-            )
+            near_text = f"; did you mean {[prefix + n for n in near]}?" if near and not extra else ""
+            known = "" if extra or near else f" Known keys in {prefix.rstrip('.') or cls.__name__}: {names}"
+            lines.append(f"{source}: unknown config key {prefix + str(key)!r}{extra}{near_text}{known}")
+            continue
         sub = _dataclass_type(hints[key])
         if sub is not None and value is not None:
-            check_keys(sub, value, f"{prefix}{key}.", source)
+            lines += unknown_keys(sub, value, f"{prefix}{key}.", source, hint)
+    return lines
 
 
 def to_yaml(config: Any) -> str:

@@ -11,6 +11,7 @@ arithmetic tasks, 2 CPU workers, colocated.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from hybridflow.algos.adv_spec import AdvantageEstimatorSpec, get_advantage_spec
 from hybridflow.config_utils import Section
@@ -18,6 +19,7 @@ from hybridflow.engine.config import OptimConfig
 from hybridflow.rollout.backends import ROLLOUT_BACKENDS
 from hybridflow.rollout.config import RolloutConfig
 from hybridflow.trainer.config import AlgorithmConfig, DataConfig, RewardConfig, TrainerConfig
+from hybridflow.trainer.verl_dialect import VERL, VerlDialect
 from hybridflow.workers.config import (
     ActorConfig,
     CriticConfig,
@@ -51,6 +53,18 @@ def _default_trainer() -> TrainerConfig:
     return TrainerConfig(total_training_steps=40, test_freq=10, logger=["console", "jsonl", "tensorboard"])
 
 
+def _check_mini_batch(role: str, batch: int, mini: int) -> None:
+    """verl's rule (a mini-batch fits in the batch), and hybridflow's stricter one, with the reason."""
+    if mini > batch:
+        raise ValueError(f"{role}.ppo_mini_batch_size ({mini}) must be <= data.train_batch_size ({batch})")
+    if batch % mini:
+        raise ValueError(
+            f"data.train_batch_size ({batch}) must be a multiple of {role}.ppo_mini_batch_size ({mini}): hybridflow "
+            "splits each step into equal mini-batches so every optimizer step averages the same number of samples "
+            f"(verl would also run a last, smaller one of {batch % mini} prompts); pick a divisor of {batch}"
+        )
+
+
 @dataclass
 class RunConfig(Section):
     """Everything one training run needs."""
@@ -75,6 +89,8 @@ class RunConfig(Section):
     """Advantage estimator, discounting, KL in reward."""
     trainer: TrainerConfig = field(default_factory=_default_trainer)
     """Run length, checkpoints, loggers, backend and placement."""
+    key_dialect: ClassVar[VerlDialect] = VERL
+    """verl's key names (and, for runs written with them, verl's defaults): hybridflow/trainer/verl_dialect.py."""
 
     @property
     def world_size(self) -> int:
@@ -108,16 +124,9 @@ class RunConfig(Section):
 
     def _check_batch_sizes(self) -> None:
         d, a, n, w = self.data, self.actor, self.rollout.n, self.world_size
-        if d.train_batch_size % a.ppo_mini_batch_size:
-            raise ValueError(
-                f"data.train_batch_size ({d.train_batch_size}) must be a multiple of "
-                f"actor.ppo_mini_batch_size ({a.ppo_mini_batch_size})"
-            )
-        if self.use_critic and d.train_batch_size % self.critic.ppo_mini_batch_size:
-            raise ValueError(
-                f"data.train_batch_size ({d.train_batch_size}) must be a multiple of "
-                f"critic.ppo_mini_batch_size ({self.critic.ppo_mini_batch_size})"
-            )
+        _check_mini_batch("actor", d.train_batch_size, a.ppo_mini_batch_size)
+        if self.use_critic:
+            _check_mini_batch("critic", d.train_batch_size, self.critic.ppo_mini_batch_size)
         if not w:  # trainer.n_workers_per_node=null: checked again once resolve has chosen it
             return
         roles = [("actor", a.ppo_mini_batch_size, a.engine)]

@@ -1,0 +1,237 @@
+"""verl's run scripts load unchanged: renamed keys, warned GPU-only keys, refused missing features, verl's defaults.
+
+The fixtures (tests/verl_scripts.py) are ten of verl's own example command lines, model/data/rollout swapped for
+local ones; the expectations below are written by hand from the scripts and verl's ppo_trainer.yaml.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from functools import reduce
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hybridflow.config_utils import ConfigError, load_config, to_yaml
+from hybridflow.models import tiny_model_dir
+from hybridflow.trainer import verl_keys as K
+from hybridflow.trainer.run_config import RunConfig
+from hybridflow.trainer.verl_dialect import lookup
+from hybridflow.trainer.verl_doc import render
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_trainer_cli import read_metrics, run_cli  # noqa: E402
+from verl_scripts import SCRIPTS, local  # noqa: E402
+
+MODEL = str(tiny_model_dir("llama"))
+TASKS = "/tmp/hybridflow-verl-tests"
+
+EXPECTED: dict[str, dict[str, object]] = {
+    "quickstart": {
+        "algorithm.adv_estimator": "gae",  # verl's default: the quickstart is PPO with a critic
+        "rollout.n": 1,
+        "data.train_batch_size": 256,
+        "actor.ppo_mini_batch_size": 64,
+        "actor.ppo_micro_batch_size_per_device": 4,
+        "actor.log_prob_micro_batch_size_per_device": 8,
+        "ref.log_prob_micro_batch_size_per_device": 4,
+        "critic.ppo_micro_batch_size_per_device": 4,
+        "critic.ppo_mini_batch_size": 64,  # verl: the critic's mini-batch follows the actor's
+        "critic.optim.lr": 1e-5,
+        "actor.optim.lr": 1e-6,
+        "trainer.logger": ["console"],
+        "trainer.val_before_train": False,
+        "trainer.n_workers_per_node": 1,
+        "trainer.total_epochs": 15,
+        "trainer.total_training_steps": None,
+        "trainer.test_freq": 10,
+        "rollout.gpu_memory_utilization": 0.4,
+        "use_critic": True,
+    },
+    "grpo_qwen2_7b": {
+        "algorithm.adv_estimator": "grpo",
+        "rollout.n": 5,
+        "data.train_batch_size": 1024,
+        "actor.ppo_mini_batch_size": 256,
+        "actor.ppo_micro_batch_size_per_device": 40,
+        "actor.use_kl_loss": True,
+        "actor.engine.gradient_checkpointing": True,
+        "actor.log_prob_micro_batch_size_per_device": 40,
+        "ref.log_prob_micro_batch_size_per_device": 40,
+        "rollout.tensor_model_parallel_size": 2,
+        "trainer.logger": ["console", "wandb"],
+        "trainer.n_workers_per_node": 8,
+        "use_critic": False,
+    },
+    "grpo_deepseek7b": {"trainer.logger": ["console"], "actor.log_prob_micro_batch_size_per_device": 160},
+    "ppo_deepseek7b": {
+        "algorithm.adv_estimator": "gae",
+        "critic.ppo_mini_batch_size": 256,
+        "critic.ppo_micro_batch_size_per_device": 32,
+        "critic.engine.gradient_checkpointing": True,
+        "critic.model.path": MODEL,
+        "rollout.tensor_model_parallel_size": 4,
+        "rollout.n": 1,
+    },
+    "rloo_qwen2_7b": {"algorithm.adv_estimator": "rloo", "algorithm.use_kl_in_reward": True, "rollout.n": 5},
+    "reinforce_pp_qwen2_7b_math": {
+        "algorithm.adv_estimator": "reinforce_plus_plus",
+        "actor.optim.lr": 3e-6,
+        "actor.ppo_mini_batch_size": 1024,
+        "actor.kl_loss_type": "mse",
+        "trainer.n_workers_per_node": 16,
+    },
+    "grpo_lora_qwen2_5_3b": {
+        "actor.lora.rank": 64,
+        "actor.lora.alpha": 32.0,
+        "data.shuffle": False,
+        "data.train_batch_size": 16,
+        "trainer.n_workers_per_node": 2,
+    },
+    "grpo_seq_balance_qwen2_7b": {"actor.use_dynamic_bsz": True, "actor.ppo_max_token_len_per_gpu": 24000},
+    "ppo_seq_balance_qwen2_7b": {
+        "actor.use_dynamic_bsz": True,
+        "critic.use_dynamic_bsz": True,  # verl: follows the actor's
+        "critic.ppo_max_token_len_per_gpu": 98304,
+        "actor.log_prob_max_token_len_per_gpu": 24000,
+        "critic.ppo_mini_batch_size": 512,
+    },
+    "ppo_gemma": {"actor.engine.use_remove_padding": False, "critic.engine.gradient_checkpointing": False},
+}
+
+
+def value(cfg: RunConfig, key: str) -> object:
+    return reduce(getattr, key.split("."), cfg)
+
+
+def warned(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+def test_verl_scripts_load_with_verl_meaning(name: str, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="hybridflow.config"):
+        cfg = load_config(RunConfig, None, local(name, MODEL, TASKS))
+    assert cfg.model.path == MODEL and cfg.trainer.total_training_steps is None and cfg.trainer.total_epochs == 15
+    for key, want in EXPECTED[name].items():
+        assert value(cfg, key) == want, (key, value(cfg, key), want)
+    gpu_only = [line.split("=")[0] for line in SCRIPTS[name].split() if lookup(K.NO_EFFECT, line.split("=")[0])]
+    messages = warned(caplog)
+    for key in gpu_only:  # one warning line per GPU-only key, saying why
+        assert sum(f" {key}=" in m for m in messages) == 1, (key, messages)
+    workers = [m for m in messages if "trainer.n_gpus_per_node=" in m and "worker processes here" in m]
+    memory = [m for m in messages if "rollout.gpu_memory_utilization=" in m and "only vllm on a GPU" in m]
+    assert len(workers) == 1 and len(memory) == 1, messages  # the fixtures run the native rollout on CPU
+    assert len(messages) == len(gpu_only) + 2, messages
+    assert any("starts from verl's defaults" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("key", sorted(k for k in K.NO_EFFECT if not k.endswith("*")))
+def test_every_no_effect_key_is_accepted_with_one_warning(key: str, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="hybridflow.config"):
+        load_config(RunConfig, None, [f"{key}=true", f"data.task_dir={TASKS}"])
+    assert [m for m in warned(caplog) if key in m] == [m for m in warned(caplog)]
+    assert len(warned(caplog)) == 1 and "has no effect here: " + K.NO_EFFECT[key] in warned(caplog)[0]
+
+
+def test_every_missing_feature_and_unknown_key_is_reported_at_once() -> None:
+    refused = [k for k in K.NOT_YET if not k.endswith("*")]
+    bad = [f"{k}=7" for k in refused] + [
+        "actor_rollout_ref.actor.ppo_epoch=2",
+        "actor.ppo_micro_batch_size_per_gpu=2",
+        "data.train_batch_sizes=3",
+    ]
+    with pytest.raises(ConfigError) as err:
+        load_config(RunConfig, None, bad)
+    lines = str(err.value).splitlines()
+    assert lines[0] == f"{len(bad)} config keys are wrong:" and len(lines) == len(bad) + 1
+    for key in refused:
+        assert any(f"{key!r} is verl's; hybridflow has no {K.NOT_YET[key]} yet" in line for line in lines), key
+    text = str(err.value)
+    assert "'actor_rollout_ref.actor.ppo_epoch' is not one of verl's keys" in text
+    assert "did you mean 'actor_rollout_ref.actor.ppo_epochs' ('actor.ppo_epochs' here)?" in text
+    assert "'actor.ppo_micro_batch_size_per_gpu'; 'actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu' is " in text
+    assert "'actor.ppo_micro_batch_size_per_device' here" in text
+    assert "unknown config key 'data.train_batch_sizes'; did you mean ['data.train_batch_size', " in text
+
+
+def test_a_feature_switched_off_is_accepted(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="hybridflow.config"):
+        load_config(RunConfig, None, ["trainer.val_only=false", f"data.task_dir={TASKS}"])
+    assert "trainer.val_only=False accepted" in warned(caplog)[0]
+
+
+def test_hybridflow_names_keep_hybridflow_defaults() -> None:
+    assert to_yaml(load_config(RunConfig)) == to_yaml(RunConfig())
+    cfg = load_config(RunConfig, None, ["trainer.logger=console", "rollout.n=4"])
+    assert cfg.trainer.logger == ["console"] and cfg.trainer.total_training_steps == 40
+    assert cfg.algorithm.adv_estimator == "grpo" and cfg.critic.ppo_mini_batch_size == 4
+
+
+def test_verl_yaml_file_is_translated_too(tmp_path: Path) -> None:
+    config = tmp_path / "verl.yaml"
+    config.write_text(
+        f"actor_rollout_ref:\n  model: {{path: {MODEL}, lora_rank: 4}}\n  rollout: {{n: 2, dtype: bfloat16}}\n"
+        "  actor: {ppo_mini_batch_size: 128, optim: {total_training_steps: -1}}\n"
+        "algorithm: {adv_estimator: grpo}\n"
+    )
+    cfg = load_config(RunConfig, config, ["data.train_batch_size=256"])
+    assert cfg.actor.lora.rank == 4 and cfg.rollout.n == 2 and cfg.rollout.dtype == "bf16"
+    assert cfg.actor.optim.total_training_steps is None and cfg.trainer.total_epochs == 30
+
+
+def test_mini_batch_that_does_not_divide_the_batch_says_why() -> None:
+    with pytest.raises(ConfigError, match=r"equal mini-batches .*last, smaller one of 64 prompts"):
+        load_config(
+            RunConfig,
+            None,
+            [
+                "data.train_batch_size=1024",
+                "actor_rollout_ref.actor.ppo_mini_batch_size=80",
+                "algorithm.adv_estimator=grpo",
+                "actor_rollout_ref.rollout.n=2",
+            ],
+        )
+
+
+def test_docs_page_is_generated_from_the_table() -> None:
+    page = Path(__file__).parents[1] / "docs" / "verl.md"
+    assert page.read_text() == render(), "run: python -m hybridflow.trainer.verl_doc > docs/verl.md"
+
+
+def test_print_config_shows_hybridflow_names_and_the_verl_defaults(tmp_path: Path) -> None:
+    args = local("quickstart", MODEL, str(tmp_path / "data"), gen_train_size=256)
+    proc = run_cli(["--print-config", *args], tmp_path, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    printed = yaml.safe_load(proc.stdout)
+    assert "actor_rollout_ref" not in printed and printed["model"]["path"] == MODEL
+    assert printed["trainer"]["total_training_steps"] == 15 and printed["critic"]["ppo_mini_batch_size"] == 64
+    assert "this run starts from verl's defaults" in proc.stderr and "algorithm.adv_estimator=gae" in proc.stderr
+
+
+def test_a_verl_script_trains_two_steps_on_the_local_backend(tmp_path: Path) -> None:
+    small = [
+        "data.train_batch_size=2",
+        "data.max_prompt_length=128",
+        "data.max_response_length=8",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+        "critic.ppo_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+        "trainer.total_training_steps=2",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=-1",
+        "trainer.backend=local",
+        "trainer.logger=[console,jsonl]",
+        f"trainer.default_local_dir={tmp_path / 'ckpt'}",
+        f"trainer.log_dir={tmp_path / 'logs'}",
+    ]
+    args = local("grpo_deepseek7b", MODEL, str(tmp_path / "data"), gen_train_size=16)
+    proc = run_cli([*args, *small, "trainer.n_gpus_per_node=1"], tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    steps = [r["step"] for r in read_metrics(tmp_path) if "actor/pg_loss" in r]
+    assert steps == [1, 2]
