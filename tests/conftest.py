@@ -3,14 +3,19 @@
 `ray_local`: one loopback-only local Ray (2 CPUs) for the whole session. Its
 workers get this folder on PYTHONPATH, so worker classes defined in a test
 module (imported by pytest under the module's bare name) load in the actors.
+`isolated_registries`: every name registered during a test is gone after it (a plugin
+imported in the pytest process must not replace a built-in for the tests after it).
 """
 
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 
 import pytest
+
+from hybridflow.utils.registry import Registry
 
 TESTS_DIR = str(Path(__file__).resolve().parent)
 RAY_NUM_CPUS = 2
@@ -66,3 +71,16 @@ def loopback_cluster(patch):
     cluster.shutdown()
     if was_up:
         start_local_ray()
+
+
+@pytest.fixture
+def isolated_registries():
+    """Restore every `Registry`'s entries after the test."""
+    registries = [r for r in gc.get_objects() if isinstance(r, Registry)]
+    for registry in registries:  # built-ins that register on first lookup: in the snapshot, not lost with it
+        registry.names()
+    saved = [(r, dict(r._entries)) for r in registries]
+    yield
+    for registry, entries in saved:
+        registry._entries.clear()
+        registry._entries.update(entries)

@@ -56,10 +56,9 @@ def test_cuda_kind_on_a_machine_without_gpus_fails_clearly(monkeypatch):
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_local_group_tells_its_worker_the_run_device(monkeypatch, device):
-    monkeypatch.delenv(DEVICE_ENV, raising=False)
+    monkeypatch.setenv(DEVICE_ENV, "cpu")  # the local worker is this process: its value is restored after the test
     group = LocalWorkerGroup(LocalResourcePool(use_gpu=device == "cuda"), ClassWithInitArgs(Gate))
     assert group.getenv(DEVICE_ENV) == [device]
-    monkeypatch.delenv(DEVICE_ENV)  # the local worker is this process: leave it as it was
 
 
 def test_ray_group_tells_every_worker_the_run_device(ray_local):

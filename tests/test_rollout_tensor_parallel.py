@@ -65,7 +65,7 @@ def test_tp2_native_rollout_generates_as_one_process(tmp_path):
 
 
 def test_tp_rollout_refused_for_other_backends_and_bad_sizes():
-    with pytest.raises(ValueError, match="rollout.name=native only"):
+    with pytest.raises(ValueError, match="not supported by rollout.name='hf'; use rollout.name=native"):
         RolloutConfig(name="hf", tensor_model_parallel_size=2)
     with pytest.raises(ValueError, match="tensor_model_parallel_size must be >= 1"):
         RolloutConfig(tensor_model_parallel_size=0)
