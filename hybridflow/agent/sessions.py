@@ -60,7 +60,7 @@ def _call_key(call: dict[str, Any]) -> tuple[str, str]:
         try:
             args = json.loads(args)
         except json.JSONDecodeError:
-            pass
+            pass  # not JSON: compared as the raw string the client sent
     return str(fn.get("name", "")), json.dumps(args, sort_keys=True)
 
 

@@ -104,7 +104,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         running.wait()
     except KeyboardInterrupt:
-        pass
+        pass  # Ctrl-C is how a user stops the server: exit 0
     finally:
         running.stop()
     return 0
