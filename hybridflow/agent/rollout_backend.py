@@ -1,10 +1,14 @@
 """A native/hf `Rollout` as the server's generation backend (`backend.GenerationBackend`).
 
-One `generate_sequences` call per distinct (temperature, top_p) among the batch's requests, with
+One `generate_sequences` call per distinct sampling setting among the batch's requests, with
 every request's prompt repeated `n` times (n=1 per row) and the response width set to the
 group's largest `max_tokens`; each sample is then cut at its own `max_tokens` and at the first
 of its extra `stop_ids` (the rollout itself stops at its EOS ids). Log-probs are the rollout's
 (`rollout/sampling.py`: the temperature-scaled, unfiltered distribution).
+
+With `backend.sampling` set (a trainer serving a harness, hybridflow/agent/harness.py) every request is
+sampled with those params instead of its own temperature / top_p, so that the recorded log-probs are
+taken at the temperature the trainer computes its log-probs at.
 
 Not thread-safe (it swaps `rollout.config` per call): the server's `Batcher` calls it from one thread.
 This is the one place that knows `generate_sequences`' input (left-padded DataProto and
@@ -44,27 +48,32 @@ class RolloutBackend:
         self.max_tokens = int(rollout.config.response_length)
         self.stop_ids = tuple(rollout.eos_ids)
         self.max_model_len = getattr(rollout.model.config, "max_position_embeddings", None)
+        self.sampling: SamplingParams | None = None
+        """When set (with n=1), the params of every request, overriding the request's (module docstring)."""
 
     def generate(self, requests: list[GenerationRequest]) -> list[list[Sample]]:
         """See `GenerationBackend.generate`."""
         out: list[list[Sample]] = [[] for _ in requests]
-        groups: dict[tuple[float, float], list[int]] = {}
+        groups: dict[SamplingParams, list[int]] = {}
         for i, req in enumerate(requests):
-            groups.setdefault((req.temperature, req.top_p), []).append(i)
-        for (temperature, top_p), members in groups.items():
+            groups.setdefault(self._sampling_of(req), []).append(i)
+        for sampling, members in groups.items():
             rows = [requests[i] for i in members for _ in range(requests[i].n)]
-            samples = iter(self._generate(rows, temperature, top_p))
+            samples = iter(self._generate(rows, sampling))
             for i in members:
                 out[i] = [next(samples) for _ in range(requests[i].n)]
         return out
 
-    def _generate(self, rows: list[GenerationRequest], temperature: float, top_p: float) -> list[Sample]:
+    def _sampling_of(self, req: GenerationRequest) -> SamplingParams:
+        if self.sampling is not None:
+            return self.sampling
+        greedy = req.temperature <= 0  # OpenAI's temperature 0; the rollout's temperature must stay > 0
+        temperature = self.rollout.config.temperature if greedy else req.temperature
+        return SamplingParams(temperature=temperature, top_p=req.top_p, do_sample=not greedy, n=1)
+
+    def _generate(self, rows: list[GenerationRequest], sampling: SamplingParams) -> list[Sample]:
         base = self.rollout.config
         width = max(min(r.max_tokens, self.max_tokens) for r in rows)
-        greedy = temperature <= 0  # OpenAI's temperature 0; the rollout's temperature must stay > 0
-        sampling = SamplingParams(
-            temperature=base.temperature if greedy else temperature, top_p=top_p, do_sample=not greedy, n=1
-        )
         self.rollout.config = dataclasses.replace(base, response_length=width, prompt_length=_widest(rows, base))
         try:
             result = self.rollout.generate_sequences(
