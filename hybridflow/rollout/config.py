@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import torch
 
 from hybridflow.config_utils import Section
 from hybridflow.utils.dtypes import check_dtype, dtype_of
-from hybridflow.utils.plugins import is_path, resolve_spec
+from hybridflow.utils.plugins import is_path, load_object, resolve_spec
 
 ROLLOUT_NAMES = ("native", "hf", "vllm")
 """The built-in rollout backends; rollout.name accepts any name in `ROLLOUT_BACKENDS` (rollout/backends.py)."""
@@ -115,6 +116,61 @@ class MultiTurnConfig(Section):
             self.env = f"{resolve_spec(module)}:{name}"
 
 
+HARNESS_MISMATCH = ("split", "refuse")
+"""rollout.agent.on_mismatch values (hybridflow/agent/sessions.py)."""
+
+
+@dataclass
+class AgentConfig(Section):
+    """Training an agent harness written as plain `openai`-client code (issue 30; verl groups its agent-loop
+    settings under `rollout.agent` too). Each rollout worker serves its own rollout on an OpenAI-compatible
+    endpoint on 127.0.0.1 and calls `function` once per prompt row x rollout.n (hybridflow/agent/harness.py)."""
+
+    function: str | None = None
+    """The harness, `module:name` or `path/to/file.py:name`: `run(client: openai.OpenAI, row: dict) -> float | None`
+    (the reward, or None to score the last assistant message with the row's rule scorer). None: off."""
+    timeout_s: float = 300.0
+    """Seconds one harness call may run; past it the trajectory is dropped and counted (agent/harness_timeouts)."""
+    max_concurrency: int = 32
+    """Harness calls running at once on one rollout worker; their concurrent requests are batched."""
+    on_mismatch: str = "split"
+    """A request whose messages extend none of its trajectory's recorded history: "split" (a new trajectory in
+    the session; the last one is trained) or "refuse" (HTTP 400 to the harness)."""
+
+    @property
+    def enable(self) -> bool:
+        """True when a harness is configured."""
+        return self.function is not None
+
+    def __post_init__(self) -> None:
+        if self.timeout_s <= 0:
+            raise ValueError(f"rollout.agent.timeout_s must be > 0, got {self.timeout_s}")
+        if self.max_concurrency < 1:
+            raise ValueError(f"rollout.agent.max_concurrency must be >= 1, got {self.max_concurrency}")
+        if self.on_mismatch not in HARNESS_MISMATCH:
+            raise ValueError(f"rollout.agent.on_mismatch must be one of {HARNESS_MISMATCH}, got {self.on_mismatch!r}")
+        if self.function is not None:
+            self._check_function()
+
+    def _check_function(self) -> None:
+        try:
+            import openai  # noqa: F401, PLC0415  (only a harness run needs the client)
+        except ImportError:
+            raise ValueError(
+                "rollout.agent.function needs the openai package for the harness's client; pip install 'openai>=2.25'"
+            ) from None
+        module, _, name = self.function.rpartition(":")
+        self.function = f"{resolve_spec(module)}:{name}"  # workers may run in another directory
+        fn = load_object(self.function, "rollout.agent.function")
+        try:
+            inspect.signature(fn).bind(None, None)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"rollout.agent.function={self.function!r} must be callable as run(client, row); "
+                "see hybridflow/agent/harness.py"
+            ) from None
+
+
 @dataclass
 class RolloutConfig(Section):
     """How sequences are generated: backend, sampling parameters, lengths, dtype."""
@@ -171,6 +227,8 @@ class RolloutConfig(Section):
     """Sampling parameters of validation calls (generate_sequences(..., validate=True))."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     """Multi-turn agent rollouts with an environment (off by default)."""
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """An agent harness trained through the OpenAI-compatible endpoint (off by default)."""
 
     def __post_init__(self) -> None:
         if self.tensor_model_parallel_size < 1:
@@ -187,8 +245,12 @@ class RolloutConfig(Section):
             self.val_kwargs = ValKwargs(**self.val_kwargs)
         if isinstance(self.multi_turn, dict):
             self.multi_turn = MultiTurnConfig(**self.multi_turn)
+        if isinstance(self.agent, dict):
+            self.agent = AgentConfig(**self.agent)
         if self.multi_turn.enable:
             self._check_multi_turn()
+        if self.agent.enable:
+            self._check_agent()
         check_dtype("rollout.dtype", self.dtype)
         for key in ("prompt_length", "response_length", "max_batch_size"):
             if getattr(self, key) is not None and getattr(self, key) < 1:
@@ -210,6 +272,22 @@ class RolloutConfig(Section):
                 "rollout.multi_turn.enable=true with rollout.tensor_model_parallel_size > 1 is not supported yet"
             )
         ENVIRONMENTS.get(self.multi_turn.env)  # unknown names (or unloadable paths) fail naming the key
+
+    def _check_agent(self) -> None:
+        if self.multi_turn.enable:
+            raise ValueError(
+                "rollout.agent.function and rollout.multi_turn.enable=true both generate the rollout; "
+                "set one (the harness drives its own turns)"
+            )
+        if self.name == "vllm":  # a plugin backend is checked when built: it must be an in-process ModuleRollout
+            raise ValueError(
+                f"rollout.agent.function with rollout.name={self.name!r} is not supported yet: the endpoint serves "
+                "in-process rollouts; use rollout.name=native or hf"
+            )
+        if self.tensor_model_parallel_size > 1:
+            raise ValueError(
+                "rollout.agent.function with rollout.tensor_model_parallel_size > 1 is not supported yet; set it to 1"
+            )
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -62,6 +62,19 @@ def agent_metrics(batch: DataProto, prefix: str = "agent") -> dict[str, float]:
     }
     for reason in sorted(set(reasons)):
         metrics[f"{prefix}/stop_reason/{reason}"] = reasons.count(reason) / len(reasons)
+    return {**metrics, **harness_metrics(batch, prefix)}
+
+
+def harness_metrics(batch: DataProto, prefix: str = "agent") -> dict[str, float]:
+    """Harness rollouts (rows with harness_status, hybridflow/agent/harness_batch.py): how many calls of the
+    batch raised (`harness_errors`), ran past rollout.agent.timeout_s (`harness_timeouts`), recorded no request
+    (`harness_empty`), returned a bad reward (`harness_bad_rewards`), and all dropped rows (`harness_dropped`)."""
+    if K.HARNESS_STATUS not in batch.non_tensor_batch:
+        return {}
+    statuses = [str(s) for s in batch.non_tensor_batch[K.HARNESS_STATUS]]
+    names = {"error": "errors", "timeout": "timeouts", "empty": "empty", "bad_reward": "bad_rewards"}
+    metrics = {f"{prefix}/harness_{name}": float(statuses.count(status)) for status, name in names.items()}
+    metrics[f"{prefix}/harness_dropped"] = float(sum(s != "ok" for s in statuses))
     return metrics
 
 

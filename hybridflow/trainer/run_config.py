@@ -197,6 +197,11 @@ class RunConfig(Section):
                 f"rollout.multi_turn.enable=true with trainer.mode={t.mode} is not supported yet (untested on "
                 "separate rollout workers); use trainer.mode=sync"
             )
+        if t.mode != "sync" and self.rollout.agent.enable:
+            raise ValueError(
+                f"rollout.agent.function with trainer.mode={t.mode} is not supported: the harness's endpoint serves "
+                "the rollout workers' current weights inside the step; use trainer.mode=sync"
+            )
         if t.placement == "split" and t.mode == "sync" and not (self.use_critic or self.use_ref):
             raise ValueError(
                 "trainer.placement=split puts the critic/ref on their own workers, but this run has "

@@ -184,7 +184,7 @@ NOT_YET: dict[str, str] = {
     f"{A}.rollout.logprobs_mode": "rollout log-prob modes (hybridflow returns processed log-probs)",
     f"{A}.rollout.skip_rollout": "dumping and replaying rollouts",
     f"{A}.rollout.multi_turn.enable": "multi-turn rollouts (the agent loop is being written)",
-    f"{A}.rollout.agent.*": "agent loops (being written)",
+    f"{A}.rollout.agent.*": "verl's agent-loop classes and server workers (hybridflow: rollout.agent.function)",
     f"{A}.rollout.engine_kwargs.*": "passing raw engine arguments to vLLM / SGLang",
     "critic.forward_micro_batch_size_per_gpu": "a separate compute_values micro-batch (it is ppo_micro_batch_size)",
     "critic.model.override_config.*": "overriding the model's HF config",

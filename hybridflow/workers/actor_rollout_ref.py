@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -40,6 +41,7 @@ from pathlib import Path
 import torch
 
 from hybridflow import keys as K
+from hybridflow.agent.harness import HarnessRunner
 from hybridflow.agent.rollout_loop import generate_multi_turn
 from hybridflow.algos.core import masked_mean
 from hybridflow.controller.decorator import Dispatch, register
@@ -89,6 +91,7 @@ class ActorRolloutRefWorker(Worker):
             raise ValueError(f"ActorRolloutRefWorker role={role!r}: expected a '_'-joined combination of {ROLES}")
         self.model_cfg, self.actor_cfg, self.rollout_cfg, self.ref_cfg = model, actor, rollout, ref
         self.actor = self.ref = self.rollout = None
+        self._harness: HarnessRunner | None = None
         self._rollout_stale = False
         self._rollout_has_all_weights = False
         self._update_calls = 0
@@ -155,7 +158,8 @@ class ActorRolloutRefWorker(Worker):
         validate: bool = False,
     ) -> DataProto:
         """Prompts [b, P] (left-padded) -> b * n rows of prompts, responses, masks, rollout_log_probs
-        (rollout.multi_turn.enable: agent-loop trajectories, see hybridflow/agent/rollout_loop.py).
+        (rollout.multi_turn.enable: agent-loop trajectories, see hybridflow/agent/rollout_loop.py; rollout.agent:
+        harness trajectories, see hybridflow/agent/harness.py).
 
         `step`: the training step; the sampler reseeds from it first (None: no reseed, the sampler goes on
         from its state, as validation does). `sampling`: this call's params; None: the configured ones,
@@ -177,11 +181,22 @@ class ActorRolloutRefWorker(Worker):
             params = sampling or self.rollout_cfg.sampling_params(validate)
             if self.rollout_cfg.multi_turn.enable:  # one agent-loop trajectory per sample (agent/rollout_loop.py)
                 out = generate_multi_turn(self.rollout, prompts, params, self.rollout_cfg)
+            elif self.rollout_cfg.agent.enable:  # one harness call per sample (agent/harness.py)
+                out, server_metrics = self._harness_runner().generate(prompts, params)
+                metrics.update(server_metrics)
             else:
                 out = self.rollout.generate_sequences(prompts, params)
         metrics["timing_s/generate_on_worker"] = time.perf_counter() - start
         out.meta_info[K.META_METRICS] = metrics
         return out
+
+    def _harness_runner(self) -> HarnessRunner:
+        """The harness's endpoint over this worker's rollout, started on first use; it stops when the worker
+        object is dropped (the local backend's shutdown) or its process exits (Ray kills the actor)."""
+        if self._harness is None:
+            self._harness = HarnessRunner(self.rollout, self.rollout_cfg.agent, self.rollout_cfg.response_length)
+            weakref.finalize(self, self._harness.close)
+        return self._harness
 
     # --- log-probs ----------------------------------------------------------------
     @register(dispatch_mode=_ON_POLICY_MESH)
