@@ -1,0 +1,1 @@
+"""Agent harnesses written as plain `openai`-client code, to train with `rollout.agent.function`."""
