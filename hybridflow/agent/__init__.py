@@ -12,4 +12,6 @@
 - `server.py`: the OpenAI-compatible HTTP server (`hybridflow serve`) that records every sampled
   token per session; `openai_format.py` (request/response shapes), `sessions.py` (token capture),
   `backend.py` (the generation backend and the request batcher), `rollout_backend.py` (a Rollout as one).
+- `harness.py`: training a plain openai-client harness (rollout.agent): the endpoint over the rollout worker's
+  own rollout, the harness calls; `harness_batch.py` (their sessions -> the batch); `examples/` (harnesses).
 """
