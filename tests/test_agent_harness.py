@@ -30,6 +30,10 @@ RELEASE = threading.Event()
 """Set at the end of the module: lets the hanging harness's abandoned thread finish."""
 
 
+EDIT_HISTORY = threading.Event()
+"""Set: `two_turns` edits the first message before its second request."""
+
+
 def two_turns(client, row) -> float:
     """Ask, answer the reply with a tool message, ask again; records the ids the endpoint sampled."""
     messages = [dict(m) for m in row["prompt"]]
@@ -38,6 +42,8 @@ def two_turns(client, row) -> float:
         choice = client.chat.completions.create(model="m", messages=messages, max_tokens=8).choices[0]
         replies.append(choice.model_extra["token_ids"])
         messages += [choice.message.model_dump(exclude_none=True), {"role": "tool", "content": f"obs {turn}"}]
+        if EDIT_HISTORY.is_set():
+            messages[0] = {"role": "user", "content": "EDITED"}
     SAMPLED.append((row["extra_info"]["i"], replies))
     return 0.5 + row["extra_info"]["i"]
 
@@ -74,9 +80,15 @@ def model(tmp_path_factory) -> str:
     RELEASE.set()
 
 
-def test_harness_trajectories_hold_the_sampled_ids_over_two_turns(model):
-    group = harness_worker(model, f"{__name__}:two_turns")
+@pytest.fixture(scope="module")
+def two_turn_group(model) -> LocalWorkerGroup:
+    return harness_worker(model, f"{__name__}:two_turns")
+
+
+def test_harness_trajectories_hold_the_sampled_ids_over_two_turns(model, two_turn_group):
+    group = two_turn_group
     tok = load_tokenizer(model)
+    SAMPLED.clear()
     out = group.generate_sequences(prompts(tok), step=1)
     b = out.batch
     assert len(out) == 6 and list(out.non_tensor_batch[K.UID]) == ["u0", "u0", "u1", "u1", "u2", "u2"]
@@ -98,6 +110,20 @@ def test_harness_trajectories_hold_the_sampled_ids_over_two_turns(model):
     old = group.compute_log_prob(out, temperature=1.0).batch[K.OLD_LOG_PROBS]
     mask = b[K.RESPONSE_MASK].bool()
     torch.testing.assert_close(old[mask], b[K.ROLLOUT_LOG_PROBS][mask], atol=1e-4, rtol=0)
+
+
+def test_a_harness_that_edits_its_history_trains_its_last_trajectory(model, two_turn_group):
+    tok = load_tokenizer(model)
+    EDIT_HISTORY.set()
+    try:
+        out = two_turn_group.generate_sequences(prompts(tok), step=2)
+    finally:
+        EDIT_HISTORY.clear()
+    assert out.meta_info[K.META_METRICS]["agent/server/split"] == 6
+    assert list(out.non_tensor_batch[K.HARNESS_STATUS]) == ["ok"] * 6
+    assert list(out.non_tensor_batch[K.NUM_TURNS]) == [1] * 6  # the split-off trajectory: the second request
+    for row in out.batch[K.PROMPTS]:
+        assert "EDITED" in tok.decode(row[row != tok.pad_token_id])
 
 
 def test_a_harness_that_raises_or_hangs_costs_its_trajectory_only(model):

@@ -19,7 +19,7 @@ fix is a larger data.max_prompt_length.
 A dropped call (`harness_status` "error": it raised, "timeout", "empty": no request recorded, "bad_reward":
 it returned neither a finite number nor None) keeps its row, so the batch keeps its size (prompt rows x n,
 which the trainer already made divisible by the data-parallel size) and its order: the row holds the
-dataset prompt and an empty response (`response_mask` all 0: no loss, no gradient, no tokens counted),
+dataset prompt and an empty response (`response_mask` all 0: no loss, no gradient, in no loss normaliser),
 reward 0, `stop_reason` "dropped", and a uid of its own (`<uid>/dropped/<i>`), so that its 0 does not
 enter the group statistics of the row's trajectories that ran (GRPO, RLOO: a group of one gets advantage 0
 or its own score, which its empty mask never trains on).
