@@ -16,12 +16,13 @@ from hybridflow.agent.harness import run_calls
 from hybridflow.controller.local import LocalWorkerGroup
 from hybridflow.controller.resource_pool import ClassWithInitArgs
 from hybridflow.engine import EngineConfig
-from hybridflow.models import load_tokenizer
+from hybridflow.models import load_tokenizer, tiny_model_dir
 from hybridflow.rollout import RolloutConfig
 from hybridflow.rollout.config import AgentConfig
 from hybridflow.trainer.metrics import agent_metrics
 from hybridflow.workers import ActorConfig, ActorRolloutRefWorker, ModelConfig, RefConfig
 from tests.test_agent_rollout import prompts, runs, stopping_model
+from tests.test_agent_server import Scripted, serving
 from tests.test_trainer_cli import base_overrides, read_metrics, run_cli
 
 SAMPLED: list[tuple[int, list[list[int]]]] = []
@@ -168,6 +169,27 @@ def test_run_calls_bounds_concurrency_and_times_calls_out_from_their_start():
     assert peak[0] == 2
 
 
+def test_the_calculator_example_runs_the_tool_calls_the_model_makes():
+    from hybridflow.agent.examples.calculator import run
+    from hybridflow.agent.tool_calls import format_tool_call
+
+    tokenizer = load_tokenizer(tiny_model_dir("llama"))
+
+    def reply(request, k):  # a tool call first; once the result is in the prompt, the answer
+        if "408" in tokenizer.decode(request.prompt_ids):
+            return "The answer is 408."
+        return format_tool_call("calculator", {"expression": "12 * 34"})
+
+    row = {"prompt": [{"role": "user", "content": "What is 12 * 34?"}], "data_source": "tool_arithmetic"}
+    with serving(Scripted(tokenizer, reply), tokenizer) as (running, client):
+        client = client.with_options(default_headers={"x-session-id": "s"})
+        assert run(client, row) is None
+        (traj,) = running.server.sessions.pop("s")
+    assert traj.assistant_turns == 2 and traj.tool_calls == 1
+    assert [m["role"] for m in traj.messages] == ["user", "assistant", "tool", "assistant"]
+    assert traj.messages[2]["content"] == "408" and traj.messages[-1]["content"] == "The answer is 408."
+
+
 HARNESS_FILE = "def run(client, row):\n    return 1.0\n\n\ndef wrong(client):\n    return 1.0\n"
 
 
@@ -195,8 +217,6 @@ def test_bad_harness_configs_are_refused_at_load(tmp_path, monkeypatch, override
 
 
 def test_the_calculator_harness_trains_on_ray_workers(tmp_path: Path):
-    from hybridflow.models import tiny_model_dir
-
     args = [
         *base_overrides(str(tiny_model_dir("llama")), tmp_path),
         "data.task=tool_arithmetic",
