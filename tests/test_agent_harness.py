@@ -4,6 +4,8 @@ config checks, and the calculator example trained end to end on Ray workers."""
 
 from __future__ import annotations
 
+import gc
+import socket
 import threading
 import time
 from pathlib import Path
@@ -147,6 +149,11 @@ def test_a_harness_that_raises_or_hangs_costs_its_trajectory_only(model):
     assert metrics["agent/harness_dropped"] == 4
     assert out.meta_info[K.META_METRICS]["agent/server/requests"] == 2
     group.compute_log_prob(out, temperature=1.0)  # the dropped rows go through the trainer's passes
+    port = group._worker._harness.running.port
+    group.shutdown()
+    gc.collect()
+    with pytest.raises(ConnectionRefusedError):  # the endpoint stopped with its worker
+        socket.create_connection(("127.0.0.1", port), timeout=5)
 
 
 def test_run_calls_bounds_concurrency_and_times_calls_out_from_their_start():
