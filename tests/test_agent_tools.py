@@ -134,3 +134,14 @@ def test_a_raising_tool_costs_only_its_call():
 
     result = run_tool(Broken(), {})
     assert not result.ok and "RuntimeError: boom" in result.text
+
+
+def test_tools_system_prompt_lists_every_tool_and_a_call_that_parses():
+    from hybridflow.agent.tool_calls import tools_system_prompt
+
+    schemas = [TOOLS.get("calculator").schema, TOOLS.get("python").schema]
+    prompt = tools_system_prompt(schemas)
+    assert "- calculator(expression: string): Evaluate" in prompt
+    assert "- python(code: string): Run" in prompt
+    parsed = parse_tool_calls(prompt)
+    assert parsed.calls == [ToolCall("calculator", {"expression": "..."})] and not parsed.errors

@@ -13,7 +13,8 @@ error string the environment returns to the model as an observation.
 Rendering (`render_messages`):
 - tool schemas: passed as the template's `tools=` argument when the template renders them;
   otherwise (SmolLM2-135M-Instruct's template ignores `tools`) a system message holding
-  `tools_system_prompt(tools)` is put first (merged into an existing system message).
+  `tools_system_prompt(tools)` (a compact listing, not the Hermes text) is put first (merged
+  into an existing system message).
 - tool results: role `tool` when the template renders a tool message's content (SmolLM2's
   renders any role as `<|im_start|>tool\\n...<|im_end|>`; Qwen2's wraps it in a user turn with
   `<tool_response>`); otherwise (a template that raises on, or drops, the tool role) the
@@ -101,16 +102,23 @@ def format_tool_call(name: str, arguments: dict[str, Any]) -> str:
 
 
 def tools_system_prompt(tools: list[dict[str, Any]]) -> str:
-    """The Hermes-style system prompt that lists `tools` (OpenAI function schemas) and the call format."""
-    listed = "\n".join(json.dumps(t) for t in tools)
-    return (
-        "You may call one or more functions to assist with the user query.\n\n"
-        "You are provided with function signatures within <tools></tools> XML tags:\n"
-        f"<tools>\n{listed}\n</tools>\n\n"
-        "For each function call, return a json object with function name and arguments within "
-        "<tool_call></tool_call> XML tags:\n"
-        f"{format_tool_call('<function-name>', {'<arg-name>': '<arg-value>'})}"
-    )
+    """The system prompt for templates that do not render `tools=`: one line per tool, then the call format.
+
+    Each tool is `name(arg: type, ...): description`, and the call format is shown with the first
+    tool's name and arguments. It is about a third of the Hermes prompt's tokens (66 vs 188 for the
+    calculator with SmolLM2's tokenizer), which every prompt of a run pays in the forward and backward.
+    """
+    lines = ["You can call these tools:"]
+    for tool in tools:
+        fn = tool.get("function", tool)
+        params = fn.get("parameters", {}).get("properties", {})
+        signature = ", ".join(f"{name}: {spec.get('type', 'any')}" for name, spec in params.items())
+        lines.append(f"- {fn['name']}({signature}): {fn.get('description', '')}".rstrip(": "))
+    first = tools[0].get("function", tools[0])
+    example = {name: "..." for name in first.get("parameters", {}).get("properties", {})}
+    lines.append("To call a tool, write:")
+    lines.append(format_tool_call(first["name"], example))
+    return "\n".join(lines)
 
 
 def fallback_tool_message(content: str) -> dict[str, str]:

@@ -9,7 +9,7 @@ products SmolLM2-135M-Instruct cannot do in its head); the answer is scored like
 
 `transcript(row)` is the ideal multi-turn episode for an SFT warm-up: the tool system prompt,
 the question, an assistant turn calling the calculator, the tool's result, and the answer.
-The system prompt is written out (the Hermes-style `tools_system_prompt`), so templates that
+The system prompt is written out (`tools_system_prompt`), so templates that
 ignore `tools=` (SmolLM2's) see the same prompt in SFT as the agent loop renders in RL.
 
 Departure from verl: verl rows name their agent loop (`agent_name: tool_agent`) and carry

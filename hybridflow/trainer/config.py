@@ -265,6 +265,8 @@ class TrainerConfig(Section):
     """Metric sinks: any of console, jsonl, tensorboard, wandb, mlflow."""
     val_before_train: bool = True
     """Run validation once before the first step."""
+    val_only: bool = False
+    """Validate the starting model once and stop: no training step, no checkpoint (verl's key)."""
     balance_batch: bool = True
     """Reorder each generated batch so every actor worker gets about the same number of tokens (the
     n samples of a prompt stay together); see hybridflow/trainer/balance.py."""

@@ -83,8 +83,10 @@ class PPOTrainer:
             self.recovery.resumed()
         if self.resume_from is not None:
             self.tracker.rewind(self.global_step)  # steps logged after the checkpoint are redone, not repeated
-        if t.val_before_train and self.global_step == 0 and not self.first_val:
+        if (t.val_before_train or t.val_only) and self.global_step == 0 and not self.first_val:
             self._validate()
+        if t.val_only:
+            return self.last_val
         with TrainProgress(self.total_steps, initial=self.global_step) as progress:
             while self.global_step < self.total_steps:
                 self.global_step += 1

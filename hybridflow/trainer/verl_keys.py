@@ -206,7 +206,6 @@ NOT_YET: dict[str, str] = {
     "data.val_max_samples": "capping the number of validation rows",
     "data.apply_chat_template_kwargs.*": "chat-template arguments",
     "data.tokenizer": "a data tokenizer other than the model's (model.tokenizer_path)",
-    "trainer.val_only": "validation-only runs",
     "trainer.log_val_generations": "logging validation generations",
     "trainer.rollout_data_dir": "dumping rollouts to a directory",
     "trainer.validation_data_dir": "dumping validation generations to a directory",
