@@ -159,8 +159,8 @@ def test_every_missing_feature_and_unknown_key_is_reported_at_once() -> None:
 
 def test_a_feature_switched_off_is_accepted(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="hybridflow.config"):
-        load_config(RunConfig, None, ["trainer.val_only=false", f"data.task_dir={TASKS}"])
-    assert "trainer.val_only=False accepted" in warned(caplog)[0]
+        load_config(RunConfig, None, ["trainer.del_local_ckpt_after_load=false", f"data.task_dir={TASKS}"])
+    assert "trainer.del_local_ckpt_after_load=False accepted" in warned(caplog)[0]
 
 
 def test_hybridflow_names_keep_hybridflow_defaults() -> None:
