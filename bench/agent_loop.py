@@ -2,6 +2,7 @@
 overhead) and the share of the loop spent waiting on tools (issue 29).
 
     .venv/bin/python bench/agent_loop.py                        # SmolLM2-135M-Instruct, 16 tool_arithmetic prompts
+    .venv/bin/python bench/agent_loop.py --tool python          # the same prompts offering the python sandbox
     .venv/bin/python bench/agent_loop.py --tiny --rounds 1      # tiny random model: checks that it runs
 
 One native rollout (in-process, no Ray), one batch of `tool_arithmetic` prompts rendered as the `tool`
@@ -15,12 +16,14 @@ single-turn call:
   (rows, environments, decoding, scoring, building the batch) over one generate call;
 - `mt`: the multi-turn rollout with --turns turns, the model as is. The base model seldom calls the
   calculator, so this is mostly one turn; its tool-call rate is printed beside it;
-- `forced`: as `mt`, but every trajectory's first turn is the ideal calculator call
-  (`format_tool_call`, the `transcript(row)` turn): the rollout samples that turn with EOS off to the
-  longest forced turn's length and its ids are then replaced by the call's, so it costs the decode
-  steps a model that calls the tool would spend. The calculator runs, its result is appended and the
-  model samples freely from there. This is the realistic case of a tool-using policy: re-prefilling
-  the grown context each turn, the batch shrinking as trajectories finish, and the tool calls.
+- `forced`: as `mt`, but every trajectory's first turn is the ideal tool call (the calculator's is the
+  `transcript(row)` turn; `--tool python` offers the python sandbox instead and calls it with
+  `print(a * b)`): the rollout samples that turn with EOS off to the longest forced turn's length and its
+  ids are then replaced by the call's, so it costs the decode steps a model that calls the tool would
+  spend. The tool runs, its result is appended and the model samples freely from there. This is the
+  realistic case of a tool-using policy: re-prefilling the grown context each turn, the batch shrinking
+  as trajectories finish, and the tool calls (the calculator takes microseconds; a sandboxed python run
+  starts a process, tenths of a second, 8 at a time: `AgentLoopConfig.max_parallel_steps`).
 
 Tokens/s counts model tokens only (response_mask == 1; forced tokens count: they were decoded) over the
 wall time of the whole call. A ratio is a variant's tokens/s over `single`'s in the same round (< 1:
@@ -34,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import json
 import shlex
 import statistics
 import sys
@@ -69,6 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--turns", type=int, default=MultiTurnConfig.max_assistant_turns, help="mt/forced turns")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"])
+    parser.add_argument("--tool", default="calculator", choices=["calculator", "python"], help="the tool offered")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = parser.parse_args(argv)
@@ -98,9 +103,20 @@ def prompt_batch(tokenizer: Any, rows: list[dict[str, Any]]) -> DataProto:
     return batch
 
 
-def forced_turns(tokenizer: Any, rows: list[dict[str, Any]], stop_id: int) -> list[list[int]]:
-    """Each row's ideal first turn as the model would sample it: the calculator call's ids and the stop id."""
-    calls = [format_tool_call("calculator", {"expression": row["extra_info"]["expression"]}) for row in rows]
+def offer_tool(rows: list[dict[str, Any]], tool: str) -> list[dict[str, Any]]:
+    """The rows with `tool` as the one tool they offer (the task's own is the calculator)."""
+    return [{**row, "extra_info": {**row["extra_info"], "tools": json.dumps([tool])}} for row in rows]
+
+
+def forced_turns(tokenizer: Any, rows: list[dict[str, Any]], tool: str, stop_id: int) -> list[list[int]]:
+    """Each row's ideal first turn as the model would sample it: the call's ids and the stop id."""
+    expressions = [row["extra_info"]["expression"] for row in rows]
+    calls = [
+        format_tool_call("calculator", {"expression": e})
+        if tool == "calculator"
+        else format_tool_call("python", {"code": f"print({e})"})
+        for e in expressions
+    ]
     return [encode(tokenizer, text) + [stop_id] for text in calls]
 
 
@@ -162,6 +178,7 @@ def setup(args: argparse.Namespace) -> tuple[ModuleRollout, DataProto, RolloutCo
     path = resolve_model_path(args.model)
     tokenizer = load_tokenizer(path)
     rows = make_rows("tool_arithmetic", args.batch, "train", args.seed, make_difficulty("tool_arithmetic"))
+    rows = offer_tool(rows, args.tool)
     prompts = prompt_batch(tokenizer, rows)
     config = RolloutConfig(
         name="native",
@@ -176,14 +193,15 @@ def setup(args: argparse.Namespace) -> tuple[ModuleRollout, DataProto, RolloutCo
     rollout = build_rollout(dataclasses.replace(config, multi_turn=MultiTurnConfig()), path, tokenizer)
     if not isinstance(rollout, ModuleRollout):
         raise TypeError(f"expected the in-process native rollout, got {type(rollout).__name__}")
-    return rollout, prompts, config, forced_turns(tokenizer, rows, rollout.eos_ids[0])
+    return rollout, prompts, config, forced_turns(tokenizer, rows, args.tool, rollout.eos_ids[0])
 
 
 def measure(args: argparse.Namespace) -> dict[str, list[dict]]:
     """Warm up each variant on two rows, then `rounds` rounds of all four, each reseeded alike."""
     rollout, prompts, config, turns = setup(args)
     print(
-        f"model {args.model}, native rollout, {rollout.weight_dtype}, batch {args.batch} tool_arithmetic prompts, "
+        f"model {args.model}, native rollout, {rollout.weight_dtype}, batch {args.batch} tool_arithmetic prompts "
+        f"offering {args.tool}, "
         f"response_length {args.response_length}, turns {args.turns}, T=1, torch threads {torch.get_num_threads()}",
         flush=True,
     )
