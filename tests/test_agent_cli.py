@@ -99,4 +99,5 @@ def test_the_tool_task_trains_with_the_builtin_tool_environment(tmp_path: Path):
     steps = [r for r in records if "actor/pg_loss" in r]
     assert [r["step"] for r in steps] == [1, 2]
     assert all(r["agent/turns/mean"] >= 1 and "agent/tool_calls/mean" in r for r in steps)
+    assert all(0.0 <= r["agent/env_time_share"] <= 1.0 and r["agent/generate_time_s"] > 0 for r in steps)
     assert "val-core/tool_arithmetic/acc/mean@1" in records[-1] and "val-aux/agent/turns/mean" in records[-1]

@@ -203,3 +203,29 @@ def test_trajectories_become_a_batch_in_the_rollout_layout(tok):
     assert positions[first] == 0 and positions[first + len(trajs[0].prompt_ids)] == len(trajs[0].prompt_ids)
     with pytest.raises(ValueError, match="exceed the widths"):
         trajectories_to_batch(trajs, tok.pad_token_id, response_length=4)
+
+
+def test_loop_times_split_generate_from_waiting_on_environments(tok):
+    import time
+
+    from hybridflow.agent.loop import LoopTimes
+
+    class Slow(Chatty):
+        def step(self, assistant_text):
+            time.sleep(0.05)
+            return super().step(assistant_text)
+
+    def generate(batch, budgets):
+        time.sleep(0.02)
+        return [TurnOutput([tok.eos_token_id]) for _ in batch]
+
+    times = LoopTimes()
+    config = AgentLoopConfig(max_parallel_steps=4)
+    run_agent_loop([{"q": "a"}, {"q": "b"}, {"q": "c"}], lambda: Slow(3), generate, tok, config, times=times)
+    assert times.rounds == 3
+    assert 0.06 <= times.generate_s and 0.15 <= times.env_s < 0.45  # the 3 steps of a round overlap
+    assert times.generate_s + times.env_s <= times.total_s
+    metrics = times.metrics()
+    assert metrics["agent/rounds"] == 3.0 and metrics["agent/env_time_s"] == times.env_s
+    assert metrics["agent/env_time_share"] == pytest.approx(times.env_s / times.total_s)
+    assert LoopTimes().metrics()["agent/env_time_share"] == 0.0

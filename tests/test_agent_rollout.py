@@ -203,3 +203,10 @@ def test_multi_turn_with_an_off_policy_trainer_mode_is_refused_at_load():
         load_config(
             RunConfig, None, ["rollout.multi_turn.enable=true", "trainer.mode=one_step_off", "trainer.placement=split"]
         )
+
+
+def test_the_worker_reports_the_loop_times_beside_its_own(generated):
+    metrics = generated[3].meta_info[K.META_METRICS]
+    assert metrics["agent/rounds"] >= 2 and metrics["timing_s/generate_on_worker"] >= metrics["agent/loop_time_s"]
+    assert metrics["agent/loop_time_s"] >= metrics["agent/generate_time_s"] + metrics["agent/env_time_s"]
+    assert 0.0 <= metrics["agent/env_time_share"] <= 1.0

@@ -24,6 +24,11 @@ their log-probs (or None).
 An environment that raises fails the loop with one line naming the environment, the row and
 the error.
 
+`times` (a `LoopTimes`, optional) gets the call's wall time split into `generate` calls, waiting on
+the environments (`reset` and the rounds' `step` calls, where tools run) and the rest (decoding turns,
+tokenizing observations); `LoopTimes.metrics()` gives them as `agent/*` metrics. A few clock reads
+per round, so they are always taken.
+
 Departures from verl's `ToolAgentLoop`: one function over a batch instead of one asyncio task
 per trajectory; generation is batched per round, so a round waits for its slowest tool call
 (verl overlaps a trajectory's tool call with other trajectories' generation); `response_length`
@@ -32,6 +37,7 @@ counts model and observation tokens alike (as verl's), while `max_turn_tokens` c
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -78,6 +84,32 @@ class AgentLoopConfig:
 
 
 @dataclass
+class LoopTimes:
+    """Wall seconds of `run_agent_loop` calls by phase (summed over the calls it was passed to)."""
+
+    generate_s: float = 0.0
+    """In `generate` calls."""
+    env_s: float = 0.0
+    """Waiting on environments: their `reset` calls, and each round's `step` calls (run concurrently,
+    so a round counts its slowest step); tool calls run there."""
+    total_s: float = 0.0
+    """The whole call (generate, environments, and the loop's own decoding and tokenizing)."""
+    rounds: int = 0
+    """Generate calls (one per round)."""
+
+    def metrics(self, prefix: str = "agent") -> dict[str, float]:
+        """`{prefix}/generate_time_s`, `/env_time_s`, `/loop_time_s`, `/rounds` and `/env_time_share`
+        (env_s / total_s: the share of the loop spent waiting on environments and tools)."""
+        return {
+            f"{prefix}/generate_time_s": self.generate_s,
+            f"{prefix}/env_time_s": self.env_s,
+            f"{prefix}/loop_time_s": self.total_s,
+            f"{prefix}/rounds": float(self.rounds),
+            f"{prefix}/env_time_share": self.env_s / self.total_s if self.total_s > 0 else 0.0,
+        }
+
+
+@dataclass
 class Trajectory:
     """One episode as token ids, with what the trainer needs to train on it."""
 
@@ -118,34 +150,48 @@ def run_agent_loop(
     stop_ids: Sequence[int] | None = None,
     env_name: str = "",
     row_labels: Sequence[str] | None = None,
+    times: LoopTimes | None = None,
 ) -> list[Trajectory]:
     """One trajectory per row, run together (module docstring); `stop_ids` default to the tokenizer's EOS;
-    `row_labels` name the rows in an environment's failure (default: "row <index in rows>")."""
+    `row_labels` name the rows in an environment's failure (default: "row <index in rows>"); `times`, when
+    given, gets this call's phase times added."""
+    clock = times if times is not None else LoopTimes()
+    begin = time.perf_counter()
     stops = list(stop_ids) if stop_ids is not None else [tokenizer.eos_token_id]
     labels = list(row_labels) if row_labels is not None else [f"row {i}" for i in range(len(rows))]
     envs = [env_factory() for _ in rows]
-    trajs = [_start(i, row, env, tokenizer, env_name, labels[i]) for i, (row, env) in enumerate(zip(rows, envs))]
+    trajs = [_start(i, row, env, tokenizer, env_name, labels[i], clock) for i, (row, env) in enumerate(zip(rows, envs))]
     with ThreadPoolExecutor(max_workers=config.max_parallel_steps) as pool:
         while running := [t for t in trajs if not t.done]:
             budgets = [min(config.max_turn_tokens, config.response_length - len(t.response_ids)) for t in running]
+            start = time.perf_counter()
             outputs = generate([t.prompt_ids + t.response_ids for t in running], budgets)
+            clock.generate_s += time.perf_counter() - start
+            clock.rounds += 1
             if len(outputs) != len(running):
                 raise ValueError(f"generate returned {len(outputs)} turns for {len(running)} rows")
             texts = [_append_turn(t, out, b, stops, tokenizer) for t, out, b in zip(running, outputs, budgets)]
             stepping = [(t, text) for t, text in zip(running, texts) if not t.done]
-            results = pool.map(
-                lambda tt: _step(envs[tt[0].row_index], tt[1], labels[tt[0].row_index], env_name), stepping
+            start = time.perf_counter()
+            results = list(
+                pool.map(lambda tt: _step(envs[tt[0].row_index], tt[1], labels[tt[0].row_index], env_name), stepping)
             )
-            for (traj, _), result in zip(stepping, list(results)):
+            clock.env_s += time.perf_counter() - start
+            for (traj, _), result in zip(stepping, results):
                 _apply_step(traj, result, tokenizer, stops, config)
+    clock.total_s += time.perf_counter() - begin
     return trajs
 
 
-def _start(index: int, row: dict[str, Any], env: Environment, tokenizer: Any, env_name: str, label: str) -> Trajectory:
+def _start(
+    index: int, row: dict[str, Any], env: Environment, tokenizer: Any, env_name: str, label: str, clock: LoopTimes
+) -> Trajectory:
+    start = time.perf_counter()
     try:
         first = env.reset(row)
     except Exception as exc:
         raise RuntimeError(_env_failure(env, env_name, "reset", label, exc)) from exc
+    clock.env_s += time.perf_counter() - start
     ids = prompt_ids(tokenizer, first.messages, first.tools)
     return Trajectory(index, ids, list(first.tools), list(first.messages))
 

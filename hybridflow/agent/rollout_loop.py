@@ -12,7 +12,9 @@ when `rollout.multi_turn.enable`:
   rollout's EOS ids as stops, log-probs kept, n=1);
 - the trajectories become the standard generated batch (hybridflow/agent/batch.py) padded to the
   rollout's prompt / response widths, with the environment's per-turn rewards under `env_rewards`
-  (the reward step uses them instead of the rule scorer) and `num_turns`, `tool_calls`, `stop_reason`.
+  (the reward step uses them instead of the rule scorer) and `num_turns`, `tool_calls`, `stop_reason`;
+- the loop's phase times (`LoopTimes.metrics()`: `agent/generate_time_s`, `agent/env_time_s`,
+  `agent/loop_time_s`, `agent/rounds`, `agent/env_time_share`) go in `meta_info["metrics"]`.
 
 The environment re-renders the prompt from the row's messages (with its tools), so the trajectory's
 prompt ids may differ from (and be longer than) the dataset's; a prompt wider than rollout.prompt_length fails.
@@ -34,7 +36,7 @@ import yaml
 from hybridflow import keys
 from hybridflow.agent.batch import trajectories_to_batch
 from hybridflow.agent.env import ENVIRONMENTS, Environment
-from hybridflow.agent.loop import AgentLoopConfig, GenerateFn, TurnOutput, run_agent_loop
+from hybridflow.agent.loop import AgentLoopConfig, GenerateFn, LoopTimes, TurnOutput, run_agent_loop
 from hybridflow.protocol import DataProto
 from hybridflow.rollout.base import ModuleRollout
 from hybridflow.rollout.config import MultiTurnConfig, RolloutConfig, SamplingParams
@@ -59,8 +61,9 @@ def generate_multi_turn(
     )
     generate = rollout_generate_fn(rollout, dataclasses.replace(sampling, n=1))
     labels = [f"dataset row {index} (sample {k})" for index in row_indices(prompts) for k in range(sampling.n)]
+    times = LoopTimes()
     trajs = run_agent_loop(
-        rows, env_factory(mt), generate, rollout.tokenizer, loop_cfg, rollout.eos_ids, mt.env, labels
+        rows, env_factory(mt), generate, rollout.tokenizer, loop_cfg, rollout.eos_ids, mt.env, labels, times
     )
     width = prompts.batch[keys.INPUT_IDS].shape[1]
     widest = max(len(t.prompt_ids) for t in trajs)
@@ -74,6 +77,7 @@ def generate_multi_turn(
     for key, column in prompts.non_tensor_batch.items():
         out.non_tensor_batch[key] = np.repeat(column, sampling.n, axis=0)
     out.meta_info.update(prompts.meta_info)
+    out.meta_info[keys.META_METRICS] = {**out.meta_info.get(keys.META_METRICS, {}), **times.metrics()}
     return out
 
 

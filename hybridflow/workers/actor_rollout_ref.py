@@ -187,7 +187,7 @@ class ActorRolloutRefWorker(Worker):
             else:
                 out = self.rollout.generate_sequences(prompts, params)
         metrics["timing_s/generate_on_worker"] = time.perf_counter() - start
-        out.meta_info[K.META_METRICS] = metrics
+        out.meta_info[K.META_METRICS] = {**out.meta_info.get(K.META_METRICS, {}), **metrics}  # + agent/* times
         return out
 
     def _harness_runner(self) -> HarnessRunner:
