@@ -195,11 +195,11 @@ def test_bad_multi_turn_configs_are_refused_at_load(overrides, message):
         RolloutConfig(**kwargs)
 
 
-def test_multi_turn_with_an_off_policy_trainer_mode_is_refused_at_load():
+def test_multi_turn_with_an_off_policy_trainer_mode_loads():
+    """The loop runs on the rollout's own workers (tests/test_agent_cli.py trains that way)."""
     from hybridflow.config_utils import load_config
     from hybridflow.trainer.run_config import RunConfig
 
-    with pytest.raises(ValueError, match=r"rollout\.multi_turn\.enable=true with trainer\.mode=one_step_off"):
-        load_config(
-            RunConfig, None, ["rollout.multi_turn.enable=true", "trainer.mode=one_step_off", "trainer.placement=split"]
-        )
+    overrides = ["rollout.multi_turn.enable=true", "trainer.mode=one_step_off", "trainer.placement=split"]
+    run = load_config(RunConfig, None, overrides)
+    assert run.trainer.mode == "one_step_off" and run.rollout.multi_turn.enable
