@@ -50,9 +50,10 @@ class Broken(Echo):
 '''
 
 
-def multi_turn_args(tmp_path: Path, env: str, workers: int = 1) -> list[str]:
+def multi_turn_args(tmp_path: Path, env: str, workers: int = 1, source: Path | None = None) -> list[str]:
+    """Overrides of a 2-step multi-turn run of ENV_FILE's `env` on the tiny model (or the one at `source`)."""
     (tmp_path / "my_env.py").write_text(ENV_FILE)
-    model, _ = stopping_model(tmp_path)
+    model, _ = stopping_model(tmp_path, source)
     return [
         *base_overrides(model, tmp_path),
         "data.max_response_length=32",
