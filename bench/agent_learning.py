@@ -51,7 +51,11 @@ def validations(run_dir: Path) -> list[dict]:
 
 def stage_args(args: argparse.Namespace, out: Path, name: str) -> list[str]:
     """Overrides every train/sft stage shares: where it logs and checkpoints, how chatty it is."""
-    return [f"trainer.log_dir={out / name}", f"trainer.default_local_dir={out / name / 'ckpt'}", "trainer.logger=[jsonl]"]
+    return [
+        f"trainer.log_dir={out / name}",
+        f"trainer.default_local_dir={out / name / 'ckpt'}",
+        "trainer.logger=[jsonl]",
+    ]
 
 
 def rl_args(args: argparse.Namespace, data: Path, model: str) -> list[str]:
@@ -121,7 +125,9 @@ def main() -> None:
     ]
     run("sft", sft, out, timings)
     warm = out / "sft_model"
-    run("export", ["export", str(out / "sft" / "ckpt" / f"global_step_{args.sft_steps}"), f"--out={warm}"], out, timings)
+    run(
+        "export", ["export", str(out / "sft" / "ckpt" / f"global_step_{args.sft_steps}"), f"--out={warm}"], out, timings
+    )
     tools_run = ["train", *rl_args(args, data, str(warm)), "rollout.multi_turn.enable=true"]
     run("grpo_tools", [*tools_run, *stage_args(args, out, "grpo_tools")], out, timings)
     run("grpo_no_tools", ["train", *base, *stage_args(args, out, "grpo_no_tools")], out, timings)

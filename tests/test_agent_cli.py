@@ -1,17 +1,25 @@
-"""`hybridflow train` with rollout.multi_turn: a custom environment from a .py file on Ray workers, and one
-that raises (the run fails with one line naming the environment and the row)."""
+"""`hybridflow train` with rollout.multi_turn: a custom environment from a .py file on Ray workers, one that
+raises (the run fails with one line naming the environment and the row), and the off-policy modes (the loop
+on the rollout's own workers, its batches generated ahead)."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 import pytest
+import torch
 
-from tests.test_agent_rollout import stopping_model
+from hybridflow import keys as K
+from hybridflow.agent.tokens import observation_ids
+from hybridflow.models import load_tokenizer
+from hybridflow.protocol import DataProto
+from tests.test_agent_rollout import runs, stopping_model
 from tests.test_trainer_cli import base_overrides, read_metrics, run_cli
 
 ENV_FILE = '''
+import json
 import os
 from pathlib import Path
 
@@ -42,9 +50,10 @@ class Broken(Echo):
 '''
 
 
-def multi_turn_args(tmp_path: Path, env: str) -> list[str]:
+def multi_turn_args(tmp_path: Path, env: str, workers: int = 1, source: Path | None = None) -> list[str]:
+    """Overrides of a 2-step multi-turn run of ENV_FILE's `env` on the tiny model (or the one at `source`)."""
     (tmp_path / "my_env.py").write_text(ENV_FILE)
-    model, _ = stopping_model(tmp_path)
+    model, _ = stopping_model(tmp_path, source)
     return [
         *base_overrides(model, tmp_path),
         "data.max_response_length=32",
@@ -52,7 +61,7 @@ def multi_turn_args(tmp_path: Path, env: str) -> list[str]:
         "rollout.multi_turn.max_turn_tokens=8",
         f"rollout.multi_turn.env=my_env.py:{env}",
         "trainer.plugins=[my_env.py]",
-        "trainer.n_workers_per_node=1",
+        f"trainer.n_workers_per_node={workers}",
         "trainer.val_before_train=false",
     ]
 
@@ -101,3 +110,52 @@ def test_the_tool_task_trains_with_the_builtin_tool_environment(tmp_path: Path):
     assert all(r["agent/turns/mean"] >= 1 and "agent/tool_calls/mean" in r for r in steps)
     assert all(0.0 <= r["agent/env_time_share"] <= 1.0 and r["agent/generate_time_s"] > 0 for r in steps)
     assert "val-core/tool_arithmetic/acc/mean@1" in records[-1] and "val-aux/agent/turns/mean" in records[-1]
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [
+        ["trainer.mode=one_step_off"],
+        pytest.param(["trainer.mode=async", "trainer.max_staleness=2"], marks=pytest.mark.slow),
+    ],
+    ids=["one_step_off", "async"],
+)
+def test_multi_turn_trains_off_policy_on_its_own_rollout_workers(tmp_path: Path, mode: list[str]):
+    """Step 2's batch is generated (by the initial weights) while step 1 trains; the checkpoint of step 1 holds
+    it as it left the rollout worker: sampled turns trained, the environment's replies masked."""
+    args = [
+        *multi_turn_args(tmp_path, "Echo", workers=2),
+        *mode,
+        "trainer.placement=split",
+        "trainer.save_freq=1",
+        "rollout.calculate_log_probs=true",
+        "algorithm.rollout_is_threshold=2.0",
+        "algorithm.rollout_is=true",
+    ]
+    proc = run_cli(["train", *args], tmp_path, module="hybridflow.trainer.cli")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    records = read_metrics(tmp_path)
+    steps = [r for r in records if "actor/pg_loss" in r]
+    assert [r["step"] for r in steps] == [1, 2] and [r["async/staleness/max"] for r in steps] == [0.0, 1.0]
+    for r in steps:
+        assert 1 <= r["agent/turns/mean"] <= 3 and "agent/tool_calls/mean" in r and "mismatch/kl" in r
+        assert r["agent/model_tokens/mean"] < r["response_length/mean"]  # observations: context, not trained
+    assert max(r["critic/score/max"] for r in steps) == 1.0  # the environment's reward reached the trainer
+    assert "val-aux/agent/turns/mean" in records[-1]
+    queued = DataProto.load_from_disk(tmp_path / "ckpt" / "global_step_1" / "rollout_queue" / "step_2.pkl")
+    assert queued.meta_info[K.META_GLOBAL_STEP] == 2
+    b, width = queued.batch, queued.batch[K.RESPONSES].shape[1]
+    model = str(tmp_path / "model")
+    stops = json.loads((tmp_path / "model" / "generation_config.json").read_text())["eos_token_id"]
+    obs = observation_ids(load_tokenizer(model), [{"role": "tool", "content": "ok"}], stops)
+    observed = 0
+    for row in range(len(queued)):
+        length = int(b[K.ATTENTION_MASK][row, -width:].sum())
+        segments = runs(b[K.RESPONSES][row, :length].tolist(), b[K.RESPONSE_MASK][row, :length].tolist())
+        replies = [ids for m, ids in segments if m == 0]
+        assert replies == [obs] * len(replies)
+        observed += len(replies)
+    masked = (b[K.ATTENTION_MASK][:, -width:] == 1) & (b[K.RESPONSE_MASK] == 0)
+    assert observed > 0 and masked.any()
+    assert (b[K.ROLLOUT_LOG_PROBS][masked] == 0).all() and (b[K.ENV_REWARDS][masked] == 0).all()
+    assert torch.all(b[K.ROLLOUT_LOG_PROBS][b[K.RESPONSE_MASK].bool()] < 0)

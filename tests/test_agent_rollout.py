@@ -44,11 +44,11 @@ class Echo(Environment):
         return StepResult([{"role": "tool", "content": f"obs {self.seen}"}], reward=0.25, info={"tool_calls": 1})
 
 
-def stopping_model(tmp: Path) -> tuple[str, list[int]]:
-    """The tiny random model with ~10k extra EOS ids in its generation config, so that its turns end
-    within a few tokens (ids the chat template uses are left out, so turn ends stay unambiguous)."""
+def stopping_model(tmp: Path, source: Path | None = None) -> tuple[str, list[int]]:
+    """The tiny random model (or the one at `source`) with ~10k extra EOS ids in its generation config, so that
+    its turns end within a few tokens (ids the chat template uses are left out, so turn ends stay unambiguous)."""
     path = tmp / "model"
-    shutil.copytree(tiny_model_dir("llama"), path)
+    shutil.copytree(source or tiny_model_dir("llama"), path)
     tok = load_tokenizer(path)
     dummy = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
     used = set(tok.apply_chat_template(dummy, tokenize=True)["input_ids"])
@@ -117,7 +117,7 @@ def generated(request, tmp_path_factory):
 
     def recording(batch, sampling=None):
         out = plain(batch, sampling)
-        sampled.append(out)
+        sampled.append([r[: int(m.sum())].tolist() for r, m in zip(out.batch[K.RESPONSES], out.batch[K.RESPONSE_MASK])])
         return out
 
     rollout.generate_sequences = recording
@@ -129,6 +129,13 @@ def generated(request, tmp_path_factory):
 
 def test_multi_turn_batch_holds_the_sampled_ids_and_masks_the_observations(generated):
     _, tok, stops, out, sampled = generated
+    assert_the_sampled_turns_are_trained(out, tok, stops, sampled)
+
+
+def assert_the_sampled_turns_are_trained(out: DataProto, tok, stops: list[int], sampled: list[list[list[int]]]):
+    """`out` (3 prompts x 2 samples of Echo, responses 48 wide) holds, as its trained tokens, exactly the ids the
+    rollout sampled (`sampled`: each generate call's turns, one id list per running row), between Echo's
+    replies as the template renders them (response_mask 0); the rewards sit on model tokens."""
     b = out.batch
     assert len(out) == 6 and list(out.non_tensor_batch[K.UID]) == ["u0", "u0", "u1", "u1", "u2", "u2"]
     assert b[K.ATTENTION_MASK][:, -48:].sum() > b[K.RESPONSE_MASK].sum()  # observations: real, not trained
@@ -138,9 +145,9 @@ def test_multi_turn_batch_holds_the_sampled_ids_and_masks_the_observations(gener
     pending = {r: [] for r in range(6)}
     running = list(range(6))
     for call in sampled:
-        mask = call.batch[K.RESPONSE_MASK]
-        for row, resp, m in zip(running, call.batch[K.RESPONSES], mask):
-            pending[row].append(resp[: int(m.sum())].tolist())
+        assert len(call) == len(running)
+        for row, ids in zip(running, call):
+            pending[row].append(ids)
         running = [r for r in running if len(pending[r]) < turns[r]]
     obs = [observation_ids(tok, [{"role": "tool", "content": f"obs {k}"}], stops) for k in (1, 2)]
     for r in range(6):
@@ -184,7 +191,7 @@ def test_observation_tokens_get_no_loss_gradient(generated):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        ({"name": "vllm"}, "rollout.name='vllm' is not supported yet"),
+        ({"tensor_model_parallel_size": 2}, "rollout.multi_turn.enable=true with rollout.tensor_model_parallel_size"),
         ({"multi_turn": {"enable": True, "env": "nope"}}, "rollout.multi_turn.env='nope' is not a registered"),
         ({"multi_turn": {"max_assistant_turns": 0}}, "rollout.multi_turn.max_assistant_turns must be >= 1"),
     ],
@@ -195,14 +202,14 @@ def test_bad_multi_turn_configs_are_refused_at_load(overrides, message):
         RolloutConfig(**kwargs)
 
 
-def test_multi_turn_with_an_off_policy_trainer_mode_is_refused_at_load():
+def test_multi_turn_with_an_off_policy_trainer_mode_loads():
+    """The loop runs on the rollout's own workers (tests/test_agent_cli.py trains that way)."""
     from hybridflow.config_utils import load_config
     from hybridflow.trainer.run_config import RunConfig
 
-    with pytest.raises(ValueError, match=r"rollout\.multi_turn\.enable=true with trainer\.mode=one_step_off"):
-        load_config(
-            RunConfig, None, ["rollout.multi_turn.enable=true", "trainer.mode=one_step_off", "trainer.placement=split"]
-        )
+    overrides = ["rollout.multi_turn.enable=true", "trainer.mode=one_step_off", "trainer.placement=split"]
+    run = load_config(RunConfig, None, overrides)
+    assert run.trainer.mode == "one_step_off" and run.rollout.multi_turn.enable
 
 
 def test_the_worker_reports_the_loop_times_beside_its_own(generated):

@@ -7,9 +7,12 @@ when `rollout.multi_turn.enable`:
   `data_source`, `reward_model.ground_truth`, `extra_info`) from the columns RLDataset puts in the batch;
 - one environment per trajectory comes from `ENVIRONMENTS` (a name or a `module:Class` path, loaded in
   this process, so a plugin environment works on Ray workers);
-- `run_agent_loop` generates every running trajectory's next turn in one `rollout.generate_sequences`
-  call (`rollout_generate_fn`: left-padded ids, the largest turn budget as response length, the
-  rollout's EOS ids as stops, log-probs kept, n=1);
+- `run_agent_loop` generates every running trajectory's next turn in one call of the rollout, through
+  the `GenerateFn` adapter of its kind (`turn_generator`): native / hf (`ModuleRollout`,
+  `rollout_generate_fn`): one `generate_sequences` call on left-padded ids with the largest turn budget
+  as response length, each row cut at its own; vllm (`vllm_generate_fn`): `VLLMRollout.generate_ids`, ids
+  in and out, each request with its own budget, the engine kept awake for the whole loop. Both stop at
+  the rollout's EOS ids, keep log-probs, n=1;
 - the trajectories become the standard generated batch (hybridflow/agent/batch.py) padded to the
   rollout's prompt / response widths, with the environment's per-turn rewards under `env_rewards`
   (the reward step uses them instead of the rule scorer) and `num_turns`, `tool_calls`, `stop_reason`;
@@ -22,10 +25,11 @@ prompt ids may differ from (and be longer than) the dataset's; a prompt wider th
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,19 +42,18 @@ from hybridflow.agent.batch import trajectories_to_batch
 from hybridflow.agent.env import ENVIRONMENTS, Environment
 from hybridflow.agent.loop import AgentLoopConfig, GenerateFn, LoopTimes, TurnOutput, run_agent_loop
 from hybridflow.protocol import DataProto
-from hybridflow.rollout.base import ModuleRollout
+from hybridflow.rollout.base import ModuleRollout, Rollout
 from hybridflow.rollout.config import MultiTurnConfig, RolloutConfig, SamplingParams
+from hybridflow.rollout.vllm_rollout import VLLMRollout
 
 ROW_COLUMNS = (keys.RAW_PROMPT, keys.DATA_SOURCE, keys.GROUND_TRUTH)
 """Non-tensor columns a multi-turn rollout needs in its prompt batch (extra_info is optional)."""
 
 
 def generate_multi_turn(
-    rollout: ModuleRollout, prompts: DataProto, sampling: SamplingParams, config: RolloutConfig
+    rollout: ModuleRollout | VLLMRollout, prompts: DataProto, sampling: SamplingParams, config: RolloutConfig
 ) -> DataProto:
     """`sampling.n` trajectories per prompt row as one generated batch (module docstring)."""
-    if not isinstance(rollout, ModuleRollout):
-        raise TypeError(f"rollout.multi_turn needs an in-process rollout (native, hf), got {type(rollout).__name__}")
     rows = dataset_rows(prompts, sampling.n)
     mt = config.multi_turn
     loop_cfg = AgentLoopConfig(
@@ -59,12 +62,12 @@ def generate_multi_turn(
         max_assistant_turns=mt.max_assistant_turns,
         max_user_turns=mt.max_user_turns,
     )
-    generate = rollout_generate_fn(rollout, dataclasses.replace(sampling, n=1))
     labels = [f"dataset row {index} (sample {k})" for index in row_indices(prompts) for k in range(sampling.n)]
     times = LoopTimes()
-    trajs = run_agent_loop(
-        rows, env_factory(mt), generate, rollout.tokenizer, loop_cfg, rollout.eos_ids, mt.env, labels, times
-    )
+    with turn_generator(rollout, dataclasses.replace(sampling, n=1)) as generate:
+        trajs = run_agent_loop(
+            rows, env_factory(mt), generate, rollout.tokenizer, loop_cfg, rollout.eos_ids, mt.env, labels, times
+        )
     width = prompts.batch[keys.INPUT_IDS].shape[1]
     widest = max(len(t.prompt_ids) for t in trajs)
     if widest > width:
@@ -128,6 +131,28 @@ def load_tool_config(path: str | None) -> dict[str, dict[str, Any]]:
     if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
         raise ValueError(f"rollout.multi_turn.tool_config_path={path!r}: expected a mapping tool name -> kwargs")
     return data
+
+
+def turn_generator(rollout: Rollout, sampling: SamplingParams) -> contextlib.AbstractContextManager[GenerateFn]:
+    """The `GenerateFn` adapter of `rollout`'s kind, for the duration of a `with` block (module docstring)."""
+    if isinstance(rollout, ModuleRollout):
+        return contextlib.nullcontext(rollout_generate_fn(rollout, sampling))
+    if isinstance(rollout, VLLMRollout):
+        return vllm_generate_fn(rollout, sampling)
+    raise TypeError(
+        f"rollout.multi_turn drives native, hf and vllm rollouts turn by turn, not a {type(rollout).__name__}"
+    )
+
+
+@contextlib.contextmanager
+def vllm_generate_fn(rollout: VLLMRollout, sampling: SamplingParams) -> Iterator[GenerateFn]:
+    """A `GenerateFn` over a vllm rollout's ids-in / ids-out call, the engine awake while the block runs."""
+
+    def generate(batch: list[list[int]], budgets: list[int]) -> list[TurnOutput]:
+        return [TurnOutput(ids, logps) for ids, logps in rollout.generate_ids(batch, budgets, sampling)]
+
+    with rollout.awake():
+        yield generate
 
 
 def rollout_generate_fn(rollout: ModuleRollout, sampling: SamplingParams) -> GenerateFn:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -66,10 +67,11 @@ def step_seed(seed: int, step: int) -> int:
     return seed + 1_000_003 * step
 
 
-def eos_token_ids(tokenizer, model: nn.Module | None = None) -> list[int]:
-    """Every id that ends a response: the tokenizer's EOS and the generation config's EOS ids."""
+def eos_token_ids(tokenizer, model: nn.Module | None = None, generation_config: Any = None) -> list[int]:
+    """Every id that ends a response: the tokenizer's EOS and the generation config's EOS ids (that of `model`,
+    or `generation_config` where the model is not loaded here)."""
     ids = [tokenizer.eos_token_id]
-    gen_cfg = getattr(model, "generation_config", None)
+    gen_cfg = generation_config if generation_config is not None else getattr(model, "generation_config", None)
     extra = getattr(gen_cfg, "eos_token_id", None)
     ids += extra if isinstance(extra, (list, tuple)) else [extra]
     ids = sorted({int(i) for i in ids if i is not None})

@@ -262,14 +262,12 @@ class RolloutConfig(Section):
     def _check_multi_turn(self) -> None:
         from hybridflow.agent.env import ENVIRONMENTS  # noqa: PLC0415  (cycle: the agent package imports rollout)
 
-        if self.name == "vllm":  # a plugin backend is checked when built: it must be an in-process ModuleRollout
-            raise ValueError(
-                f"rollout.multi_turn.enable=true with rollout.name={self.name!r} is not supported yet: the agent "
-                "loop drives in-process rollouts turn by turn; use rollout.name=native or hf"
-            )
+        # native, hf and vllm all run the loop; a plugin backend's rollout is checked at its first generation
+        # (hybridflow/agent/rollout_loop.py turn_generator)
         if self.tensor_model_parallel_size > 1:
             raise ValueError(
-                "rollout.multi_turn.enable=true with rollout.tensor_model_parallel_size > 1 is not supported yet"
+                "rollout.multi_turn.enable=true with rollout.tensor_model_parallel_size > 1 is not supported yet; "
+                "set it to 1"
             )
         ENVIRONMENTS.get(self.multi_turn.env)  # unknown names (or unloadable paths) fail naming the key
 

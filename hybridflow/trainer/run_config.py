@@ -192,11 +192,6 @@ class RunConfig(Section):
                 f"step (e.g. to generate its baseline), which trainer.mode={t.mode} does not support; "
                 "use trainer.mode=sync"
             )
-        if t.mode != "sync" and self.rollout.multi_turn.enable:
-            raise ValueError(
-                f"rollout.multi_turn.enable=true with trainer.mode={t.mode} is not supported yet (untested on "
-                "separate rollout workers); use trainer.mode=sync"
-            )
         if t.mode != "sync" and self.rollout.agent.enable:
             raise ValueError(
                 f"rollout.agent.function with trainer.mode={t.mode} is not supported: the harness's endpoint serves "

@@ -27,6 +27,11 @@ RENAMED: dict[str, str] = {
     f"{A}.model.lora_alpha": "actor.lora.alpha",
     f"{A}.model.target_modules": "actor.lora.target_modules",
     f"{A}.nccl_timeout": "trainer.collective_timeout_s",
+    # the multi-turn agent loop
+    f"{A}.rollout.multi_turn.enable": "rollout.multi_turn.enable",
+    f"{A}.rollout.multi_turn.max_assistant_turns": "rollout.multi_turn.max_assistant_turns",
+    f"{A}.rollout.multi_turn.max_user_turns": "rollout.multi_turn.max_user_turns",
+    f"{A}.rollout.multi_turn.max_tool_response_length": "rollout.multi_turn.max_tool_response_length",
     # the actor's update
     f"{A}.actor.ppo_mini_batch_size": "actor.ppo_mini_batch_size",
     f"{A}.actor.ppo_micro_batch_size_per_gpu": "actor.ppo_micro_batch_size_per_device",
@@ -142,7 +147,7 @@ NO_EFFECT: dict[str, str] = {
     f"{A}.rollout.disable_log_stats": _VLLM_GPU,
     f"{A}.rollout.multi_stage_wake_up": _VLLM_GPU,
     f"{A}.rollout.skip_tokenizer_init": _VLLM_GPU,
-    f"{A}.rollout.multi_turn.*": "a multi-turn setting, unused while multi_turn.enable is off (no multi-turn yet)",
+    f"{A}.rollout.multi_turn.*": "a verl multi-turn setting with no counterpart here (tool_config_path: verl's file format differs)",
     f"{A}.rollout.log_prob_use_dynamic_bsz": "the old-log-prob pass follows actor.use_dynamic_bsz here",
     "data.dataloader_num_workers": "prompts are tokenized once, up front: no loader processes",
     "data.filter_overlong_prompts_workers": "prompts are tokenized once, up front: no loader processes",
@@ -183,7 +188,6 @@ NOT_YET: dict[str, str] = {
     f"{A}.rollout.max_model_len": "a rollout context other than prompt + response length",
     f"{A}.rollout.logprobs_mode": "rollout log-prob modes (hybridflow returns processed log-probs)",
     f"{A}.rollout.skip_rollout": "dumping and replaying rollouts",
-    f"{A}.rollout.multi_turn.enable": "multi-turn rollouts (the agent loop is being written)",
     f"{A}.rollout.agent.*": "verl's agent-loop classes and server workers (hybridflow: rollout.agent.function)",
     f"{A}.rollout.engine_kwargs.*": "passing raw engine arguments to vLLM / SGLang",
     "critic.forward_micro_batch_size_per_gpu": "a separate compute_values micro-batch (it is ppo_micro_batch_size)",
