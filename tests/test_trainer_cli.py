@@ -254,13 +254,20 @@ def test_bad_inputs_fail_cleanly(tiny_model: str, tmp_path: Path, capsys, monkey
         assert not (tmp_path / "ckpt").exists(), what
 
 
-def test_print_config_shows_the_resolved_run_and_starts_nothing(tiny_model: str, tmp_path: Path) -> None:
+def test_print_config_shows_the_resolved_run_and_starts_nothing(
+    tiny_model: str, tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """In-process (`main`, as `python -m hybridflow.trainer.main` runs it): the pipe through a real subprocess
+    is tests/test_print_config.py's."""
+    from hybridflow.trainer.main import main as train_main
+
     args = [
         a
         for a in base_overrides(tiny_model, tmp_path)
         if not a.startswith(("trainer.default_local_dir", "trainer.log_dir"))
     ]
-    proc = run_cli(
+    monkeypatch.chdir(tmp_path)
+    code = train_main(
         [
             "--print-config",
             *args,
@@ -268,21 +275,21 @@ def test_print_config_shows_the_resolved_run_and_starts_nothing(tiny_model: str,
             "trainer.n_workers_per_node=1",
             "trainer.total_training_steps=null",
             "trainer.total_epochs=2",
-        ],
-        tmp_path,
-        timeout=120,
+        ]
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    printed = yaml.safe_load(proc.stdout)
+    proc = capsys.readouterr()
+    assert code == 0, proc.err[-3000:]
+    printed = yaml.safe_load(proc.out)
     t = printed["trainer"]
     assert t["default_local_dir"] == "checkpoints/hybridflow/b" and t["log_dir"] == "outputs/hybridflow/b"
     assert t["cpus_per_worker"] == (os.cpu_count() or 1)
     assert t["total_training_steps"] == 2 * 16 // 4 and printed["actor"]["optim"]["total_training_steps"] == 8
     assert printed["rollout"]["response_length"] == 8
-    assert "# resolved plan:" in proc.stdout and "steps_per_epoch: 4" in proc.stdout
+    assert "# resolved plan:" in proc.out and "steps_per_epoch: 4" in proc.out
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "outputs").exists()
     saved = tmp_path / "resolved.yaml"
-    saved.write_text(proc.stdout)
-    again = run_cli(["--print-config", "--config", str(saved)], tmp_path, timeout=120)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert again.stdout == proc.stdout  # the printed run loads back as the same run
+    saved.write_text(proc.out)
+    code = train_main(["--print-config", "--config", str(saved)])
+    again = capsys.readouterr()
+    assert code == 0, again.err[-3000:]
+    assert again.out == proc.out  # the printed run loads back as the same run
