@@ -119,21 +119,27 @@ def train_ok(tiny_model: str, tmp_path: Path, *extra: str) -> list[dict]:
 @pytest.mark.parametrize(
     "name, extra, expect",
     [
-        ("grpo_verbose_save", ["trainer.verbose=true", "trainer.save_freq=2"], []),
+        # both KL terms in one run (a full-weight reference engine; old log-probs recomputed for the reward)
+        (
+            "grpo_kl_verbose_save",
+            [
+                "actor.use_kl_loss=true",
+                "actor.kl_loss_coef=0.1",
+                "algorithm.use_kl_in_reward=true",
+                "trainer.verbose=true",
+                "trainer.save_freq=2",
+            ],
+            ["actor/kl_loss", "actor/reward_kl_penalty"],
+        ),
         # Same CLI path as grpo with another estimator (whose math has hand-computed tests), or (gae) as
-        # "split" below minus the placement: kept out of the default run so the suite stays under 15 minutes.
+        # "split" below minus the placement, or (remax) with one more greedy generate per step: kept out of the
+        # default run so the suite stays under 15 minutes.
         pytest.param(
             "gae", ["algorithm.adv_estimator=gae"], ["critic/vf_loss", "critic/values/mean"], marks=pytest.mark.slow
         ),
         pytest.param("reinforce_pp", ["algorithm.adv_estimator=reinforce_plus_plus"], [], marks=pytest.mark.slow),
         pytest.param("rloo", ["algorithm.adv_estimator=rloo"], [], marks=pytest.mark.slow),
-        ("remax", ["algorithm.adv_estimator=remax"], ["timing_s/reward"]),
-        # both KL terms in one run (a full-weight reference engine; old log-probs recomputed for the reward)
-        (
-            "kl_loss_and_reward",
-            ["actor.use_kl_loss=true", "actor.kl_loss_coef=0.1", "algorithm.use_kl_in_reward=true"],
-            ["actor/kl_loss", "actor/reward_kl_penalty"],
-        ),
+        pytest.param("remax", ["algorithm.adv_estimator=remax"], ["timing_s/reward"], marks=pytest.mark.slow),
         (
             "lora_kl_save",
             [
@@ -146,7 +152,8 @@ def train_ok(tiny_model: str, tmp_path: Path, *extra: str) -> list[dict]:
             ["actor/kl_loss", "timing_s/weight_sync"],
         ),
         ("split", ["algorithm.adv_estimator=gae", "trainer.placement=split"], ["critic/vf_loss", "critic/values/mean"]),
-        ("local", ["trainer.backend=local", "trainer.n_workers_per_node=1"], []),
+        # the local backend also trains end to end in the default run in test_agent_cli.py and test_verl_keys.py
+        pytest.param("local", ["trainer.backend=local", "trainer.n_workers_per_node=1"], [], marks=pytest.mark.slow),
         # tensor parallel over both workers for actor, reference, critic and rollout (N-D dispatch: one dp group)
         pytest.param(
             "tp2",
