@@ -71,6 +71,7 @@ def test_sft_on_two_ray_workers_logs_losses_and_exports(tiny_model: str, tmp_pat
     assert (tmp_path / "hf" / "model.safetensors").is_file() and (tmp_path / "hf" / "tokenizer_config.json").is_file()
 
 
+@pytest.mark.slow  # three runs; the default run resumes a PPO run (test_fault_tolerance.py)
 def test_resumed_run_logs_the_losses_of_an_uninterrupted_one(tiny_model: str, tmp_path: Path) -> None:
     local = (
         "trainer.backend=local",
