@@ -90,6 +90,7 @@ def test_an_environment_that_raises_fails_the_run_naming_it_and_the_row(tmp_path
     assert "KeyError: 'no such thing'" in lines[-1]
 
 
+@pytest.mark.slow  # a third CLI run; the tool environment and task have tests of their own (test_agent_env.py)
 def test_the_tool_task_trains_with_the_builtin_tool_environment(tmp_path: Path):
     from hybridflow.models import tiny_model_dir
 

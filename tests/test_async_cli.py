@@ -26,9 +26,11 @@ OFF_POLICY = ["trainer.placement=split", "trainer.n_workers_per_node=2"]
 
 
 def _untimed(record: dict) -> dict:
-    """The record without wall-clock values (and without the metrics only off-policy modes log)."""
+    """The record without wall-clock values and memory high-water marks (measurements of the machine, not of
+    the algorithm), and without the metrics only off-policy modes log."""
     timed = (
         "timing_s/",
+        "memory/",
         "perf/time_per_step",
         "perf/throughput",
         "perf/gen_tokens_per_s",

@@ -98,16 +98,18 @@ def test_async_method_through_ray(ray_local):
 
 def test_a_group_on_a_full_pool_is_refused_at_once(ray_local):
     pool = RayResourcePool([1], num_cpus_per_process=0.5, name_prefix="full_")
-    first = RayWorkerGroup(pool, RayClassWithInitArgs(AsyncWorker), name_prefix="full_a")
-    start = time.monotonic()
-    with pytest.raises(ValueError, match=r"full_.*max_colocate_count=1.*full_a.*max_colocate_count=2"):
-        RayWorkerGroup(pool, RayClassWithInitArgs(AsyncWorker), name_prefix="full_b")
-    assert time.monotonic() - start < 1.0
-    first.shutdown()  # a shut-down group frees its slots
-    second = RayWorkerGroup(pool, RayClassWithInitArgs(AsyncWorker), name_prefix="full_c")
-    assert second.count() == [0]
-    second.shutdown()
-    pool.remove()
+    try:  # a failure here must not leave the pool holding the session's CPUs for the tests after it
+        first = RayWorkerGroup(pool, RayClassWithInitArgs(AsyncWorker), name_prefix="full_a")
+        start = time.monotonic()
+        with pytest.raises(ValueError, match=r"full_.*max_colocate_count=1.*full_a.*max_colocate_count=2"):
+            RayWorkerGroup(pool, RayClassWithInitArgs(AsyncWorker), name_prefix="full_b")
+        assert time.monotonic() - start < 1.0
+        first.shutdown()  # a shut-down group frees its slots
+        second = RayWorkerGroup(pool, RayClassWithInitArgs(AsyncWorker), name_prefix="full_c")
+        assert second.count() == [0]
+        second.shutdown()
+    finally:
+        pool.remove()
 
 
 def double_x(worker: Worker, data: DataProto) -> DataProto:

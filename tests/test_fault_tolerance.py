@@ -4,7 +4,8 @@ finish with exactly the metrics of one uninterrupted reference run, each step lo
 
 The rewards come from a length-based scorer, so the tiny random model gets non-zero advantages and its
 weights move: a resume that lost the optimizer, the loader position or the RNG would change the metrics.
-Default run: the reference and one run whose worker is killed while saving; the rest are marked slow.
+Default run: the reference, one run whose worker is killed while saving, and a plain resume (a 2-step run, then
+the same command for 4 steps picks up its checkpoint); the rest are marked slow.
 """
 
 from __future__ import annotations
@@ -107,6 +108,17 @@ def test_a_worker_killed_while_saving_recovers_from_the_last_complete_checkpoint
     assert steps_of(tmp_path)[-1]["fault/restarts"] == 1 and steps_of(tmp_path)[-1]["fault/steps_redone"] == 2
     assert steps_of(tmp_path)[-1]["fault/recovery_s"] > 0 and "hybridflow: recovered in " in proc.stderr
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["global_step_2", "global_step_4"]
+
+
+def test_a_resumed_run_logs_the_metrics_of_an_uninterrupted_one(setup, reference, tmp_path: Path):
+    # 2 steps, then the same command for 4: resume_mode=auto picks global_step_2 and the run goes on from step 3
+    train(setup, tmp_path, "trainer.total_training_steps=2")
+    assert [r["step"] for r in steps_of(tmp_path)] == [1, 2]
+    assert (tmp_path / "ckpt" / "global_step_2" / "COMPLETE").exists()
+    again = train(setup, tmp_path)
+    assert "resumed from " in again.stderr and "global_step_2 at step 2" in again.stderr, again.stderr[-3000:]
+    assert_same_metrics(steps_of(tmp_path), reference)
+    assert all(r["fault/restarts"] == 0 for r in steps_of(tmp_path))
 
 
 @pytest.mark.slow  # three restarts

@@ -119,21 +119,27 @@ def train_ok(tiny_model: str, tmp_path: Path, *extra: str) -> list[dict]:
 @pytest.mark.parametrize(
     "name, extra, expect",
     [
-        ("grpo", [], []),
+        # both KL terms in one run (a full-weight reference engine; old log-probs recomputed for the reward)
+        (
+            "grpo_kl_verbose_save",
+            [
+                "actor.use_kl_loss=true",
+                "actor.kl_loss_coef=0.1",
+                "algorithm.use_kl_in_reward=true",
+                "trainer.verbose=true",
+                "trainer.save_freq=2",
+            ],
+            ["actor/kl_loss", "actor/reward_kl_penalty"],
+        ),
         # Same CLI path as grpo with another estimator (whose math has hand-computed tests), or (gae) as
-        # "split" below minus the placement: kept out of the default run so the suite stays under 15 minutes.
+        # "split" below minus the placement, or (remax) with one more greedy generate per step: kept out of the
+        # default run so the suite stays under 15 minutes.
         pytest.param(
             "gae", ["algorithm.adv_estimator=gae"], ["critic/vf_loss", "critic/values/mean"], marks=pytest.mark.slow
         ),
         pytest.param("reinforce_pp", ["algorithm.adv_estimator=reinforce_plus_plus"], [], marks=pytest.mark.slow),
-        ("rloo_verbose_save", ["algorithm.adv_estimator=rloo", "trainer.verbose=true", "trainer.save_freq=2"], []),
-        ("remax", ["algorithm.adv_estimator=remax"], ["timing_s/reward"]),
-        # both KL terms in one run (a full-weight reference engine; old log-probs recomputed for the reward)
-        (
-            "kl_loss_and_reward",
-            ["actor.use_kl_loss=true", "actor.kl_loss_coef=0.1", "algorithm.use_kl_in_reward=true"],
-            ["actor/kl_loss", "actor/reward_kl_penalty"],
-        ),
+        pytest.param("rloo", ["algorithm.adv_estimator=rloo"], [], marks=pytest.mark.slow),
+        pytest.param("remax", ["algorithm.adv_estimator=remax"], ["timing_s/reward"], marks=pytest.mark.slow),
         (
             "lora_kl_save",
             [
@@ -146,7 +152,8 @@ def train_ok(tiny_model: str, tmp_path: Path, *extra: str) -> list[dict]:
             ["actor/kl_loss", "timing_s/weight_sync"],
         ),
         ("split", ["algorithm.adv_estimator=gae", "trainer.placement=split"], ["critic/vf_loss", "critic/values/mean"]),
-        ("local", ["trainer.backend=local", "trainer.n_workers_per_node=1"], []),
+        # the local backend also trains end to end in the default run in test_agent_cli.py and test_verl_keys.py
+        pytest.param("local", ["trainer.backend=local", "trainer.n_workers_per_node=1"], [], marks=pytest.mark.slow),
         # tensor parallel over both workers for actor, reference, critic and rollout (N-D dispatch: one dp group)
         pytest.param(
             "tp2",
@@ -225,7 +232,11 @@ def test_train_with_a_reward_model(tiny_model: str, tmp_path: Path, extra: list[
         assert -1e-5 <= rule_mean <= 1 + 1e-5
 
 
-def test_bad_inputs_fail_cleanly(tiny_model: str, tmp_path: Path) -> None:
+def test_bad_inputs_fail_cleanly(tiny_model: str, tmp_path: Path, capsys, monkeypatch) -> None:
+    """Exit status 2, one error line last on stderr, no traceback, nothing written. The last case runs through the
+    real CLI (a subprocess); the others through the same `main` in-process, since they stop before any worker."""
+    from hybridflow.trainer.main import main as train_main
+
     bad_parquet = tmp_path / "bad.parquet"
     bad_parquet.write_text("not a parquet file")
     cases = {
@@ -235,22 +246,35 @@ def test_bad_inputs_fail_cleanly(tiny_model: str, tmp_path: Path) -> None:
         "estimator": ["algorithm.adv_estimator=nope"],
         "unwritable checkpoints": [f"trainer.default_local_dir={bad_parquet}/ckpt", "trainer.save_freq=1"],
     }
+    monkeypatch.chdir(tmp_path)
     for what, extra in cases.items():
-        proc = run_cli(base_overrides(tiny_model, tmp_path) + extra, tmp_path, timeout=120)
-        assert proc.returncode == 2, (what, proc.stderr[-2000:])
-        err = proc.stderr.strip().splitlines()
-        assert err and err[-1].startswith("hybridflow train: error:"), (what, proc.stderr[-2000:])
-        assert "Traceback" not in proc.stderr, (what, proc.stderr[-2000:])
+        args = base_overrides(tiny_model, tmp_path) + extra
+        if what == "unwritable checkpoints":
+            proc = run_cli(args, tmp_path, timeout=120)
+            code, stderr = proc.returncode, proc.stderr
+        else:
+            code, stderr = train_main(args), capsys.readouterr().err
+        assert code == 2, (what, stderr[-2000:])
+        err = stderr.strip().splitlines()
+        assert err and err[-1].startswith("hybridflow train: error:"), (what, stderr[-2000:])
+        assert "Traceback" not in stderr, (what, stderr[-2000:])
         assert not (tmp_path / "ckpt").exists(), what
 
 
-def test_print_config_shows_the_resolved_run_and_starts_nothing(tiny_model: str, tmp_path: Path) -> None:
+def test_print_config_shows_the_resolved_run_and_starts_nothing(
+    tiny_model: str, tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """In-process (`main`, as `python -m hybridflow.trainer.main` runs it): the pipe through a real subprocess
+    is tests/test_print_config.py's."""
+    from hybridflow.trainer.main import main as train_main
+
     args = [
         a
         for a in base_overrides(tiny_model, tmp_path)
         if not a.startswith(("trainer.default_local_dir", "trainer.log_dir"))
     ]
-    proc = run_cli(
+    monkeypatch.chdir(tmp_path)
+    code = train_main(
         [
             "--print-config",
             *args,
@@ -258,21 +282,21 @@ def test_print_config_shows_the_resolved_run_and_starts_nothing(tiny_model: str,
             "trainer.n_workers_per_node=1",
             "trainer.total_training_steps=null",
             "trainer.total_epochs=2",
-        ],
-        tmp_path,
-        timeout=120,
+        ]
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    printed = yaml.safe_load(proc.stdout)
+    proc = capsys.readouterr()
+    assert code == 0, proc.err[-3000:]
+    printed = yaml.safe_load(proc.out)
     t = printed["trainer"]
     assert t["default_local_dir"] == "checkpoints/hybridflow/b" and t["log_dir"] == "outputs/hybridflow/b"
     assert t["cpus_per_worker"] == (os.cpu_count() or 1)
     assert t["total_training_steps"] == 2 * 16 // 4 and printed["actor"]["optim"]["total_training_steps"] == 8
     assert printed["rollout"]["response_length"] == 8
-    assert "# resolved plan:" in proc.stdout and "steps_per_epoch: 4" in proc.stdout
+    assert "# resolved plan:" in proc.out and "steps_per_epoch: 4" in proc.out
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "outputs").exists()
     saved = tmp_path / "resolved.yaml"
-    saved.write_text(proc.stdout)
-    again = run_cli(["--print-config", "--config", str(saved)], tmp_path, timeout=120)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert again.stdout == proc.stdout  # the printed run loads back as the same run
+    saved.write_text(proc.out)
+    code = train_main(["--print-config", "--config", str(saved)])
+    again = capsys.readouterr()
+    assert code == 0, again.err[-3000:]
+    assert again.out == proc.out  # the printed run loads back as the same run
