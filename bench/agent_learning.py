@@ -6,7 +6,10 @@ Every stage is a `hybridflow` command run as a subprocess, so the demo is exactl
 3. `hybridflow sft` on the transcripts (the warm-up), then `hybridflow export` to a model directory;
 4. GRPO with tools (`rollout.multi_turn.enable=true`) from the warm-up model: its validation before the first
    step is the warm-up model, the last one the trained model;
-5. GRPO without tools (single turn, the same rows, steps and sampling) from the base model.
+5. with --harness: the same GRPO run through the OpenAI-compatible endpoint, the agent being the calculator
+   harness (`hybridflow/agent/examples/calculator.py`, plain `openai`-client code): its accuracy, and its
+   median step time against step 4's (the HTTP path's cost, same machine, same invocation);
+6. GRPO without tools (single turn, the same rows, steps and sampling) from the base model.
 Printed: held-out accuracy and tool-call rate (greedy, the run's validation) before -> after for each arm, and
 the wall clock of every stage. Each stage's console log and metrics stay under --out.
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -27,6 +31,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 ACC = "val-core/tool_arithmetic/acc/mean@1"
 TOOL_RATE = "val-aux/agent/tool_call_rate"
+HARNESS = "hybridflow.agent.examples.calculator:run"
+"""The calculator agent as plain `openai`-client code (issue 30): the --harness arm trains it."""
 
 
 def run(stage: str, args: list[str], out: Path, timings: dict[str, float]) -> Path:
@@ -92,6 +98,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=8, help="samples per prompt")
     parser.add_argument("--prompt-length", type=int, default=160)
     parser.add_argument("--response-length", type=int, default=64, help="model + tool tokens of a trajectory")
+    parser.add_argument("--harness", action="store_true", help=f"also GRPO through the HTTP endpoint with {HARNESS}")
     parser.add_argument("overrides", nargs="*", help="key=value for both GRPO runs")
     args = parser.parse_args()
     if args.tiny:
@@ -130,6 +137,9 @@ def main() -> None:
     )
     tools_run = ["train", *rl_args(args, data, str(warm)), "rollout.multi_turn.enable=true"]
     run("grpo_tools", [*tools_run, *stage_args(args, out, "grpo_tools")], out, timings)
+    if args.harness:
+        harness = [*tools_run[:-1], f"rollout.agent.function={HARNESS}"]
+        run("grpo_harness", [*harness, *stage_args(args, out, "grpo_harness")], out, timings)
     run("grpo_no_tools", ["train", *base, *stage_args(args, out, "grpo_no_tools")], out, timings)
     report(out, timings)
 
@@ -145,22 +155,29 @@ def tiny(args: argparse.Namespace) -> None:
 
 
 def report(out: Path, timings: dict[str, float]) -> None:
-    """The before -> after table of both arms, and the wall clock."""
-    base = validations(out / "base")[0]
+    """The before -> after table of every arm, the harness's step time against the loop's, and the wall clock."""
     tools, no_tools = validations(out / "grpo_tools"), validations(out / "grpo_no_tools")
+    rows = [("base model, with tools", validations(out / "base")[0]), ("after the SFT warm-up, with tools", tools[0])]
+    rows.append(("after GRPO with tools", tools[-1]))
+    harness = out / "grpo_harness"
+    if harness.is_dir():
+        rows.append(("after GRPO, openai-client harness", validations(harness)[-1]))
+    rows += [("base model, no tools", no_tools[0]), ("after GRPO without tools", no_tools[-1])]
     print(f"{'':<34}{'held-out acc':>14}{'tool-call rate':>16}")
-    rows = [
-        ("base model, with tools", base),
-        ("after the SFT warm-up, with tools", tools[0]),
-        ("after GRPO with tools", tools[-1]),
-        ("base model, no tools", no_tools[0]),
-        ("after GRPO without tools", no_tools[-1]),
-    ]
     for label, r in rows:
         rate = f"{r[TOOL_RATE]:.3f}" if TOOL_RATE in r else "-"
         print(f"{label:<34}{r[ACC]:>14.3f}{rate:>16}")
+    if harness.is_dir():
+        loop, http = median_step_s(out / "grpo_tools"), median_step_s(harness)
+        print(f"median step: in-process loop {loop:.1f} s, harness over HTTP {http:.1f} s ({http / loop:.2f}x)")
     total = sum(timings.values())
     print("wall clock: " + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items()) + f"; total {total / 60:.1f} min")
+
+
+def median_step_s(run_dir: Path) -> float:
+    """Median `timing_s/step` of RUN_DIR's training steps."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return statistics.median(r["timing_s/step"] for r in map(json.loads, filter(None, lines)) if "timing_s/step" in r)
 
 
 if __name__ == "__main__":
