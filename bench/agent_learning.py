@@ -92,7 +92,7 @@ def main() -> None:
     parser.add_argument("--sft-rows", type=int, default=128, help="transcripts of the warm-up (2 SFT rows each)")
     parser.add_argument("--sft-steps", type=int, default=4)
     parser.add_argument("--sft-lr", type=float, default=5e-5)
-    parser.add_argument("--rl-steps", type=int, default=8)
+    parser.add_argument("--rl-steps", type=int, default=3)
     parser.add_argument("--rl-lr", type=float, default=2e-5)
     parser.add_argument("--batch", type=int, default=8, help="prompts per GRPO step")
     parser.add_argument("--n", type=int, default=8, help="samples per prompt")

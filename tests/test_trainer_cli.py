@@ -140,7 +140,8 @@ def train_ok(tiny_model: str, tmp_path: Path, *extra: str) -> list[dict]:
         pytest.param("reinforce_pp", ["algorithm.adv_estimator=reinforce_plus_plus"], [], marks=pytest.mark.slow),
         pytest.param("rloo", ["algorithm.adv_estimator=rloo"], [], marks=pytest.mark.slow),
         pytest.param("remax", ["algorithm.adv_estimator=remax"], ["timing_s/reward"], marks=pytest.mark.slow),
-        (
+        # LoRA also trains end to end in the default run in test_sft_cli.py (SFT adapters, exported)
+        pytest.param(
             "lora_kl_save",
             [
                 "actor.lora.rank=8",
@@ -150,6 +151,7 @@ def train_ok(tiny_model: str, tmp_path: Path, *extra: str) -> list[dict]:
                 "trainer.save_freq=2",
             ],
             ["actor/kl_loss", "timing_s/weight_sync"],
+            marks=pytest.mark.slow,
         ),
         ("split", ["algorithm.adv_estimator=gae", "trainer.placement=split"], ["critic/vf_loss", "critic/values/mean"]),
         # the local backend also trains end to end in the default run in test_agent_cli.py and test_verl_keys.py
@@ -212,7 +214,7 @@ def test_train_smoke(tiny_model: str, tmp_path: Path, name: str, extra: list[str
 @pytest.mark.parametrize(
     "extra",
     [
-        pytest.param([], id="dp"),
+        pytest.param([], id="dp", marks=pytest.mark.slow),  # CI runs it with the slow tests
         # the reward model and the actor split every micro-batch's tokens over both workers (Ulysses)
         pytest.param(
             ["reward_model.ulysses_sequence_parallel_size=2", "actor.engine.ulysses_sequence_parallel_size=2"],
