@@ -158,3 +158,28 @@ def test_register_scorer_refuses_a_taken_data_source_unless_override():
         assert default_compute_score("test/always_one", "x", "y") == 0.0
     finally:
         SCORERS.unregister("test/always_one")
+
+
+def test_lookups_from_other_threads_wait_for_the_builtins_to_load():
+    import threading
+    import time
+
+    def slow_load() -> None:
+        time.sleep(0.2)  # the import of the built-in modules, as harness threads race on a fresh worker
+        reg.register("a", 1)
+
+    reg: Registry[int] = Registry("thing", "thing name", load=slow_load)
+    errors: list[Exception] = []
+
+    def look() -> None:
+        try:
+            assert reg.get("a") == 1
+        except Exception as err:  # noqa: BLE001  (collected for the assertion below)
+            errors.append(err)
+
+    threads = [threading.Thread(target=look) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []

@@ -327,7 +327,9 @@ class StaticLlamaDecoder:
         self.v_cache[i, :, :, start:end] = qkv[:, :, hq + hkv :].transpose(1, 2)
         # query head h uses kv head h // group: fold the group into the query-length axis
         q = qk[:, :, :hq].transpose(1, 2).reshape(b, hkv, (hq // hkv) * s, d)
-        if s == 1 and self.full_cache_decode:
+        # a decode step's mask spans the whole cache; a one-token prefill suffix (rows that differ only in their
+        # last prompt token, e.g. n identical prompts) has a narrower mask and takes the SDPA path
+        if s == 1 and self.full_cache_decode and mask.shape[-1] == self.k_cache.shape[3]:
             out = _decode_attention(q, self.k_cache[i], self.v_cache[i], mask, self.scaling)
         else:
             k, v = self.k_cache[i, :, :, :end], self.v_cache[i, :, :, :end]

@@ -14,6 +14,7 @@ This module imports nothing from hybridflow but utils.plugins, so any layer (alg
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar, overload
 
@@ -52,6 +53,8 @@ class Registry(Generic[T]):
         self.hint = hint
         """How to add an entry, appended to the unknown-name message."""
         self._load = load
+        self._lock = threading.RLock()
+        self._loaded = load is None
         self._wrap = wrap
         self._entries: dict[str, T] = {}
 
@@ -121,11 +124,18 @@ class Registry(Generic[T]):
         return f"Registry({self.kind!r}, key={self.key!r}, names={self.names()})"
 
     def _ensure_loaded(self) -> None:
-        # Built-ins that live in modules importing this registry register on first lookup.
-        if self._load is not None:
+        # Built-ins that live in modules importing this registry register on first lookup. The RLock makes a
+        # lookup from another thread wait for that import (agent harness threads look tools up concurrently);
+        # a lookup from inside load() in the same thread re-enters and finds _load already None.
+        if self._loaded:
+            return
+        with self._lock:
+            if self._load is None:
+                return
             load, self._load = self._load, None
             try:
                 load()
             except BaseException:
                 self._load = load
                 raise
+            self._loaded = True
