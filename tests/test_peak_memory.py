@@ -1,6 +1,6 @@
 """utils/peak_memory.py: an operator's peak memory, reset between operators."""
 
-import torch
+import mmap
 
 from hybridflow.utils.peak_memory import operator_peak
 
@@ -14,8 +14,12 @@ def test_operator_peak_sees_a_large_temporary_and_resets_after_it():
     metrics: dict[str, float] = {}
     before = rss_bytes()
     with operator_peak("big", metrics):
-        x = torch.ones(128 * 2**20 // 4)  # 128 MiB, touched (above glibc's largest mmap threshold: fresh pages)
-        del x
+        # 128 MiB of fresh anonymous pages, touched: an mmap of its own, because a malloc'ed temporary may reuse
+        # pages an earlier test left resident (an in-process worker's engine keeps freed memory: mallopt)
+        buf = mmap.mmap(-1, 128 * 2**20)
+        for offset in range(0, len(buf), mmap.PAGESIZE):
+            buf[offset] = 1
+        buf.close()
     assert metrics["memory/peak_gb/big"] * 1e9 >= before + 120 * 2**20  # the temporary is in the peak
     with operator_peak("small", metrics):
         pass
