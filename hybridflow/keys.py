@@ -33,6 +33,8 @@ ROLLOUT_IS_WEIGHTS = "rollout_is_weights"  # [B, R] float32: pi_old / pi_rollout
 ENV_REWARDS = (
     "env_rewards"  # [B, R] float32: multi-turn rollouts: each model turn's environment reward on its last token
 )
+SAMPLED_IDS_HASH = "sampled_ids_hash"  # [B] int64: hybridflow/parity/tokens.py's hash of the ids the sampler drew
+# (in order, over the tokens response_mask marks), taken where they were sampled; checked against responses before the update
 POLICY_VERSION = "policy_version"  # [B] int64: trainer step whose weights generated the row (0: initial weights)
 
 # --- numpy object arrays in DataProto.non_tensor_batch ----------------------
@@ -49,7 +51,7 @@ HARNESS_STATUS = "harness_status"  # [B] str: rollout.agent: how its harness cal
 # --- meta_info keys ----------------------------------------------------------
 # meta_info carries what a batch IS, never what a worker should DO: control flags (sampling params,
 # n, validate, temperature, own_old_log_prob, the step to reseed from) are typed arguments of the
-# worker methods (workers/actor_rollout_ref.py). Only these two keys remain:
+# worker methods (workers/actor_rollout_ref.py). Only these three keys remain:
 META_GLOBAL_STEP = "global_step"
 """int: the training step whose batch (or prompts) this is, stamped by the controller (the PPO rollout
 source, trainer/async_pipeline.py; the SFT trainer). Provenance, not a flag: no worker branches on it (generate_sequences
@@ -58,3 +60,7 @@ baseline regenerates a batch's prompts with the step they carry."""
 META_METRICS = "metrics"
 """dict[str, float | list[float]]: metrics returned by a worker call. Valid-token counts for
 throughput are derived from attention_mask on the controller (trainer/metrics.py), not sent."""
+META_PARITY = "parity_findings"
+"""list[str]: what a worker's parity checks found wrong in this call (hybridflow/parity/), one line per finding,
+e.g. a weight sync whose fingerprints differ; empty or absent when all is well. Concatenated across the parts of a
+collected output; the controller's guard turns findings into an error or a warning (trainer.parity)."""

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hybridflow.keys import META_METRICS
+from hybridflow.keys import META_METRICS, META_PARITY
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -77,7 +77,7 @@ def merge_meta(metas: list[dict]) -> dict:
 
     A key with the same value everywhere keeps it. Under "metrics" a metric whose
     values differ between parts is gathered into one list (lists are extended);
-    any other key whose values differ is an error.
+    the parity findings' lists are concatenated; any other key whose values differ is an error.
     """
     merged: dict = {}
     for key in dict.fromkeys(k for m in metas for k in m):
@@ -86,6 +86,8 @@ def merge_meta(metas: list[dict]) -> dict:
             merged[key] = values[0]
         elif key == META_METRICS and all(isinstance(v, dict) for v in values):
             merged[key] = merge_metrics(values)
+        elif key == META_PARITY:
+            merged[key] = [line for v in values for line in v]
         else:
             raise ValueError(
                 f"DataProto.concat: meta_info[{key!r}] differs between parts ({values[:3]!r}...); "

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+from hybridflow.parity.faults import PARITY_FAULT_ENV, parse_parity_faults
+
 FAULT_ENV = "HYBRIDFLOW_FAULT"
 FAULT_DIR_ENV = "HYBRIDFLOW_FAULT_DIR"
 ACTIONS = ("kill", "hang")
@@ -70,8 +72,10 @@ def parse_faults(spec: str) -> tuple[FaultPoint, ...]:
 def fault_env() -> dict[str, str]:
     """This process's fault-injection variables, for a worker group to pass to its workers (checked here,
     so a malformed one fails on the controller rather than inside every worker)."""
-    env = {k: os.environ[k] for k in (FAULT_ENV, FAULT_DIR_ENV) if os.environ.get(k)}
-    if env:
+    env = {k: os.environ[k] for k in (FAULT_ENV, FAULT_DIR_ENV, PARITY_FAULT_ENV) if os.environ.get(k)}
+    if PARITY_FAULT_ENV in env:
+        parse_parity_faults(env[PARITY_FAULT_ENV])
+    if FAULT_ENV in env:
         _armed.cache_clear()
         _armed()
     return env
