@@ -110,6 +110,7 @@ def test_a_worker_killed_while_saving_recovers_from_the_last_complete_checkpoint
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["global_step_2", "global_step_4"]
 
 
+@pytest.mark.slow  # two runs (~70 s); the default suite keeps the killed-while-saving recovery
 def test_a_resumed_run_logs_the_metrics_of_an_uninterrupted_one(setup, reference, tmp_path: Path):
     # 2 steps, then the same command for 4: resume_mode=auto picks global_step_2 and the run goes on from step 3
     train(setup, tmp_path, "trainer.total_training_steps=2")

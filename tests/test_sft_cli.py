@@ -58,6 +58,7 @@ def _sft(tiny_model: str, tmp: Path, steps: int, *extra: str) -> tuple[subproces
     return proc, [json.loads(line) for line in lines if line.strip()]
 
 
+@pytest.mark.slow  # ~35 s of Ray start-up and two workers
 def test_sft_on_two_ray_workers_logs_losses_and_exports(tiny_model: str, tmp_path: Path) -> None:
     proc, full = _sft(tiny_model, tmp_path, 4)
     losses = {r["step"]: r["train/loss"] for r in full if "train/loss" in r}

@@ -75,11 +75,17 @@ around every layer and the coarser gradients are not paid back."""
 
 
 def probe_compute_dtype(threads: int) -> dict[str, float | str]:
-    """Time a 1024^3 matmul in bf16 and fp32 on `threads` threads; {"bf16": GFLOP/s, "fp32": ..., "choice": ...}."""
+    """Time a 1024^3 matmul in bf16 and fp32 on `threads` threads; {"bf16": GFLOP/s, "fp32": ..., "choice": ...}.
+
+    bf16 is first timed on 256^3: below `SLOW_BF16_GFLOPS` that figure stands (fp32 wins by far), since four
+    1024^3 bf16 matmuls take ~20 s on CPUs without bf16 instructions.
+    """
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        bf16 = matmul_gflops(torch.bfloat16, (1024, 1024, 1024), repeats=3)
+        bf16 = matmul_gflops(torch.bfloat16, (256, 256, 256), repeats=1)
+        if bf16 >= SLOW_BF16_GFLOPS:
+            bf16 = matmul_gflops(torch.bfloat16, (1024, 1024, 1024), repeats=3)
         fp32 = matmul_gflops(torch.float32, (1024, 1024, 1024), repeats=3)
     finally:
         torch.set_num_threads(old)
