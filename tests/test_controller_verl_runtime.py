@@ -22,6 +22,8 @@ from hybridflow.controller.ray import (
     RayClassWithInitArgs,
     RayResourcePool,
     RayWorkerGroup,
+    ResourcePoolManager,
+    Role,
     create_colocated_worker_cls_fused,
     split_resource_pool,
 )
@@ -184,6 +186,39 @@ def test_split_resource_pool_takes_verls_keyword(ray_local):
     parts = split_resource_pool(resource_pool=pool, split_size=1)
     assert [p.world_size for p in parts] == [1, 1]
     pool.remove()
+
+
+def test_resource_pool_manager_places_each_role_on_its_pool(ray_local):
+    spec = {"actor_pool": [1], "critic_pool": [1]}
+    manager = ResourcePoolManager(
+        spec, {Role.ActorRollout: "actor_pool", Role.Critic: "critic_pool"}, num_cpus_per_process=0.5
+    )
+    with pytest.raises(RuntimeError, match="create_resource_pool"):
+        manager.get_resource_pool(Role.Critic)
+    manager.create_resource_pool()
+    assert manager.get_n_gpus() == 2
+    groups = [
+        RayWorkerGroup(
+            manager.get_resource_pool(role), RayClassWithInitArgs(AsyncWorker), name_prefix=f"rpm{role.value}"
+        )
+        for role in (Role.ActorRollout, Role.Critic)
+    ]
+    try:
+        assert [g.add_later(10) for g in groups] == [[10], [10]]  # each group is a world of its own
+        with pytest.raises(KeyError, match="RefPolicy has no pool"):
+            manager.get_resource_pool(Role.RefPolicy)
+    finally:
+        for group in groups:
+            group.shutdown()
+        for pool in manager.resource_pool_dict.values():
+            pool.remove()
+
+
+def test_resource_pool_manager_refuses_a_spec_the_cluster_cannot_hold(ray_local):
+    with pytest.raises(ValueError, match=r"need 64 CPU but the cluster has"):
+        ResourcePoolManager({"big": [64]}, {Role.Actor: "big"}).create_resource_pool()
+    with pytest.raises(ValueError, match=r"names pools \['nope'\]"):
+        ResourcePoolManager({"big": [1]}, {Role.Actor: "nope"}).create_resource_pool()
 
 
 def test_worker_reports_its_rendezvous_and_visible_devices(monkeypatch):

@@ -7,6 +7,7 @@ from typing import Any
 import ray
 
 from hybridflow.controller.colocate import create_colocated_worker_cls, create_colocated_worker_cls_fused
+from hybridflow.controller.ray.pool_manager import ResourcePoolManager, Role
 from hybridflow.controller.ray.resource_pool import (
     RayClassWithInitArgs,
     RayResourcePool,
@@ -19,6 +20,8 @@ __all__ = [
     "RayClassWithInitArgs",
     "RayResourcePool",
     "RayWorkerGroup",
+    "ResourcePoolManager",
+    "Role",
     "create_colocated_worker_cls",
     "create_colocated_worker_cls_fused",
     "init_local_ray",
