@@ -88,6 +88,11 @@ def sections(config: Any, prefix: str = "") -> list[tuple[str, str]]:
     return out
 
 
+def _code(text: str) -> str:
+    """One line for a table's code span (a pipe inside a code span does not split the cell)."""
+    return " ".join(text.split())
+
+
 def _cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
 
@@ -112,7 +117,7 @@ def table(config: Any, title: str, intro: str) -> str:
         elif mine:
             out.append(f"\n### `{name}`\n")
         out += ["| key | type | default | meaning |", "|---|---|---|---|"]
-        out += [f"| `{k}` | `{_cell(t)}` | {_cell(_default(v))} | {_cell(d)} |" for k, t, v, d in mine]
+        out += [f"| `{k}` | `{_code(t)}` | {_cell(_default(v))} | {_cell(d)} |" for k, t, v, d in mine]
     return "\n".join(out) + "\n"
 
 
