@@ -24,7 +24,7 @@ from hybridflow.planner.device import DevicePoint, DeviceProfile
 from hybridflow.planner.device import build_parser as profile_parser
 from hybridflow.trainer.args import parse_args
 from hybridflow.trainer.cli import build_parser
-from hybridflow.trainer.config_doc import render
+from hybridflow.trainer.config_doc import missing_docs, render
 from hybridflow.trainer.measure import Measurements
 from hybridflow.trainer.plan_cli import build_parser as plan_parser
 from hybridflow.trainer.resolve import resolve
@@ -152,8 +152,10 @@ def test_main_recipe_is_the_default_run(user_dir: Path):
 
 
 def test_config_reference_is_generated():
-    """docs/reference/config.md is `python -m hybridflow.trainer.config_doc > docs/reference/config.md`."""
+    """docs/reference/config.md is `python -m hybridflow.trainer.config_doc > docs/reference/config.md`, and every
+    key in it has a meaning (its field's docstring)."""
     assert (ROOT / "docs" / "reference" / "config.md").read_text() == render()
+    assert not missing_docs()
 
 
 # --- the metrics glossary ----------------------------------------------------------------------------------
