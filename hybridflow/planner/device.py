@@ -244,8 +244,8 @@ def profile_device(
     )
 
 
-def main(argv: Sequence[str]) -> int:
-    """CLI of `hybridflow profile`; returns the exit code."""
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of `hybridflow profile`."""
     parser = argparse.ArgumentParser(
         prog="hybridflow profile", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -262,7 +262,12 @@ def main(argv: Sequence[str]) -> int:
         help="decode a batch of this x threads rows (default: each shape's BATCH); a run's rows "
         "per worker over its threads per worker",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str]) -> int:
+    """CLI of `hybridflow profile`; returns the exit code."""
+    args = build_parser().parse_args(argv)
     threads = sorted({int(t) for t in args.threads.split(",")})
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     model = args.model

@@ -30,8 +30,8 @@ def plan_config(cfg: RunConfig, placement: str) -> RunConfig | None:
         return None
 
 
-def main(argv: Sequence[str]) -> int:
-    """CLI of `hybridflow plan`; returns the exit code."""
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of `hybridflow plan`."""
     parser = argparse.ArgumentParser(
         prog="hybridflow plan", description=search.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -52,7 +52,12 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--top", type=int, default=10)
     parser.add_argument("--out", default="plan.yaml", help="where to write the best runnable plan")
     parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str]) -> int:
+    """CLI of `hybridflow plan`; returns the exit code."""
+    args = build_parser().parse_args(argv)
     if args.cluster:
         return search.main_gpu(args)
     if not args.profile:
