@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from vllm_required import require_vllm
 
 from hybridflow import keys as K
 from hybridflow.agent.rollout_loop import generate_multi_turn
@@ -22,9 +23,7 @@ from tests.test_agent_cli import multi_turn_args
 from tests.test_agent_rollout import ENV, assert_the_sampled_turns_are_trained, prompts, stopping_model
 from tests.test_trainer_cli import read_metrics, run_cli
 
-pytest.importorskip(
-    "vllm", reason="needs vllm: ./scripts/setup.sh --vllm, then .venv-vllm/bin/python -m pytest -m vllm"
-)
+require_vllm()
 pytestmark = pytest.mark.vllm
 
 

@@ -12,15 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 from rollout_helpers import prompt_batch, recomputed_log_probs
+from vllm_required import require_vllm
 
 from hybridflow.engine import EngineConfig, FSDPEngine
 from hybridflow.keys import RESPONSE_MASK, RESPONSES, ROLLOUT_LOG_PROBS
 from hybridflow.models import default_model_dir, load_causal_lm, load_tokenizer, tiny_model_dir
 from hybridflow.rollout import RolloutConfig, SamplingParams, build_rollout, sync_weights
 
-pytest.importorskip(
-    "vllm", reason="needs vllm: ./scripts/setup.sh --vllm, then .venv-vllm/bin/python -m pytest -m vllm"
-)
+require_vllm()
 pytestmark = pytest.mark.vllm
 
 SMOL_PROMPTS = [

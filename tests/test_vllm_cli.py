@@ -11,13 +11,12 @@ import json
 from pathlib import Path
 
 import pytest
+from vllm_required import require_vllm
 
 from tests.test_rollout_vllm import tiny_vllm_model_dir
 from tests.test_trainer_cli import run_cli, train_ok
 
-pytest.importorskip(
-    "vllm", reason="needs vllm: ./scripts/setup.sh --vllm, then .venv-vllm/bin/python -m pytest -m vllm"
-)
+require_vllm()
 pytestmark = pytest.mark.vllm
 
 
