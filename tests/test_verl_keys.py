@@ -249,7 +249,7 @@ def test_a_verl_script_trains_two_steps_on_the_local_backend(tmp_path: Path) -> 
     two_steps("grpo_deepseek7b", tmp_path)
 
 
-@pytest.mark.slow  # ~NN s: a second end-to-end run (the GRPO one above covers the path)
+@pytest.mark.slow  # as long as the GRPO run above (72 s vs 74 s side by side on a busy 2-core machine)
 def test_verls_ppo_quickstart_trains_its_critic_two_steps(tmp_path: Path) -> None:
     rows = two_steps("quickstart", tmp_path)  # PPO: GAE with a critic
     assert [r["step"] for r in rows if "critic/vf_loss" in r] == [1, 2]
