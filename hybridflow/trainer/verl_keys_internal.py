@@ -33,8 +33,8 @@ _COPY = "verl's copy of {}, which is read under its own name here"
 _GLOBAL_MICRO = "a micro-batch size for all devices together (verl's deprecated key: use {}_per_gpu)"
 _SETTING_OF = "a setting of {}, which hybridflow lacks ({} is refused unless off)"
 _SEED = (
-    "hybridflow's engines draw no random numbers of their own: LoRA adapters and value heads start from "
-    "fixed seeds, data.seed and rollout.seed seed the shuffles and the sampling"
+    "hybridflow's engines take no seed: LoRA adapters and value heads start from "
+    "fixed seeds; data.seed, rollout.seed and the step number seed the shuffles and the sampling"
 )
 
 NO_EFFECT: dict[str, str] = {
@@ -72,7 +72,7 @@ NO_EFFECT: dict[str, str] = {
     f"{A}.rollout.scheduling_policy": "the request scheduling policy of verl's vLLM server: hybridflow's rollout "
     "decodes a batch at once",
     f"{A}.rollout.checkpoint_engine.update_weights_bucket_megabytes": "the bucket size of verl's GPU weight "
-    "transfer to its inference server: hybridflow's rollout gets the actor's weights in its own worker",
+    "transfer to its inference server: hybridflow syncs the rollout's weights its own way (rollout/bridge.py)",
     f"{A}.rollout.prometheus.*": "Prometheus metrics of verl's inference servers: hybridflow logs through "
     "trainer.logger",
     f"{A}.rollout.trace.*": "traces of agent-loop rollouts to weave/mlflow, for monitoring: hybridflow records "
