@@ -217,9 +217,8 @@ NOT_YET: dict[str, str] = {
     "critic.model.lora_rank": "a LoRA critic",
     "reward_model.reward_manager": "reward managers other than verl's naive one (the one hybridflow has)",
     "reward_model.launch_reward_fn_async": "scoring rewards asynchronously",
-    "reward_model.sandbox_fusion.*": "sandbox-fusion code execution rewards",
+    "reward_model.sandbox_fusion.url": "sandbox-fusion code execution rewards",
     "algorithm.use_pf_ppo": "policy-filtration PPO",
-    "algorithm.pf_ppo.*": "policy-filtration PPO",
     "algorithm.rollout_correction.rollout_rs": "rejection sampling of mismatched rollouts",
     "data.custom_cls.*": "custom dataset classes",
     "data.sampler.*": "custom curriculum samplers",
@@ -239,7 +238,16 @@ NOT_YET: dict[str, str] = {
     "trainer.del_local_ckpt_after_load": "deleting a checkpoint after loading it",
     "trainer.max_critic_ckpt_to_keep": "a separate critic checkpoint limit (trainer.max_ckpt_to_keep)",
 }
-ACCEPTED: dict[str, tuple[Any, ...]] = dict(_internal.ACCEPTED)
+ACCEPTED: dict[str, tuple[Any, ...]] = {
+    f"{A}.rollout.data_parallel_size": (1,),
+    f"{A}.rollout.expert_parallel_size": (1,),
+    f"{A}.rollout.pipeline_model_parallel_size": (1,),
+    f"{A}.rollout.logprobs_mode": ("processed_logprobs",),
+    "reward_model.reward_manager": ("naive",),
+    "data.prompt_key": ("prompt",),
+    "data.reward_fn_key": ("data_source",),
+    **_internal.ACCEPTED,
+}
 """Values of a `NOT_YET` key that are what hybridflow does (besides the values that leave a feature off)."""
 
 for _mine, _theirs in ((NO_EFFECT, _internal.NO_EFFECT), (NOT_YET, _internal.NOT_YET)):

@@ -96,6 +96,10 @@ NO_EFFECT: dict[str, str] = {
         "serving the reward model from an inference engine (e.g. a generative reward model)",
         "reward_model.rollout.name",
     ),
+    "reward_model.sandbox_fusion.*": _SETTING_OF.format(
+        "sandbox-fusion code execution rewards", "reward_model.sandbox_fusion.url"
+    ),
+    "algorithm.pf_ppo.*": _SETTING_OF.format("policy-filtration PPO", "algorithm.use_pf_ppo"),
     "reward_manager.module.name": _SETTING_OF.format("reward managers from a module", "reward_manager.module.path"),
     "algorithm.rollout_correction.rollout_rs_threshold": _SETTING_OF.format(
         "rejection sampling of mismatched rollouts", "algorithm.rollout_correction.rollout_rs"
