@@ -208,7 +208,8 @@ NOT_YET: dict[str, str] = {
     f"{A}.rollout.expert_parallel_size": "mixture-of-experts models",
     f"{A}.rollout.pipeline_model_parallel_size": "pipeline parallel rollout",
     f"{A}.rollout.max_model_len": "a rollout context other than prompt + response length",
-    f"{A}.rollout.logprobs_mode": "rollout log-prob modes (hybridflow returns processed log-probs)",
+    f"{A}.rollout.logprobs_mode": "choosing the rollout's log-prob mode (vllm returns processed_logprobs; the "
+    "native rollout's are taken before top-k/top-p filtering)",
     f"{A}.rollout.skip_rollout": "dumping and replaying rollouts",
     f"{A}.rollout.agent.*": "verl's agent-loop classes and server workers (hybridflow: rollout.agent.function)",
     f"{A}.rollout.engine_kwargs.*": "passing raw engine arguments to vLLM / SGLang",
@@ -242,7 +243,6 @@ ACCEPTED: dict[str, tuple[Any, ...]] = {
     f"{A}.rollout.data_parallel_size": (1,),
     f"{A}.rollout.expert_parallel_size": (1,),
     f"{A}.rollout.pipeline_model_parallel_size": (1,),
-    f"{A}.rollout.logprobs_mode": ("processed_logprobs",),
     "reward_model.reward_manager": ("naive",),
     "data.prompt_key": ("prompt",),
     "data.reward_fn_key": ("data_source",),

@@ -47,7 +47,8 @@ NO_EFFECT: dict[str, str] = {
     f"{A}.rollout.mtp": _COPY.format(f"{A}.model.mtp"),
     "data.tool_config_path": "verl's copy of the multi-turn tool config, for the dataset's prompts: hybridflow's "
     "tool environment takes each row's tools (rollout.multi_turn.env); verl's tool-config file format differs",
-    f"{A}.actor.use_fused_kernels": "a CUDA kernel option: hybridflow's CPU path has no such kernel (fused log-prob/entropy)",
+    f"{A}.actor.use_fused_kernels": "a CUDA kernel option: hybridflow's CPU path has no such kernel "
+    "(fused log-prob/entropy)",
     "reward_model.model.use_fused_kernels": "a CUDA kernel option: hybridflow's CPU path has no such kernel",
     f"{A}.actor.sum_pi_squared_checkpointing": "GPU memory saving for the sum-of-squared-probabilities metric, "
     "which hybridflow does not compute",
