@@ -29,7 +29,7 @@ _PROFILER = (
     "verl's profilers (nsys, npu, torch, torch_memory) are not in hybridflow: every step logs timing_s/* "
     "and memory/peak_gb/* per operator instead"
 )
-_COPY = "verl's copy of {}, which is read under its own name here"
+_COPY = "verl's copy of actor_rollout_ref.rollout.n, which hybridflow reads (as rollout.n)"
 _GLOBAL_MICRO = "a micro-batch size for all devices together (verl's deprecated key: use {}_per_gpu)"
 _SETTING_OF = "a setting of {}, which hybridflow lacks ({} is refused unless off)"
 _SEED = (
@@ -41,10 +41,11 @@ NO_EFFECT: dict[str, str] = {
     "*._target_": "a Hydra class path of verl's config: hybridflow's sections are its own dataclasses",
     "global_profiler.*": _PROFILER,
     "ray_kwargs.timeline_json_file": "a Ray timeline dump for profiling: hybridflow logs timing_s/* per operator",
-    f"{A}.actor.rollout_n": _COPY.format("rollout.n"),
-    f"{A}.ref.rollout_n": _COPY.format("rollout.n"),
-    "critic.rollout_n": _COPY.format("rollout.n"),
-    f"{A}.rollout.mtp": _COPY.format(f"{A}.model.mtp"),
+    f"{A}.actor.rollout_n": _COPY,
+    f"{A}.ref.rollout_n": _COPY,
+    "critic.rollout_n": _COPY,
+    f"{A}.rollout.mtp": f"verl's copy of {A}.model.mtp for the rollout: multi-token prediction, which hybridflow "
+    f"lacks ({A}.model.mtp.enable is refused unless off)",
     "data.tool_config_path": "verl's copy of the multi-turn tool config, for the dataset's prompts: hybridflow's "
     "tool environment takes each row's tools (rollout.multi_turn.env); verl's tool-config file format differs",
     f"{A}.actor.use_fused_kernels": "a CUDA kernel option: hybridflow's CPU path has no such kernel "
