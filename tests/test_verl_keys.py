@@ -1,7 +1,8 @@
 """verl's run scripts load unchanged: renamed keys, warned GPU-only keys, refused missing features, verl's defaults.
 
 The fixtures (tests/verl_scripts.py) are ten of verl's own example command lines, model/data/rollout swapped for
-local ones; the expectations below are written by hand from the scripts and verl's ppo_trainer.yaml.
+local ones; the expectations below are written by hand from the scripts and verl's ppo_trainer.yaml. Every key of
+verl's full generated config (tests/data/verl_ppo_trainer_b178a3c.yaml) must be in the table or be hybridflow's.
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hybridflow.config_utils import ConfigError, load_config, to_yaml
+from hybridflow.config_utils import ConfigError, load_config, to_yaml, unknown_keys
 from hybridflow.models import tiny_model_dir
 from hybridflow.trainer import verl_keys as K
 from hybridflow.trainer.run_config import RunConfig
-from hybridflow.trainer.verl_dialect import lookup
+from hybridflow.trainer.verl_dialect import flatten, lookup, nest
 from hybridflow.trainer.verl_doc import render
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -27,6 +28,8 @@ from verl_scripts import SCRIPTS, local  # noqa: E402
 
 MODEL = str(tiny_model_dir("llama"))
 TASKS = "/tmp/hybridflow-verl-tests"
+VERL_GENERATED = Path(__file__).parent / "data" / "verl_ppo_trainer_b178a3c.yaml"
+"""verl's full config with every default, as verl generates it (verl/trainer/config/_generated_ppo_trainer.yaml)."""
 
 EXPECTED: dict[str, dict[str, object]] = {
     "quickstart": {
@@ -128,16 +131,19 @@ def test_verl_scripts_load_with_verl_meaning(name: str, caplog: pytest.LogCaptur
     assert any("starts from verl's defaults" in r.getMessage() for r in caplog.records)
 
 
-@pytest.mark.parametrize("key", sorted(k for k in K.NO_EFFECT if not k.endswith("*")))
-def test_every_no_effect_key_is_accepted_with_one_warning(key: str, caplog: pytest.LogCaptureFixture) -> None:
+def test_every_no_effect_key_is_accepted_with_one_warning(caplog: pytest.LogCaptureFixture) -> None:
+    keys = sorted(k for k in K.NO_EFFECT if "*" not in k)  # all in one run: a load costs ~1 s
     with caplog.at_level(logging.WARNING, logger="hybridflow.config"):
-        load_config(RunConfig, None, [f"{key}=true", f"data.task_dir={TASKS}"])
-    assert [m for m in warned(caplog) if key in m] == [m for m in warned(caplog)]
-    assert len(warned(caplog)) == 1 and "has no effect here: " + K.NO_EFFECT[key] in warned(caplog)[0]
+        load_config(RunConfig, None, [f"{key}=true" for key in keys] + [f"data.task_dir={TASKS}"])
+    messages = warned(caplog)
+    assert len(messages) == len(keys), messages
+    for key in keys:
+        line = f"command-line overrides: {key}=True has no effect here: {K.NO_EFFECT[key]}"
+        assert sum(m == line for m in messages) == 1, (key, messages)
 
 
 def test_every_missing_feature_and_unknown_key_is_reported_at_once() -> None:
-    refused = [k for k in K.NOT_YET if not k.endswith("*")]
+    refused = [k for k in K.NOT_YET if "*" not in k]
     bad = [f"{k}=7" for k in refused] + [
         "actor_rollout_ref.actor.ppo_epoch=2",
         "actor.ppo_micro_batch_size_per_gpu=2",
@@ -211,7 +217,8 @@ def test_print_config_shows_hybridflow_names_and_the_verl_defaults(tmp_path: Pat
     assert "this run starts from verl's defaults" in proc.stderr and "algorithm.adv_estimator=gae" in proc.stderr
 
 
-def test_a_verl_script_trains_two_steps_on_the_local_backend(tmp_path: Path) -> None:
+def two_steps(name: str, tmp_path: Path) -> list[dict]:
+    """verl script `name`, shrunk to 2 steps of 2 prompts on the local backend: both steps train the actor."""
     small = [
         "data.train_batch_size=2",
         "data.max_prompt_length=128",
@@ -230,8 +237,88 @@ def test_a_verl_script_trains_two_steps_on_the_local_backend(tmp_path: Path) -> 
         f"trainer.default_local_dir={tmp_path / 'ckpt'}",
         f"trainer.log_dir={tmp_path / 'logs'}",
     ]
-    args = local("grpo_deepseek7b", MODEL, str(tmp_path / "data"), gen_train_size=16)
+    args = local(name, MODEL, str(tmp_path / "data"), gen_train_size=16)
     proc = run_cli([*args, *small, "trainer.n_gpus_per_node=1"], tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    steps = [r["step"] for r in read_metrics(tmp_path) if "actor/pg_loss" in r]
-    assert steps == [1, 2]
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows if "actor/pg_loss" in r] == [1, 2]
+    return rows
+
+
+def test_a_verl_script_trains_two_steps_on_the_local_backend(tmp_path: Path) -> None:
+    two_steps("grpo_deepseek7b", tmp_path)
+
+
+@pytest.mark.slow  # as long as the GRPO run above (72 s vs 74 s side by side on a busy 2-core machine)
+def test_verls_ppo_quickstart_trains_its_critic_two_steps(tmp_path: Path) -> None:
+    rows = two_steps("quickstart", tmp_path)  # PPO: GAE with a critic
+    assert [r["step"] for r in rows if "critic/vf_loss" in r] == [1, 2]
+
+
+def verl_generated() -> dict[str, object]:
+    """Every leaf key of verl's generated config with its default."""
+    return flatten(yaml.safe_load(VERL_GENERATED.read_text()))
+
+
+def classified(key: str) -> bool:
+    return key in K.SETS or any(lookup(table, key) is not None for table in (K.RENAMED, K.NO_EFFECT, K.NOT_YET))
+
+
+def test_every_key_of_verls_generated_config_is_classified() -> None:
+    keys = verl_generated()
+    assert len(keys) == 556
+    unclassified = [k for k, v in keys.items() if not classified(k) and unknown_keys(RunConfig, nest({k: v}))]
+    assert unclassified == [], f"{len(unclassified)} verl keys are in no table and not hybridflow's: {unclassified}"
+    renamed_to_nothing = [k for k, mine in K.RENAMED.items() if unknown_keys(RunConfig, nest({mine: None}))]
+    assert renamed_to_nothing == []
+    assert [k for k in K.ACCEPTED if lookup(K.NOT_YET, k) is None] == []  # accepted values only of refused keys
+
+
+def test_print_config_warns_about_verls_profiler_defaults(
+    tmp_path: Path, capsys: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hybridflow.trainer.cli import main
+
+    profiler = {
+        k: v for k, v in verl_generated().items() if k.startswith(("global_profiler.", f"{K.A}.actor.profiler."))
+    }
+    config = tmp_path / "profiler.yaml"
+    config.write_text(yaml.safe_dump(nest(profiler)))
+    monkeypatch.chdir(tmp_path)
+    args = local("quickstart", MODEL, str(tmp_path / "data"), gen_train_size=256)
+    with caplog.at_level(logging.WARNING, logger="hybridflow.config"):
+        assert main(["train", "--print-config", "--config", str(config), *args]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["trainer"]["total_training_steps"] == 15
+    messages = warned(caplog)
+    for key in profiler:  # one line each, saying why
+        assert sum(f": {key}=" in m and "has no effect here: " in m for m in messages) == 1, (key, messages)
+    assert any("verl's profilers (nsys, npu, torch, torch_memory)" in m for m in messages)
+
+
+def test_verl_values_that_are_what_hybridflow_does_are_accepted(caplog: pytest.LogCaptureFixture) -> None:
+    accepted = [
+        "actor_rollout_ref.actor.optim.optimizer=AdamW",
+        "critic.optim.num_cycles=0.5",
+        "actor_rollout_ref.actor.router_replay.mode=disabled",
+        "actor_rollout_ref.model.mtp.enable=false",
+        "actor_rollout_ref.model.mtp.speculative_algorithm=EAGLE",  # a setting of mtp: no effect while it is off
+        "actor_rollout_ref.actor.fsdp_config.dtype=float32",
+        "critic._target_=verl.workers.config.FSDPCriticConfig",  # every Hydra class path: one rule
+        "algorithm.rollout_correction.rollout_is=sequence",
+        "algorithm.rollout_correction.rollout_is_threshold=2.0",
+        "actor_rollout_ref.rollout.calculate_log_probs=true",
+        "custom_reward_function.name=my_score",
+        f"data.task_dir={TASKS}",
+    ]
+    with caplog.at_level(logging.WARNING, logger="hybridflow.config"):
+        cfg = load_config(RunConfig, None, accepted)
+    assert cfg.actor.engine.param_dtype == "fp32" and cfg.reward.custom_reward_function.name == "my_score"
+    assert cfg.algorithm.rollout_is is True and cfg.algorithm.rollout_is_level == "sequence"
+    assert len(warned(caplog)) == 6 and "a Hydra class path of verl's config" in warned(caplog)[-1], warned(caplog)
+    refused = ["actor_rollout_ref.actor.optim.optimizer=SGD", "algorithm.rollout_correction.rollout_is=geometric"]
+    with pytest.raises(ConfigError) as err:
+        load_config(RunConfig, None, refused)
+    assert "hybridflow has no optimizers other than AdamW yet" in str(err.value)
+    assert "rollout_is='geometric' is not one of the values hybridflow reads: [None, 'token', 'sequence']" in str(
+        err.value
+    )

@@ -210,6 +210,11 @@ class AlgorithmConfig(Section):
         ROLLOUT_IS_LEVELS.get(self.rollout_is_level)
         ROLLOUT_IS_MODES.get(self.rollout_is_mode)
         upper, lower = self.rollout_is_threshold, self.rollout_is_threshold_lower
+        if self.rollout_is and upper is None:
+            raise ValueError(
+                "algorithm.rollout_is=true applies weights bounded by algorithm.rollout_is_threshold, which is "
+                "unset; set the threshold (verl's default: 2.0) or algorithm.rollout_is=false"
+            )
         if upper is not None and upper <= 1.0:
             raise ValueError(
                 f"algorithm.rollout_is_threshold must be > 1 (it bounds pi_old / pi_rollout from "

@@ -4,8 +4,12 @@
 is built:
 
 - a key in `verl_keys.RENAMED` becomes hybridflow's key (its value translated where `verl_keys.VALUES` says);
-- a key in `verl_keys.NO_EFFECT` is dropped with one warning line saying why;
-- a key in `verl_keys.NOT_YET`, or any other `actor_rollout_ref.*` key, is returned as a problem line
+- a key in `verl_keys.SETS` sets the hybridflow keys its value names (another value is a problem line);
+- a key in `verl_keys.NO_EFFECT` is dropped with one warning line saying why; the entry `*._target_` covers
+  every key whose last part is `_target_` (Hydra class paths);
+- a key in `verl_keys.NOT_YET` set to a value that leaves the feature off, or to one of its
+  `verl_keys.ACCEPTED` values, is dropped with one warning line;
+- any other key in `verl_keys.NOT_YET`, or any other `actor_rollout_ref.*` key, is returned as a problem line
   (load_config reports every problem and unknown key of a run at once);
 - `trainer.logger=console` (a string, as verl accepts) becomes `[console]`.
 
@@ -50,7 +54,8 @@ def nest(flat: dict[str, Any]) -> dict:
 
 
 def lookup(table: dict[str, Any], key: str) -> Any:
-    """`table[key]`, or the entry of the nearest `prefix.*` covering `key`; None when neither exists."""
+    """`table[key]`, or the entry of the nearest `prefix.*` covering `key`, or the entry `*.leaf` for the last
+    part of `key`; None when none exists."""
     if key in table:
         return table[key]
     parts = key.split(".")
@@ -58,12 +63,13 @@ def lookup(table: dict[str, Any], key: str) -> Any:
         star = ".".join(parts[:end]) + ".*"
         if star in table:
             return table[star]
-    return None
+    return table.get("*." + parts[-1])
 
 
 def is_verl_name(key: str) -> bool:
     """Whether `key` is one of verl's names that hybridflow spells differently (or lacks)."""
-    return key.startswith(K.A + ".") or any(lookup(t, key) is not None for t in (K.RENAMED, K.NO_EFFECT, K.NOT_YET))
+    tables = (K.RENAMED, K.SETS, K.NO_EFFECT, K.NOT_YET)
+    return key.startswith(K.A + ".") or any(lookup(t, key) is not None for t in tables)
 
 
 class VerlDialect:
@@ -86,6 +92,12 @@ class VerlDialect:
                         value,
                         value,
                     )
+            elif key in K.SETS:
+                sets = K.SETS[key].get(value) if _hashable(value) else None
+                if sets is None:
+                    problems.append(f"{key}={value!r} is not one of the values hybridflow reads: {list(K.SETS[key])}")
+                else:
+                    out.update(sets)
             elif (why := _entry(K.NO_EFFECT, key)) is not None:
                 log.warning("%s: %s=%s has no effect here: %s", source, key, value, why)
             elif (what := _entry(K.NOT_YET, key)) is not None:
@@ -96,6 +108,10 @@ class VerlDialect:
                         key,
                         value,
                         what,
+                    )
+                elif _accepted(key, value):  # e.g. optim.optimizer=AdamW: the one optimizer hybridflow has
+                    log.warning(
+                        "%s: %s=%s accepted: it is what hybridflow does (it has no %s)", source, key, value, what
                     )
                 else:
                     problems.append(f"{key!r} is verl's; hybridflow has no {what} yet")
@@ -133,7 +149,7 @@ class VerlDialect:
 
 
 def _near_verl(key: str) -> str:
-    known = list(K.RENAMED) + list(K.NO_EFFECT) + list(K.NOT_YET)
+    known = list(K.RENAMED) + list(K.SETS) + list(K.NO_EFFECT) + list(K.NOT_YET)
     near = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
     if not near:
         return "; see docs/verl.md"
@@ -160,7 +176,7 @@ def _warn_unused_memory_fraction(layer: dict[str, Any], source: str) -> None:
 
 def _entry(table: dict[str, str], key: str) -> str | None:
     """`lookup(table, key)`, unless another table names `key` exactly (an exact entry beats a `prefix.*`)."""
-    if key not in table and any(key in other for other in (K.RENAMED, K.NO_EFFECT, K.NOT_YET)):
+    if key not in table and any(key in other for other in (K.RENAMED, K.SETS, K.NO_EFFECT, K.NOT_YET)):
         return None
     return lookup(table, key)
 
@@ -168,6 +184,11 @@ def _entry(table: dict[str, str], key: str) -> str | None:
 def _is_off(value: Any) -> bool:
     """A value that switches a feature off (false, null, 0, -1, empty)."""
     return value is None or value is False or (type(value) is int and value in (0, -1)) or value in ("", [], {})
+
+
+def _accepted(key: str, value: Any) -> bool:
+    """Whether `value` is one of the `verl_keys.ACCEPTED` values of NOT_YET key `key`."""
+    return _hashable(value) and value in K.ACCEPTED.get(key, ())
 
 
 def _hashable(value: Any) -> bool:

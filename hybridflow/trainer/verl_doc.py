@@ -23,15 +23,20 @@ Every layer (YAML file, command line) goes through one table, before any config 
 
 - **renamed**: a verl key with a hybridflow equivalent becomes hybridflow's key (table below);
   `bfloat16`/`float32` dtypes become `bf16`/`fp32`, `optim.total_training_steps=-1` becomes null;
-- **no effect here**: accepted, with one warning line on stderr saying why;
+- **set by value**: a verl key whose value sets several hybridflow keys (table below);
+- **no effect here**: accepted, with one warning line on stderr saying why; `*._target_` stands for every
+  Hydra class path (`actor_rollout_ref.actor._target_`, ...);
 - **not yet**: refused, one line each naming the key and the missing feature;
 - verl keys that hybridflow spells the same way (most of `data.*`, `algorithm.*`, `trainer.*`, `critic.*`)
   pass unchanged; `trainer.logger=console` (a string) is read as `[console]`;
 - two renamed keys also warn: `trainer.n_gpus_per_node=N` (N worker processes here, CPU processes on a CPU
   machine), and `rollout.gpu_memory_utilization` where the run's rollout is not vllm on a GPU (the only
   rollout it sizes);
-- a "not yet" key set to a value that leaves its feature off (`false`, `null`, `0`, `-1`, empty) is accepted
-  with a warning, since off is what hybridflow does.
+- a "not yet" key set to a value that leaves its feature off (`false`, `null`, `0`, `-1`, empty), or to a
+  value the table lists as accepted (what hybridflow does, e.g. `optim.optimizer=AdamW`), is accepted with a
+  warning;
+- where a feature hybridflow lacks has one switch, the switch is "not yet" and the settings under it have
+  "no effect" (they do nothing while the switch is off), so verl's own defaults for them load.
 
 Every unknown or refused key of a run is reported at once, one line each; a hybridflow-style key with verl's
 leaf name (`actor.ppo_micro_batch_size_per_gpu`) names its hybridflow spelling.
@@ -68,6 +73,28 @@ def _table(title: str, header: str, rows: dict[str, str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _sets() -> str:
+    lines = ["\n## Set by value\n", "| verl key = value | hybridflow keys |", "|---|---|"]
+    for key, table in K.SETS.items():
+        for value, sets in table.items():
+            shown = ", ".join(f"`{k}={_show(v)}`" for k, v in sets.items())
+            lines.append(f"| `{key}={_show(value)}` | {shown} |")
+    return "\n".join(lines) + "\n"
+
+
+def _with_accepted(rows: dict[str, str]) -> dict[str, str]:
+    """NOT_YET's rows, each with the values of `verl_keys.ACCEPTED` it takes."""
+    out = {}
+    for key, what in rows.items():
+        accepted = ", ".join(f"`{_show(v)}`" for v in K.ACCEPTED.get(key, ()))
+        out[key] = what + (f" (accepted: {accepted})" if accepted else "")
+    return out
+
+
+def _show(value: object) -> str:
+    return "null" if value is None else str(value)
+
+
 def render() -> str:
     """The whole docs/verl.md page."""
     defaults = "\n".join(f"| `{k}` | `{'null' if v is None else v}` |" for k, v in K.VERL_DEFAULTS.items())
@@ -77,8 +104,9 @@ def render() -> str:
         + "\n"
         + DEPARTURES
         + _table(f"Renamed ({len(K.RENAMED)} keys)", "hybridflow key", K.RENAMED)
+        + _sets()
         + _table(f"No effect here, accepted with a warning ({len(K.NO_EFFECT)} keys)", "why", K.NO_EFFECT)
-        + _table(f"Not yet, refused ({len(K.NOT_YET)} keys)", "missing feature", K.NOT_YET)
+        + _table(f"Not yet, refused ({len(K.NOT_YET)} keys)", "missing feature", _with_accepted(K.NOT_YET))
     )
 
 

@@ -1,17 +1,23 @@
 """verl's `ppo_trainer.yaml` key names, and what each one is in hybridflow: the one table of the verl dialect.
 
 `RENAMED` maps a verl key to hybridflow's key for the same setting (same meaning, same units; a few values are
-translated, see `VALUES`). `NO_EFFECT` lists verl keys accepted with one warning line saying why they do nothing
-on this device. `NOT_YET` lists verl keys refused with the feature hybridflow lacks. A key ending in `.*` stands
-for every key under it. verl keys spelled the same in hybridflow (most of `data.*`, `algorithm.*`, `trainer.*`,
-`critic.*`) are not listed: they pass unchanged. `VERL_DEFAULTS` is the base layer a run written with verl's
-names starts from (hybridflow/trainer/verl_dialect.py). docs/verl.md is generated from this file
-(`python -m hybridflow.trainer.verl_doc > docs/verl.md`; tests/test_verl_keys.py checks it is in sync).
+translated, see `VALUES`). `SETS` lists verl keys whose value sets several hybridflow keys. `NO_EFFECT` lists
+verl keys accepted with one warning line saying why they do nothing on this device. `NOT_YET` lists verl keys
+refused with the feature hybridflow lacks; `ACCEPTED` names the values of such a key that are what hybridflow
+does anyway. A key ending in `.*` stands for every key under it; `*.leaf` for every key whose last part is
+`leaf`. verl keys spelled the same in hybridflow (most of `data.*`, `algorithm.*`, `trainer.*`, `critic.*`) are
+not listed: they pass unchanged. The keys of verl's full generated config that its scripts rarely set
+(profilers, class paths, internals) live in verl_keys_internal.py and are merged into these tables.
+`VERL_DEFAULTS` is the base layer a run written with verl's names starts from (hybridflow/trainer/verl_dialect.py).
+docs/verl.md is generated from this file (`python -m hybridflow.trainer.verl_doc > docs/verl.md`;
+tests/test_verl_keys.py checks it is in sync).
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from hybridflow.trainer import verl_keys_internal as _internal
 
 A = "actor_rollout_ref"
 ROLES = (f"{A}.actor", f"{A}.ref", "critic.model", "reward_model.model")
@@ -23,6 +29,7 @@ RENAMED: dict[str, str] = {
     f"{A}.model.tokenizer_path": "model.tokenizer_path",
     f"{A}.model.enable_gradient_checkpointing": "actor.engine.gradient_checkpointing",
     f"{A}.model.use_remove_padding": "actor.engine.use_remove_padding",
+    f"{A}.actor.use_remove_padding": "actor.engine.use_remove_padding",
     f"{A}.model.lora_rank": "actor.lora.rank",
     f"{A}.model.lora_alpha": "actor.lora.alpha",
     f"{A}.model.target_modules": "actor.lora.target_modules",
@@ -106,6 +113,9 @@ RENAMED: dict[str, str] = {
     "critic.model.use_remove_padding": "critic.engine.use_remove_padding",
     # reward model, algorithm, trainer
     "reward_model.micro_batch_size_per_gpu": "reward_model.micro_batch_size_per_device",
+    "reward_model.num_workers": "reward.num_workers",
+    "custom_reward_function.path": "reward.custom_reward_function.path",
+    "custom_reward_function.name": "reward.custom_reward_function.name",
     "algorithm.rollout_correction.rollout_is_threshold": "algorithm.rollout_is_threshold",
     "trainer.n_gpus_per_node": "trainer.n_workers_per_node",
     "trainer.max_actor_ckpt_to_keep": "trainer.max_ckpt_to_keep",
@@ -114,6 +124,18 @@ for _verl, _mine in ((f"{A}.actor", "actor"), ("critic.model", "critic")):  # fs
     RENAMED[f"{_verl}.fsdp_config.fsdp_size"] = f"{_mine}.engine.fsdp_size"
     RENAMED[f"{_verl}.fsdp_config.reshard_after_forward"] = f"{_mine}.engine.reshard_after_forward"
     RENAMED[f"{_verl}.fsdp_config.ulysses_sequence_parallel_size"] = f"{_mine}.engine.ulysses_sequence_parallel_size"
+for _verl, _mine in _internal.FSDP.items():  # verl's mixed-precision compute dtype of a role
+    RENAMED[f"{_verl}.dtype"] = f"{_mine}.param_dtype"
+
+SETS: dict[str, dict[Any, dict[str, Any]]] = {
+    "algorithm.rollout_correction.rollout_is": {
+        None: {"algorithm.rollout_is": False},
+        "token": {"algorithm.rollout_is": True, "algorithm.rollout_is_level": "token"},
+        "sequence": {"algorithm.rollout_is": True, "algorithm.rollout_is_level": "sequence"},
+    },
+}
+"""verl keys whose value sets several hybridflow keys: verl value -> {hybridflow key: value}; other values are
+refused. verl's rollout_is is the IS level or null (weights off, mismatch metrics only)."""
 
 _OFFLOAD = (
     "FSDP CPU offload is not in hybridflow's engine: on CPU the weights and optimizer state live in host memory "
@@ -186,7 +208,8 @@ NOT_YET: dict[str, str] = {
     f"{A}.rollout.expert_parallel_size": "mixture-of-experts models",
     f"{A}.rollout.pipeline_model_parallel_size": "pipeline parallel rollout",
     f"{A}.rollout.max_model_len": "a rollout context other than prompt + response length",
-    f"{A}.rollout.logprobs_mode": "rollout log-prob modes (hybridflow returns processed log-probs)",
+    f"{A}.rollout.logprobs_mode": "choosing the rollout's log-prob mode (vllm returns processed_logprobs; the "
+    "native rollout's are taken before top-k/top-p filtering)",
     f"{A}.rollout.skip_rollout": "dumping and replaying rollouts",
     f"{A}.rollout.agent.*": "verl's agent-loop classes and server workers (hybridflow: rollout.agent.function)",
     f"{A}.rollout.engine_kwargs.*": "passing raw engine arguments to vLLM / SGLang",
@@ -195,9 +218,8 @@ NOT_YET: dict[str, str] = {
     "critic.model.lora_rank": "a LoRA critic",
     "reward_model.reward_manager": "reward managers other than verl's naive one (the one hybridflow has)",
     "reward_model.launch_reward_fn_async": "scoring rewards asynchronously",
-    "reward_model.sandbox_fusion.*": "sandbox-fusion code execution rewards",
+    "reward_model.sandbox_fusion.url": "sandbox-fusion code execution rewards",
     "algorithm.use_pf_ppo": "policy-filtration PPO",
-    "algorithm.pf_ppo.*": "policy-filtration PPO",
     "algorithm.rollout_correction.rollout_rs": "rejection sampling of mismatched rollouts",
     "data.custom_cls.*": "custom dataset classes",
     "data.sampler.*": "custom curriculum samplers",
@@ -217,10 +239,27 @@ NOT_YET: dict[str, str] = {
     "trainer.del_local_ckpt_after_load": "deleting a checkpoint after loading it",
     "trainer.max_critic_ckpt_to_keep": "a separate critic checkpoint limit (trainer.max_ckpt_to_keep)",
 }
+ACCEPTED: dict[str, tuple[Any, ...]] = {
+    f"{A}.rollout.data_parallel_size": (1,),
+    f"{A}.rollout.expert_parallel_size": (1,),
+    f"{A}.rollout.pipeline_model_parallel_size": (1,),
+    "reward_model.reward_manager": ("naive",),
+    "data.prompt_key": ("prompt",),
+    "data.reward_fn_key": ("data_source",),
+    **_internal.ACCEPTED,
+}
+"""Values of a `NOT_YET` key that are what hybridflow does (besides the values that leave a feature off)."""
+
+for _mine, _theirs in ((NO_EFFECT, _internal.NO_EFFECT), (NOT_YET, _internal.NOT_YET)):
+    _twice = sorted(set(_theirs) & (set(RENAMED) | set(SETS) | set(NO_EFFECT) | set(NOT_YET)))
+    if _twice:
+        raise AssertionError(f"verl keys listed twice (verl_keys_internal and another table): {_twice}")
+    _mine.update(_theirs)
 
 _DTYPES = {"bfloat16": "bf16", "float32": "fp32", "fp32": "fp32", "bf16": "bf16"}
 VALUES: dict[str, dict[Any, Any]] = {
     "rollout.dtype": _DTYPES,
+    **{f"{mine}.param_dtype": _DTYPES for mine in _internal.FSDP.values()},
     "actor.optim.total_training_steps": {-1: None},
 }
 """Values verl spells differently, by hybridflow key: verl value -> hybridflow value (others pass unchanged)."""
