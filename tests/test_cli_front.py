@@ -83,7 +83,7 @@ def test_the_key_table_is_generated_from_the_config() -> None:
 
 def test_a_stale_table_reads_the_config_itself(tmp_path: Path, monkeypatch, capsys) -> None:
     table = json.loads(config_keys.TABLE.read_text())
-    table["train"]["sources"]["trainer/config.py"] = "0" * 40  # as if trainer/config.py had changed since
+    table["train"]["sources"]["trainer/config.py"]["sha1"] = "0" * 40  # as if a section there had changed since
     table["train"]["keys"] = []
     monkeypatch.setattr(config_keys, "TABLE", tmp_path / "config_keys.json")
     config_keys.TABLE.write_text(json.dumps(table))

@@ -5,8 +5,8 @@ are those of a default-constructed root config (so the main job's, e.g. RunConfi
 and the doc is the first sentence of the attribute docstring under each field, read from the class's source with
 `ast`. Importing the config imports torch (seconds), so the listing is read from config_keys.json, written by
 `python -m hybridflow.trainer.config_keys` and kept equal to the config by tests/test_cli_front.py. The table
-records a hash of each file that defines a config section; when one differs (a config edited since), the listing
-is built from the config itself, slower, with a note on stderr.
+records a hash of the source of every config section class and default factory; when one differs (a section
+edited since), the listing is built from the config itself, slower, with a note on stderr.
 """
 
 from __future__ import annotations
@@ -134,51 +134,76 @@ def root_class(command: str) -> type:
     return getattr(importlib.import_module(module), name)
 
 
-def _section_files(config: Any, files: set[Path]) -> set[Path]:
-    """The source files of `config`'s class, its bases and every nested section's."""
+def _definitions(config: Any, found: dict[str, set[str]]) -> dict[str, set[str]]:
+    """{package-relative file: names of the classes and functions there that define `config`'s keys and defaults}:
+    the dataclasses of every section (bases included) and the module-level functions used as default factories."""
     for cls in type(config).__mro__:
         if dataclasses.is_dataclass(cls):
-            files.add(Path(inspect.getfile(cls)).resolve())
+            _add(found, cls)
     for f in dataclasses.fields(config):
+        if inspect.isfunction(f.default_factory) and "<" not in f.default_factory.__qualname__:
+            _add(found, f.default_factory)  # a lambda or a nested function is inside what defines it
         value = getattr(config, f.name)
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            _section_files(value, files)
-    return files
+            _definitions(value, found)
+    return found
 
 
-def _digests(paths: list[str]) -> dict[str, str]:
-    """{package-relative path: sha1 of the file's bytes ("" when it is gone)}."""
-    files = {p: PACKAGE / p for p in paths}
-    return {p: hashlib.sha1(f.read_bytes()).hexdigest() if f.is_file() else "" for p, f in files.items()}
+def _add(found: dict[str, set[str]], obj: Any) -> None:
+    path = Path(inspect.getfile(obj)).resolve()
+    if path.is_relative_to(PACKAGE):  # a plugin's section is not in the table's sources
+        found.setdefault(str(path.relative_to(PACKAGE)), set()).add(obj.__name__)
+
+
+def _digest(path: str, names: list[str]) -> str:
+    """sha1 of the source of the module-level classes and functions `names` in package file `path` ("" when the
+    file is gone): edits elsewhere in the file leave it unchanged."""
+    file = PACKAGE / path
+    if not file.is_file():
+        return ""
+    text = file.read_text()
+    nodes = [n for n in ast.parse(text).body if isinstance(n, (ast.ClassDef, ast.FunctionDef)) and n.name in names]
+    return hashlib.sha1("\n".join(ast.get_source_segment(text, n) or "" for n in nodes).encode()).hexdigest()
+
+
+def _sources(definitions: dict[str, list[str]]) -> dict[str, dict[str, Any]]:
+    """{file: {"names": the definitions there, "sha1": their `_digest`}}."""
+    return {path: {"names": names, "sha1": _digest(path, names)} for path, names in definitions.items()}
 
 
 def build_entry(command: str) -> dict[str, Any]:
     """`command`'s part of the table, from the config itself."""
     root = root_class(command)
     config = root()
-    files = sorted(str(f.relative_to(PACKAGE)) for f in _section_files(config, set()) if f.is_relative_to(PACKAGE))
+    definitions = {path: sorted(names) for path, names in sorted(_definitions(config, {}).items())}
     keys = [list(k) for k in iter_keys(config)]
-    return {"verl_names": getattr(root, "key_dialect", None) is not None, "sources": _digests(files), "keys": keys}
+    return {
+        "verl_names": getattr(root, "key_dialect", None) is not None,
+        "sources": _sources(definitions),
+        "keys": keys,
+    }
 
 
 def table_text() -> str:
-    """The whole config_keys.json, one key per line (so a changed field is a one-line diff)."""
+    """The whole config_keys.json, one source file and one key per line (a changed field is a one-line diff)."""
     parts = []
     for command in ROOTS:
         entry = build_entry(command)
-        keys = ",\n    ".join(json.dumps(k) for k in entry["keys"])
-        head = f'"verl_names": {json.dumps(entry["verl_names"])}, "sources": {json.dumps(entry["sources"])}'
-        parts.append(f'"{command}": {{{head}, "keys": [\n    {keys}\n  ]}}')
+        sources = ",\n      ".join(f"{json.dumps(path)}: {json.dumps(src)}" for path, src in entry["sources"].items())
+        keys = ",\n      ".join(json.dumps(k) for k in entry["keys"])
+        body = f'"verl_names": {json.dumps(entry["verl_names"])},\n    "sources": {{\n      {sources}\n    }}'
+        parts.append(f'"{command}": {{\n    {body},\n    "keys": [\n      {keys}\n    ]\n  }}')
     return "{\n  " + ",\n  ".join(parts) + "\n}\n"
 
 
 def load_keys(command: str) -> tuple[list[KeyInfo], bool]:
     """`command`'s keys and whether it reads verl's key names: from the table, or from the config itself when a
-    file the table was built from has changed since (with a note on stderr)."""
+    config section or default factory the table was built from has changed since (with a note on stderr)."""
     entry = json.loads(TABLE.read_text())[command] if TABLE.is_file() else None
-    if entry is None or _digests(list(entry["sources"])) != entry["sources"]:
+    current = _sources({path: source["names"] for path, source in entry["sources"].items()}) if entry else None
+    if entry is None or current != entry["sources"]:
         print(
-            f"note: {TABLE.name} is out of date (a config file changed); reading the config itself. "
+            f"note: {TABLE.name} is out of date (a config section changed); reading the config itself. "
             "Regenerate it: python -m hybridflow.trainer.config_keys",
             file=sys.stderr,
         )
