@@ -140,10 +140,13 @@ def test_generate_scores_every_prompt_of_an_exported_checkpoint(tmp_path: Path, 
     assert float(printed[mean_key]) == pytest.approx(sum(r["score"] for r in rows) / 10, abs=1e-4)
 
 
-@pytest.mark.parametrize("args", [["--help"], ["train", "--help"], ["sft", "--help"]])
+@pytest.mark.parametrize(
+    "args",
+    [["--help"], ["train", "--help"], ["sft", "--help"], ["generate", "--help"], ["train", "--list-keys", "actor"]],
+)
 def test_help_imports_no_torch_transformers_or_ray(args: list[str]):
     """The dispatcher and the train/sft parsers are light (trainer/args.py); each subcommand imports its
-    implementation only when it runs."""
+    implementation only when it runs; --list-keys reads the generated key table (trainer/config_keys.py)."""
     code = (
         "import contextlib, io, sys\n"
         "from hybridflow.trainer.cli import main\n"

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from hybridflow import keys
+from hybridflow.config_utils import ConfigError
 from hybridflow.protocol import DataProto
 from hybridflow.rewards import RewardManager, countdown, default_compute_score, gsm8k, load_custom_reward_fn, math_boxed
 from tests.data_helpers import smol_tokenizer
@@ -154,7 +155,7 @@ def test_custom_reward_fn(tmp_path):
     )
     fn = load_custom_reward_fn(str(file), "length_bonus")
     assert fn("any", "abcde", "x") == 0.5
-    with pytest.raises(AttributeError, match="no function 'compute_score'.*length_bonus"):
+    with pytest.raises(ConfigError, match="no function 'compute_score'.*length_bonus"):
         load_custom_reward_fn(str(file), "compute_score")
     with pytest.raises(FileNotFoundError, match="missing.py.*custom_reward_function.path"):
         load_custom_reward_fn(str(tmp_path / "missing.py"), "f")

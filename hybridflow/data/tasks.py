@@ -82,6 +82,11 @@ def register_task(name: str, difficulty_cls: type, data_source: str | None = Non
     return wrap
 
 
+class DifficultyError(TypeError, ValueError):
+    """A difficulty setting the task does not have: a TypeError, as any unexpected keyword argument is, and a
+    ValueError, as the CLI's user errors are (one line, no traceback); load_config prefixes the config section."""
+
+
 def get_task(name: str) -> TaskSpec:
     """The registered task `name`; unknown names fail listing the known ones."""
     return TASKS.get(name)
@@ -94,7 +99,7 @@ def make_difficulty(name: str, **difficulty: Any) -> Any:
     for key in difficulty:
         if key not in known:
             near = difflib.get_close_matches(key, known, n=3)
-            raise TypeError(
+            raise DifficultyError(
                 f"task {name!r} has no difficulty setting {key!r}"
                 + (f" (did you mean {near}?)" if near else "")
                 + f"; known settings: {known}"

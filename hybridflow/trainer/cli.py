@@ -6,8 +6,13 @@ hybridflow data TASK --out DIR [--sft] [--train-size N] [--test-size N] [--seed 
 hybridflow export CKPT_DIR --out HF_DIR [--tokenizer PATH] [--base-model PATH] [--adapter]
 hybridflow plan [--config FILE] --profile PROFILE.json [key=value ...]  # rank placements (trainer/plan_cli.py)
 hybridflow profile --model M [--out device_profile.json]  # per-token operator costs here (planner/device.py)
-hybridflow generate --model PATH_OR_CKPT --data FILE.parquet [--n N] [--rollout native|hf|vllm] [--out FILE.jsonl]
+hybridflow generate --model PATH_OR_CKPT --data FILE.parquet [--n N] [--temperature T] [--top-p P] [--top-k K]
+                    [--seed S] [--rollout native|hf|vllm] [--out FILE.jsonl]  # greedy unless a sampling flag or --n > 1
 hybridflow serve [--model M] [--host 127.0.0.1] [--port 0] [--api-key K]  # OpenAI-compatible server (agent/server.py)
+
+train and sft: --list-keys [PREFIX] prints the config keys with type, default and doc.
+Errors: a user error prints one line (exit 2); any other error prints one line and the path of a file holding its
+traceback (exit 1); --debug, anywhere on the command line, prints the traceback instead.
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ from hybridflow.trainer.args import (
     TRAIN_DESCRIPTION,
     TRAIN_PROG,
     USER_ERRORS,
+    fail,
     parse_args,
+    report_unexpected,
 )
 
 
@@ -81,6 +88,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         max_prompt_length=args.max_prompt_length,
         max_response_length=args.max_response_length,
         temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
         batch_size=args.batch_size,
         rollout=args.rollout,
     )
@@ -139,8 +149,15 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="sample and score on a parquet file")
     g.add_argument("--model", default="default", help="HF directory, 'default', or a checkpoint directory")
     g.add_argument("--data", required=True)
-    g.add_argument("--n", type=int, default=1, help="samples per prompt (1: greedy)")
-    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--n", type=int, default=1, help="responses per prompt (default 1)")
+    g.add_argument(
+        "--temperature",
+        type=float,
+        help="sampling temperature, 0: greedy (default: greedy for --n 1 without --top-p/--top-k, else 1.0)",
+    )
+    g.add_argument("--top-p", type=float, help="nucleus sampling threshold in (0, 1] (default 1.0: off)")
+    g.add_argument("--top-k", type=int, help="sample from the k most likely tokens (default: all)")
+    g.add_argument("--seed", type=int, default=0, help="the sampler's seed: the same seed gives the same samples")
     g.add_argument("--max-prompt-length", type=int, default=128)
     g.add_argument("--max-response-length", type=int, default=64)
     g.add_argument("--batch-size", type=int, default=64)
@@ -162,18 +179,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Dispatch to the subcommand; user errors print one line and exit 2."""
+    """Dispatch to the subcommand. User errors print one line and exit 2; any other exception (a bug) prints one
+    line naming the file that holds its traceback and exits 1; `--debug` (anywhere) prints tracebacks instead."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "train":
-        args = parse_args(argv[1:], TRAIN_PROG, TRAIN_DESCRIPTION)  # here, so `train --help` needs no torch
-        from hybridflow.trainer.main import train  # noqa: PLC0415  (lazy: a subcommand imports its implementation when it runs)
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
+    prog = f"hybridflow {argv[0]}" if argv and not argv[0].startswith("-") else "hybridflow"
+    try:
+        return _dispatch(argv, debug)
+    except Exception as err:  # a bug, not a user error: one line and the traceback's file (or --debug)
+        return report_unexpected(prog, err, argv, debug)
 
-        return train(args)
-    if argv and argv[0] == "sft":
-        args = parse_args(argv[1:], SFT_PROG, SFT_DESCRIPTION)
-        from hybridflow.trainer.sft_main import sft  # noqa: PLC0415  (lazy: a subcommand imports its implementation when it runs)
 
-        return sft(args)
+def _dispatch(argv: list[str], debug: bool) -> int:
+    """Run the subcommand `argv[0]` on the rest of `argv`."""
+    if argv and argv[0] in ("train", "sft"):
+        return _run_config_command(argv[0], argv[1:], debug)
     if argv and argv[0] == "profile":
         from hybridflow.planner.device import main as profile_main  # noqa: PLC0415  (lazy: a subcommand imports its implementation when it runs)
 
@@ -184,8 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             return plan_main(argv[1:])
         except USER_ERRORS as err:
-            print(f"hybridflow plan: error: {err}", file=sys.stderr)
-            return 2
+            return fail("hybridflow plan", err, 2, debug)
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if args.command == "data":  # difficulty knobs may come before or after the options
@@ -197,8 +217,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return handler(args)
     except USER_ERRORS as err:
-        print(f"hybridflow {args.command}: error: {err}", file=sys.stderr)
-        return 2
+        return fail(f"hybridflow {args.command}", err, 2, debug)
+
+
+def _run_config_command(command: str, argv: list[str], debug: bool) -> int:
+    """`hybridflow train` / `hybridflow sft`: `--list-keys` answers without loading the trainer."""
+    prog, description = (TRAIN_PROG, TRAIN_DESCRIPTION) if command == "train" else (SFT_PROG, SFT_DESCRIPTION)
+    args = parse_args(argv, prog, description)  # here, so `train --help` needs no torch
+    args.debug = args.debug or debug
+    if args.list_keys is not None:
+        from hybridflow.trainer.config_keys import print_keys  # noqa: PLC0415  (lazy: a subcommand imports its implementation when it runs)
+
+        return print_keys(command, args.list_keys, prog, args.debug)
+    if command == "train":
+        from hybridflow.trainer.main import train  # noqa: PLC0415  (lazy: a subcommand imports its implementation when it runs)
+
+        return train(args)
+    from hybridflow.trainer.sft_main import sft  # noqa: PLC0415  (lazy: a subcommand imports its implementation when it runs)
+
+    return sft(args)
 
 
 if __name__ == "__main__":

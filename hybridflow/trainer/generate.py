@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -33,6 +34,27 @@ def model_dir(model: str, tmp: Path) -> Path:
     return Path(resolve_model_path(model))
 
 
+def sampling_settings(
+    n: int, temperature: float | None = None, top_p: float | None = None, top_k: int | None = None
+) -> dict[str, Any]:
+    """RolloutConfig's sampling fields for `hybridflow generate`: greedy decoding for temperature 0, or for n == 1
+    when no temperature, top_p or top_k is given; otherwise sampling with the given values (unset: temperature 1.0,
+    top_p 1.0, top_k -1). A flag that greedy decoding would ignore is refused (ValueError)."""
+    if temperature == 0:
+        given = (("--n", n != 1), ("--top-p", top_p is not None), ("--top-k", top_k is not None))
+        ignored = [flag for flag, is_given in given if is_given]
+        if ignored:
+            raise ValueError(f"--temperature 0 decodes greedily (one response per prompt), which ignores {ignored}")
+    sample = temperature != 0 and (n > 1 or any(v is not None for v in (temperature, top_p, top_k)))
+    return {
+        "n": n,
+        "do_sample": sample,
+        "temperature": 1.0 if temperature in (None, 0) else temperature,
+        "top_p": 1.0 if top_p is None else top_p,
+        "top_k": -1 if top_k is None else top_k,
+    }
+
+
 def generate_and_score(
     model: str,
     data: str,
@@ -40,22 +62,26 @@ def generate_and_score(
     out: str | None = None,
     max_prompt_length: int = 128,
     max_response_length: int = 64,
-    temperature: float = 1.0,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    seed: int = 0,
     batch_size: int = 64,
     rollout: str = "native",
 ) -> dict[str, float]:
-    """Generate n responses per prompt (greedy when n == 1) with the `rollout` backend, score them, return metrics."""
+    """Generate n responses per prompt with the `rollout` backend, sampling as `sampling_settings` says, score them,
+    return metrics."""
 
+    sampling = sampling_settings(n, temperature, top_p, top_k)  # before loading the model: a bad flag fails fast
     with tempfile.TemporaryDirectory() as tmp:
         path = model_dir(model, Path(tmp))
         tokenizer = load_tokenizer(path)
         cfg = RolloutConfig(
             name=rollout,
-            n=n,
-            do_sample=n > 1,
-            temperature=temperature,
+            seed=seed,
             prompt_length=max_prompt_length,
             response_length=max_response_length,
+            **sampling,
         )
         engine = build_rollout(cfg, path, tokenizer)
     dataset = RLDataset(data, tokenizer, max_prompt_length)

@@ -20,6 +20,7 @@ from hybridflow.planner.profile import write_profile
 from hybridflow.rewards import RewardManager, load_custom_reward_fn
 from hybridflow.trainer.args import TRAIN_DESCRIPTION, TRAIN_PROG, USER_ERRORS, fail, parse_args
 from hybridflow.trainer.checkpointing import check_writable, resume_path
+from hybridflow.trainer.config_keys import print_keys
 from hybridflow.trainer.data_setup import make_loaders
 from hybridflow.trainer.job import fit_with_restarts
 from hybridflow.trainer.measure import measure
@@ -139,10 +140,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def train(args: argparse.Namespace) -> int:
-    """`hybridflow train` on parsed arguments: load, measure, resolve, then print the run (--print-config: YAML
-    only on stdout) or train it. Bad config, paths or data exit 2 with one line; a failure the run cannot recover
-    from exits 1."""
+    """`hybridflow train` on parsed arguments: --list-keys prints the config keys; else load, measure, resolve,
+    then print the run (--print-config: YAML only on stdout) or train it. Bad config, paths or data exit 2 with one
+    line; a failure the run cannot recover from exits 1 (--debug: each after its traceback)."""
     prog = TRAIN_PROG
+    if args.list_keys is not None:
+        return print_keys("train", args.list_keys, prog, args.debug)
     try:
         resolved, inputs = load_run(args.config, args.overrides)
         if args.print_config:
@@ -150,11 +153,11 @@ def train(args: argparse.Namespace) -> int:
             return 0
         check_writable(resolved.config)
     except USER_ERRORS as err:
-        return fail(prog, err, 2)
+        return fail(prog, err, 2, args.debug)
     try:
         run(resolved, inputs)
     except RunFailedError as err:  # its message names the failed worker and the command that resumes
-        return fail(prog, err, 1)
+        return fail(prog, err, 1, args.debug)
     return 0
 
 

@@ -21,6 +21,7 @@ from hybridflow.data.sft import SFTDataset, sft_collate
 from hybridflow.models import load_tokenizer, resolve_model_path
 from hybridflow.trainer.args import SFT_DESCRIPTION, SFT_PROG, USER_ERRORS, fail, parse_args
 from hybridflow.trainer.checkpointing import check_writable, resume_path
+from hybridflow.trainer.config_keys import print_keys
 from hybridflow.trainer.data_setup import task_files
 from hybridflow.trainer.job import fit_with_restarts
 from hybridflow.trainer.measure import measure_dtypes
@@ -144,9 +145,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def sft(args: argparse.Namespace) -> int:
-    """`hybridflow sft` on parsed arguments, as `hybridflow train`'s (trainer/main.py train): user errors exit 2
-    with one line, a failure the run cannot recover from exits 1."""
+    """`hybridflow sft` on parsed arguments, as `hybridflow train`'s (trainer/main.py train): --list-keys prints the
+    config keys, user errors exit 2 with one line, a failure the run cannot recover from exits 1."""
     prog = SFT_PROG
+    if args.list_keys is not None:
+        return print_keys("sft", args.list_keys, prog, args.debug)
     try:
         resolved, inputs = load_run(args.config, args.overrides)
         if args.print_config:
@@ -154,11 +157,11 @@ def sft(args: argparse.Namespace) -> int:
             return 0
         check_writable(resolved.config)
     except USER_ERRORS as err:
-        return fail(prog, err, 2)
+        return fail(prog, err, 2, args.debug)
     try:
         run(resolved, inputs)
     except RunFailedError as err:
-        return fail(prog, err, 1)
+        return fail(prog, err, 1, args.debug)
     return 0
 
 
