@@ -2,7 +2,8 @@
 
 SmolLM2-135M in one process: a one-rank FSDP2 engine (fp32 master weights) synced into a native rollout of
 rollout dtype fp32 and bf16 (`sync_weights`, colocated path: gather in the rollout's dtype, load), each round
-with the check on; `timing_s/weight_sync` and `timing_s/parity_weights` (both sides' fingerprints) per round.
+with the check on; `timing_s/weight_sync` and `timing_s/parity_weights` (both sides' fingerprints) per round,
+and, as a yardstick that a busy machine slows alike, one copy (clone) of the rollout's weights.
 
     PYTHONPATH=. .venv/bin/python bench/parity_weights.py --rounds 5 --threads 2
 """
@@ -11,11 +12,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
 
 import torch
 
 
-def _measure(dtype: str, rounds: int) -> tuple[list[float], list[float], int]:
+def _measure(dtype: str, rounds: int) -> tuple[list[float], list[float], list[float], int]:
     from hybridflow.engine import EngineConfig, FSDPEngine
     from hybridflow.models import default_model_dir, load_tokenizer
     from hybridflow.rollout import RolloutConfig, build_rollout, sync_weights
@@ -23,14 +25,17 @@ def _measure(dtype: str, rounds: int) -> tuple[list[float], list[float], int]:
     path = default_model_dir()
     engine = FSDPEngine.from_pretrained(path, EngineConfig(param_dtype="fp32"))
     rollout = build_rollout(RolloutConfig(name="native", dtype=dtype), path, load_tokenizer(path))
-    sync, check = [], []
+    unique = list({id(t): t for t in rollout.held_weights().values()}.values())
+    sync, check, copy = [], [], []
     for step in range(rounds + 1):  # the first round warms up
         report = sync_weights(rollout, engine, step=step, check=True, backend="native")
         assert report.findings == [], report.findings
         sync.append(report.seconds)
         check.append(report.check_seconds)
-    elements = sum({id(t): t.numel() for t in rollout.held_weights().values()}.values())
-    return sync[1:], check[1:], elements
+        start = time.perf_counter()
+        [t.detach().clone() for t in unique]
+        copy.append(time.perf_counter() - start)
+    return sync[1:], check[1:], copy[1:], sum(t.numel() for t in unique)
 
 
 def main() -> None:
@@ -43,12 +48,12 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(describe_cpu(args.threads), flush=True)
     for dtype in ("fp32", "bf16"):
-        sync, check, elements = _measure(dtype, args.rounds)
-        s, c = statistics.median(sync), statistics.median(check)
+        sync, check, copy, elements = _measure(dtype, args.rounds)
+        s, c, k = (statistics.median(x) for x in (sync, check, copy))
         print(
-            f"{dtype}: {elements / 1e6:.1f}M elements; weight_sync median {s:.3f} s, parity_weights median "
-            f"{c:.3f} s ({c / s:.2f}x the sync); rounds sync {[round(x, 3) for x in sync]}, "
-            f"check {[round(x, 3) for x in check]}",
+            f"{dtype}: {elements / 1e6:.1f}M elements; medians: weight_sync {s:.3f} s, parity_weights {c:.3f} s "
+            f"({c / s:.2f}x the sync), one copy of the weights {k:.3f} s ({c / k:.2f}x); rounds: sync "
+            f"{[round(x, 3) for x in sync]}, check {[round(x, 3) for x in check]}, copy {[round(x, 3) for x in copy]}",
             flush=True,
         )
 

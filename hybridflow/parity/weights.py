@@ -96,30 +96,25 @@ class WeightCheck:
 
     def sent(self, state: Mapping[str, Tensor]) -> dict[str, int]:
         """What the rollout should hold of each tensor of `state` once loaded (call before any fault point)."""
-        return self.timed(
-            lambda: {name: tensor_fingerprint(self.rollout.as_held(name, t)) for name, t in state.items()}
-        )
+        return self.timed(lambda: prints_once({name: self.rollout.as_held(name, t) for name, t in state.items()}))
 
     def compare(self, sent: Mapping[str, int]) -> list[str]:
         """The finding (one line, or none) from `sent` against the rollout's tensors of the same names now."""
         if not self.enabled:
             return []
-        held = self.timed(held_prints, self.rollout.held_weights(), list(sent))
-        return mismatch(self.site, sent, held)
+        held = self.rollout.held_weights()
+        return mismatch(self.site, sent, self.timed(prints_once, {n: held[n] for n in sent if n in held}))
 
 
-def held_prints(held: Mapping[str, Tensor], names: list[str]) -> dict[str, int]:
-    """Fingerprints of `held[name]` for each of `names` the rollout has (a tensor under two names, e.g. tied
-    embeddings, is fingerprinted once)."""
-    by_ptr: dict[tuple[int, tuple[int, ...]], int] = {}
+def prints_once(named: Mapping[str, Tensor]) -> dict[str, int]:
+    """Name -> fingerprint, a tensor under several names (tied embeddings) fingerprinted once."""
+    by_storage: dict[tuple, int] = {}
     out = {}
-    for name in names:
-        if name in held:
-            t = held[name]
-            key = (t.data_ptr(), tuple(t.shape))
-            if key not in by_ptr:
-                by_ptr[key] = tensor_fingerprint(t)
-            out[name] = by_ptr[key]
+    for name, t in named.items():
+        key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        if key not in by_storage:
+            by_storage[key] = tensor_fingerprint(t)
+        out[name] = by_storage[key]
     return out
 
 

@@ -53,8 +53,7 @@ from hybridflow.engine.config import EngineConfig
 from hybridflow.engine.reshard import aligned_stride, group_coords
 from hybridflow.models import load_tokenizer, resolve_model_path
 from hybridflow.parity.faults import parity_fault
-from hybridflow.parity.fingerprint import fingerprints
-from hybridflow.parity.weights import SyncSite, WeightCheck, apply_load_faults, bridge_expected
+from hybridflow.parity.weights import SyncSite, WeightCheck, apply_load_faults, bridge_expected, prints_once
 from hybridflow.protocol import DataProto
 from hybridflow.rollout import build_rollout
 from hybridflow.rollout.bridge import WeightBridge, manifest_of, open_store
@@ -327,7 +326,7 @@ class ActorRolloutRefWorker(Worker):
         if self.rank != 0:
             return {"timing_s/weight_transfer": time.perf_counter() - start, "weight_transfer/bytes": 0.0}
         check_start = time.perf_counter()
-        prints = list(fingerprints(state).values()) if self.rollout_cfg.weight_fingerprints else None
+        prints = list(prints_once(state).values()) if self.rollout_cfg.weight_fingerprints else None
         check_s = time.perf_counter() - check_start
         sent = self._bridge.send(state)
         if prints is not None:
