@@ -79,9 +79,9 @@ class SyncReport:
     """What one `sync_weights` did."""
 
     seconds: float = 0.0
-    """Gather (or reshard) and load, fingerprints excluded: the metric timing_s/weight_sync."""
+    """The whole sync (gather or reshard, load, check): the metric timing_s/weight_sync."""
     check_seconds: float = 0.0
-    """Spent fingerprinting both sides: the metric timing_s/parity_weights."""
+    """Of which fingerprinting both sides: the metric timing_s/parity_weights."""
     findings: list[str] = field(default_factory=list)
     """The weight-sync parity findings (keys.META_PARITY lines); empty when the rollout holds what was sent."""
 
@@ -114,7 +114,7 @@ def sync_weights(
         findings = _full_sync(rollout, engine, changed_only, step, check_)
     if layout is not None and check_.enabled:  # ranks hold different shards; only some ranks' outputs are collected
         findings = gather_findings(findings)
-    return SyncReport(time.perf_counter() - start - check_.seconds, check_.seconds, findings)
+    return SyncReport(time.perf_counter() - start, check_.seconds, findings)
 
 
 def _full_sync(rollout: Rollout, engine: Engine, changed_only: bool, step: int | None, check: WeightCheck) -> list[str]:
