@@ -16,7 +16,8 @@ import torch.multiprocessing as mp
 from hybridflow.models import tiny_model_dir
 from hybridflow.parity.faults import PARITY_FAULT_ENV
 
-FULL = "wrong_shard@2,skip_sync@3,corrupt_tensor@4,wrong_dtype@5"
+TP_STEP = 100
+FULL = f"wrong_shard@2,skip_sync@3,corrupt_tensor@4,wrong_dtype@5,wrong_shard@{TP_STEP + 1}"
 PRELOAD = ["torch", "transformers", "hybridflow.models", "hybridflow.engine.fsdp", "hybridflow.rollout.native"]
 Q0 = "model.layers.0.self_attn.q_proj.weight"
 
@@ -50,6 +51,13 @@ def _worker(rank: int, world: int, port: int, out_dir: str, spec: str, steps: in
             for p in engine.module.parameters():
                 p.add_(0.01)  # every weight changes before every sync
         out[step] = sync_weights(rollout, engine, step=step, check=True, backend="native").findings
+    if steps > 2:  # a tensor-parallel training engine: column shards (o_proj, down_proj) are pieces too
+        from hybridflow.engine.tensor_parallel import TensorParallelEngine
+
+        tp_cfg = EngineConfig(param_dtype="fp32", tensor_parallel_size=2)
+        tp_engine = TensorParallelEngine.from_pretrained(tiny_model_dir("llama", seed=1), tp_cfg)
+        for step in (TP_STEP, TP_STEP + 1):
+            out[step] = sync_weights(rollout, tp_engine, step=step, check=True, backend="native").findings
     torch.save(out, Path(out_dir) / f"rank{rank}.pt")
 
 
@@ -81,3 +89,5 @@ def test_reshard_faults_are_found_by_the_rank_holding_the_shard(tmp_path: Path, 
         assert all(f"{total} of {total} tensors differ" in line for line in _lines(got[3], 3))
         assert all(f"1 of {total} tensors differ, first: {Q0};" in line for line in _lines(got[4], 4))
         assert all("tensors differ" in line for line in _lines(got[5], 5))
+        assert got[TP_STEP] == []
+        assert all(f"{split} of {total} tensors differ" in line for line in _lines(got[TP_STEP + 1], TP_STEP + 1))
