@@ -30,11 +30,11 @@ from torch import Tensor
 
 from hybridflow.engine.reshard import (
     GenerationLayout,
-    _local_block,
-    _unique,
-    _view,
+    block_view,
     held_boxes,
+    local_block,
     plan_pieces,
+    unique_tensors,
 )
 from hybridflow.parity.faults import parity_fault
 from hybridflow.parity.fingerprint import MOD, differing, tensor_fingerprint
@@ -136,16 +136,16 @@ def expected_shard_prints(named: Mapping[str, Tensor], layout: GenerationLayout,
     dtype)` (engine/reshard.py), from the pieces every rank holds of its training shards. A collective over
     the default group (one all-reduce of ranks x weights integers)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    groups = _unique(named)
+    groups = unique_tensors(named)
     table = torch.zeros(world, len(groups), dtype=torch.int64)
     meshes: dict[int, tuple] = {}
     for j, (names, t) in enumerate(groups):
         held = held_boxes(t, world, meshes)
         targets = tuple(layout.target(names[0], tuple(t.shape), r) for r in range(world))
-        local = _local_block(names[0], t, held[rank])
+        local = local_block(names[0], t, held[rank])
         for p in plan_pieces(held, targets):
             if p.src == rank:  # each piece counted once, by the rank that provides it
-                piece = _view(local, held[rank], p.region).to(dtype)
+                piece = block_view(local, held[rank], p.region).to(dtype)
                 table[p.dst, j] += tensor_fingerprint(piece, p.region[0][0] - targets[p.dst][0][0])
     dist.all_reduce(table)  # sums of a few values < 2^32 per rank: no int64 overflow
     table %= MOD
@@ -187,7 +187,7 @@ def apply_load_faults(held: Mapping[str, Tensor] | None, step: int | None) -> No
     if parity_fault("corrupt_tensor", step):
         held[corrupted_name(held)].view(-1)[0] += 1.0
     if parity_fault("wrong_dtype", step):
-        for _, t in _unique(held):
+        for _, t in unique_tensors(held):
             t.copy_(t.to(LOSSY[t.dtype]).to(t.dtype))
 
 
