@@ -117,7 +117,7 @@ class FakeRollout:
     def join_weight_bridge(self, *args) -> list:
         return []
 
-    def transfer_weights(self) -> list:
+    def transfer_weights(self, step: int) -> list:
         return [{"timing_s/weight_transfer": 0.0}]
 
 
@@ -133,7 +133,7 @@ class FakeActor:
     def join_weight_bridge(self, *args) -> list:
         return []
 
-    def transfer_weights(self) -> list:
+    def transfer_weights(self, step: int) -> list:
         self.rollout.weights = self.weights
         self.rollout.log.append(("push", self.weights))
         return [{"timing_s/weight_transfer": 0.0, "weight_transfer/bytes": 0.0}]
@@ -183,6 +183,19 @@ def test_schedule_versions_and_staleness(s: int) -> None:
         assert metrics["async/staleness/max"] == min(k - 1, s) <= s
         assert torch.equal(batch.batch["prompt_id"], torch.tensor([2 * k - 2] * 2 + [2 * k - 1] * 2))
     assert [e for e in roles.log if e[0] == "gen"] == [("gen", k) for k in range(1, total + 1)]
+
+
+def test_a_push_finding_reaches_the_next_batch_the_controller_sees() -> None:
+    roles = FakeRoles()
+    line = "weight sync mismatch (rollout=native, path=bridge, step=2): ..."
+    roles.rollout.transfer_weights = lambda step: [
+        {"timing_s/weight_transfer": 0.0, "timing_s/parity_weights": 0.5, K.META_PARITY: [line] if step == 2 else []}
+    ]
+    pipe = _pipeline(roles, 1, 5, _prompts())
+    pipe.start(0, None, {})
+    out = _train(pipe, roles, 1, 5)
+    assert [out[k][0].meta_info.get(K.META_PARITY) for k in range(1, 6)] == [None, None, [line], None, None]
+    assert out[2][1]["timing_s/parity_weights"] == 0.5
 
 
 def test_both_sources_implement_the_protocol_the_trainer_types() -> None:

@@ -25,8 +25,8 @@ def test_load_weights_makes_outputs_match_the_new_model():
     expect = build_rollout(greedy_cfg(), new, tok).generate_sequences(prompt_batch(tok)).batch[RESPONSES]
     assert not torch.equal(before, expect)
     engine = FSDPEngine(copy.deepcopy(new), EngineConfig())  # one-rank FSDP2, fp32 master weights
-    seconds = sync_weights(rollout, engine)  # gathers in the rollout's fp32
-    assert seconds >= 0.0
+    report = sync_weights(rollout, engine, check=True)  # gathers in the rollout's fp32
+    assert report.seconds >= 0.0 and report.check_seconds > 0.0 and report.findings == []
     assert torch.equal(rollout.generate_sequences(prompt_batch(tok)).batch[RESPONSES], expect)
     assert rollout.model.lm_head.weight.data_ptr() == rollout.model.model.embed_tokens.weight.data_ptr()
 

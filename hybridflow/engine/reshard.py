@@ -163,7 +163,7 @@ def named_weights(module: torch.nn.Module) -> dict[str, Tensor]:
     return dict(module.named_parameters(remove_duplicate=False))
 
 
-def _view(t: Tensor, box: Box, region: Box) -> Tensor:
+def block_view(t: Tensor, box: Box, region: Box) -> Tensor:
     """The part of `t` (which holds block `box` of its full tensor) that is `region` of the full tensor."""
     return t[tuple(slice(lo - b0, hi - b0) for (lo, hi), (b0, _) in zip(region, box))]
 
@@ -196,13 +196,13 @@ class _Bucket:
         of `dest`), in plan order, which both ends of every pair share."""
         if p.src == p.dst:
             if p.src == self.rank:
-                _view(dest, dest_box, p.region).copy_(_view(local, own, p.region))
+                block_view(dest, dest_box, p.region).copy_(block_view(local, own, p.region))
                 self.stats.local += _volume(p.region) * dest.element_size()
             return
         if p.src == self.rank:
-            self.sends.setdefault(p.dst, []).append(_view(local, own, p.region))
+            self.sends.setdefault(p.dst, []).append(block_view(local, own, p.region))
         elif p.dst == self.rank:
-            self.receives.setdefault(p.src, []).append(_view(dest, dest_box, p.region))
+            self.receives.setdefault(p.src, []).append(block_view(dest, dest_box, p.region))
         self.filled += _volume(p.region) * dest.element_size()
         if self.filled >= self.bucket_bytes:
             self.finish()
@@ -257,7 +257,7 @@ def _unpack(flat: Tensor, views: list[Tensor]) -> None:
         offset += v.numel()
 
 
-def _unique(named: Mapping[str, Tensor]) -> list[tuple[list[str], Tensor]]:
+def unique_tensors(named: Mapping[str, Tensor]) -> list[tuple[list[str], Tensor]]:
     """(names, tensor) per distinct tensor object, in first-seen order (tied parameters once)."""
     groups: dict[int, tuple[list[str], Tensor]] = {}
     for name, t in named.items():
@@ -265,7 +265,7 @@ def _unique(named: Mapping[str, Tensor]) -> list[tuple[list[str], Tensor]]:
     return list(groups.values())
 
 
-def _local_block(name: str, t: Tensor, box: Box) -> Tensor:
+def local_block(name: str, t: Tensor, box: Box) -> Tensor:
     """This rank's piece of `t`, checked to be the block `box` claims."""
     local = t.detach().to_local() if isinstance(t, DTensor) else t.detach()
     if tuple(local.shape) != tuple(hi - lo for lo, hi in box):
@@ -323,10 +323,10 @@ def reshard(
     result: dict[str, Tensor] = {}
     late: list[tuple[str, Tensor]] = []
     meshes: dict[int, tuple] = {}
-    for names, t in _unique(named):
+    for names, t in unique_tensors(named):
         held = held_boxes(t, world, meshes)
         targets = tuple(layout.target(names[0], tuple(t.shape), r) for r in range(world))
-        local = _local_block(names[0], t, held[rank])
+        local = local_block(names[0], t, held[rank])
         dest = _destination(names, tuple(hi - lo for lo, hi in targets[rank]), dtype, out, stats, local.device)
         for piece in split_pieces(plan_pieces(held, targets), max_elems):
             bucket.add(piece, local, held[rank], dest, targets[rank])

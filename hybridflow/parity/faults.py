@@ -16,6 +16,12 @@ import re
 PARITY_FAULT_ENV = "HYBRIDFLOW_PARITY_FAULT"
 KINDS: dict[str, str] = {
     # weight sync paths (what breaks, where)
+    "skip_sync": "a weight sync loads nothing: the rollout keeps its stale weights (every sync path)",
+    "corrupt_tensor": "one element of one rollout tensor is altered after the load (every sync path)",
+    "wrong_dtype": "the weights pass through a lossy dtype on the way into the rollout (every sync path)",
+    "wrong_shard": "the reshard gives each rank of a tp group another rank's generation shard (reshard)",
+    "bridge_drop": "a rollout worker receives an update over the weight bridge but does not load it (bridge)",
+    "lora_unmerged": "a LoRA sync sends the adapted layers' base weights, without the adapters (lora)",
     # log-prob / token paths
 }
 """Every fault kind and what it breaks; `parse_parity_faults` refuses any other."""

@@ -61,6 +61,16 @@ class Rollout(ABC):
         """Name -> the tensor `load_weights` writes (this rank's shard), for resharding in place."""
         raise NotImplementedError(f"{type(self).__name__} holds whole weights; use load_weights")
 
+    def held_weights(self) -> dict[str, Tensor] | None:
+        """Name (as `load_weights` takes it) -> the tensor the rollout generates with, after the last load (this
+        rank's shard where split), for the weight-sync fingerprints (hybridflow/parity/weights.py); None where
+        the backend's weights cannot be read back as loaded (then the sync is not checked)."""
+        return None
+
+    def as_held(self, name: str, t: Tensor) -> Tensor:
+        """The part of a sent whole tensor `t` that this rank keeps under `name` (all of it unless split)."""
+        return t
+
 
 def step_seed(seed: int, step: int) -> int:
     """The sampler seed of training step `step` (a large odd stride keeps steps and ranks apart)."""
@@ -123,6 +133,10 @@ class ModuleRollout(Rollout):
     def reseed(self, step: int) -> None:
         """See `Rollout.reseed`."""
         self.generator.manual_seed(step_seed(self.config.seed, step))
+
+    def held_weights(self) -> dict[str, Tensor]:
+        """See `Rollout.held_weights`: the module's own tensors (tied ones under both names, one object)."""
+        return dict(self.model.state_dict(keep_vars=True))
 
     @property
     def weight_dtype(self) -> torch.dtype:

@@ -7,7 +7,8 @@ is the actor's rank 0, bridge rank 1 + r is rollout rank r. It is built directly
 TCPStore rather than through `init_process_group`, because every worker already belongs
 to the default group of its own pool. After each update the actor ranks gather the full
 weights (a collective of the actor pool), actor rank 0 broadcasts them as one flat tensor
-per dtype, and every rollout rank copies them into its generating model.
+per dtype, and every rollout rank copies them into its generating model. With rollout.weight_fingerprints
+the sender's fingerprints of the weights follow them, and each rollout rank checks what it holds after the load.
 
 The receivers learn names, shapes and dtypes once, from a manifest the controller passes
 along when the bridge is formed; only tensors travel afterwards.
@@ -65,6 +66,17 @@ class WeightBridge:
             self._broadcast(flat)
             sent += flat.numel() * flat.element_size()
         return sent
+
+    def send_prints(self, prints: list[int]) -> None:
+        """Bridge rank 0: broadcast the fingerprints of the weights sent (hybridflow/parity/weights.py), in
+        manifest order."""
+        self._broadcast(torch.tensor(prints, dtype=torch.int64))
+
+    def receive_prints(self, count: int) -> list[int]:
+        """Other ranks: the `count` fingerprints rank 0 sent with `send_prints`."""
+        flat = torch.empty(count, dtype=torch.int64)
+        self._broadcast(flat)
+        return flat.tolist()
 
     def receive(self, manifest: Manifest) -> dict[str, Tensor]:
         """Other ranks: the state dict rank 0 sent, as views into the received flat tensors."""

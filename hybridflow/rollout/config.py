@@ -223,6 +223,10 @@ class RolloutConfig(Section):
     free_cache_engine: bool = True
     """vllm: free the KV cache and offload the weights between generations (sleep mode level 1) so training
     has the memory. Only where vllm's platform has a sleep mode (CUDA); on CPU it is a no-op."""
+    weight_fingerprints: bool = True
+    """After every weight sync, compare the fingerprints of what the sender meant to send with those of what the
+    rollout holds (hybridflow/parity/weights.py); a mismatch is a finding for the parity guard. Not for vllm, whose
+    repacked weights cannot be read back. trainer.parity=off turns it off."""
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
     """Sampling parameters of validation calls (generate_sequences(..., validate=True))."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)

@@ -71,10 +71,11 @@ class NativeRollout(ModuleRollout):
         """See `ModuleRollout.load_weights`; with tp > 1 each split weight may come whole (this rank's
         chunk is taken) or as this rank's shard (what `engine/reshard.py` produces)."""
         if self.tp_size > 1:
-            state_dict = {name: self._own(name, t) for name, t in state_dict.items()}
+            state_dict = {name: self.as_held(name, t) for name, t in state_dict.items()}
         super().load_weights(state_dict, partial)
 
-    def _own(self, name: str, t: Tensor) -> Tensor:
+    def as_held(self, name: str, t: Tensor) -> Tensor:
+        """See `Rollout.as_held`: this rank's chunk of a split weight sent whole (a shard is kept as is)."""
         if name not in self.split_dims:
             return t
         return own_part(t, self.split_dims[name], self.tp_rank, self.tp_size, self._full_sizes[name])
@@ -88,7 +89,7 @@ class NativeRollout(ModuleRollout):
     def shard_tensors(self) -> dict[str, Tensor]:
         """The tensors `load_weights` writes, by name (this rank's shards of the split weights, the rest
         whole), for a reshard that writes straight into them."""
-        return dict(self.model.state_dict(keep_vars=True))
+        return self.held_weights()
 
     def _decoder(self) -> StaticLlamaDecoder | HFDecoder:
         # built per call: the static decoder's fused weights must follow in-place weight updates

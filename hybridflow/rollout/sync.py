@@ -7,17 +7,32 @@ A rollout split over tensor-parallel ranks (`Rollout.generation_layout`) gets on
 shard: the engine's training shards are resharded to it (hybridflow/engine/reshard.py), moving only the
 pieces each rank lacks, instead of gathering the full model on every rank. LoRA keeps the full
 gather of merged weights (the rollout takes its chunk of each).
+
+With `check`, every sync is verified (hybridflow/parity/weights.py): the fingerprints of what the engine meant
+to send against those of what the rollout holds afterwards; a mismatch is a finding in the `SyncReport`. The
+parity faults of hybridflow/parity/faults.py that break a sync are injected here.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
+from hybridflow.engine.gather import gather_named
 from hybridflow.engine.reshard import GenerationLayout, ReshardStats, named_weights, reshard
+from hybridflow.parity.faults import parity_fault
+from hybridflow.parity.weights import (
+    SyncSite,
+    WeightCheck,
+    apply_load_faults,
+    expected_shard_prints,
+    gather_findings,
+)
 
 if TYPE_CHECKING:
     from hybridflow.engine.base import Engine
@@ -59,25 +74,95 @@ def load_state_dict_into(model: nn.Module, state_dict: dict[str, Tensor], partia
         )
 
 
-def sync_weights(rollout: Rollout, engine: Engine, changed_only: bool = False) -> float:
-    """Gather `engine`'s full weights in the rollout's dtype and load them; returns the seconds
-    of both (the gather is a collective: every rank of the engine must call this).
+@dataclass
+class SyncReport:
+    """What one `sync_weights` did."""
+
+    seconds: float = 0.0
+    """The whole sync (gather or reshard, load, check): the metric timing_s/weight_sync."""
+    check_seconds: float = 0.0
+    """Of which fingerprinting both sides: the metric timing_s/parity_weights."""
+    findings: list[str] = field(default_factory=list)
+    """The weight-sync parity findings (keys.META_PARITY lines); empty when the rollout holds what was sent."""
+
+
+def sync_weights(
+    rollout: Rollout,
+    engine: Engine,
+    changed_only: bool = False,
+    step: int | None = None,
+    check: bool = False,
+    backend: str = "",
+) -> SyncReport:
+    """Gather `engine`'s full weights in the rollout's dtype and load them (the gather is a collective: every
+    rank of the engine must call this).
 
     With a split rollout (`generation_layout()` not None) and no adapters, reshards instead (`reshard_into`).
     `changed_only` (once the rollout holds every weight): only those training can have changed,
-    see `Engine.full_state_dict`. The caller reports the value as the metric `timing_s/weight_sync`.
+    see `Engine.full_state_dict`. `step`: the training step the weights are for (findings and faults name it);
+    `check`: fingerprint both sides (rollout.weight_fingerprints), `backend` (rollout.name) named in findings.
     """
     start = time.perf_counter()
     layout = rollout.generation_layout()
-    if layout is not None and not engine.has_adapters:
-        reshard_into(rollout, engine, layout)
-        return time.perf_counter() - start
+    resharded = layout is not None and not engine.has_adapters
+    path = "reshard" if resharded else "lora" if engine.has_adapters else "colocated"
+    site = SyncSite(backend, path, step, None if layout is None else dist.get_rank())
+    check_ = WeightCheck(rollout, site, check)
+    if resharded:
+        findings = _reshard_sync(rollout, engine, layout, step, check_)
+    else:
+        findings = _full_sync(rollout, engine, changed_only, step, check_)
+    if layout is not None and check_.enabled:  # ranks hold different shards; only some ranks' outputs are collected
+        findings = gather_findings(findings)
+    return SyncReport(time.perf_counter() - start, check_.seconds, findings)
+
+
+def _full_sync(rollout: Rollout, engine: Engine, changed_only: bool, step: int | None, check: WeightCheck) -> list[str]:
     state = engine.full_state_dict(dtype=rollout.weight_dtype, changed_only=changed_only)
-    rollout.load_weights(state, partial=changed_only and engine.has_adapters)  # without adapters it is all of them
-    return time.perf_counter() - start
+    sent = check.sent(state)
+    if engine.has_adapters and parity_fault("lora_unmerged", step):
+        state.update(base_weights(engine, rollout.weight_dtype))
+    if not parity_fault("skip_sync", step):
+        rollout.load_weights(state, partial=changed_only and engine.has_adapters)  # without adapters: all of them
+    apply_load_faults(rollout.held_weights(), step)
+    return check.compare(sent)
+
+
+def _reshard_sync(
+    rollout: Rollout, engine: Engine, layout: GenerationLayout, step: int | None, check: WeightCheck
+) -> list[str]:
+    expected = check.timed(expected_shard_prints, named_weights(engine.module), layout, rollout.weight_dtype)
+    if parity_fault("wrong_shard", step):
+        layout = MirroredLayout(layout.tp, layout.split_dims, layout.stride)
+    if not parity_fault("skip_sync", step):
+        reshard_into(rollout, engine, layout)
+    apply_load_faults(rollout.held_weights(), step)
+    return check.compare(expected)
 
 
 def reshard_into(rollout: Rollout, engine: Engine, layout: GenerationLayout, stats: ReshardStats | None = None) -> None:
     """Write this rank's generation shard of `engine`'s weights straight into the rollout's tensors
     (a collective over the engine's ranks; hybridflow/engine/reshard.py). `stats`: filled with the bytes moved."""
     reshard(named_weights(engine.module), layout, rollout.weight_dtype, out=rollout.shard_tensors(), stats=stats)
+
+
+# --- injected faults (hybridflow/parity/faults.py) ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MirroredLayout(GenerationLayout):
+    """wrong_shard: the layout with each tp group's ranks in reverse order, so every rank of a group of two
+    or more receives another rank's generation shard (consistently on every rank: the reshard still completes)."""
+
+    def tp_index(self, rank: int) -> int:
+        """The mirror image of the true place in the tp group."""
+        return self.tp - 1 - super().tp_index(rank)
+
+
+def base_weights(engine: Engine, dtype: torch.dtype | None) -> dict[str, Tensor]:
+    """lora_unmerged: the adapted layers' frozen base weights, gathered (a collective), under the names the
+    merged ones are sent under."""
+    from hybridflow.engine.lora import adapted_layers, hf_name  # noqa: PLC0415  (lazy: peft, only LoRA runs need it)
+
+    named = {hf_name(f"{name}.weight"): layer.base_layer.weight for name, layer in adapted_layers(engine.module)}
+    return gather_named(named, dtype)

@@ -37,6 +37,7 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -51,6 +52,8 @@ from hybridflow.engine import export_hf
 from hybridflow.engine.config import EngineConfig
 from hybridflow.engine.reshard import aligned_stride, group_coords
 from hybridflow.models import load_tokenizer, resolve_model_path
+from hybridflow.parity.faults import parity_fault
+from hybridflow.parity.weights import SyncSite, WeightCheck, apply_load_faults, bridge_expected, prints_once
 from hybridflow.protocol import DataProto
 from hybridflow.rollout import build_rollout
 from hybridflow.rollout.bridge import WeightBridge, manifest_of, open_store
@@ -169,10 +172,7 @@ class ActorRolloutRefWorker(Worker):
         if sampling is not None and validate:
             raise ValueError("generate_sequences: pass sampling or validate=True, not both")
         metrics: dict[str, float] = {}
-        if self._rollout_stale and self.actor is not None:
-            metrics["timing_s/weight_sync"] = sync_weights(self.rollout, self.actor, self._rollout_has_all_weights)
-            self._rollout_stale = False
-            self._rollout_has_all_weights = True
+        findings = self._sync_rollout(step, metrics) if self._rollout_stale and self.actor is not None else []
         if step is not None:
             # Seeded by (seed, step, rank) rather than by call count, so a resumed run samples exactly as an uninterrupted one.
             self.rollout.reseed(step)
@@ -188,7 +188,22 @@ class ActorRolloutRefWorker(Worker):
                 out = self.rollout.generate_sequences(prompts, params)
         metrics["timing_s/generate_on_worker"] = time.perf_counter() - start
         out.meta_info[K.META_METRICS] = {**out.meta_info.get(K.META_METRICS, {}), **metrics}  # + agent/* times
+        if findings:
+            out.meta_info[K.META_PARITY] = out.meta_info.get(K.META_PARITY, []) + findings
         return out
+
+    def _sync_rollout(self, step: int | None, metrics: dict[str, float]) -> list[str]:
+        """Refresh the rollout copy from the actor (rollout/sync.py); returns the weight-sync parity findings."""
+        cfg = self.rollout_cfg
+        report = sync_weights(
+            self.rollout, self.actor, self._rollout_has_all_weights, step, cfg.weight_fingerprints, cfg.name
+        )
+        self._rollout_stale = False
+        self._rollout_has_all_weights = True
+        metrics["timing_s/weight_sync"] = report.seconds
+        if cfg.weight_fingerprints:
+            metrics["timing_s/parity_weights"] = report.check_seconds
+        return report.findings
 
     def _harness_runner(self) -> HarnessRunner:
         """The harness's endpoint over this worker's rollout, started on first use; it stops when the worker
@@ -299,16 +314,44 @@ class ActorRolloutRefWorker(Worker):
             self._bridge = WeightBridge(host, port, 0, world, collective_timeout_s(), store=self._bridge_store)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
-    def transfer_weights(self) -> dict[str, float]:
+    def transfer_weights(self, step: int | None = None) -> dict[str, Any]:
         """Actor ranks: gather the current weights in the rollout dtype (a collective), rank 0 broadcasts them
-        over the bridge; rollout ranks receive and load them. Returns this rank's seconds (and bytes sent)."""
+        (and, with rollout.weight_fingerprints, their fingerprints) over the bridge; rollout ranks receive, load
+        and check them. `step`: the update pushed. Returns this rank's seconds (the sender: and bytes sent; the
+        receivers: their weight-sync parity findings under keys.META_PARITY)."""
         start = time.perf_counter()
-        if "actor" in self.roles:
-            state = self.actor.full_state_dict(dtype=self.rollout_cfg.torch_dtype)
-            sent = self._bridge.send(state) if self.rank == 0 else 0
-            return {"timing_s/weight_transfer": time.perf_counter() - start, "weight_transfer/bytes": float(sent)}
-        self.rollout.load_weights(self._bridge.receive(self._bridge_manifest))
-        return {"timing_s/weight_transfer": time.perf_counter() - start}
+        if "actor" not in self.roles:
+            return self._receive_weights(start, step)
+        state = self.actor.full_state_dict(dtype=self.rollout_cfg.torch_dtype)
+        if self.rank != 0:
+            return {"timing_s/weight_transfer": time.perf_counter() - start, "weight_transfer/bytes": 0.0}
+        check_start = time.perf_counter()
+        prints = list(prints_once(state).values()) if self.rollout_cfg.weight_fingerprints else None
+        check_s = time.perf_counter() - check_start
+        sent = self._bridge.send(state)
+        if prints is not None:
+            self._bridge.send_prints(prints)
+        return {
+            "timing_s/weight_transfer": time.perf_counter() - start,
+            "weight_transfer/bytes": float(sent),
+            "timing_s/parity_weights": check_s,
+        }
+
+    def _receive_weights(self, start: float, step: int | None) -> dict[str, Any]:
+        cfg, manifest = self.rollout_cfg, self._bridge_manifest
+        state = self._bridge.receive(manifest)
+        prints = self._bridge.receive_prints(len(manifest)) if cfg.weight_fingerprints else []
+        if not (parity_fault("bridge_drop", step) or parity_fault("skip_sync", step)):
+            self.rollout.load_weights(state)
+        apply_load_faults(self.rollout.held_weights(), step)
+        check = WeightCheck(self.rollout, SyncSite(cfg.name, "bridge", step), cfg.weight_fingerprints)
+        sent = dict(zip((name for name, _, _ in manifest), prints))
+        findings = check.compare(check.timed(bridge_expected, self.rollout, state, sent))
+        return {
+            "timing_s/weight_transfer": time.perf_counter() - start,
+            "timing_s/parity_weights": check.seconds,
+            K.META_PARITY: findings,
+        }
 
     # --- checkpoints ----------------------------------------------------------------
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)

@@ -1,0 +1,196 @@
+"""Weight-sync parity: after every sync into a rollout, what the sender meant to send against what the rollout holds.
+
+The sender fingerprints (fingerprint.py) the tensors it is about to send, in the rollout's dtype and before
+anything can go wrong on the way; the rollout fingerprints the tensors it generates with, after the load. A
+name whose fingerprints differ is a finding (`WeightCheck.compare`), one line naming the rollout backend, the sync
+path, the step and the first differing tensors, which the worker returns in meta_info[keys.META_PARITY].
+
+- Whole weights (colocated sync, LoRA's merged sync, the bridge): one fingerprint per sent tensor; a rollout that
+  keeps only its tensor-parallel chunk of a sent tensor is compared on that chunk (`Rollout.as_held`).
+- Reshard (`expected_shard_prints`): every rank fingerprints the pieces it sends to each rank, with their global
+  row offsets inside the destination's generation shard, and one all-reduce sums them per destination: each
+  rank then knows the fingerprint of the exact shard it should hold, and checks it on its own, so a shard placed
+  on the wrong rank is caught even though the fingerprint does not see a column block's position in a row.
+- A rollout whose weights cannot be read back (`Rollout.held_weights` None: vllm repacks them) is not checked.
+
+The injected faults of the load (`apply_load_faults`) are here too: they break the rollout's tensors in place,
+after the load, the way a bad load would.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from hybridflow.engine.reshard import (
+    GenerationLayout,
+    block_view,
+    held_boxes,
+    local_block,
+    plan_pieces,
+    unique_tensors,
+)
+from hybridflow.parity.faults import parity_fault
+from hybridflow.parity.fingerprint import MOD, differing, tensor_fingerprint
+
+if TYPE_CHECKING:
+    from hybridflow.rollout.base import Rollout
+
+SHOWN = 3
+"""Differing tensors named in a finding (the count says how many there are)."""
+CAUSES = {
+    "colocated": "the rollout kept stale weights (a skipped or failed load), or loaded them through a lossy cast "
+    "or under wrong names",
+    "lora": "the adapters not merged into the sent weights, or a changed-only sync that missed an adapted layer",
+    "reshard": "a generation shard placed on the wrong rank (the reshard plan), or a stale or miscast shard",
+    "bridge": "an update dropped or altered on the weight bridge, or received and not loaded",
+}
+"""Per sync path: what usually makes its fingerprints differ (the finding says it)."""
+LOSSY = {torch.float32: torch.bfloat16, torch.bfloat16: torch.float8_e4m3fn, torch.float16: torch.float8_e4m3fn}
+"""wrong_dtype: the dtype each rollout dtype passes through (fewer mantissa bits: lossy for any real weights)."""
+
+
+@dataclass(frozen=True)
+class SyncSite:
+    """Where a sync happened, as a finding names it."""
+
+    backend: str
+    """rollout.name (native, hf, vllm, or a plugin's)."""
+    path: str
+    """The sync path, a key of `CAUSES`."""
+    step: int | None
+    """The training step whose generation the synced weights are for (for the bridge: the update pushed)."""
+    rank: int | None = None
+    """The rank that found it, where ranks hold different shards (reshard)."""
+
+    def __str__(self) -> str:
+        rank = "" if self.rank is None else f", rank={self.rank}"
+        return f"rollout={self.backend}, path={self.path}, step={self.step}{rank}"
+
+
+class WeightCheck:
+    """The fingerprints of one sync on one rank (see the module docstring); does nothing when not `enabled`."""
+
+    def __init__(self, rollout: Rollout, site: SyncSite, enabled: bool) -> None:
+        """`enabled`: rollout.weight_fingerprints; a rollout whose weights cannot be read is never checked."""
+        self.rollout, self.site = rollout, site
+        self.enabled = enabled and rollout.held_weights() is not None
+        self.seconds = 0.0
+        """Spent fingerprinting (the metric timing_s/parity_weights)."""
+
+    def timed(self, fn: Callable[..., dict[str, int]], *args: Any) -> dict[str, int]:
+        """`fn(*args)` when enabled (its seconds counted), else {}."""
+        if not self.enabled:
+            return {}
+        start = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+    def sent(self, state: Mapping[str, Tensor]) -> dict[str, int]:
+        """What the rollout should hold of each tensor of `state` once loaded (call before any fault point)."""
+        return self.timed(lambda: prints_once({name: self.rollout.as_held(name, t) for name, t in state.items()}))
+
+    def compare(self, sent: Mapping[str, int]) -> list[str]:
+        """The finding (one line, or none) from `sent` against the rollout's tensors of the same names now."""
+        if not self.enabled:
+            return []
+        held = self.rollout.held_weights()
+        return mismatch(self.site, sent, self.timed(prints_once, {n: held[n] for n in sent if n in held}))
+
+
+def prints_once(named: Mapping[str, Tensor]) -> dict[str, int]:
+    """Name -> fingerprint, a tensor under several names (tied embeddings) fingerprinted once."""
+    by_storage: dict[tuple, int] = {}
+    out = {}
+    for name, t in named.items():
+        key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        if key not in by_storage:
+            by_storage[key] = tensor_fingerprint(t)
+        out[name] = by_storage[key]
+    return out
+
+
+def mismatch(site: SyncSite, sent: Mapping[str, int], held: Mapping[str, int]) -> list[str]:
+    """[] when every sent tensor is held as sent; else one line naming the site and the first differing tensors."""
+    names = differing(sent, held)
+    if not names:
+        return []
+    shown = ", ".join(names[:SHOWN]) + (", ..." if len(names) > SHOWN else "")
+    cause = CAUSES.get(site.path, "the sync path")
+    return [
+        f"weight sync mismatch ({site}): {len(names)} of {len(sent)} tensors differ, first: {shown}; usual cause: {cause}"
+    ]
+
+
+@torch.no_grad()
+def expected_shard_prints(named: Mapping[str, Tensor], layout: GenerationLayout, dtype: torch.dtype) -> dict[str, int]:
+    """Per name: the fingerprint of the generation shard this rank should hold after `reshard(named, layout,
+    dtype)` (engine/reshard.py), from the pieces every rank holds of its training shards. A collective over
+    the default group (one all-reduce of ranks x weights integers)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    groups = unique_tensors(named)
+    table = torch.zeros(world, len(groups), dtype=torch.int64)
+    meshes: dict[int, tuple] = {}
+    for j, (names, t) in enumerate(groups):
+        held = held_boxes(t, world, meshes)
+        targets = tuple(layout.target(names[0], tuple(t.shape), r) for r in range(world))
+        local = local_block(names[0], t, held[rank])
+        for p in plan_pieces(held, targets):
+            if p.src == rank:  # each piece counted once, by the rank that provides it
+                piece = block_view(local, held[rank], p.region).to(dtype)
+                table[p.dst, j] += tensor_fingerprint(piece, p.region[0][0] - targets[p.dst][0][0])
+    dist.all_reduce(table)  # sums of a few values < 2^32 per rank: no int64 overflow
+    table %= MOD
+    prints = {id(t): int(table[rank, j]) for j, (_, t) in enumerate(groups)}
+    return {name: prints[id(t)] for name, t in named.items()}
+
+
+def bridge_expected(rollout: Rollout, state: Mapping[str, Tensor], sent: Mapping[str, int]) -> dict[str, int]:
+    """What a rollout should hold after loading `state` received over the bridge, whose sender fingerprinted it
+    as `sent`: the sender's print where the rollout keeps the tensor whole; where it keeps a chunk, the chunk's
+    print if the received tensor is what was sent, else -1 (matches nothing: the name is reported)."""
+    expected = {}
+    for name, t in state.items():
+        part = rollout.as_held(name, t)
+        if part is t:
+            expected[name] = sent[name]
+        else:
+            expected[name] = tensor_fingerprint(part) if tensor_fingerprint(t) == sent[name] else -1
+    return expected
+
+
+def gather_findings(lines: list[str]) -> list[str]:
+    """Every rank's findings, on every rank (a collective over the default group): a worker group collects only
+    some ranks' outputs (e.g. the first of each tensor-parallel group)."""
+    parts: list[list[str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, lines)
+    return [line for part in parts for line in part or []]
+
+
+# --- injected faults (hybridflow/parity/faults.py) ---------------------------------------------------------------
+
+
+@torch.no_grad()
+def apply_load_faults(held: Mapping[str, Tensor] | None, step: int | None) -> None:
+    """After a load at `step`: corrupt_tensor adds 1 to one element of one decoder tensor; wrong_dtype rounds
+    every tensor through `LOSSY` (as if the weights had passed through that dtype on the way in)."""
+    if held is None:
+        return
+    if parity_fault("corrupt_tensor", step):
+        held[corrupted_name(held)].view(-1)[0] += 1.0
+    if parity_fault("wrong_dtype", step):
+        for _, t in unique_tensors(held):
+            t.copy_(t.to(LOSSY[t.dtype]).to(t.dtype))
+
+
+def corrupted_name(held: Mapping[str, Tensor]) -> str:
+    """The tensor corrupt_tensor alters: the first 2-D decoder-layer weight (else the first tensor)."""
+    return next((n for n, t in held.items() if ".layers." in n and t.dim() == 2), next(iter(held)))
