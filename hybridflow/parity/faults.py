@@ -17,6 +17,8 @@ PARITY_FAULT_ENV = "HYBRIDFLOW_PARITY_FAULT"
 KINDS: dict[str, str] = {
     # weight sync paths (what breaks, where)
     # log-prob / token paths
+    "token_edit": "the generate worker changes the first trained token of its first row after sampling",
+    "logprob_skew": "the generate worker lowers every rollout log-prob by 0.5 nats after sampling",
 }
 """Every fault kind and what it breaks; `parse_parity_faults` refuses any other."""
 _POINT_RE = re.compile(r"^(?P<kind>\w+)@(?P<step>\d+)$")

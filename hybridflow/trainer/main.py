@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from hybridflow.config_utils import load_config
 from hybridflow.models import load_tokenizer, resolve_model_path
+from hybridflow.parity import ParityError
 from hybridflow.planner.profile import write_profile
 from hybridflow.rewards import RewardManager, load_custom_reward_fn
 from hybridflow.trainer.args import TRAIN_DESCRIPTION, TRAIN_PROG, USER_ERRORS, fail, parse_args
@@ -141,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def train(args: argparse.Namespace) -> int:
     """`hybridflow train` on parsed arguments: load, measure, resolve, then print the run (--print-config: YAML
     only on stdout) or train it. Bad config, paths or data exit 2 with one line; a failure the run cannot recover
-    from exits 1."""
+    from, or a parity check that failed (trainer.parity=error), exits 1 with one line."""
     prog = TRAIN_PROG
     try:
         resolved, inputs = load_run(args.config, args.overrides)
@@ -153,7 +154,7 @@ def train(args: argparse.Namespace) -> int:
         return fail(prog, err, 2)
     try:
         run(resolved, inputs)
-    except RunFailedError as err:  # its message names the failed worker and the command that resumes
+    except (RunFailedError, ParityError) as err:  # named: the failed worker and the fix, or the check and cause
         return fail(prog, err, 1)
     return 0
 
