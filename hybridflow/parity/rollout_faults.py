@@ -26,7 +26,7 @@ def _edit_first_trained_token(out: DataProto) -> None:
     if len(trained) == 0:
         return
     col = int(trained[0])
-    old = int(out.batch[K.RESPONSES][0, col])
-    new = old - 1 if old > 0 else old + 1
-    out.batch[K.RESPONSES][0, col] = new
-    out.batch[K.INPUT_IDS][0, out.batch[K.PROMPTS].shape[1] + col] = new
+    responses, input_ids = out.batch[K.RESPONSES].clone(), out.batch[K.INPUT_IDS].clone()  # not inference tensors
+    old = int(responses[0, col])
+    responses[0, col] = input_ids[0, out.batch[K.PROMPTS].shape[1] + col] = old - 1 if old > 0 else old + 1
+    out.batch[K.RESPONSES], out.batch[K.INPUT_IDS] = responses, input_ids
