@@ -135,6 +135,19 @@ def test_without_rollout_log_probs_the_check_says_it_did_not_run(caplog):
     assert "log-prob check is skipped" in caplog.text
 
 
+def test_off_policy_rows_from_older_weights_are_not_compared():
+    batch = _batch(skew=0.5)
+    batch.batch[K.POLICY_VERSION] = torch.tensor([4, 3])  # trained at step 5: row 0 fresh, row 1 one update stale
+    batch.batch[K.ROLLOUT_LOG_PROBS][0] = batch.batch[K.OLD_LOG_PROBS][0]  # only the stale row differs
+    guard = ParityGuard("error", LIMITS, off_policy=True)
+    metrics = guard.before_update(batch, step=5)
+    assert metrics["parity/logprob_stale_rows"] == 1.0 and metrics["parity/logprob_gap_max"] == 0.0
+    assert guard.before_update(batch, step=6)["parity/logprob_checked"] == 0.0  # no fresh row
+    assert guard.ratio is None and ParityGuard("error", LIMITS).ratio == 0.2
+    with pytest.raises(ParityError, match="'logprobs' failed at step 4"):
+        guard.before_update(batch, step=4)  # row 1 fresh at step 4
+
+
 def test_without_old_log_probs_the_updates_own_forward_is_checked():
     guard = ParityGuard("error", LIMITS)
     assert guard.before_update(_batch(old=False), step=2)["parity/logprob_checked"] == 0.0  # until after_update
