@@ -34,7 +34,8 @@ ENV_REWARDS = (
     "env_rewards"  # [B, R] float32: multi-turn rollouts: each model turn's environment reward on its last token
 )
 SAMPLED_IDS_HASH = "sampled_ids_hash"  # [B] int64: hybridflow/parity/tokens.py's hash of the ids the sampler drew
-# (in order, over the tokens response_mask marks), taken where they were sampled; checked against responses before the update
+# (in order, over the tokens response_mask marks), taken where they were sampled; checked before the update against
+# the response columns of input_ids (what the update reads)
 POLICY_VERSION = "policy_version"  # [B] int64: trainer step whose weights generated the row (0: initial weights)
 
 # --- numpy object arrays in DataProto.non_tensor_batch ----------------------

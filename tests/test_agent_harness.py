@@ -19,6 +19,7 @@ from hybridflow.controller.local import LocalWorkerGroup
 from hybridflow.controller.resource_pool import ClassWithInitArgs
 from hybridflow.engine import EngineConfig
 from hybridflow.models import load_tokenizer, tiny_model_dir
+from hybridflow.parity.tokens import mismatched_rows
 from hybridflow.rollout import RolloutConfig
 from hybridflow.rollout.config import AgentConfig
 from hybridflow.trainer.metrics import agent_metrics
@@ -106,6 +107,7 @@ def test_harness_trajectories_hold_the_sampled_ids_over_two_turns(model, two_tur
     for r in range(3):
         sampled = sorted(replies for i, replies in SAMPLED if i == r)
         assert sorted(trained[r]) == sampled
+    assert mismatched_rows(b[K.SAMPLED_IDS_HASH], b[K.RESPONSES], b[K.RESPONSE_MASK]) == []  # token parity holds
     rewards = b[K.ENV_REWARDS].sum(-1)
     assert rewards.tolist() == [0.5, 0.5, 1.5, 1.5, 2.5, 2.5]
     last_model_token = torch.stack([m.nonzero().max() for m in b[K.RESPONSE_MASK]])
@@ -127,6 +129,8 @@ def test_a_harness_that_edits_its_history_trains_its_last_trajectory(model, two_
     assert list(out.non_tensor_batch[K.NUM_TURNS]) == [1] * 6  # the split-off trajectory: the second request
     for row in out.batch[K.PROMPTS]:
         assert "EDITED" in tok.decode(row[row != tok.pad_token_id])
+    b = out.batch
+    assert mismatched_rows(b[K.SAMPLED_IDS_HASH], b[K.RESPONSES], b[K.RESPONSE_MASK]) == []  # the trained branch's
 
 
 def test_a_harness_that_raises_or_hangs_costs_its_trajectory_only(model):

@@ -18,6 +18,7 @@ from hybridflow.controller.local import LocalWorkerGroup
 from hybridflow.controller.resource_pool import ClassWithInitArgs
 from hybridflow.engine import EngineConfig
 from hybridflow.models import load_tokenizer, tiny_model_dir
+from hybridflow.parity.tokens import mismatched_rows
 from hybridflow.protocol import DataProto
 from hybridflow.rollout import RolloutConfig
 from hybridflow.rollout.config import MultiTurnConfig
@@ -155,6 +156,7 @@ def assert_the_sampled_turns_are_trained(out: DataProto, tok, stops: list[int], 
         segments = runs(b[K.RESPONSES][r, :length].tolist(), b[K.RESPONSE_MASK][r, :length].tolist())
         assert [ids for m, ids in segments if m == 1] == pending[r][: turns[r]]
         assert [ids for m, ids in segments if m == 0] == obs[: len([s for s in segments if s[0] == 0])]
+    assert mismatched_rows(b[K.SAMPLED_IDS_HASH], b[K.RESPONSES], b[K.RESPONSE_MASK]) == []  # token parity holds
     env = b[K.ENV_REWARDS]
     done = out.non_tensor_batch[K.STOP_REASON] == "done"
     assert torch.allclose(env.sum(-1)[torch.tensor(done)], torch.tensor(1.5))

@@ -99,7 +99,10 @@ def test_apply_rollout_is_on_a_batch() -> None:
         (["algorithm.rollout_is_threshold_lower=0.5"], "needs algorithm.rollout_is_threshold"),
         (["algorithm.rollout_is_threshold=2", "algorithm.rollout_is_level=geometric"], "rollout_is_level"),
         (["algorithm.rollout_is_threshold=2", "algorithm.rollout_is_mode=clip"], "rollout_is_mode"),
-        (["algorithm.rollout_is_threshold=2"], "rollout.calculate_log_probs=false"),
+        (
+            ["algorithm.rollout_is_threshold=2", "rollout.calculate_log_probs=false"],
+            "rollout.calculate_log_probs=false",
+        ),
     ],
 )
 def test_config_refuses(overrides: list[str], message: str) -> None:

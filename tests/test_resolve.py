@@ -134,7 +134,10 @@ def test_worker_sets_follow_the_placement():
             ["rollout.response_length=64", "data.max_response_length=32"],
             r"rollout.response_length=64 conflicts with data.max_response_length=32",
         ),
-        (["actor.policy_loss.tis_imp_ratio_cap=2.0"], r"tis_imp_ratio_cap=2.0 .*rollout.calculate_log_probs=false"),
+        (
+            ["actor.policy_loss.tis_imp_ratio_cap=2.0", "rollout.calculate_log_probs=false"],
+            r"tis_imp_ratio_cap=2.0 .*rollout.calculate_log_probs=false",
+        ),
         (["ref.param_dtype=fp16"], r"ref.param_dtype must be one of \['bf16', 'fp32', 'auto'\]"),
         (["trainer.experiment_name=a/b"], r"trainer.experiment_name names a directory level"),
         (["actor.loss_agg_mode=sum"], r"actor.loss_agg_mode='sum' is unknown; valid: \[.*'token-mean'"),

@@ -109,6 +109,8 @@ def train_ok(tiny_model: str, tmp_path: Path, *extra: str) -> list[dict]:
     for r in steps:
         assert r["response_length/mean"] > 0
         assert "critic/score/mean" in r and "timing_s/gen" in r
+        assert r["parity/token_mismatch_rows"] == 0 and r["parity/token_checked_rows"] > 0  # the guard ran
+        assert r["parity/weight_findings"] == 0 and "timing_s/parity" in r
     assert any(k.startswith("val-core/") for k in records[-1]), records[-1]
     profile = json.loads((tmp_path / "logs" / "profile.json").read_text())  # end-of-run profile table
     assert {p["metric"]: p["steps"] for p in profile}["timing_s/gen"] == 2, profile

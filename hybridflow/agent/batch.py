@@ -8,6 +8,8 @@ differs from a single-turn rollout:
 - `token_level_scores` holds each model turn's reward on that turn's last token (a
   single-turn rollout has one score, on the last valid token); their row sum is the
   trajectory's reward;
+- `sampled_ids_hash` is the hash of the concatenation of each model turn's sampled ids (`Trajectory.sampled_ids`),
+  not of the assembled response, so the trainer's token parity check sees any trained token the model did not sample;
 - non-tensor columns `num_turns` (model turns), `tool_calls` and `stop_reason` per row, for metrics.
 """
 
@@ -20,6 +22,7 @@ import torch
 
 from hybridflow import keys
 from hybridflow.agent.loop import Trajectory
+from hybridflow.parity.tokens import hash_list_rows
 from hybridflow.protocol import DataProto
 
 
@@ -69,6 +72,7 @@ def trajectories_to_batch(
         keys.POSITION_IDS: (attention.cumsum(-1) - 1).clamp(min=0),
         keys.ROLLOUT_LOG_PROBS: _pad([t.rollout_log_probs for t in trajs], r_width, 0.0, False, torch.float32),
         keys.TOKEN_LEVEL_SCORES: scores,
+        keys.SAMPLED_IDS_HASH: hash_list_rows([t.sampled_ids for t in trajs]),
     }
     non_tensors = {
         keys.NUM_TURNS: np.array([t.assistant_turns for t in trajs]),

@@ -116,10 +116,12 @@ def placeholder(prompts: DataProto, index: int) -> Trajectory:
 
 
 def cut(traj: Trajectory, width: int) -> Trajectory:
-    """`traj` with its response cut to `width` tokens and its one reward on its last model token kept."""
+    """`traj` with its response cut to `width` tokens (its sampled ids to the model tokens kept) and its one
+    reward on its last model token kept."""
     if len(traj.response_ids) > width:
         traj.response_ids, traj.response_mask = traj.response_ids[:width], traj.response_mask[:width]
         traj.rollout_log_probs = traj.rollout_log_probs[:width]
+        traj.sampled_ids = traj.sampled_ids[: sum(traj.response_mask)]
         traj.stop_reason = "response_length"
     model = [k for k, m in enumerate(traj.response_mask) if m]
     traj.reward_positions = model[-1:]

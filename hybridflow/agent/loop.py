@@ -122,6 +122,9 @@ class Trajectory:
     response_mask: list[int] = field(default_factory=list)
     """1: a model token (trained); 0: an observation token (not trained)."""
     rollout_log_probs: list[float] = field(default_factory=list)
+    sampled_ids: list[int] = field(default_factory=list)
+    """Each model turn's ids as the sampler returned them, concatenated (the token parity check's reference:
+    hybridflow/parity/tokens.py); the trained ids (`response_mask` 1) must equal them."""
     turn_rewards: list[float] = field(default_factory=list)
     reward_positions: list[int] = field(default_factory=list)
     """Index in `response_ids` of the last token of each model turn (where its reward goes)."""
@@ -202,6 +205,7 @@ def _append_turn(traj: Trajectory, out: TurnOutput, budget: int, stops: list[int
     log_probs = list(out.log_probs)[: len(ids)] if out.log_probs is not None else [0.0] * len(ids)
     if len(log_probs) != len(ids):
         raise ValueError(f"generate returned {len(log_probs)} log-probs for {len(ids)} tokens")
+    traj.sampled_ids += ids
     traj.response_ids += ids
     traj.response_mask += [1] * len(ids)
     traj.rollout_log_probs += log_probs

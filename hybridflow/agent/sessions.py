@@ -99,6 +99,8 @@ class Branch:
     response_ids: list[int] = field(default_factory=list)
     response_mask: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
+    sampled_ids: list[int] = field(default_factory=list)
+    """Each completion's ids as the server's backend returned them, concatenated (token parity's reference)."""
     reward_positions: list[int] = field(default_factory=list)
     user_turns: int = 0
     last_closed: bool = True
@@ -116,6 +118,7 @@ class Branch:
         traj = Trajectory(row_index, list(self.prompt_ids), list(self.tools), copy.deepcopy(self.messages))
         traj.response_ids, traj.response_mask = list(self.response_ids), list(self.response_mask)
         traj.rollout_log_probs, traj.reward_positions = list(self.log_probs), list(self.reward_positions)
+        traj.sampled_ids = list(self.sampled_ids)
         traj.turn_rewards = [0.0] * len(self.reward_positions)
         traj.assistant_turns, traj.user_turns, traj.tool_calls = len(self.reward_positions), self.user_turns, calls
         traj.stop_reason = self.finish_reason or "length"
@@ -235,6 +238,7 @@ def _append(branch: Branch, delta: list[int], messages: list[Message], sample: S
         branch.response_mask += [0] * len(delta)
         branch.log_probs += [0.0] * len(delta)
         branch.user_turns += 1
+    branch.sampled_ids += sample.token_ids
     branch.response_ids += sample.token_ids
     branch.response_mask += [1] * len(sample.token_ids)
     branch.log_probs += list(sample.log_probs)
@@ -263,6 +267,7 @@ def _truncated(branch: Branch, length: int) -> Branch:
         x[:length] for x in (out.response_ids, out.response_mask, out.log_probs)
     )
     out.reward_positions = [p for p in out.reward_positions if p < length]
+    out.sampled_ids = out.sampled_ids[: sum(out.response_mask)]
     return out
 
 

@@ -100,7 +100,8 @@ class Engine(ABC):
 
         `temperature` and `calc_entropy` go to `forward_micro_batch` (the outputs `loss_fn` sees).
 
-        Returns the mean of each `loss_fn` metric over micro-batches, plus "loss" (sum of
+        Returns the mean of each `loss_fn` metric over micro-batches (the largest for a name ending in
+        "_max"), plus "loss" (sum of
         the micro-batch losses), "grad_norm" (before clipping) and "update_skipped" (1.0
         when the norm was not finite and the step was skipped). Does not touch the LR
         schedule: call `lr_scheduler_step` once per training step.

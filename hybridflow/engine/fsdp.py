@@ -321,7 +321,7 @@ class FSDPEngine(Engine):
             total_loss += float(loss.detach())
             for k, v in stats.items():
                 collected[k].append(float(v))
-        metrics = {k: sum(v) / len(v) for k, v in collected.items()}
+        metrics = {k: max(v) if k.endswith("_max") else sum(v) / len(v) for k, v in collected.items()}
         metrics.update(self._optimizer_step(), loss=total_loss)
         return metrics
 

@@ -23,6 +23,8 @@ KINDS: dict[str, str] = {
     "bridge_drop": "a rollout worker receives an update over the weight bridge but does not load it (bridge)",
     "lora_unmerged": "a LoRA sync sends the adapted layers' base weights, without the adapters (lora)",
     # log-prob / token paths
+    "token_edit": "the generate worker changes the first trained token of its first row after sampling",
+    "logprob_skew": "the generate worker lowers every rollout log-prob by 0.5 nats after sampling",
 }
 """Every fault kind and what it breaks; `parse_parity_faults` refuses any other."""
 _POINT_RE = re.compile(r"^(?P<kind>\w+)@(?P<step>\d+)$")

@@ -155,10 +155,10 @@ class ModuleRollout(Rollout):
             )
             for i in range(0, len(ids), per_chunk)
         ]
-        responses, resp_mask, log_probs = (torch.cat([p[j] for p in parts]) for j in range(3))
+        responses, resp_mask, log_probs, sampled = (torch.cat([p[j] for p in parts]) for j in range(4))
         if not self.config.calculate_log_probs:
             log_probs = None
-        return build_output(prompts, ids, mask, pos, responses, resp_mask, params.n, log_probs)
+        return build_output(prompts, ids, mask, pos, responses, resp_mask, params.n, log_probs, sampled)
 
     def _prompt_tensors(self, prompts: DataProto) -> tuple[Tensor, Tensor, Tensor]:
         missing = [k for k in (INPUT_IDS, ATTENTION_MASK, POSITION_IDS) if k not in prompts.batch.keys()]
@@ -184,9 +184,10 @@ class ModuleRollout(Rollout):
     @abstractmethod
     def _generate(
         self, ids: Tensor, mask: Tensor, pos: Tensor, params: SamplingParams
-    ) -> tuple[Tensor, Tensor, Tensor]:
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Generate for one chunk; returns (responses, response_mask, log_probs), each [b*n, R],
-        responses already pad-filled outside the mask."""
+        responses already pad-filled outside the mask, and [b*n] the `parity/tokens.py` hash of each row's
+        sampled ids, taken from what the sampler drew."""
 
 
 def trim_left_padding(ids: Tensor, mask: Tensor, pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:

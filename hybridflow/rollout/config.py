@@ -198,8 +198,10 @@ class RolloutConfig(Section):
     dtype: str = "auto"
     """Rollout weights and compute: "bf16" (about 2x faster on CPUs with avx512_bf16), "fp32", or "auto"
     (bf16 where a matmul probe measures it paying on this machine; see engine.param_dtype)."""
-    calculate_log_probs: bool = False
-    """Return `rollout_log_probs` [B*n, R]: log-probs of the sampled tokens under the sampler."""
+    calculate_log_probs: bool | None = None
+    """Return `rollout_log_probs` [B*n, R]: log-probs of the sampled tokens under the sampler. None: decided at
+    load, on where it is free (native, hf) unless trainer.parity=off, and wherever algorithm.rollout_is_threshold
+    or actor.policy_loss.tis_imp_ratio_cap needs them; off otherwise."""
     max_batch_size: int = 128
     """Most sequences (prompts x n) decoded together per worker; larger inputs run in chunks.
     The native KV cache is preallocated for them (SmolLM2-135M, bf16, 512+512 tokens: ~1.5 GB per 64);

@@ -22,6 +22,7 @@ from transformers.generation import (
     TopPLogitsWarper,
 )
 
+from hybridflow.parity.tokens import hash_rows
 from hybridflow.rollout.base import ModuleRollout
 from hybridflow.rollout.config import SamplingParams
 from hybridflow.rollout.layout import pad_responses, response_mask_from_tokens
@@ -53,7 +54,7 @@ class HFRollout(ModuleRollout):
 
     def _generate(
         self, ids: Tensor, mask: Tensor, pos: Tensor, params: SamplingParams
-    ) -> tuple[Tensor, Tensor, Tensor]:
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         width, prompt_width = self.config.response_length, ids.shape[1]
         recorder = _LogProbRecorder(params.temperature if params.do_sample else 1.0, prompt_width)
         processors = LogitsProcessorList([recorder, *self._warpers(params)])
@@ -72,11 +73,12 @@ class HFRollout(ModuleRollout):
         valid[:, : seqs.shape[1] - prompt_width] = True
         eos = torch.tensor([] if self.config.ignore_eos else self.eos_ids, dtype=torch.long)
         resp_mask = response_mask_from_tokens(responses, eos, valid)
+        sampled = hash_rows(seqs[:, prompt_width:], resp_mask[:, : seqs.shape[1] - prompt_width])  # as generated
         responses = responses.masked_fill(resp_mask == 0, self.pad_id)
         log_probs = torch.zeros(responses.shape, dtype=torch.float32)
         if recorder.steps:
             log_probs[:, : len(recorder.steps)] = torch.stack(recorder.steps, dim=1)
-        return responses, resp_mask, log_probs * resp_mask
+        return responses, resp_mask, log_probs * resp_mask, sampled
 
     def _generation_config(self, params: SamplingParams):
         gc = copy.deepcopy(self.model.generation_config)

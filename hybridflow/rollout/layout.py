@@ -21,6 +21,7 @@ from hybridflow.keys import (
     RESPONSE_MASK,
     RESPONSES,
     ROLLOUT_LOG_PROBS,
+    SAMPLED_IDS_HASH,
 )
 from hybridflow.protocol import DataProto
 
@@ -51,13 +52,15 @@ def build_output(
     response_mask: Tensor,
     n: int,
     log_probs: Tensor | None,
+    sampled_hash: Tensor | None = None,
 ) -> DataProto:
     """Assemble the output DataProto (keys: prompts, responses, response_mask, input_ids,
-    attention_mask, position_ids, optional rollout_log_probs); non-tensor rows and the
-    prompt tensors are repeated n times so sample rows line up with their prompt.
+    attention_mask, position_ids, optional rollout_log_probs and sampled_ids_hash); non-tensor rows
+    and the prompt tensors are repeated n times so sample rows line up with their prompt.
 
-    `responses`, `response_mask`, `log_probs` already have B*n rows; tokens outside the
-    mask must already be the pad id.
+    `responses`, `response_mask`, `log_probs`, `sampled_hash` already have B*n rows; tokens outside
+    the mask must already be the pad id. `sampled_hash`: the backend's hash of the ids it drew
+    (hybridflow/parity/tokens.py), taken where they were drawn; None leaves the key out.
     """
     ids = prompt_ids.repeat_interleave(n, dim=0)
     mask = prompt_mask.repeat_interleave(n, dim=0)
@@ -73,6 +76,8 @@ def build_output(
     }
     if log_probs is not None:
         tensors[ROLLOUT_LOG_PROBS] = (log_probs * response_mask).float()
+    if sampled_hash is not None:
+        tensors[SAMPLED_IDS_HASH] = sampled_hash.long()
     non_tensors = {k: np.repeat(v, n, axis=0) for k, v in prompts.non_tensor_batch.items()}
     meta: dict[str, Any] = dict(prompts.meta_info)
     return DataProto.from_dict(tensors, non_tensors, meta)

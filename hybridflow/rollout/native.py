@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from hybridflow.engine.reshard import GenerationLayout
+from hybridflow.parity import tokens as parity_tokens
 from hybridflow.rollout.base import ModuleRollout
 from hybridflow.rollout.config import RolloutConfig, SamplingParams
 from hybridflow.rollout.decoder import HFDecoder, StaticLlamaDecoder, supports_static_path
@@ -99,7 +100,7 @@ class NativeRollout(ModuleRollout):
 
     def _generate(
         self, ids: Tensor, mask: Tensor, pos: Tensor, params: SamplingParams
-    ) -> tuple[Tensor, Tensor, Tensor]:
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         width = self.config.response_length
         dec = self._decoder()
         logits = dec.prefill(ids, mask, pos, width)
@@ -126,6 +127,8 @@ class _DecodeState:
 
     def __init__(self, rows: int, width: int, pad_id: int, positions: Tensor) -> None:
         self.responses = torch.full((rows, width), pad_id, dtype=torch.long)
+        self.sampled_hash = torch.zeros(rows, dtype=torch.long)  # parity/tokens.py, accumulated as ids are drawn
+        self._g = parity_tokens.position_weights(width)
         self.log_probs = torch.zeros(rows, width, dtype=torch.float32)
         self.lengths = torch.full((rows,), width, dtype=torch.long)
         self.out_row = torch.arange(rows)
@@ -138,6 +141,8 @@ class _DecodeState:
         live = ~self.finished
         out = self.out_row[live]
         self.responses[out, t] = tokens[live]
+        term = (tokens[live].long().cpu() + 1) % parity_tokens.MOD * self._g[t] % parity_tokens.MOD
+        self.sampled_hash[out] = (self.sampled_hash[out] + term) % parity_tokens.MOD
         self.log_probs[out, t] = logp[live]
         if eos is not None:
             ended = live & torch.isin(tokens, eos)
@@ -161,8 +166,8 @@ class _DecodeState:
         self.last_keep = keep
         return keep
 
-    def outputs(self) -> tuple[Tensor, Tensor, Tensor]:
-        """(responses, response_mask, log_probs), each [rows, width]."""
+    def outputs(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(responses, response_mask, log_probs), each [rows, width], and the hash of each row's sampled ids [rows]."""
         width = self.responses.shape[1]
         mask = (torch.arange(width)[None] < self.lengths[:, None]).long()
-        return self.responses, mask, self.log_probs * mask
+        return self.responses, mask, self.log_probs * mask, self.sampled_hash

@@ -41,6 +41,7 @@ from torch import Tensor
 from transformers import GenerationConfig
 
 from hybridflow.keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS
+from hybridflow.parity.tokens import hash_list_rows
 from hybridflow.protocol import DataProto
 from hybridflow.rollout.base import Rollout, eos_token_ids, step_seed
 from hybridflow.rollout.config import RolloutConfig, SamplingParams
@@ -130,7 +131,7 @@ class VLLMRollout(Rollout):
                 requests, [self._sampling(params, s, budget, log_probs) for s in seeds], use_tqdm=False
             )
         samples = [s for out in outputs for s in out.outputs]
-        responses, resp_mask, log_probs = self._to_tensors(samples)
+        responses, resp_mask, log_probs, sampled = self._to_tensors(samples)
         return build_output(
             prompts,
             ids,
@@ -140,6 +141,7 @@ class VLLMRollout(Rollout):
             resp_mask,
             params.n,
             log_probs if self.config.calculate_log_probs else None,
+            sampled,
         )
 
     def generate_ids(
@@ -182,9 +184,11 @@ class VLLMRollout(Rollout):
             logprobs=0 if log_probs else None,
         )
 
-    def _to_tensors(self, samples: list) -> tuple[Tensor, Tensor, Tensor]:
-        """(responses, response_mask, log-probs of the sampled tokens), each [len(samples), R]."""
+    def _to_tensors(self, samples: list) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(responses, response_mask, log-probs of the sampled tokens), each [len(samples), R], and the
+        `parity/tokens.py` hash of each sample's ids as vllm returned them [len(samples)]."""
         width = self.config.response_length
+        sampled = hash_list_rows([s.token_ids for s in samples])
         rows = [torch.tensor(s.token_ids, dtype=torch.long) for s in samples]
         responses = torch.stack([pad_responses(r[None], width, self.pad_id)[0] for r in rows])
         lengths = torch.tensor([len(r) for r in rows])
@@ -193,7 +197,7 @@ class VLLMRollout(Rollout):
         for i, s in enumerate(samples):
             if s.logprobs:
                 log_probs[i, : len(rows[i])] = torch.tensor(_sampled_log_probs(s))
-        return responses, mask, log_probs
+        return responses, mask, log_probs, sampled
 
     @property
     def weight_dtype(self) -> torch.dtype:

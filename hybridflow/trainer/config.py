@@ -20,6 +20,7 @@ from hybridflow.algos.rollout_is import ROLLOUT_IS_LEVELS, ROLLOUT_IS_MODES
 from hybridflow.config_utils import Section
 from hybridflow.data.dataset import TRUNCATIONS
 from hybridflow.data.tasks import get_task, make_difficulty
+from hybridflow.parity.config import ParityFields
 from hybridflow.utils.plugins import is_path
 from hybridflow.utils.tracking import BACKENDS
 
@@ -228,8 +229,8 @@ class AlgorithmConfig(Section):
 
 
 @dataclass
-class TrainerConfig(Section):
-    """The run: length, checkpoints, logging and where workers go."""
+class TrainerConfig(ParityFields):
+    """The run: length, checkpoints, logging and where workers go (and the parity guard: ParityFields)."""
 
     project_name: str = "hybridflow"
     """Project name for loggers (wandb project, mlflow experiment)."""
@@ -325,6 +326,7 @@ class TrainerConfig(Section):
     def __post_init__(self) -> None:
         # Derived values (directories, threads, run length) stay None here: hybridflow.trainer.resolve
         # fills them from the final merged values, after every override.
+        super().__post_init__()
         for key, name in (
             ("trainer.project_name", self.project_name),
             ("trainer.experiment_name", self.experiment_name),

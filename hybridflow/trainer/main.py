@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from hybridflow.config_utils import load_config
 from hybridflow.models import load_tokenizer, resolve_model_path
+from hybridflow.parity import ParityError
 from hybridflow.planner.profile import write_profile
 from hybridflow.rewards import RewardManager, load_custom_reward_fn
 from hybridflow.trainer.args import TRAIN_DESCRIPTION, TRAIN_PROG, USER_ERRORS, fail, parse_args
@@ -142,7 +143,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def train(args: argparse.Namespace) -> int:
     """`hybridflow train` on parsed arguments: --list-keys prints the config keys; else load, measure, resolve,
     then print the run (--print-config: YAML only on stdout) or train it. Bad config, paths or data exit 2 with one
-    line; a failure the run cannot recover from exits 1 (--debug: each after its traceback)."""
+    line; a failure the run cannot recover from, or a parity check that failed (trainer.parity=error), exits 1
+    with one line (--debug: each after its traceback)."""
     prog = TRAIN_PROG
     if args.list_keys is not None:
         return print_keys("train", args.list_keys, prog, args.debug)
@@ -156,7 +158,7 @@ def train(args: argparse.Namespace) -> int:
         return fail(prog, err, 2, args.debug)
     try:
         run(resolved, inputs)
-    except RunFailedError as err:  # its message names the failed worker and the command that resumes
+    except (RunFailedError, ParityError) as err:  # named: the failed worker and the fix, or the check and cause
         return fail(prog, err, 1, args.debug)
     return 0
 

@@ -15,6 +15,7 @@ import logging
 from typing import Any
 
 from hybridflow import keys as K
+from hybridflow.parity.guard import ParityGuard
 from hybridflow.protocol import DataProto
 from hybridflow.trainer import core_steps as S
 from hybridflow.trainer.async_pipeline import AsyncRollout, RolloutSource, SyncRollout, endless
@@ -58,6 +59,7 @@ class PPOTrainer:
         self.reward_fn = inputs.reward_fn
         self.tracker = tracker
         self.kl_ctrl = S.make_kl_controller(self.cfg.algorithm)
+        self.guard = ParityGuard.from_config(self.cfg)
         t = self.cfg.trainer
         prompts = endless(inputs.train_loader)
         self.rollout: RolloutSource = (
@@ -130,19 +132,27 @@ class PPOTrainer:
                 for part in (old, ref, values):
                     if part is not None:
                         batch.union(_take_metrics(_resolve(part), worker_out))
-            # 4. rewards (KL penalty if in reward), advantages by the configured estimator, and the
+            # 4. the parity guard: weight-sync findings, trained ids == sampled ids, trainer vs rollout log-probs;
+            #    a breach raises ParityError (trainer.parity=error) or warns (hybridflow/parity/guard.py)
+            with timer("parity", timing):
+                parity = self.guard.before_update(batch, self.global_step)
+            # 5. rewards (KL penalty if in reward), advantages by the configured estimator, and the
             #    rollout-vs-trainer importance weights (algorithm.rollout_is_threshold)
             with timer("adv", timing):
                 kl_metrics = S.apply_rewards(batch, cfg.algorithm, self.kl_ctrl)
                 kl_metrics.update(S.apply_rollout_is(batch, cfg.algorithm))
                 S.compute_advantage(batch, cfg.algorithm)
-            # 5. update the critic, then (after warm-up) the actor; with split placement they overlap
+            # 6. update the critic, then (after warm-up) the actor; with split placement they overlap
+            #    (without old log-probs the actor's own forward measures the log-prob parity, checked here)
             with timer("update", timing):
-                for out in self._update(batch, plan):
-                    _take_metrics(out, worker_out)
-            # 6. off-policy modes: the batch's staleness, and the new weights pushed to the rollout workers
+                outs = self._update(batch, plan)
+            parity.update(self.guard.after_update(outs, self.global_step))
+            for out in outs:
+                _take_metrics(out, worker_out)
+            # 7. off-policy modes: the batch's staleness, and the new weights pushed to the rollout workers
             pipeline = self.rollout.after_update(self.global_step, batch)
         return {
+            **parity,
             **kl_metrics,
             **balance,
             **worker_metrics(*worker_out),
@@ -159,8 +169,10 @@ class PPOTrainer:
         if plan.update_critic:
             pending.append(self.roles.critic.update_critic(batch))
         if plan.update_actor:
-            temp, own = self.cfg.rollout.temperature, not plan.old_log_prob
-            pending.append(self.roles.actor_rollout.update_actor(batch, temperature=temp, own_old_log_prob=own))
+            temp, own, ratio = self.cfg.rollout.temperature, not plan.old_log_prob, self.guard.ratio
+            pending.append(
+                self.roles.actor_rollout.update_actor(batch, temperature=temp, own_old_log_prob=own, parity_ratio=ratio)
+            )
         return [_resolve(p) for p in pending]
 
     def _validate_and_save(self, plan: StepPlan) -> dict[str, float]:

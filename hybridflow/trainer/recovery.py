@@ -3,7 +3,8 @@
 A worker failure is a worker process that died (killed, out of memory, segfault: Ray's
 RayActorError and relatives, our `WorkerError`), a call that timed out (`WorkerTimeoutError`), or
 a rank whose collective failed because a peer died or hung (gloo/NCCL errors raised in a worker).
-Any other exception (a bug, bad data) is not retried: the same step would fail again.
+Any other exception (a bug, bad data) is not retried: the same step would fail again. Nor is a `ParityError`
+(hybridflow/parity/), even raised inside a worker: a restart would train on the same mismatch.
 
 On a failure the restart loop (trainer/job.py `fit_with_restarts`, used by `hybridflow train` and `hybridflow sft`):
 1. describes it while the workers are still there (group, rank, method, pid, node of the dead or stuck
@@ -35,6 +36,7 @@ from typing import Any
 import torch.distributed as dist
 
 from hybridflow.controller.worker_group import WorkerError, WorkerTimeoutError
+from hybridflow.parity import ParityError
 from hybridflow.utils import checkpoint_dirs as C
 
 log = logging.getLogger("hybridflow")
@@ -67,6 +69,8 @@ def is_worker_failure(err: BaseException, dead: list[str]) -> bool:
     """Whether `err` is a worker failure (see the module docstring); `dead`: the run's dead workers."""
     import ray.exceptions as rx  # noqa: PLC0415  (lazy: the local backend runs without Ray)
 
+    if isinstance(err, ParityError) or isinstance(getattr(err, "cause", None), ParityError):
+        return False
     if isinstance(err, WorkerError):
         return True
     if isinstance(err, rx.RayTaskError):

@@ -14,6 +14,8 @@ Derived here and nowhere else, always from the final merged values:
 - trainer.total_training_steps / total_epochs from each other and the steps per epoch, and the
   LR-schedule length of every optimizer (actor.optim / critic.optim .total_training_steps);
 - rollout.prompt_length / response_length from data.max_prompt_length / max_response_length;
+- rollout.calculate_log_probs (null) and rollout.weight_fingerprints (off with trainer.parity=off) from
+  trainer.parity and the backend (hybridflow/parity/config.py);
 - critic.enable and critic.model from the estimator and the policy model;
 - each trained role's engine.fsdp_size and reshard_after_forward from the device and its group size,
   and its engine.tensor_parallel_size / ulysses_sequence_parallel_size (and the reward model's) checked
@@ -39,6 +41,7 @@ from hybridflow.engine.config import EngineConfig, OptimConfig
 from hybridflow.engine.sequence_parallel import check_sp_layout
 from hybridflow.engine.tensor_parallel import check_tp_layout
 from hybridflow.models.loading import load_config
+from hybridflow.parity.config import parity_rollout_fields
 from hybridflow.trainer.config import MODE_STALENESS, TrainerConfig
 from hybridflow.trainer.layout import choose_layout
 from hybridflow.trainer.measure import Measurements
@@ -146,6 +149,7 @@ def resolve(cfg: RunConfig, steps_per_epoch: int, measured: Measurements) -> Res
             prompt_length=cfg.data.max_prompt_length,
             response_length=cfg.data.max_response_length,
             dtype=measured.dtype(cfg.rollout.dtype, threads),
+            **parity_rollout_fields(cfg.rollout, cfg.trainer.parity, _needs_rollout_log_probs(cfg)),
         ),
         actor=replace(
             cfg.actor,
@@ -164,6 +168,10 @@ def resolve(cfg: RunConfig, steps_per_epoch: int, measured: Measurements) -> Res
     )
     actor_dp = cfg.actor.engine.dp_size(sets[0].world_size)
     return ResolvedRun(freeze(resolved), steps_per_epoch, sets, recompute_old_log_prob(cfg, actor_dp), notes)
+
+
+def _needs_rollout_log_probs(cfg: RunConfig) -> bool:
+    return cfg.algorithm.rollout_is_threshold is not None or cfg.actor.policy_loss.tis_imp_ratio_cap is not None
 
 
 def worker_sets(cfg: RunConfig) -> tuple[WorkerSet, ...]:

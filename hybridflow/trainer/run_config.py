@@ -170,13 +170,13 @@ class RunConfig(Section):
                 f"rollout.n >= 2, got rollout.n={self.rollout.n}"
             )
         cap = self.actor.policy_loss.tis_imp_ratio_cap
-        if cap is not None and not self.rollout.calculate_log_probs:
+        if cap is not None and self.rollout.calculate_log_probs is False:
             raise ValueError(
                 f"actor.policy_loss.tis_imp_ratio_cap={cap} corrects with the rollout's own log-probs, "
                 "but rollout.calculate_log_probs=false; set it to true or drop the cap"
             )
         threshold = self.algorithm.rollout_is_threshold
-        if threshold is not None and not self.rollout.calculate_log_probs:
+        if threshold is not None and self.rollout.calculate_log_probs is False:
             raise ValueError(
                 f"algorithm.rollout_is_threshold={threshold} compares the rollout's own log-probs with "
                 "the trainer's, but rollout.calculate_log_probs=false; set it to true or unset the threshold"

@@ -53,6 +53,7 @@ from hybridflow.engine.config import EngineConfig
 from hybridflow.engine.reshard import aligned_stride, group_coords
 from hybridflow.models import load_tokenizer, resolve_model_path
 from hybridflow.parity.faults import parity_fault
+from hybridflow.parity.rollout_faults import apply_rollout_faults
 from hybridflow.parity.weights import SyncSite, WeightCheck, apply_load_faults, bridge_expected, prints_once
 from hybridflow.protocol import DataProto
 from hybridflow.rollout import build_rollout
@@ -186,6 +187,7 @@ class ActorRolloutRefWorker(Worker):
                 metrics.update(server_metrics)
             else:
                 out = self.rollout.generate_sequences(prompts, params)
+        apply_rollout_faults(out, step)  # tests only: HYBRIDFLOW_PARITY_FAULT (parity/faults.py)
         metrics["timing_s/generate_on_worker"] = time.perf_counter() - start
         out.meta_info[K.META_METRICS] = {**out.meta_info.get(K.META_METRICS, {}), **metrics}  # + agent/* times
         if findings:
@@ -252,11 +254,14 @@ class ActorRolloutRefWorker(Worker):
 
     # --- training ----------------------------------------------------------------
     @register(dispatch_mode=_ON_POLICY_MESH)
-    def update_actor(self, data: DataProto, *, temperature: float, own_old_log_prob: bool) -> DataProto:
+    def update_actor(
+        self, data: DataProto, *, temperature: float, own_old_log_prob: bool, parity_ratio: float | None = None
+    ) -> DataProto:
         """PPO epochs over mini-batches over micro-batches, log-probs at `temperature`; rows need advantages
         (+ ref_log_prob) and old_log_probs. With `own_old_log_prob` (the trainer's step plan, see
         ActorConfig.old_log_prob) the update must be one optimizer step, and takes the old log-probs
-        from its own forward instead.
+        from its own forward instead; then `parity_ratio` (not None) asks for the log-prob parity numbers of
+        that forward against rows' rollout_log_probs (`actor/parity_*`, workers/losses.py).
 
         Returns no rows, only meta_info["metrics"] (lists with one value per optimizer step).
         """
@@ -272,7 +277,7 @@ class ActorRolloutRefWorker(Worker):
                 mini_rows,
                 cfg.update_micro(),
                 cfg.ppo_epochs,
-                actor_loss_builder(cfg, own),
+                actor_loss_builder(cfg, own, parity_ratio),
                 shuffle=cfg.shuffle,
                 seed=self._update_calls,
                 temperature=temperature,

@@ -13,16 +13,21 @@ from hybridflow.algos.core import GlobalNorm, agg_loss, masked_mean
 from hybridflow.algos.kl import kl_loss
 from hybridflow.algos.losses import compute_value_loss, get_policy_loss_fn
 from hybridflow.engine.base import LossFn, MicroBatch
+from hybridflow.parity.logprob import logprob_gaps
 from hybridflow.workers.config import ActorConfig, CriticConfig
 from hybridflow.workers.ppo_update import LossBuilder, local_mean_factor
 
 
-def actor_loss_builder(cfg: ActorConfig, own_old_log_prob: bool = False) -> LossBuilder:
+def actor_loss_builder(
+    cfg: ActorConfig, own_old_log_prob: bool = False, parity_ratio: float | None = None
+) -> LossBuilder:
     """PPO-family policy loss (by name) - entropy_coeff * entropy + kl_loss_coef * KL(pi || ref).
 
     `own_old_log_prob`: the update is one optimizer step on the weights that generated
     (ActorConfig.old_log_prob), so the old log-probs are this forward's own, detached, and
     the entropy of the forward is logged as `entropy`. Else rows carry old_log_probs.
+    `parity_ratio` (with `own_old_log_prob` and rollout log-probs): also log the log-prob parity
+    numbers of this forward (parity/logprob.py) as `parity_gap_mean`, `parity_gap_max`, `parity_frac_beyond`.
     """
     policy_loss = get_policy_loss_fn(cfg.policy_loss_mode)
     mode = cfg.loss_agg_mode
@@ -49,6 +54,8 @@ def actor_loss_builder(cfg: ActorConfig, own_old_log_prob: bool = False) -> Loss
             if rollout_log_prob is not None:  # sampler vs trainer on the same tokens and weights (verl's name)
                 gap = (old_log_prob.exp() - rollout_log_prob.exp()).abs()
                 metrics["rollout_probs_diff_mean"] = float(masked_mean(gap, mask))
+            if own_old_log_prob and parity_ratio is not None and rollout_log_prob is not None:
+                metrics.update(_parity_stats(old_log_prob, rollout_log_prob, mask, parity_ratio))
             if own_old_log_prob:
                 metrics["entropy"] = float(masked_mean(outputs["entropy"].detach(), mask))
             loss = pg_loss
@@ -65,6 +72,11 @@ def actor_loss_builder(cfg: ActorConfig, own_old_log_prob: bool = False) -> Loss
         return loss_fn
 
     return build
+
+
+def _parity_stats(log_prob, rollout_log_prob, mask, ratio: float) -> dict[str, float]:
+    gaps = logprob_gaps(log_prob, rollout_log_prob, mask, ratio)
+    return {"parity_gap_mean": gaps.gap_mean, "parity_gap_max": gaps.gap_max, "parity_frac_beyond": gaps.frac_beyond}
 
 
 def critic_loss_builder(cfg: CriticConfig) -> LossBuilder:
