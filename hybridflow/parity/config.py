@@ -91,12 +91,12 @@ class ParityFields(Section):
 def parity_rollout_fields(rollout: Any, parity: str, needs_log_probs: bool) -> dict[str, Any]:
     """The rollout fields the parity mode decides, for `dataclasses.replace` at resolve: calculate_log_probs
     where the config leaves it null (on where it is free or `needs_log_probs`, unless trainer.parity=off), and
-    weight_fingerprints=False with trainer.parity=off (where the rollout config has that field)."""
+    weight_fingerprints=False with trainer.parity=off."""
     out: dict[str, Any] = {}
     if rollout.calculate_log_probs is None:
         free = parity != "off" and rollout.name in FREE_LOG_PROBS
         out["calculate_log_probs"] = needs_log_probs or free
-    if parity == "off" and hasattr(rollout, "weight_fingerprints"):
+    if parity == "off":
         out["weight_fingerprints"] = False
     return out
 

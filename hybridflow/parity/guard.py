@@ -35,8 +35,6 @@ from hybridflow.protocol import DataProto
 log = logging.getLogger("hybridflow")
 
 CAUSES = {
-    "weights": "a weight sync left the rollout with other weights than the trainer's (a skipped or partial "
-    "sync, a wrong dtype cast, a reshard into the wrong shard)",
     "tokens": "the trained ids are not the ones the model sampled: text decoded and re-tokenized, a chat template "
     "adding tokens the model did not sample with response_mask 1, a truncation or padding that shifted the "
     "response, or rows reordered in one key but not in another",
@@ -45,7 +43,7 @@ CAUSES = {
     "renormalised by the backend (vllm), or a compute dtype noisier than the thresholds allow "
     "(trainer.parity_thresholds)",
 }
-"""Check -> what usually causes its breach."""
+"""Check -> what usually causes its breach (a weight finding names its own, per sync path: parity/weights.py)."""
 _OWN_KEYS = ("actor/parity_gap_mean", "actor/parity_gap_max", "actor/parity_frac_beyond")
 
 
@@ -162,7 +160,8 @@ class ParityGuard:
         return {"parity/logprob_checked": 0.0}
 
     def _breach(self, check: str, step: int, detail: str) -> None:
-        message = f"parity check '{check}' failed at step {step}: {detail}. Usual cause: {CAUSES[check]}."
+        cause = f" Usual cause: {CAUSES[check]}." if check in CAUSES else ""
+        message = f"parity check '{check}' failed at step {step}: {detail}.{cause}"
         if self.mode == "error":
             raise ParityError(message + " (trainer.parity=warn logs this and goes on; =off skips the checks)")
         log.warning("%s", message)
