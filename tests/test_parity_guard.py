@@ -192,6 +192,7 @@ def test_config_rejects_bad_values_naming_the_key():
     limits = cfg.trainer.parity_thresholds.resolve("native", "fp32")
     assert cfg.trainer.parity == "warn" and limits.gap_max == 0.3
     assert limits.gap_mean == ParityThresholds().resolve("native", "fp32").gap_mean
+    assert load_config(RunConfig, None, ["trainer.parity=off"]).trainer.parity == "off"  # not YAML's false
 
 
 def test_rollout_log_probs_are_on_where_free_and_off_with_the_guard():

@@ -82,6 +82,8 @@ class ParityFields(Section):
     """Limits of the log-prob check; null fields: the measured defaults of the rollout backend and dtype."""
 
     def __post_init__(self) -> None:
+        if str(self.parity).lower() == "false":  # YAML 1.1 reads an unquoted `off` (trainer.parity=off) as false
+            self.parity = "off"
         if self.parity not in PARITY_MODES:
             raise ValueError(f"trainer.parity must be one of {list(PARITY_MODES)}, got {self.parity!r}")
         if isinstance(self.parity_thresholds, dict):
