@@ -92,6 +92,8 @@ def trl_side(args, model_dir: str, parquet: str, prompts: int, work: Path) -> di
         str(args.lora_rank),
         "--lora-alpha",
         str(args.lora_alpha),
+        "--precision",
+        args.trl_precision,
     ]
     peak, _ = run_measured(cmd, dict(os.environ), work)
     res = json.loads(out.read_text())
@@ -185,12 +187,23 @@ def main() -> None:
         help="both sides train LoRA adapters of this rank on every linear layer (0: full weights)",
     )
     parser.add_argument("--lora-alpha", type=float, default=16.0)
+    parser.add_argument(
+        "--trl-precision",
+        choices=["auto", "fp32", "bf16-autocast", "bf16"],
+        default="auto",
+        help="TRL's precision; auto: what a TRL user picks on this CPU, by hybridflow's own dtype probe "
+        "(bf16 autocast where bf16 matmuls pay, fp32 where they do not)",
+    )
     parser.add_argument("overrides", nargs="*", help="extra hybridflow key=value overrides")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
-    from hybridflow.utils.hardware import describe_cpu
+    from hybridflow.utils.hardware import auto_compute_dtype, describe_cpu
+
+    if args.trl_precision == "auto":
+        args.trl_precision = "bf16-autocast" if auto_compute_dtype("cpu", 2) == "bf16" else "fp32"
 
     print(describe_cpu(2), "(TRL: 1 process x 2 threads; hf 1x2: 1 worker x 2; hf 2x1: 2 workers x 1)", flush=True)
+    print(f"TRL precision: {args.trl_precision}", flush=True)
     from hybridflow.data.tasks import build_task
     from hybridflow.models import default_model_dir
 
