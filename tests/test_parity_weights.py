@@ -194,3 +194,17 @@ def test_a_split_rollout_on_the_bridge_expects_its_chunk_of_what_was_sent() -> N
     altered = {"w": sent_state["w"].clone(), "b": sent_state["b"]}
     altered["w"][0, 0] += 1.0  # a row this rank does not keep: still a transport error, reported
     assert bridge_expected(_ChunkRollout(), altered, sent)["w"] == -1
+
+
+def test_a_validation_calls_findings_reach_the_next_training_batch(monkeypatch):
+    from hybridflow.rollout.sync import SyncReport
+    from hybridflow.workers import actor_rollout_ref
+
+    group = _group("actor_rollout", _rollout_cfg())
+    prompts = prompt_batch(load_tokenizer(tiny_model_dir("llama")))
+    report = SyncReport(findings=["weight sync mismatch (rollout=native, path=colocated, step=None): test"])
+    monkeypatch.setattr(actor_rollout_ref, "sync_weights", lambda *args: report)
+    _update(group)
+    assert K.META_PARITY not in group.generate_sequences(prompts, validate=True).meta_info  # the sync ran here
+    assert group.generate_sequences(prompts, step=2).meta_info[K.META_PARITY] == report.findings
+    assert K.META_PARITY not in group.generate_sequences(prompts, step=3).meta_info  # reported once

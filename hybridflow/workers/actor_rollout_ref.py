@@ -97,6 +97,7 @@ class ActorRolloutRefWorker(Worker):
         self.actor = self.ref = self.rollout = None
         self._harness: HarnessRunner | None = None
         self._rollout_stale = False
+        self._parity_pending: list[str] = []  # weight-sync findings of a validation call, for the next training batch
         self._rollout_has_all_weights = False
         self._update_calls = 0
         # The reference runs on the actor's layout: both are dispatched over the policy mesh.
@@ -174,6 +175,8 @@ class ActorRolloutRefWorker(Worker):
             raise ValueError("generate_sequences: pass sampling or validate=True, not both")
         metrics: dict[str, float] = {}
         findings = self._sync_rollout(step, metrics) if self._rollout_stale and self.actor is not None else []
+        # the guard reads training batches only: a sync's findings wait for the next one (validation may sync first)
+        findings, self._parity_pending = (self._parity_pending + findings, []) if step is not None else ([], findings)
         if step is not None:
             # Seeded by (seed, step, rank) rather than by call count, so a resumed run samples exactly as an uninterrupted one.
             self.rollout.reseed(step)
