@@ -261,7 +261,9 @@ def start_server(server: AgentServer, host: str = "127.0.0.1", port: int = 0, ti
     Raises ValueError for a non-loopback host without `server.config.api_key` (`check_bind`)."""
 
     check_bind(host, server.config.api_key)
-    config = uvicorn.Config(server.app, host=host, port=port, log_level="warning", lifespan="off")
+    config = uvicorn.Config(
+        server.app, host=host, port=port, log_level="warning", lifespan="off", timeout_graceful_shutdown=5
+    )  # on stop, open keep-alive connections are cut after 5 s rather than awaited
     userver = uvicorn.Server(config)
     thread = threading.Thread(target=userver.run, name="hybridflow-uvicorn", daemon=True)
     thread.start()
