@@ -36,6 +36,7 @@ def _untimed(record: dict) -> dict:
         "perf/gen_tokens_per_s",
         "async/",
         "weight_transfer/",
+        "parity/logprob_stale_rows",
         "_time",
         "time",
     )
