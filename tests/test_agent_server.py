@@ -291,6 +291,7 @@ def test_a_failing_backend_call_is_a_500_and_the_server_serves_on(tokenizer):
         assert running.server.metrics()["server/backend_calls"] == 2
 
 
+@pytest.mark.slow  # a model-loading subprocess (16 s alone); the in-process server tests above cover the endpoint
 def test_serve_cli_prints_its_url_answers_and_stops_on_ctrl_c():
     repo = Path(__file__).resolve().parents[1]
     command = [sys.executable, "-m", "hybridflow.trainer.cli", "serve", "--model", str(tiny_model_dir("llama"))]
