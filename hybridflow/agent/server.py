@@ -244,10 +244,11 @@ class RunningServer:
         """The OpenAI base URL (`.../v1`)."""
         return f"http://{self.host}:{self.port}/v1"
 
-    def wait(self) -> None:
-        """Block until the server exits (Ctrl-C raises KeyboardInterrupt here)."""
-        while self._thread.is_alive():
-            self._thread.join(timeout=1.0)
+    def wait(self, stop: threading.Event | None = None) -> None:
+        """Block until the server exits or `stop` is set (e.g. by a signal handler)."""
+        while self._thread.is_alive() and not (stop is not None and stop.wait(0.5)):
+            if stop is None:
+                self._thread.join(timeout=1.0)
 
     def stop(self) -> None:
         """Shut uvicorn down and stop the batcher."""

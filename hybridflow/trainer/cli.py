@@ -18,7 +18,9 @@ traceback (exit 1); --debug, anywhere on the command line, prints the traceback 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -110,11 +112,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     backend = load_rollout_backend(path, max_tokens=args.max_tokens, dtype=args.dtype, seed=args.seed)
     config = ServerConfig(args.served_name or str(args.model), args.api_key, args.on_mismatch, max_sessions=1000)
     running = start_server(AgentServer(backend, load_tokenizer(path), config), args.host, args.port)
+    # Ctrl-C (or SIGTERM) is how a user stops the server: exit 0. A handler setting an event, rather than the
+    # KeyboardInterrupt, which can land inside a Thread.join and leave that thread's lock held.
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     print(f"serving {path} at {running.url}", flush=True)
     try:
-        running.wait()
-    except KeyboardInterrupt:
-        pass  # Ctrl-C is how a user stops the server: exit 0
+        running.wait(stop)
     finally:
         running.stop()
     return 0
