@@ -8,6 +8,7 @@ the class's; one worker group per slot, `max_colocate_count=1`, as verl creates 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -42,6 +43,9 @@ class ResourcePoolManager:
     """CPUs of each process slot."""
     resource_pool_dict: dict[str, RayResourcePool] = field(default_factory=dict)
     """Name -> pool, filled by `create_resource_pool`."""
+    release_wait_s: float = 10.0
+    """How long to wait for resources that the cluster has but that are still held (Ray frees a removed pool's or
+    a killed worker's CPUs asynchronously, so a program that just shut down a group may see them as taken)."""
 
     def create_resource_pool(self) -> None:
         """Check the cluster can hold every pool at once, then create them (placement groups come on first use)."""
@@ -78,13 +82,23 @@ class ResourcePoolManager:
         """Refuse a spec the cluster cannot hold: the processes' total CPUs (and GPUs) against what Ray offers."""
         if not ray.is_initialized():
             raise RuntimeError("ResourcePoolManager needs Ray: call ray.init(...) or init_local_ray() first")
-        available = ray.available_resources()
         need = {"CPU": self.get_n_gpus() * self.num_cpus_per_process}
         if self.use_gpu:
             need["GPU"] = float(self.get_n_gpus())
-        for kind, amount in need.items():
-            if amount > available.get(kind, 0.0):
-                raise ValueError(
-                    f"ResourcePoolManager: the pools {self.resource_pool_spec} need {amount:g} {kind} but the cluster "
-                    f"has {available.get(kind, 0.0):g} available; shrink the spec or add nodes"
-                )
+        total = ray.cluster_resources()
+        deadline = time.monotonic() + self.release_wait_s
+        while True:
+            available = ray.available_resources()
+            short = {kind: amount for kind, amount in need.items() if amount > available.get(kind, 0.0)}
+            if not short:
+                return
+            fits_when_free = all(amount <= total.get(kind, 0.0) for kind, amount in short.items())
+            if not fits_when_free or time.monotonic() >= deadline:
+                break
+            time.sleep(0.2)
+        kind, amount = next(iter(short.items()))
+        raise ValueError(
+            f"ResourcePoolManager: the pools {self.resource_pool_spec} need {amount:g} {kind} but the cluster "
+            f"has {available.get(kind, 0.0):g} available (of {total.get(kind, 0.0):g}); shrink the spec, free what "
+            f"other pools hold, or add nodes"
+        )
