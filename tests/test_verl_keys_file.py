@@ -67,6 +67,8 @@ def test_verls_whole_generated_config_loads_with_verls_values(caplog: pytest.Log
         "actor.optim.lr": 1e-6,
         "actor.optim.lr_scheduler": "constant",  # warmup_style: null does not overwrite lr_scheduler_type
         "actor.optim.total_training_steps": None,  # -1
+        "actor.optim.lr_warmup_steps": -1,  # the ratio decides
+        "critic.optim.lr_warmup_steps": -1,
         "actor.use_kl_loss": False,
         "actor.kl_loss_coef": 0.001,
         "actor.policy_loss.clip_ratio": 0.2,
@@ -122,3 +124,23 @@ def test_reward_model_input_tokenizer_other_than_the_policys_is_refused() -> Non
         load_config(RunConfig, VERL_GENERATED, [*LOCAL, *rm, "reward_model.model.input_tokenizer=/other/tokenizer"])
     off = load_config(RunConfig, None, ["reward_model.model.input_tokenizer=/other/tokenizer"])
     assert off.reward_model.input_tokenizer == "/other/tokenizer"  # the reward model is off: nothing to score
+
+
+def test_lr_warmup_steps_keep_verls_meaning() -> None:
+    from hybridflow.engine.optim import warmup_steps
+
+    cfg = load_config(
+        RunConfig,
+        VERL_GENERATED,
+        [
+            *LOCAL,
+            "actor_rollout_ref.actor.optim.lr_warmup_steps=5",  # > 0: wins over the ratio
+            "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.5",
+            "actor_rollout_ref.actor.optim.total_training_steps=40",
+            "critic.optim.lr_warmup_steps=0",  # 0: the ratio decides (verl's documented meaning)
+            "critic.optim.lr_warmup_steps_ratio=0.25",
+            "critic.optim.total_training_steps=40",
+        ],
+    )
+    assert (cfg.actor.optim.lr_warmup_steps, cfg.critic.optim.lr_warmup_steps) == (5, 0)
+    assert warmup_steps(cfg.actor.optim) == 5 and warmup_steps(cfg.critic.optim) == 10  # 0.25 * 40

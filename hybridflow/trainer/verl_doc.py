@@ -77,6 +77,10 @@ Departures, on purpose:
   mini-batch; hybridflow keeps every optimizer step the same size (the message says so and names a fix).
 - micro-batch sizes verl leaves null (`ppo_micro_batch_size_per_gpu`, `log_prob_micro_batch_size_per_gpu`)
   keep hybridflow's defaults instead of being required.
+- the LR warmup factor is `(step + 1) / warmup_steps` where verl's is `step / warmup_steps` (verl's first
+  update runs at lr 0); the warmup length is verl's (`optim.lr_warmup_steps` when > 0, else
+  `lr_warmup_steps_ratio` x total steps, as verl documents it: verl's legacy FSDP workers, its default, read
+  `lr_warmup_steps=0` as no warmup).
 - `reward_model.model.input_tokenizer` (verl: decode the responses with it and re-apply the reward model's
   chat template) is accepted as null or the policy's own tokenizer only, when the reward model is on:
   hybridflow's reward model scores the policy's token ids and must share its tokenizer.

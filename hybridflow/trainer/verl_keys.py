@@ -70,6 +70,7 @@ RENAMED: dict[str, str] = {
     f"{A}.actor.optim.weight_decay": "actor.optim.weight_decay",
     f"{A}.actor.optim.clip_grad": "actor.optim.grad_clip",
     f"{A}.actor.optim.lr_warmup_steps_ratio": "actor.optim.lr_warmup_steps_ratio",
+    f"{A}.actor.optim.lr_warmup_steps": "actor.optim.lr_warmup_steps",
     f"{A}.actor.optim.min_lr_ratio": "actor.optim.min_lr_ratio",
     f"{A}.actor.optim.lr_scheduler_type": "actor.optim.lr_scheduler",
     f"{A}.actor.optim.warmup_style": "actor.optim.lr_scheduler",

@@ -182,7 +182,6 @@ for _fsdp in FSDP:
 for _role in TRAINED:
     NOT_YET[f"{_role}.optim.optimizer"] = "optimizers other than AdamW"
     NOT_YET[f"{_role}.optim.optimizer_impl"] = "optimizer libraries other than torch.optim"
-    NOT_YET[f"{_role}.optim.lr_warmup_steps"] = "warmup by step count (lr_warmup_steps_ratio is read)"
     NOT_YET[f"{_role}.optim.num_cycles"] = "cosine schedules other than half a cycle"
     NOT_YET[f"{_role}.optim.override_optimizer_config"] = "extra optimizer arguments"
 
