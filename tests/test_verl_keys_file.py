@@ -86,6 +86,8 @@ def test_verls_whole_generated_config_loads_with_verls_values(caplog: pytest.Log
         "trainer.logger": ["console", "wandb"],
     }
     assert {k: value(cfg, k) for k in expected} == expected
+    messages = [r.getMessage() for r in caplog.records]
+    assert not any("only vllm on a GPU" in m for m in messages)  # the file's rollout.name is ??? (set elsewhere)
     (summary,) = summaries(caplog)  # ONE warning names every key that changes nothing, a line per reason
     assert int(summary.split(": ")[1].split()[0]) > 400
     for item in (

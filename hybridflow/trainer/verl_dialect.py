@@ -177,8 +177,9 @@ def _log_ignored(ignored: dict[str, list[str]], source: str) -> None:
 
 def _warn_unused_memory_fraction(layer: dict[str, Any], source: str) -> None:
     """rollout.gpu_memory_utilization sizes only vllm on a GPU: one warning when the layer sets it for another
-    rollout or device (as written in the same layer; hybridflow's defaults: native, cpu)."""
-    if "rollout.gpu_memory_utilization" not in layer:
+    rollout or device (as written in the same layer; hybridflow's defaults: native, cpu). verl's generated
+    config leaves rollout.name `???` (unset: another layer names it): no warning from that layer."""
+    if "rollout.gpu_memory_utilization" not in layer or layer.get("rollout.name") == "???":
         return
     name, device = layer.get("rollout.name", "native"), layer.get("trainer.device", "cpu")
     if name != "vllm" or device != "cuda":
