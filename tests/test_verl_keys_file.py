@@ -146,3 +146,17 @@ def test_lr_warmup_steps_keep_verls_meaning() -> None:
     )
     assert (cfg.actor.optim.lr_warmup_steps, cfg.critic.optim.lr_warmup_steps) == (5, 0)
     assert warmup_steps(cfg.actor.optim) == 5 and warmup_steps(cfg.critic.optim) == 10  # 0.25 * 40
+
+
+def test_print_config_of_verls_whole_file_through_the_cli(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import yaml
+
+    from hybridflow.trainer.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--config", str(VERL_GENERATED), "--print-config", *LOCAL, "data.gen_train_size=2048"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["algorithm"]["adv_estimator"] == "gae" and printed["critic"]["enable"] is True
+    assert printed["trainer"]["total_epochs"] == 30 and printed["trainer"]["total_training_steps"] == 60  # 2 a epoch
