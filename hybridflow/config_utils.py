@@ -3,12 +3,14 @@
 `load_config(RunConfig, "run.yaml", ["data.train_batch_size=64"])` merges,
 in order, the dataclass defaults, the YAML file and the overrides (OmegaConf
 structured configs check the types), then builds the dataclasses bottom-up so
-that every nested `__post_init__` runs on the merged values. Every problem
-becomes one `ConfigError` naming the key:
+that every nested `__post_init__` runs on the merged values. `${...}` values of the
+file and overrides resolve as in Hydra: against the file and overrides together, so a
+value follows the final value of the key it names (`_resolve_interpolations`). The
+unknown keys and wrong values of all layers are reported at once, in one `ConfigError`:
 
 - an unknown key names the closest known keys;
 - a value of the wrong type names the key and the source (file or override);
-- a failed `__post_init__` check is prefixed with the section's key path.
+- a failed `__post_init__` check (the first one) is prefixed with the section's key path.
 
 `trainer.plugins` (where the config has it) is read from the merged values and
 imported before any section is built, so names the plugins register pass the checks;

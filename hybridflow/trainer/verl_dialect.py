@@ -3,6 +3,7 @@
 `load_config(RunConfig, ...)` calls `VERL.translate` on every layer (YAML file, overrides) before any dataclass
 is built:
 
+- a key in `verl_keys.NULL_IS_UNSET` set to null is dropped (verl's "not set": hybridflow's default holds);
 - a key in `verl_keys.RENAMED` becomes hybridflow's key (its value translated where `verl_keys.VALUES` says);
 - a key in `verl_keys.SETS` sets the hybridflow keys its value names (another value is a problem line);
 - a key in `verl_keys.NO_EFFECT` is dropped; the entry `*._target_` covers every key whose last part is
