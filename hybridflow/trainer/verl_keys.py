@@ -273,7 +273,7 @@ ACCEPTED: dict[str, tuple[Any, ...]] = {
     f"{A}.actor.checkpoint.load_contents": (["model", "optimizer", "extra"],),
     f"{A}.rollout.logprobs_mode": ("processed_logprobs",),  # read only for rollout IS / mismatch metrics
     f"{A}.rollout.agent.default_agent_loop": ("single_turn_agent",),  # one generation per prompt
-    "data.image_key": ("images",),  # a column name: text-only data has no such column
+    "data.image_key": ("images",),  # a column name: a file with images in it is refused when read (data/dataset.py)
     "data.video_key": ("videos",),
     **_internal.ACCEPTED,
 }
