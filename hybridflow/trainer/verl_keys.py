@@ -2,10 +2,11 @@
 
 `RENAMED` maps a verl key to hybridflow's key for the same setting (same meaning, same units; a few values are
 translated, see `VALUES`). `SETS` lists verl keys whose value sets several hybridflow keys. `NO_EFFECT` lists
-verl keys accepted with one warning line saying why they do nothing on this device. `NOT_YET` lists verl keys
+verl keys accepted and named, with why they do nothing here, in one summary warning. `NOT_YET` lists verl keys
 refused with the feature hybridflow lacks; `ACCEPTED` names the values of such a key that are what hybridflow
-does anyway. A key ending in `.*` stands for every key under it; `*.leaf` for every key whose last part is
-`leaf`. verl keys spelled the same in hybridflow (most of `data.*`, `algorithm.*`, `trainer.*`, `critic.*`) are
+does anyway (verl's own default among them where hybridflow does the same: verl's generated config sets every
+key). `NULL_IS_UNSET` lists verl keys whose null means "not set". A key ending in `.*` stands for every key
+under it; `*.leaf` for every key whose last part is `leaf`. verl keys spelled the same in hybridflow (most of `data.*`, `algorithm.*`, `trainer.*`, `critic.*`) are
 not listed: they pass unchanged. The keys of verl's full generated config that its scripts rarely set
 (profilers, class paths, internals) live in verl_keys_internal.py and are merged into these tables.
 `VERL_DEFAULTS` is the base layer a run written with verl's names starts from (hybridflow/trainer/verl_dialect.py).
