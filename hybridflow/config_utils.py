@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
-from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
 
 from hybridflow.utils.plugins import PluginError, import_plugins, resolve_spec
 
@@ -110,7 +110,6 @@ def load_config(cls: type[T], yaml_path: str | Path | None = None, overrides: Se
             problems += [f"{source}: {line}" for line in refused]
         problems += unknown_keys(cls, data, source=source, hint=dialect.hint if dialect else None)
         translated.append((source, data))
-    _raise_all(problems)
     base = dialect.base_layer([data for _, data in written]) if dialect is not None else None
     if base is not None:
         translated.insert(0, ("the verl defaults", base))
@@ -133,8 +132,16 @@ def _merge_layer(merged: DictConfig, data: dict, source: str, problems: list[str
         try:
             merged = OmegaConf.merge(merged, _nested(key, value))
         except OmegaConfBaseException as err:
-            problems.append(f"{source}: bad value for config key {key!r}: {_first_line(err)}")
+            if not (isinstance(err, ConfigKeyError) and _reported(key, problems)):  # unknown: reported already
+                problems.append(f"{source}: bad value for config key {key!r}: {_first_line(err)}")
     return merged
+
+
+def _reported(key: str, problems: list[str]) -> bool:
+    """Whether a line of `problems` names `key` or a section above it."""
+    parts = key.split(".")
+    names = {repr(".".join(parts[:end])) for end in range(1, len(parts) + 1)}
+    return any(name in line for line in problems for name in names)
 
 
 def _leaves(data: dict, prefix: str = "") -> list[tuple[str, Any]]:

@@ -106,6 +106,12 @@ def test_every_bad_value_is_reported_at_once():
     lines = str(err.value).splitlines()
     assert lines[0] == "2 config keys are wrong:" and len(lines) == 3
     assert "'inner.steps'" in lines[1] and "'inner.lr'" in lines[2]
+    with pytest.raises(ConfigError) as err:  # unknown keys and bad values of every layer: one message
+        load_config(Outer, None, ["inner.step=3", "inner.lr=fast", "nope.deep=1"])
+    lines = str(err.value).splitlines()
+    assert lines[0] == "3 config keys are wrong:" and len(lines) == 4, lines
+    assert "unknown config key 'inner.step'" in lines[1] and "unknown config key 'nope'" in lines[2]
+    assert "bad value for config key 'inner.lr'" in lines[3]
 
 
 def test_yaml_errors_name_the_file(tmp_path):

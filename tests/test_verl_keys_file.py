@@ -110,10 +110,11 @@ def test_values_that_change_behaviour_are_refused_at_once() -> None:
         "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent",
     ]
     with pytest.raises(ConfigError) as err:
-        load_config(RunConfig, VERL_GENERATED, [*LOCAL, *refused])
+        load_config(RunConfig, VERL_GENERATED, [*LOCAL, *refused, "data.train_batch_size=lots"])
     lines = str(err.value).splitlines()
-    # + the file's load_contents: ${.save_contents} follows the override, as in Hydra
-    assert lines[0] == f"{len(refused) + 1} config keys are wrong:", lines
+    # + the file's load_contents (${.save_contents} follows the override, as in Hydra) + the bad value
+    assert lines[0] == f"{len(refused) + 2} config keys are wrong:", lines
+    assert "bad value for config key 'data.train_batch_size'" in lines[-1]
     for key in [r.split("=")[0] for r in refused] + ["actor_rollout_ref.actor.checkpoint.load_contents"]:
         assert any(f"{key!r} is verl's; hybridflow has no " in line for line in lines), key
 
