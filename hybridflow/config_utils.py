@@ -3,12 +3,14 @@
 `load_config(RunConfig, "run.yaml", ["data.train_batch_size=64"])` merges,
 in order, the dataclass defaults, the YAML file and the overrides (OmegaConf
 structured configs check the types), then builds the dataclasses bottom-up so
-that every nested `__post_init__` runs on the merged values. Every problem
-becomes one `ConfigError` naming the key:
+that every nested `__post_init__` runs on the merged values. `${...}` values of the
+file and overrides resolve as in Hydra: against the file and overrides together, so a
+value follows the final value of the key it names (`_resolve_interpolations`). The
+unknown keys and wrong values of all layers are reported at once, in one `ConfigError`:
 
 - an unknown key names the closest known keys;
 - a value of the wrong type names the key and the source (file or override);
-- a failed `__post_init__` check is prefixed with the section's key path.
+- a failed `__post_init__` check (the first one) is prefixed with the section's key path.
 
 `trainer.plugins` (where the config has it) is read from the merged values and
 imported before any section is built, so names the plugins register pass the checks;
@@ -31,7 +33,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
-from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
 
 from hybridflow.utils.plugins import PluginError, import_plugins, resolve_spec
 
@@ -98,7 +100,7 @@ def load_config(cls: type[T], yaml_path: str | Path | None = None, overrides: Se
     if overrides:
         layers.append(("command-line overrides", _parse_overrides(overrides)))
     dialect: KeyDialect | None = getattr(cls, "key_dialect", None)
-    written = [(source, _as_mapping(layer, source)) for source, layer in layers]
+    written = _resolve_interpolations([(source, _as_mapping(layer, source)) for source, layer in layers])
     merged = OmegaConf.structured(cls)
     problems: list[str] = []
     translated = []
@@ -108,27 +110,122 @@ def load_config(cls: type[T], yaml_path: str | Path | None = None, overrides: Se
             problems += [f"{source}: {line}" for line in refused]
         problems += unknown_keys(cls, data, source=source, hint=dialect.hint if dialect else None)
         translated.append((source, data))
-    _raise_all(problems)
     base = dialect.base_layer([data for _, data in written]) if dialect is not None else None
     if base is not None:
         translated.insert(0, ("the verl defaults", base))
     for source, data in translated:
-        try:
-            merged = OmegaConf.merge(merged, OmegaConf.create(data))
-        except OmegaConfBaseException as err:
-            key = getattr(err, "full_key", None) or "?"
-            raise ConfigError(f"{source}: bad value for config key {key!r}: {_first_line(err)}") from None
+        merged = _merge_layer(merged, data, source, problems)
+    _raise_all(problems)
     _import_plugins(merged)
     _absolute_file_paths(merged)
     return build(cls, merged)
 
 
+def _merge_layer(merged: DictConfig, data: dict, source: str, problems: list[str]) -> DictConfig:
+    """`merged` with the layer `data` on top; a value of the wrong type adds a line to `problems` (every bad
+    value of the layer is found: on a failed merge the layer is merged again one leaf at a time)."""
+    try:
+        return OmegaConf.merge(merged, OmegaConf.create(data))
+    except OmegaConfBaseException:
+        pass
+    for key, value in _leaves(data):
+        try:
+            merged = OmegaConf.merge(merged, _nested(key, value))
+        except OmegaConfBaseException as err:
+            if not (isinstance(err, ConfigKeyError) and _reported(key, problems)):  # unknown: reported already
+                problems.append(f"{source}: bad value for config key {key!r}: {_first_line(err)}")
+    return merged
+
+
+def _reported(key: str, problems: list[str]) -> bool:
+    """Whether a line of `problems` names `key` or a section above it."""
+    parts = key.split(".")
+    names = {repr(".".join(parts[:end])) for end in range(1, len(parts) + 1)}
+    return any(name in line for line in problems for name in names)
+
+
+def _leaves(data: dict, prefix: str = "") -> list[tuple[str, Any]]:
+    """(dotted key, value) of every leaf of a nested mapping (an empty mapping is a leaf)."""
+    out = []
+    for key, value in data.items():
+        if isinstance(value, dict) and value:
+            out += _leaves(value, f"{prefix}{key}.")
+        else:
+            out.append((f"{prefix}{key}", value))
+    return out
+
+
+def _nested(key: str, value: Any) -> DictConfig:
+    node: Any = value
+    for part in reversed(key.split(".")):
+        node = {part: node}
+    return OmegaConf.create(node)
+
+
 def _as_mapping(layer: DictConfig, source: str) -> dict:
-    """The layer as a plain dict (interpolations kept as written)."""
+    """The layer as a plain dict (interpolations kept as written: `_resolve_interpolations` resolves them)."""
     data = OmegaConf.to_container(layer)
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the top level must be a mapping of keys to values, got {data!r}")
     return data
+
+
+def _resolve_interpolations(written: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
+    """The layers with their `${...}` values resolved as Hydra resolves them: against all layers merged, so a
+    value that follows another key (`${actor_rollout_ref.actor.ppo_epochs}`, `${oc.select:a.b,1}`, `${.x}`)
+    gets that key's final value, whichever layer sets it. A reference to a key no layer sets is kept as
+    written: it may name a key of the defaults, and resolves when the sections are built."""
+    if not any(_has_interpolation(data) for _, data in written):
+        return written
+    try:
+        merged = OmegaConf.merge(*(OmegaConf.create(data) for _, data in written))
+    except OmegaConfBaseException:
+        return written  # layers that do not merge: the merge in load_config reports it, naming the key
+    raw = OmegaConf.to_container(merged)
+    return [(source, _resolve_layer(data, merged, raw)) for source, data in written]
+
+
+def _resolve_layer(data: dict, merged: DictConfig, raw: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out[key] = _resolve_layer(value, merged, raw, path + ".")
+        elif _has_interpolation(value):
+            out[key] = _resolved(merged, raw, path, value)
+        else:
+            out[key] = value
+    return out
+
+
+def _resolved(merged: DictConfig, raw: dict, path: str, expression: Any) -> Any:
+    """`expression`, written at key `path`, resolved against `merged` (`raw`: merged unresolved)."""
+    tree = merged
+    if _raw_at(raw, path) != expression:  # a later layer sets `path`: evaluate this layer's expression there
+        tree = merged.copy()
+        OmegaConf.update(tree, path, expression, merge=False)
+    try:
+        value = OmegaConf.select(tree, path, throw_on_resolution_failure=True)
+        return OmegaConf.to_container(value, resolve=True) if isinstance(value, (DictConfig, ListConfig)) else value
+    except OmegaConfBaseException:
+        return expression
+
+
+def _raw_at(raw: dict, path: str) -> Any:
+    node: Any = raw
+    for part in path.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
+def _has_interpolation(value: Any) -> bool:
+    if isinstance(value, str):
+        return "${" in value
+    if isinstance(value, dict):
+        return any(_has_interpolation(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_has_interpolation(v) for v in value)
+    return False
 
 
 def _raise_all(problems: list[str]) -> None:

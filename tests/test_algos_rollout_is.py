@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
@@ -90,6 +91,15 @@ def test_apply_rollout_is_on_a_batch() -> None:
     assert K.ROLLOUT_IS_WEIGHTS not in batch.batch.keys() and "mismatch/kl" in metrics  # metrics only (verl's default)
     apply_rollout_is(batch, AlgorithmConfig(rollout_is_threshold=1.5, rollout_is=True))
     torch.testing.assert_close(batch.batch[K.ROLLOUT_IS_WEIGHTS][1], torch.tensor([1.5, 1.0, 0.0]))
+    no_rollout_log_probs = DataProto.from_dict({K.OLD_LOG_PROBS: OLD, K.RESPONSE_MASK: MASK})
+    assert apply_rollout_is(no_rollout_log_probs, AlgorithmConfig(rollout_is_threshold=1.5)) == {}  # as verl
+
+
+def test_a_threshold_without_rollout_log_probs_only_warns(caplog: pytest.LogCaptureFixture) -> None:
+    """verl's default config sets rollout_is_threshold=2.0 and calculate_log_probs=false: no metrics, no error."""
+    with caplog.at_level(logging.WARNING, logger="hybridflow.config"):
+        load_config(RunConfig, None, ["algorithm.rollout_is_threshold=2", "rollout.calculate_log_probs=false"])
+    assert any("no mismatch/* metrics" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.parametrize(
@@ -100,7 +110,7 @@ def test_apply_rollout_is_on_a_batch() -> None:
         (["algorithm.rollout_is_threshold=2", "algorithm.rollout_is_level=geometric"], "rollout_is_level"),
         (["algorithm.rollout_is_threshold=2", "algorithm.rollout_is_mode=clip"], "rollout_is_mode"),
         (
-            ["algorithm.rollout_is_threshold=2", "rollout.calculate_log_probs=false"],
+            ["algorithm.rollout_is_threshold=2", "algorithm.rollout_is=true", "rollout.calculate_log_probs=false"],
             "rollout.calculate_log_probs=false",
         ),
     ],

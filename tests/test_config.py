@@ -86,6 +86,34 @@ def test_errors_name_the_key(overrides, message):
         load_config(Outer, None, overrides)
 
 
+def test_interpolations_resolve_against_every_layer_as_hydra_does(tmp_path):
+    yaml = tmp_path / "c.yaml"
+    yaml.write_text(
+        "inner:\n  steps: 3\n  lr: ${oc.select:maybe.lr,0.25}\n  names: ['${tag}', '${..steps}']\ntag: t${inner.steps}\n"
+    )
+    cfg = load_config(Outer, yaml)
+    assert cfg.inner == Inner(lr=0.25, steps=3, names=["t3", "3"]) and cfg.tag == "t3"
+    # a later layer's value is what the file's ${...} follow (Hydra merges, then resolves)
+    cfg = load_config(Outer, yaml, ["inner.steps=7", "maybe.lr=2"])
+    assert cfg.inner == Inner(lr=2.0, steps=7, names=["t7", "7"]) and cfg.tag == "t7" and cfg.copy_steps == 7
+    yaml.write_text("tag: ${inner.steps}\n")  # a key no layer sets: resolved against the defaults at build
+    assert load_config(Outer, yaml).tag == "10"
+
+
+def test_every_bad_value_is_reported_at_once():
+    with pytest.raises(ConfigError) as err:
+        load_config(Outer, None, ["inner.steps=many", "inner.lr=fast", "tag=ok"])
+    lines = str(err.value).splitlines()
+    assert lines[0] == "2 config keys are wrong:" and len(lines) == 3
+    assert "'inner.steps'" in lines[1] and "'inner.lr'" in lines[2]
+    with pytest.raises(ConfigError) as err:  # unknown keys and bad values of every layer: one message
+        load_config(Outer, None, ["inner.step=3", "inner.lr=fast", "nope.deep=1"])
+    lines = str(err.value).splitlines()
+    assert lines[0] == "3 config keys are wrong:" and len(lines) == 4, lines
+    assert "unknown config key 'inner.step'" in lines[1] and "unknown config key 'nope'" in lines[2]
+    assert "bad value for config key 'inner.lr'" in lines[3]
+
+
 def test_yaml_errors_name_the_file(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("inner:\n  lrr: 1\n")

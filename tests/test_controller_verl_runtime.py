@@ -24,6 +24,7 @@ from hybridflow.controller.ray import (
     RayWorkerGroup,
     ResourcePoolManager,
     Role,
+    SubRayResourcePool,
     create_colocated_worker_cls_fused,
     split_resource_pool,
 )
@@ -186,6 +187,31 @@ def test_split_resource_pool_takes_verls_keyword(ray_local):
     parts = split_resource_pool(resource_pool=pool, split_size=1)
     assert [p.world_size for p in parts] == [1, 1]
     pool.remove()
+
+
+def test_split_resource_pool_returns_verls_sub_pools(ray_local):
+    pool = RayResourcePool([4], num_cpus_per_process=0.25, name_prefix="subpool_")
+    try:
+        halves = split_resource_pool(resource_pool=pool, split_size=2)
+        quarters = split_resource_pool(halves[1], [1, 1])  # split again: counted from the original's first bundle
+        parts = [*halves, *quarters]
+        assert all(isinstance(p, SubRayResourcePool) for p in parts)
+        shape = [(p.start_bundle_index, p.subgroup_world_size, p.world_size) for p in parts]
+        assert shape == [(0, 2, 2), (2, 2, 2), (2, 1, 1), (3, 1, 1)]
+        assert quarters[1].slots() == pool.slots()[3:] and quarters[1].pgs == pool.get_placement_groups()
+        direct = SubRayResourcePool(  # verl's constructor
+            placement_groups=pool.get_placement_groups(), start_bundle_index=1, subgroup_world_size=2, use_gpu=False
+        )
+        assert direct.slots() == pool.slots()[1:3] and direct.store == [2]
+        with pytest.raises(ValueError, match="bundles 3 .. 4 are not all among the 4 bundles"):
+            SubRayResourcePool(pool.get_placement_groups(), 3, 2)
+        group = RayWorkerGroup(quarters[1], RayClassWithInitArgs(AsyncWorker), name_prefix="onsub")
+        assert group.add_later(10) == [10]  # a world of one, on the original's last bundle
+        group.shutdown()
+        halves[0].remove()  # a part owns no placement groups: the original's stay
+        assert pool.get_placement_groups() and pool.slots()[0].pg.bundle_count == 4
+    finally:
+        pool.remove()
 
 
 def test_resource_pool_manager_places_each_role_on_its_pool(ray_local):

@@ -148,6 +148,14 @@ def test_dataset_errors_name_file_column_row(tmp_path, tokenizer):
     df.to_parquet(tmp_path / "norow.parquet")
     with pytest.raises(ValueError, match=r"norow.parquet: row 4: column 'reward_model' has no 'ground_truth'"):
         RLDataset(str(tmp_path / "norow.parquet"), tokenizer, 64)
+    df["reward_model"] = [{"style": "rule", "ground_truth": "1"}] * len(df)
+    df["images"] = [None] * len(df)  # verl's image column, empty: read as text
+    df.to_parquet(tmp_path / "noimages.parquet")
+    assert len(RLDataset(str(tmp_path / "noimages.parquet"), tokenizer, 64)) == len(df)
+    df["images"] = [None, None, [{"image": "x.png"}]] + [None] * (len(df) - 3)
+    df.to_parquet(tmp_path / "images.parquet")
+    with pytest.raises(ValueError, match=r"images.parquet: column 'images' holds vision inputs \(row 2 onwards"):
+        RLDataset(str(tmp_path / "images.parquet"), tokenizer, 64)
     (tmp_path / "bad.parquet").write_text("data_source,prompt\nx,y\n")
     with pytest.raises(ValueError, match=r"bad.parquet: not a readable parquet file"):
         RLDataset([train, str(tmp_path / "bad.parquet")], tokenizer, 64)

@@ -8,7 +8,7 @@ import torch
 
 from hybridflow import keys
 from hybridflow.engine import EngineConfig, FSDPEngine, OptimConfig
-from hybridflow.engine.optim import lr_factor
+from hybridflow.engine.optim import build_lr_scheduler, lr_factor
 from hybridflow.models import tiny_model_dir
 from tests.engine_helpers import make_batch
 
@@ -27,6 +27,42 @@ def test_cosine_schedule_hits_peak_and_floor():
     assert lr_factor(11, cfg) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
     assert lr_factor(20, cfg) == pytest.approx(0.1)
     assert lr_factor(50, cfg) == pytest.approx(0.1)
+
+
+def verl_warmup_factor(step: int, warmup: int) -> float:
+    """verl's get_constant_schedule_with_warmup (verl/utils/torch_functional.py), written out."""
+    return step / max(1.0, warmup) if step < warmup else 1.0
+
+
+@pytest.mark.parametrize(
+    "warmup_steps, ratio, total, factors",
+    [
+        (-1, 0.2, 10, [0.5, 1.0, 1.0, 1.0]),  # verl's default -1: the ratio decides, 0.2 * 10 = 2 steps
+        (0, 0.2, 10, [0.5, 1.0, 1.0, 1.0]),  # 0 and null: the ratio too (verl's documented meaning)
+        (None, 0.2, 10, [0.5, 1.0, 1.0, 1.0]),
+        (4, 0.2, 10, [0.25, 0.5, 0.75, 1.0, 1.0]),  # > 0 wins over the ratio
+        (3, 0.0, None, [1 / 3, 2 / 3, 1.0, 1.0]),  # a step count needs no run length
+        (-1, 0.0, None, [1.0, 1.0]),
+    ],
+)
+def test_lr_warmup_steps_as_verl_reads_them(warmup_steps, ratio, total, factors):
+    cfg = OptimConfig(lr=1.0, lr_warmup_steps=warmup_steps, lr_warmup_steps_ratio=ratio, total_training_steps=total)
+    assert [lr_factor(s, cfg) for s in range(len(factors))] == pytest.approx(factors)
+    warmup = round(1 / factors[0]) if factors[0] < 1 else 0
+    # verl's factor one step later: ours starts at 1/warmup where verl's first update runs at lr 0
+    assert [lr_factor(s, cfg) for s in range(len(factors))] == [
+        verl_warmup_factor(s + 1, warmup) for s in range(len(factors))
+    ]
+    build_lr_scheduler(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), cfg)  # total not needed
+
+
+def test_cosine_after_a_warmup_step_count():
+    cfg = OptimConfig(
+        lr=1.0, lr_scheduler="cosine", lr_warmup_steps=2, lr_warmup_steps_ratio=0.5, total_training_steps=10
+    )
+    assert lr_factor(1, cfg) == 1.0 and lr_factor(2, cfg) == 1.0  # 2 steps, not the ratio's 5
+    assert lr_factor(6, cfg) == pytest.approx(0.5)  # (6 - 2) / (10 - 2): half way down the half cosine
+    assert lr_factor(10, cfg) == pytest.approx(0.0)
 
 
 @pytest.mark.parametrize(

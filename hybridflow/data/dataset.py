@@ -30,6 +30,8 @@ from hybridflow.protocol import collate_fn
 logger = logging.getLogger(__name__)
 
 REQUIRED_COLUMNS = ("prompt", "data_source", "reward_model")
+VISION_COLUMNS = ("images", "videos")
+"""verl's default data.image_key / data.video_key: a file with vision inputs in them is refused (no VLMs here)."""
 TRUNCATIONS = ("error", "left", "right")
 
 
@@ -132,7 +134,22 @@ def read_verl_parquet(path: str) -> list[dict[str, Any]]:
                 f"{path}: column {column!r} is missing (row 0 onwards); the file has "
                 f"columns {table.column_names}, a verl-format dataset needs {list(REQUIRED_COLUMNS)}"
             )
+    _refuse_vision_inputs(path, table)
     return [_check_row(path, i, row) for i, row in enumerate(table.to_pylist())]
+
+
+def _refuse_vision_inputs(path: str, table: pa.Table) -> None:
+    """verl would feed the rows' images / videos to a vision-language model; ignoring them would train on
+    something else, so a file that has any is refused."""
+    for column in VISION_COLUMNS:
+        if column in table.column_names:
+            rows = [i for i, v in enumerate(table.column(column).to_pylist()) if v not in (None, [], "")]
+            if rows:
+                raise ValueError(
+                    f"{path}: column {column!r} holds vision inputs (row {rows[0]} onwards; verl reads them as "
+                    f"data.{column[:-1]}_key); hybridflow has no vision-language models yet: drop the column "
+                    "to train on the text alone"
+                )
 
 
 def read_parquet_table(path: str) -> pa.Table:

@@ -30,7 +30,11 @@ class OptimConfig(Section):
     lr_scheduler: Literal["constant", "cosine"] = "constant"
     """Schedule after warmup: constant at `lr`, or cosine decay to `lr * min_lr_ratio`."""
     lr_warmup_steps_ratio: float = 0.0
-    """Fraction of `total_training_steps` spent in linear warmup from 0 to `lr`."""
+    """Fraction of `total_training_steps` spent in linear warmup from 0 to `lr` (read when lr_warmup_steps
+    is null, 0 or negative)."""
+    lr_warmup_steps: int | None = -1
+    """Steps of linear warmup; wins over lr_warmup_steps_ratio when > 0. null, 0 or negative: the ratio
+    decides (verl's documented meaning; -1 is verl's default)."""
     min_lr_ratio: float = 0.0
     """Final LR of the cosine schedule as a fraction of `lr`."""
     total_training_steps: int | None = None

@@ -53,8 +53,9 @@ def apply_rewards(batch: DataProto, cfg: AlgorithmConfig, kl_ctrl) -> dict[str, 
 
 def apply_rollout_is(batch: DataProto, cfg: AlgorithmConfig) -> dict[str, float]:
     """Mismatch metrics between the sampler's and the trainer's log-probs, and (algorithm.rollout_is) the
-    bounded IS weights `rollout_is_weights` [B, R] the policy loss multiplies in; {} when the threshold is unset."""
-    if cfg.rollout_is_threshold is None:
+    bounded IS weights `rollout_is_weights` [B, R] the policy loss multiplies in; {} when the threshold is unset or
+    the batch has no rollout log-probs (rollout.calculate_log_probs=false: verl's behaviour)."""
+    if cfg.rollout_is_threshold is None or K.ROLLOUT_LOG_PROBS not in batch.batch.keys():
         return {}
     old, rollout, mask = batch.batch[K.OLD_LOG_PROBS], batch.batch[K.ROLLOUT_LOG_PROBS], batch.batch[K.RESPONSE_MASK]
     weights, metrics = rollout_importance_weights(

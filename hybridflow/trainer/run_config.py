@@ -10,6 +10,7 @@ arithmetic tasks, 2 CPU workers, colocated.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -28,6 +29,8 @@ from hybridflow.workers.config import (
     RewardModelConfig,
 )
 from hybridflow.workers.engines import check_engine_backend
+
+log = logging.getLogger("hybridflow.config")
 
 
 # The main job's defaults, sized so `hybridflow train` learns within ~30 minutes on 2 CPU cores:
@@ -119,6 +122,7 @@ class RunConfig(Section):
         self._check_lengths()
         self._check_algorithm()
         self._check_placement()
+        self._check_reward_tokenizer()
         self._check_lora()  # before the backend checks: LoRA with vllm is refused whether vllm is installed or not
         self._check_backends()
 
@@ -177,9 +181,16 @@ class RunConfig(Section):
             )
         threshold = self.algorithm.rollout_is_threshold
         if threshold is not None and self.rollout.calculate_log_probs is False:
-            raise ValueError(
-                f"algorithm.rollout_is_threshold={threshold} compares the rollout's own log-probs with "
-                "the trainer's, but rollout.calculate_log_probs=false; set it to true or unset the threshold"
+            if self.algorithm.rollout_is:
+                raise ValueError(
+                    f"algorithm.rollout_is=true weights the loss by the rollout's own log-probs (bounded by "
+                    f"algorithm.rollout_is_threshold={threshold}), but rollout.calculate_log_probs=false; set it to "
+                    "true or algorithm.rollout_is=false"
+                )
+            log.warning(  # verl's default config sets both: the threshold waits for rollout_is or the log-probs
+                "algorithm.rollout_is_threshold=%s with rollout.calculate_log_probs=false: no mismatch/* metrics "
+                "(they compare the rollout's own log-probs, which are not computed), as in verl",
+                threshold,
             )
 
     def _check_placement(self) -> None:
@@ -201,6 +212,18 @@ class RunConfig(Section):
             raise ValueError(
                 "trainer.placement=split puts the critic/ref on their own workers, but this run has "
                 "neither; use trainer.placement=colocate"
+            )
+
+    def _check_reward_tokenizer(self) -> None:
+        """verl re-templates for a reward model whose tokenizer differs from the policy's; hybridflow does not."""
+        rm, policy = self.reward_model, {self.model.path, self.model.tokenizer_path} - {None}
+        if rm.enable and rm.input_tokenizer is not None and rm.input_tokenizer not in policy:
+            raise ValueError(
+                f"reward_model.input_tokenizer={rm.input_tokenizer!r} (verl's reward_model.model.input_tokenizer) is "
+                f"not the policy's tokenizer ({' / '.join(sorted(policy))}): verl would decode each response with "
+                "it and re-apply the reward model's chat template, which hybridflow does not do yet (its reward "
+                "model scores the policy's token ids and must share the policy's tokenizer); set it to null or to "
+                "the policy's model.path"
             )
 
     def _check_backends(self) -> None:

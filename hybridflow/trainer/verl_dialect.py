@@ -3,15 +3,20 @@
 `load_config(RunConfig, ...)` calls `VERL.translate` on every layer (YAML file, overrides) before any dataclass
 is built:
 
+- a key in `verl_keys.NULL_IS_UNSET` set to null is dropped (verl's "not set": hybridflow's default holds);
 - a key in `verl_keys.RENAMED` becomes hybridflow's key (its value translated where `verl_keys.VALUES` says);
 - a key in `verl_keys.SETS` sets the hybridflow keys its value names (another value is a problem line);
-- a key in `verl_keys.NO_EFFECT` is dropped with one warning line saying why; the entry `*._target_` covers
-  every key whose last part is `_target_` (Hydra class paths);
+- a key in `verl_keys.NO_EFFECT` is dropped; the entry `*._target_` covers every key whose last part is
+  `_target_` (Hydra class paths);
 - a key in `verl_keys.NOT_YET` set to a value that leaves the feature off, or to one of its
-  `verl_keys.ACCEPTED` values, is dropped with one warning line;
+  `verl_keys.ACCEPTED` values (verl's own default among them where that is what hybridflow does), is dropped;
+- the dropped keys of a layer are logged in ONE warning, a line per reason naming its keys (verl's whole
+  generated config, every key at its default, loads with one summary instead of ~300 lines);
 - any other key in `verl_keys.NOT_YET`, or any other `actor_rollout_ref.*` key, is returned as a problem line
   (load_config reports every problem and unknown key of a run at once);
 - `trainer.logger=console` (a string, as verl accepts) becomes `[console]`.
+
+`${...}` values were resolved before `translate`, against all layers as written (config_utils), as Hydra does.
 
 THE DEFAULTS RULE: a run whose layers use any key hybridflow spells differently (a key of RENAMED, NO_EFFECT
 or NOT_YET) starts from `verl_keys.VERL_DEFAULTS` on top of hybridflow's defaults, so what the script does not
@@ -22,6 +27,7 @@ A run written with hybridflow's names only is untouched.
 from __future__ import annotations
 
 import difflib
+import json
 import logging
 from typing import Any
 
@@ -76,10 +82,13 @@ class VerlDialect:
     """The hook `load_config` calls for RunConfig (see the module docstring)."""
 
     def translate(self, data: dict, source: str) -> tuple[dict, list[str]]:
-        """`data` (one layer) with verl's names replaced, and one problem line per refused key."""
-        out, problems = {}, []
+        """`data` (one layer) with verl's names replaced, and one problem line per refused key. The keys accepted
+        without effect are logged in one summary (one warning per layer, a line per reason)."""
+        out, problems, ignored = {}, [], {}
         for key, value in flatten(data).items():
             mine = K.RENAMED.get(key)
+            if value is None and key in K.NULL_IS_UNSET:
+                continue
             if mine is not None:
                 value = K.VALUES.get(mine, {}).get(value, value) if _hashable(value) else value
                 out[mine] = value
@@ -98,31 +107,33 @@ class VerlDialect:
                     problems.append(f"{key}={value!r} is not one of the values hybridflow reads: {list(K.SETS[key])}")
                 else:
                     out.update(sets)
-            elif (why := _entry(K.NO_EFFECT, key)) is not None:
-                log.warning("%s: %s=%s has no effect here: %s", source, key, value, why)
+            elif (why := self._ignored(key, value)) is not None:
+                ignored.setdefault(why, []).append(f"{key}={_show(value)}")
             elif (what := _entry(K.NOT_YET, key)) is not None:
-                if _is_off(value):  # e.g. trainer.val_only=False: the feature off is what hybridflow does
-                    log.warning(
-                        "%s: %s=%s accepted: hybridflow has no %s, which this value leaves off",
-                        source,
-                        key,
-                        value,
-                        what,
-                    )
-                elif _accepted(key, value):  # e.g. optim.optimizer=AdamW: the one optimizer hybridflow has
-                    log.warning(
-                        "%s: %s=%s accepted: it is what hybridflow does (it has no %s)", source, key, value, what
-                    )
-                else:
-                    problems.append(f"{key!r} is verl's; hybridflow has no {what} yet")
+                problems.append(f"{key!r} is verl's; hybridflow has no {what} yet")
             elif key.startswith(K.A + "."):
                 problems.append(f"{key!r} is not one of verl's keys hybridflow knows{_near_verl(key)}")
-            else:
-                out[key] = value
+            else:  # spelled as in verl; VALUES may still translate verl's value (critic.optim's -1 steps)
+                out[key] = K.VALUES.get(key, {}).get(value, value) if _hashable(value) else value
+        _log_ignored(ignored, source)
         _warn_unused_memory_fraction(out, source)
         if isinstance(out.get("trainer.logger"), str):
             out["trainer.logger"] = [out["trainer.logger"]]
         return nest(out), problems
+
+    @staticmethod
+    def _ignored(key: str, value: Any) -> str | None:
+        """Why verl key `key` set to `value` is accepted without effect here, or None when it is not."""
+        if (why := _entry(K.NO_EFFECT, key)) is not None:
+            return f"no effect here: {why}"
+        what = _entry(K.NOT_YET, key)
+        if what is None:
+            return None
+        if _is_off(value):  # e.g. trainer.val_only=False: the feature off is what hybridflow does
+            return f"accepted: hybridflow has no {what}, which this value leaves off"
+        if _accepted(key, value):  # e.g. optim.optimizer=AdamW: the one optimizer hybridflow has
+            return f"accepted: it is what hybridflow does (it has no {what})"
+        return None
 
     def base_layer(self, layers: list[dict]) -> dict | None:
         """verl's defaults (nested) when any layer uses a verl-only name, else None (see the defaults rule)."""
@@ -157,10 +168,19 @@ def _near_verl(key: str) -> str:
     return f"; did you mean {near[0]!r}" + (f" ({target!r} here)?" if target else "?")
 
 
+def _log_ignored(ignored: dict[str, list[str]], source: str) -> None:
+    """One warning for the verl keys of a layer accepted without effect: a line per reason, naming its keys."""
+    if ignored:
+        count = sum(len(keys) for keys in ignored.values())
+        lines = "".join(f"\n  {why}: {', '.join(keys)}" for why, keys in ignored.items())
+        log.warning("%s: %d of verl's keys change nothing here (by reason):%s", source, count, lines)
+
+
 def _warn_unused_memory_fraction(layer: dict[str, Any], source: str) -> None:
     """rollout.gpu_memory_utilization sizes only vllm on a GPU: one warning when the layer sets it for another
-    rollout or device (as written in the same layer; hybridflow's defaults: native, cpu)."""
-    if "rollout.gpu_memory_utilization" not in layer:
+    rollout or device (as written in the same layer; hybridflow's defaults: native, cpu). verl's generated
+    config leaves rollout.name `???` (unset: another layer names it): no warning from that layer."""
+    if "rollout.gpu_memory_utilization" not in layer or layer.get("rollout.name") == "???":
         return
     name, device = layer.get("rollout.name", "native"), layer.get("trainer.device", "cpu")
     if name != "vllm" or device != "cuda":
@@ -188,7 +208,7 @@ def _is_off(value: Any) -> bool:
 
 def _accepted(key: str, value: Any) -> bool:
     """Whether `value` is one of the `verl_keys.ACCEPTED` values of NOT_YET key `key`."""
-    return _hashable(value) and value in K.ACCEPTED.get(key, ())
+    return value in K.ACCEPTED.get(key, ())  # by ==: a list value matches a list entry
 
 
 def _hashable(value: Any) -> bool:
@@ -196,6 +216,10 @@ def _hashable(value: Any) -> bool:
 
 
 def _show(value: Any) -> str:
+    """`value` as one word where it can be: null, lists and mappings without spaces (the summary's separator is
+    ", ")."""
+    if isinstance(value, (list, dict)):
+        return json.dumps(value, separators=(",", ":"))
     return "null" if value is None else str(value)
 
 

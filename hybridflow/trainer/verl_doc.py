@@ -19,13 +19,20 @@ starting anything.
 
 ## How verl's keys are read
 
-Every layer (YAML file, command line) goes through one table, before any config section is built:
+First, `${...}` values (verl's YAML file is full of them: `${oc.select:actor_rollout_ref.actor.ppo_epochs,1}`,
+`${.save_contents}`) are resolved as Hydra resolves them: against the YAML file and the command line together,
+under the names as written, so a value that follows another key gets that key's final value (an override of
+`actor_rollout_ref.actor.ppo_mini_batch_size` moves the critic's too). Then every layer (YAML file, command
+line) goes through one table, before any config section is built:
 
 - **renamed**: a verl key with a hybridflow equivalent becomes hybridflow's key (table below);
-  `bfloat16`/`float32` dtypes become `bf16`/`fp32`, `optim.total_training_steps=-1` becomes null;
+  `bfloat16`/`float32` dtypes become `bf16`/`fp32`, `optim.total_training_steps=-1` becomes null,
+  `multi_turn.max_assistant_turns` / `max_user_turns` null (verl: no limit) becomes 1000000;
+- a null that verl reads as "not set" (`optim.warmup_style`, the `*micro_batch_size_per_gpu` keys,
+  `data.seed`) is dropped, so hybridflow's default holds;
 - **set by value**: a verl key whose value sets several hybridflow keys (table below);
-- **no effect here**: accepted, with one warning line on stderr saying why; `*._target_` stands for every
-  Hydra class path (`actor_rollout_ref.actor._target_`, ...);
+- **no effect here**: accepted; ONE warning per layer on stderr lists every such key, a line per reason saying
+  why; `*._target_` stands for every Hydra class path (`actor_rollout_ref.actor._target_`, ...);
 - **not yet**: refused, one line each naming the key and the missing feature;
 - verl keys that hybridflow spells the same way (most of `data.*`, `algorithm.*`, `trainer.*`, `critic.*`)
   pass unchanged; `trainer.logger=console` (a string) is read as `[console]`;
@@ -33,13 +40,19 @@ Every layer (YAML file, command line) goes through one table, before any config 
   machine), and `rollout.gpu_memory_utilization` where the run's rollout is not vllm on a GPU (the only
   rollout it sizes);
 - a "not yet" key set to a value that leaves its feature off (`false`, `null`, `0`, `-1`, empty), or to a
-  value the table lists as accepted (what hybridflow does, e.g. `optim.optimizer=AdamW`), is accepted with a
-  warning;
+  value the table lists as accepted (what hybridflow does, e.g. `optim.optimizer=AdamW`, and verl's own
+  default where hybridflow does the same, e.g. `checkpoint.save_contents=[model,optimizer,extra]`), is
+  accepted and named in the same warning;
 - where a feature hybridflow lacks has one switch, the switch is "not yet" and the settings under it have
   "no effect" (they do nothing while the switch is off), so verl's own defaults for them load.
 
-Every unknown or refused key of a run is reported at once, one line each; a hybridflow-style key with verl's
-leaf name (`actor.ppo_micro_batch_size_per_gpu`) names its hybridflow spelling.
+Every unknown or refused key of a run, and every value of the wrong type, is reported at once, one line each;
+a hybridflow-style key with verl's leaf name (`actor.ppo_micro_batch_size_per_gpu`) names its hybridflow
+spelling.
+
+verl's whole generated config loads as it is (every one of its keys at its default):
+`hybridflow train --config ppo_trainer.yaml actor_rollout_ref.model.path=... data.train_files=...
+trainer.device=cpu --print-config` (`trainer.device=cpu` on a machine without a GPU: verl's default is cuda).
 
 ## verl's defaults for verl scripts
 
@@ -64,6 +77,13 @@ Departures, on purpose:
   mini-batch; hybridflow keeps every optimizer step the same size (the message says so and names a fix).
 - micro-batch sizes verl leaves null (`ppo_micro_batch_size_per_gpu`, `log_prob_micro_batch_size_per_gpu`)
   keep hybridflow's defaults instead of being required.
+- the LR warmup factor is `(step + 1) / warmup_steps` where verl's is `step / warmup_steps` (verl's first
+  update runs at lr 0); the warmup length is verl's (`optim.lr_warmup_steps` when > 0, else
+  `lr_warmup_steps_ratio` x total steps, as verl documents it: verl's legacy FSDP workers, its default, read
+  `lr_warmup_steps=0` as no warmup).
+- `reward_model.model.input_tokenizer` (verl: decode the responses with it and re-apply the reward model's
+  chat template) is accepted as null or the policy's own tokenizer only, when the reward model is on:
+  hybridflow's reward model scores the policy's token ids and must share its tokenizer.
 """
 
 

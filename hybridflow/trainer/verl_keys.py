@@ -2,10 +2,11 @@
 
 `RENAMED` maps a verl key to hybridflow's key for the same setting (same meaning, same units; a few values are
 translated, see `VALUES`). `SETS` lists verl keys whose value sets several hybridflow keys. `NO_EFFECT` lists
-verl keys accepted with one warning line saying why they do nothing on this device. `NOT_YET` lists verl keys
+verl keys accepted and named, with why they do nothing here, in one summary warning. `NOT_YET` lists verl keys
 refused with the feature hybridflow lacks; `ACCEPTED` names the values of such a key that are what hybridflow
-does anyway. A key ending in `.*` stands for every key under it; `*.leaf` for every key whose last part is
-`leaf`. verl keys spelled the same in hybridflow (most of `data.*`, `algorithm.*`, `trainer.*`, `critic.*`) are
+does anyway (verl's own default among them where hybridflow does the same: verl's generated config sets every
+key). `NULL_IS_UNSET` lists verl keys whose null means "not set". A key ending in `.*` stands for every key
+under it; `*.leaf` for every key whose last part is `leaf`. verl keys spelled the same in hybridflow (most of `data.*`, `algorithm.*`, `trainer.*`, `critic.*`) are
 not listed: they pass unchanged. The keys of verl's full generated config that its scripts rarely set
 (profilers, class paths, internals) live in verl_keys_internal.py and are merged into these tables.
 `VERL_DEFAULTS` is the base layer a run written with verl's names starts from (hybridflow/trainer/verl_dialect.py).
@@ -70,6 +71,7 @@ RENAMED: dict[str, str] = {
     f"{A}.actor.optim.weight_decay": "actor.optim.weight_decay",
     f"{A}.actor.optim.clip_grad": "actor.optim.grad_clip",
     f"{A}.actor.optim.lr_warmup_steps_ratio": "actor.optim.lr_warmup_steps_ratio",
+    f"{A}.actor.optim.lr_warmup_steps": "actor.optim.lr_warmup_steps",
     f"{A}.actor.optim.min_lr_ratio": "actor.optim.min_lr_ratio",
     f"{A}.actor.optim.lr_scheduler_type": "actor.optim.lr_scheduler",
     f"{A}.actor.optim.warmup_style": "actor.optim.lr_scheduler",
@@ -114,6 +116,7 @@ RENAMED: dict[str, str] = {
     # reward model, algorithm, trainer
     "reward_model.micro_batch_size_per_gpu": "reward_model.micro_batch_size_per_device",
     "reward_model.num_workers": "reward.num_workers",
+    "reward_model.model.input_tokenizer": "reward_model.input_tokenizer",
     "custom_reward_function.path": "reward.custom_reward_function.path",
     "custom_reward_function.name": "reward.custom_reward_function.name",
     "algorithm.rollout_correction.rollout_is_threshold": "algorithm.rollout_is_threshold",
@@ -126,6 +129,23 @@ for _verl, _mine in ((f"{A}.actor", "actor"), ("critic.model", "critic")):  # fs
     RENAMED[f"{_verl}.fsdp_config.ulysses_sequence_parallel_size"] = f"{_mine}.engine.ulysses_sequence_parallel_size"
 for _verl, _mine in _internal.FSDP.items():  # verl's mixed-precision compute dtype of a role
     RENAMED[f"{_verl}.dtype"] = f"{_mine}.param_dtype"
+
+NULL_IS_UNSET = frozenset(
+    {
+        f"{A}.actor.optim.warmup_style",  # verl's deprecated alias of lr_scheduler_type
+        "critic.optim.warmup_style",
+        f"{A}.actor.ppo_micro_batch_size_per_gpu",  # verl's defaults leave micro-batch sizes unset ...
+        f"{A}.rollout.log_prob_micro_batch_size_per_gpu",
+        f"{A}.ref.log_prob_micro_batch_size_per_gpu",
+        "critic.ppo_micro_batch_size_per_gpu",
+        "reward_model.micro_batch_size_per_gpu",
+        "data.seed",  # ... and the data seed (an unseeded shuffle in verl)
+    }
+)
+"""verl keys whose null means "not set": a null is dropped, so hybridflow's default holds (a deprecated alias does
+not overwrite the key it aliases). verl's generated config leaves these null: verl refuses a null micro-batch size
+unless the script sets it (or use_dynamic_bsz); hybridflow keeps its own default, which changes memory and speed,
+not the update. A null data.seed is an unseeded shuffle in verl; hybridflow seeds it with its default (0)."""
 
 SETS: dict[str, dict[Any, dict[str, Any]]] = {
     "algorithm.rollout_correction.rollout_is": {
@@ -196,7 +216,8 @@ NOT_YET: dict[str, str] = {
     f"{A}.model.lora_adapter_path": "starting from a saved LoRA adapter",
     f"{A}.model.exclude_modules": "excluding modules from LoRA (use actor.lora.target_modules)",
     f"{A}.model.tiled_mlp.*": "tiled MLP",
-    f"{A}.actor.checkpoint.*": "choosing what a checkpoint holds (hybridflow always saves model + optimizer)",
+    f"{A}.actor.checkpoint.*": "choosing what a checkpoint holds (hybridflow always saves model, optimizer "
+    "and extra: the LR schedule and rng)",
     f"{A}.actor.loss_scale_factor": "a fixed loss scale factor",
     f"{A}.actor.use_prefix_grouper": "verl's prefix grouper (hybridflow shares prompts: actor.engine.share_prompts)",
     f"{A}.actor.freeze_vision_tower": "vision-language models",
@@ -208,7 +229,8 @@ NOT_YET: dict[str, str] = {
     f"{A}.rollout.expert_parallel_size": "mixture-of-experts models",
     f"{A}.rollout.pipeline_model_parallel_size": "pipeline parallel rollout",
     f"{A}.rollout.max_model_len": "a rollout context other than prompt + response length",
-    f"{A}.rollout.logprobs_mode": "choosing the rollout's log-prob mode (vllm returns processed_logprobs; the "
+    f"{A}.rollout.logprobs_mode": "choosing the rollout's log-prob mode (vllm returns verl's default, "
+    "processed_logprobs; the "
     "native rollout's are taken before top-k/top-p filtering)",
     f"{A}.rollout.skip_rollout": "dumping and replaying rollouts",
     f"{A}.rollout.agent.*": "verl's agent-loop classes and server workers (hybridflow: rollout.agent.function)",
@@ -246,6 +268,14 @@ ACCEPTED: dict[str, tuple[Any, ...]] = {
     "reward_model.reward_manager": ("naive",),
     "data.prompt_key": ("prompt",),
     "data.reward_fn_key": ("data_source",),
+    # verl's defaults that are what hybridflow does (its generated config lists every key at its default)
+    f"{A}.actor.data_loader_seed": (42,),  # seeds only a shuffle; hybridflow's is seeded by the step
+    f"{A}.actor.checkpoint.save_contents": (["model", "optimizer", "extra"],),
+    f"{A}.actor.checkpoint.load_contents": (["model", "optimizer", "extra"],),
+    f"{A}.rollout.logprobs_mode": ("processed_logprobs",),  # read only for rollout IS / mismatch metrics
+    f"{A}.rollout.agent.default_agent_loop": ("single_turn_agent",),  # one generation per prompt
+    "data.image_key": ("images",),  # a column name: a file with images in it is refused when read (data/dataset.py)
+    "data.video_key": ("videos",),
     **_internal.ACCEPTED,
 }
 """Values of a `NOT_YET` key that are what hybridflow does (besides the values that leave a feature off)."""
@@ -256,11 +286,16 @@ for _mine, _theirs in ((NO_EFFECT, _internal.NO_EFFECT), (NOT_YET, _internal.NOT
         raise AssertionError(f"verl keys listed twice (verl_keys_internal and another table): {_twice}")
     _mine.update(_theirs)
 
+_NO_LIMIT = 1_000_000
+"""verl's null turn limit: none (the response length still bounds a trajectory)."""
 _DTYPES = {"bfloat16": "bf16", "float32": "fp32", "fp32": "fp32", "bf16": "bf16"}
 VALUES: dict[str, dict[Any, Any]] = {
     "rollout.dtype": _DTYPES,
     **{f"{mine}.param_dtype": _DTYPES for mine in _internal.FSDP.values()},
-    "actor.optim.total_training_steps": {-1: None},
+    "actor.optim.total_training_steps": {-1: None},  # verl's -1: the run's length, injected by its trainer
+    "critic.optim.total_training_steps": {-1: None},
+    "rollout.multi_turn.max_assistant_turns": {None: _NO_LIMIT},
+    "rollout.multi_turn.max_user_turns": {None: _NO_LIMIT},
 }
 """Values verl spells differently, by hybridflow key: verl value -> hybridflow value (others pass unchanged)."""
 

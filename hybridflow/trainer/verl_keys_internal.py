@@ -44,7 +44,7 @@ NO_EFFECT: dict[str, str] = {
     f"{A}.actor.rollout_n": _COPY,
     f"{A}.ref.rollout_n": _COPY,
     "critic.rollout_n": _COPY,
-    f"{A}.rollout.mtp": f"verl's copy of {A}.model.mtp for the rollout: multi-token prediction, which hybridflow "
+    f"{A}.rollout.mtp.*": f"verl's copy of {A}.model.mtp for the rollout: multi-token prediction, which hybridflow "
     f"lacks ({A}.model.mtp.enable is refused unless off)",
     "data.tool_config_path": "verl's copy of the multi-turn tool config, for the dataset's prompts: hybridflow's "
     "tool environment takes each row's tools (rollout.multi_turn.env); verl's tool-config file format differs",
@@ -86,6 +86,11 @@ NO_EFFECT: dict[str, str] = {
     "critic.model.lora_alpha": _SETTING_OF.format("a LoRA critic", "critic.model.lora_rank"),
     "critic.model.target_modules": _SETTING_OF.format("a LoRA critic", "critic.model.lora_rank"),
     f"{A}.rollout.skip_dump_dir": _SETTING_OF.format("dumping and replaying rollouts", f"{A}.rollout.skip_rollout"),
+    "reward_model.forward_max_token_len_per_gpu": _SETTING_OF.format(
+        "token-budget micro-batches for the reward model", "reward_model.use_dynamic_bsz"
+    ),
+    f"{A}.rollout.agent.num_workers": "the number of verl's agent-loop server processes: hybridflow's rollout "
+    "runs inside the actor workers",
     "data.image_patch_size": _SETTING_OF.format("vision-language data", "data.image_key"),
     "data.return_multi_modal_inputs": _SETTING_OF.format("vision-language data", "data.image_key"),
     "reward_model.n_gpus_per_node": _SETTING_OF.format(
@@ -151,7 +156,8 @@ NOT_YET: dict[str, str] = {
     "reward_model.model.override_config": "overriding the model's HF config",
     "critic.shuffle": "shuffling the critic's mini-batches (hybridflow's critic keeps the batch order)",
     "critic.data_loader_seed": "a separate mini-batch shuffle seed (the step seeds it)",
-    "critic.checkpoint.*": "choosing what a checkpoint holds (hybridflow always saves model + optimizer)",
+    "critic.checkpoint.*": "choosing what a checkpoint holds (hybridflow always saves model, optimizer and "
+    "extra: the LR schedule and rng)",
     "data.validation_shuffle": "shuffling the validation set",
     "reward_manager.name": "reward managers other than verl's naive one (the one hybridflow has)",
     "reward_manager.source": "reward managers from a module",
@@ -159,10 +165,8 @@ NOT_YET: dict[str, str] = {
     "reward_model.enable_resource_pool": "a resource pool of the reward model's own",
     "reward_model.rollout.name": "serving the reward model from an inference engine (e.g. a generative reward "
     "model); `???` is verl's unset value",
-    "reward_model.model.input_tokenizer": "reward models with another tokenizer than the policy's (re-templating)",
     "reward_model.max_length": "truncating the reward model's inputs",
     "reward_model.use_dynamic_bsz": "token-budget micro-batches for the reward model",
-    "reward_model.forward_max_token_len_per_gpu": "token-budget micro-batches for the reward model",
     "reward_model.reward_loop_source": "custom reward-loop classes",
     "reward_model.reward_loop_module_path": "custom reward-loop classes",
     "reward_model.reward_loop_class_name": "custom reward-loop classes",
@@ -178,7 +182,6 @@ for _fsdp in FSDP:
 for _role in TRAINED:
     NOT_YET[f"{_role}.optim.optimizer"] = "optimizers other than AdamW"
     NOT_YET[f"{_role}.optim.optimizer_impl"] = "optimizer libraries other than torch.optim"
-    NOT_YET[f"{_role}.optim.lr_warmup_steps"] = "warmup by step count (lr_warmup_steps_ratio is read)"
     NOT_YET[f"{_role}.optim.num_cycles"] = "cosine schedules other than half a cycle"
     NOT_YET[f"{_role}.optim.override_optimizer_config"] = "extra optimizer arguments"
 
@@ -190,6 +193,9 @@ ACCEPTED: dict[str, tuple[Any, ...]] = {
     "reward_manager.source": ("register",),
     "reward_model.reward_loop_source": ("register",),
     "reward_model.rollout.name": ("???",),
+    "critic.data_loader_seed": (42,),  # verl's default: seeds only a shuffle, which hybridflow's critic does not do
+    "critic.checkpoint.save_contents": (["model", "optimizer", "extra"],),
+    "critic.checkpoint.load_contents": (["model", "optimizer", "extra"],),
 }
 """Values of a `NOT_YET` key that are what hybridflow does (besides the values that leave a feature off)."""
 for _fsdp in FSDP:

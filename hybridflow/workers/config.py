@@ -232,6 +232,10 @@ class RewardModelConfig(Section):
 
     backend: str | None = None
     """Engine backend of the reward model (see EngineConfig.backend); None: chosen from the layout."""
+    input_tokenizer: str | None = None
+    """verl's reward_model.model.input_tokenizer: the tokenizer the responses are in. verl then decodes them and
+    re-applies the reward model's chat template; hybridflow scores the policy's token ids as generated, so only
+    null or the policy's own tokenizer (model.path / model.tokenizer_path) is accepted."""
 
     def engine_config(self) -> EngineConfig:
         """The inference engine's settings."""

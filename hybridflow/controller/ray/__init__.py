@@ -11,6 +11,7 @@ from hybridflow.controller.ray.pool_manager import ResourcePoolManager, Role
 from hybridflow.controller.ray.resource_pool import (
     RayClassWithInitArgs,
     RayResourcePool,
+    SubRayResourcePool,
     merge_resource_pool,
     split_resource_pool,
 )
@@ -20,6 +21,7 @@ __all__ = [
     "RayClassWithInitArgs",
     "RayResourcePool",
     "RayWorkerGroup",
+    "SubRayResourcePool",
     "ResourcePoolManager",
     "Role",
     "create_colocated_worker_cls",

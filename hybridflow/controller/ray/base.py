@@ -4,6 +4,7 @@ from hybridflow.controller.colocate import create_colocated_worker_cls, create_c
 from hybridflow.controller.ray.resource_pool import (
     RayClassWithInitArgs,
     RayResourcePool,
+    SubRayResourcePool,
     merge_resource_pool,
     split_resource_pool,
 )
@@ -13,6 +14,7 @@ __all__ = [
     "RayClassWithInitArgs",
     "RayResourcePool",
     "RayWorkerGroup",
+    "SubRayResourcePool",
     "create_colocated_worker_cls",
     "create_colocated_worker_cls_fused",
     "merge_resource_pool",

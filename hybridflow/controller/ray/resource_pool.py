@@ -1,4 +1,4 @@
-"""Ray resource pools: placement groups of CPU (and GPU) bundles, one per node."""
+"""Ray resource pools: placement groups of CPU (and GPU) bundles, one per node; SubRayResourcePool: a part of one."""
 
 from __future__ import annotations
 
@@ -115,20 +115,84 @@ class RayResourcePool(ResourcePool):
         self._pgs, self._slots = [], None
 
 
-def _view_pool(slots: list[Slot], like: RayResourcePool, name_prefix: str) -> RayResourcePool:
+class SubRayResourcePool(RayResourcePool):
+    """One part of a split pool (verl's class and constructor): the slots `start_bundle_index` ..
+    `start_bundle_index + subgroup_world_size - 1` of the bundles of `placement_groups`, taken in order.
+
+    `split_resource_pool` returns these; split again, a part stays a SubRayResourcePool whose
+    `start_bundle_index` counts from the first bundle of the original pool's placement groups (`pgs`), as in
+    verl. A part does not own the placement groups: `remove()` the original pool.
+    """
+
+    def __init__(
+        self,
+        placement_groups: list[PlacementGroup],
+        start_bundle_index: int,
+        subgroup_world_size: int,
+        **kwargs: Any,
+    ) -> None:
+        bundles = [
+            Slot(pg, i, placement_group_table(pg)["bundles_to_node_id"][i], pg.bundle_specs[i].get("CPU", 1.0))
+            for pg in placement_groups
+            for i in range(pg.bundle_count)
+        ]
+        if start_bundle_index < 0 or subgroup_world_size < 1 or start_bundle_index + subgroup_world_size > len(bundles):
+            raise ValueError(
+                f"SubRayResourcePool: bundles {start_bundle_index} .. {start_bundle_index + subgroup_world_size - 1} "
+                f"are not all among the {len(bundles)} bundles of its placement groups"
+            )
+        slots = bundles[start_bundle_index : start_bundle_index + subgroup_world_size]
+        kwargs.pop("process_on_nodes", None)  # verl passes the original's; a part's is counted from its slots
+        kwargs.setdefault("num_cpus_per_process", slots[0].num_cpus)
+        super().__init__(_per_node(slots), **kwargs)
+        self.pgs = list(placement_groups)
+        """The original pool's placement groups (verl's attribute)."""
+        self.start_bundle_index = start_bundle_index
+        """Index of this part's first slot among the bundles of `pgs`."""
+        self.subgroup_world_size = subgroup_world_size
+        """This part's world size (verl's attribute)."""
+        self._slots = slots
+
+    @classmethod
+    def part_of(cls, pool: RayResourcePool, slots: list[Slot], name_prefix: str) -> SubRayResourcePool:
+        """The part of `pool` made of its `slots` (consecutive, in rank order), as `split_resource_pool` cuts it."""
+        if isinstance(pool, SubRayResourcePool):
+            pgs, first = pool.pgs, pool.start_bundle_index + pool.slots().index(slots[0])
+        else:  # a pool made by merge_resource_pool owns no placement groups: its slots' groups, in order
+            pgs, first = pool.get_placement_groups() or list(dict.fromkeys(s.pg for s in pool.slots())), 0
+            first += pool.slots().index(slots[0])
+        part = cls.__new__(cls)  # the slots are known: skip the constructor's lookup of the bundles
+        RayResourcePool.__init__(
+            part, _per_node(slots), pool.use_gpu, pool.max_colocate_count, name_prefix, pool.num_cpus_per_process
+        )
+        part.pgs, part.start_bundle_index, part.subgroup_world_size = list(pgs), first, len(slots)
+        part._slots = list(slots)
+        return part
+
+    def get_placement_groups(self) -> list[PlacementGroup]:
+        """The original pool's placement groups, as verl returns them (this part's slots are some of their
+        bundles: `start_bundle_index`)."""
+        return list(self.pgs)
+
+
+def _per_node(slots: list[Slot]) -> list[int]:
     per_node: dict[str, int] = {}
     for s in slots:
         per_node[s.node_id] = per_node.get(s.node_id, 0) + 1
+    return list(per_node.values())
+
+
+def _view_pool(slots: list[Slot], like: RayResourcePool, name_prefix: str) -> RayResourcePool:
     pool = RayResourcePool(
-        list(per_node.values()), like.use_gpu, like.max_colocate_count, name_prefix, like.num_cpus_per_process
+        _per_node(slots), like.use_gpu, like.max_colocate_count, name_prefix, like.num_cpus_per_process
     )
     pool._slots = list(slots)
     pool._pgs = []  # a view does not own the placement groups; remove() the original pool
     return pool
 
 
-def split_resource_pool(resource_pool: RayResourcePool, split_size: int | list[int]) -> list[RayResourcePool]:
-    """Split a pool's slots, in rank order, into pools of `split_size` slots each
+def split_resource_pool(resource_pool: RayResourcePool, split_size: int | list[int]) -> list[SubRayResourcePool]:
+    """Split a pool's slots, in rank order, into SubRayResourcePools of `split_size` slots each
     (an int: equal parts; a list: those sizes, summing to the pool's world size)."""
     pool, n = resource_pool, resource_pool.world_size
     sizes = [split_size] * (n // split_size) if isinstance(split_size, int) else list(split_size)
@@ -136,7 +200,7 @@ def split_resource_pool(resource_pool: RayResourcePool, split_size: int | list[i
         raise ValueError(f"split_resource_pool: sizes {sizes} must be positive and sum to the world size {n}")
     slots, out, start = pool.slots(), [], 0
     for i, size in enumerate(sizes):
-        out.append(_view_pool(slots[start : start + size], pool, f"{pool.name_prefix}split{i}_"))
+        out.append(SubRayResourcePool.part_of(pool, slots[start : start + size], f"{pool.name_prefix}split{i}_"))
         start += size
     return out
 
