@@ -25,10 +25,39 @@ def test_load_weights_makes_outputs_match_the_new_model():
     expect = build_rollout(greedy_cfg(), new, tok).generate_sequences(prompt_batch(tok)).batch[RESPONSES]
     assert not torch.equal(before, expect)
     engine = FSDPEngine(copy.deepcopy(new), EngineConfig())  # one-rank FSDP2, fp32 master weights
-    report = sync_weights(rollout, engine, check=True)  # gathers in the rollout's fp32
-    assert report.seconds >= 0.0 and report.check_seconds > 0.0 and report.findings == []
+    report = sync_weights(rollout, engine, check=True, share=False)  # gathers in the rollout's fp32
+    assert report.seconds >= 0.0 and report.check_seconds > 0.0 and report.findings == [] and not report.shared
     assert torch.equal(rollout.generate_sequences(prompt_batch(tok)).batch[RESPONSES], expect)
     assert rollout.model.lm_head.weight.data_ptr() == rollout.model.model.embed_tokens.weight.data_ptr()
+
+
+def test_a_one_rank_engine_in_the_rollouts_dtype_shares_its_tensors_with_the_rollout():
+    """No copy: the rollout generates with the engine's own storage, so an optimizer step reaches it at once."""
+    old, tok = tiny("llama", seed=0)
+    new, _ = tiny("llama", seed=1)
+    rollout = build_rollout(greedy_cfg(), old, tok)
+    engine = FSDPEngine(copy.deepcopy(new), EngineConfig())
+    report = sync_weights(rollout, engine, check=True)
+    assert report.shared and report.findings == [] and report.check_seconds == 0.0
+    expect = build_rollout(greedy_cfg(), new, tok).generate_sequences(prompt_batch(tok)).batch[RESPONSES]
+    assert torch.equal(rollout.generate_sequences(prompt_batch(tok)).batch[RESPONSES], expect)
+    engine_params = dict(engine.module.named_parameters(remove_duplicate=False))
+    for name, p in rollout.model.named_parameters(remove_duplicate=False):
+        assert p.data_ptr() == engine_params[name].to_local().data_ptr(), name
+    with torch.no_grad():  # what an optimizer step does: in place
+        engine_params["model.embed_tokens.weight"].to_local().mul_(0.5)
+    assert torch.equal(rollout.model.model.embed_tokens.weight, engine_params["model.embed_tokens.weight"].to_local())
+    assert torch.equal(rollout.model.lm_head.weight, rollout.model.model.embed_tokens.weight)
+
+
+def test_a_rollout_in_another_dtype_is_copied_not_shared():
+    from hybridflow.models import tiny_model_dir
+
+    tok = tiny("llama")[1]
+    rollout = build_rollout(greedy_cfg("bf16"), tiny_model_dir("llama", seed=0), tok)
+    engine = FSDPEngine(tiny("llama", seed=1)[0], EngineConfig())
+    assert not sync_weights(rollout, engine).shared
+    assert rollout.model.lm_head.weight.dtype == torch.bfloat16
 
 
 def test_fp32_state_dict_is_cast_into_a_bf16_rollout_and_tied_name_may_be_absent():

@@ -71,6 +71,11 @@ class Rollout(ABC):
         """The part of a sent whole tensor `t` that this rank keeps under `name` (all of it unless split)."""
         return t
 
+    def share_weights(self, tensors: dict[str, Tensor]) -> bool:
+        """Generate with `tensors` (name -> the trainer's own tensor) from now on instead of a copy, if the backend
+        can; False (the default) where it cannot, and the sync copies as usual."""
+        return False
+
 
 def step_seed(seed: int, step: int) -> int:
     """The sampler seed of training step `step` (a large odd stride keeps steps and ranks apart)."""
@@ -137,6 +142,20 @@ class ModuleRollout(Rollout):
     def held_weights(self) -> dict[str, Tensor]:
         """See `Rollout.held_weights`: the module's own tensors (tied ones under both names, one object)."""
         return dict(self.model.state_dict(keep_vars=True))
+
+    def share_weights(self, tensors: dict[str, Tensor]) -> bool:
+        """See `Rollout.share_weights`: the module's parameters are re-pointed at `tensors` when they match by
+        name, shape, dtype and device (the copy they held is freed); False, with nothing changed, otherwise."""
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        if set(params) != set(tensors) or any(
+            (p.shape, p.dtype, p.device) != (t.shape, t.dtype, t.device)
+            for p, t in zip(params.values(), (tensors[n] for n in params))
+        ):
+            return False
+        with torch.no_grad():
+            for name, p in params.items():
+                p.data = tensors[name].detach()
+        return True
 
     @property
     def weight_dtype(self) -> torch.dtype:

@@ -8,6 +8,12 @@ shard: the engine's training shards are resharded to it (hybridflow/engine/resha
 pieces each rank lacks, instead of gathering the full model on every rank. LoRA keeps the full
 gather of merged weights (the rollout takes its chunk of each).
 
+When the engine holds every weight whole, in the rollout's dtype and on its device (one training rank, e.g.
+the 1x2 layout on CPU in fp32), the rollout generates with the engine's own tensors instead of a copy
+(`Rollout.share_weights`): the sync moves nothing and the rollout's copy is freed (SmolLM2 in fp32: 540 MB).
+There is then nothing a sync could get wrong, and nothing to fingerprint. A run with an injected parity fault
+(HYBRIDFLOW_PARITY_FAULT) keeps the copy, which is what the faults break.
+
 With `check`, every sync is verified (hybridflow/parity/weights.py): the fingerprints of what the engine meant
 to send against those of what the rollout holds afterwards; a mismatch is a finding in the `SyncReport`. The
 parity faults of hybridflow/parity/faults.py that break a sync are injected here.
@@ -15,6 +21,7 @@ parity faults of hybridflow/parity/faults.py that break a sync are injected here
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -22,10 +29,11 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from hybridflow.engine.gather import gather_named
 from hybridflow.engine.reshard import GenerationLayout, ReshardStats, named_weights, reshard
-from hybridflow.parity.faults import parity_fault
+from hybridflow.parity.faults import PARITY_FAULT_ENV, parity_fault
 from hybridflow.parity.weights import (
     SyncSite,
     WeightCheck,
@@ -84,6 +92,20 @@ class SyncReport:
     """Of which fingerprinting both sides: the metric timing_s/parity_weights."""
     findings: list[str] = field(default_factory=list)
     """The weight-sync parity findings (keys.META_PARITY lines); empty when the rollout holds what was sent."""
+    shared: bool = False
+    """The rollout generates with the engine's own tensors (nothing was copied or checked)."""
+
+
+def engine_tensors(engine: Engine) -> dict[str, Tensor] | None:
+    """The engine's parameter tensors by name (tied ones under each name) when this rank holds each whole, else
+    None. A DTensor over one rank (FSDP on one process) counts: its local tensor is the whole weight."""
+    out = {}
+    for name, p in named_weights(engine.module).items():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        if local.shape != p.shape:
+            return None
+        out[name] = local
+    return out
 
 
 def sync_weights(
@@ -93,6 +115,7 @@ def sync_weights(
     step: int | None = None,
     check: bool = False,
     backend: str = "",
+    share: bool = True,
 ) -> SyncReport:
     """Gather `engine`'s full weights in the rollout's dtype and load them (the gather is a collective: every
     rank of the engine must call this).
@@ -101,9 +124,14 @@ def sync_weights(
     `changed_only` (once the rollout holds every weight): only those training can have changed,
     see `Engine.full_state_dict`. `step`: the training step the weights are for (findings and faults name it);
     `check`: fingerprint both sides (rollout.weight_fingerprints), `backend` (rollout.name) named in findings.
+    `share`: let the rollout generate with the engine's own tensors where it can (module docstring); False copies.
     """
     start = time.perf_counter()
     layout = rollout.generation_layout()
+    share = share and layout is None and not engine.has_adapters and not os.environ.get(PARITY_FAULT_ENV)
+    shared = engine_tensors(engine) if share else None
+    if shared is not None and rollout.share_weights(shared):
+        return SyncReport(time.perf_counter() - start, 0.0, [], shared=True)
     resharded = layout is not None and not engine.has_adapters
     path = "reshard" if resharded else "lora" if engine.has_adapters else "colocated"
     site = SyncSite(backend, path, step, None if layout is None else dist.get_rank())

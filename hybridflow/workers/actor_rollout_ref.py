@@ -61,6 +61,7 @@ from hybridflow.rollout.bridge import WeightBridge, manifest_of, open_store
 from hybridflow.rollout.config import RolloutConfig, SamplingParams
 from hybridflow.rollout.sync import sync_weights
 from hybridflow.utils.device import device_kind
+from hybridflow.utils.memory import release_freed_memory
 from hybridflow.utils.peak_memory import operator_peak
 from hybridflow.utils.plugins import import_plugins
 from hybridflow.workers.config import ActorConfig, ModelConfig, RefConfig
@@ -204,6 +205,8 @@ class ActorRolloutRefWorker(Worker):
             self.rollout, self.actor, self._rollout_has_all_weights, step, cfg.weight_fingerprints, cfg.name
         )
         self._rollout_stale = False
+        if report.shared and not self._rollout_has_all_weights:
+            release_freed_memory()  # the rollout's own copy, just dropped (utils/memory.py)
         self._rollout_has_all_weights = True
         metrics["timing_s/weight_sync"] = report.seconds
         if cfg.weight_fingerprints:
