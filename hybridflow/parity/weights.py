@@ -108,6 +108,7 @@ class WeightCheck:
         unread = 0
         if self.rollout.prints_own_weights:  # names it cannot read back are not compared
             held = self.timed(self.rollout.held_prints, list(sent))
+            self.seconds += self.rollout.take_load_check_seconds()
             unread = len(sent) - len(held)
             sent = {n: p for n, p in sent.items() if n in held}
         else:

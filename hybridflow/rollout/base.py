@@ -83,6 +83,11 @@ class Rollout(ABC):
         HF name of `names`; a name the backend cannot read back is left out and not compared."""
         raise NotImplementedError(f"{type(self).__name__} gives its tensors: use held_weights")
 
+    def take_load_check_seconds(self) -> float:
+        """Seconds the loads since the last call spent fingerprinting inside the backend for the weight check
+        (vllm: the weights it repacks, as loaded), counted in timing_s/parity_weights; 0 by default."""
+        return 0.0
+
     def stale_state(self) -> list[str]:
         """What the last load left stale besides the weights (vllm: a prefix cache not reset), each a phrase for
         the weight check's finding; [] when nothing is."""

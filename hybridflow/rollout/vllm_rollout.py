@@ -96,6 +96,7 @@ class VLLMRollout(Rollout):
         self._asleep = False
         self._awake_blocks = 0
         self._prefix_cache_reset = True  # nothing cached yet
+        self._load_check_s = 0.0
         kwargs = engine_kwargs(str(model_path), config, current_platform.device_type, self._sleeps)
         threads, set_threads = torch.get_num_threads(), torch.set_num_threads
         try:
@@ -216,7 +217,9 @@ class VLLMRollout(Rollout):
             state_dict = {name: t.to(LOSSY[t.dtype]).to(t.dtype) for name, t in state_dict.items()}
         self._wake()
         record = self.config.weight_fingerprints  # the repacked weights' prints, for `held_prints`
-        self.llm.collective_rpc(vllm_weights.load_weights, args=(list(state_dict.items()), record))
+        self._load_check_s += self.llm.collective_rpc(
+            vllm_weights.load_weights, args=(list(state_dict.items()), record)
+        )[0]
         if parity_fault("corrupt_tensor", self.sync_step):  # tests only
             self.llm.collective_rpc(vllm_weights.inject_load_faults, args=(self.sync_step,))
         # vllm answers False (and keeps the cache) while any request holds blocks
@@ -232,6 +235,11 @@ class VLLMRollout(Rollout):
         repacked them (none before the first sync), the rest as held (rollout/vllm_weights.py)."""
         self._wake()
         return self.llm.collective_rpc(vllm_weights.held_prints, args=(names,))[0]
+
+    def take_load_check_seconds(self) -> float:
+        """See `Rollout.take_load_check_seconds`: fingerprinting the weights vllm repacks, as loaded."""
+        seconds, self._load_check_s = self._load_check_s, 0.0
+        return seconds
 
     def stale_state(self) -> list[str]:
         """See `Rollout.stale_state`: the prefix cache, unless its reset after the last reload succeeded."""

@@ -18,6 +18,7 @@ unquantized weights as loaded, and every tensor is read back after the load.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -35,15 +36,17 @@ RECORDED = "_hybridflow_loaded_prints"
 the repack (`load_weights(record=True)`)."""
 
 
-def load_weights(worker: Any, weights: list[tuple[str, Tensor]], record: bool) -> None:
+def load_weights(worker: Any, weights: list[tuple[str, Tensor]], record: bool) -> float:
     """Copy HF-named tensors into the worker's model in place; `record`: fingerprint the weights vllm will
-    repack, as loaded (module docstring).
+    repack, as loaded (module docstring). Returns the seconds spent fingerprinting.
 
     `reload_weights`, not the model's `load_weights`: after loading, vllm repacks some weights
     for its kernels (e.g. the CPU GEMMs), and the reload restores the loaders and repacks again."""
     model = worker.model_runner.get_model()
-    with _recording_before_repack(model) if record else contextlib.nullcontext():
+    seconds = [0.0]
+    with _recording_before_repack(model, seconds) if record else contextlib.nullcontext():
         worker.model_runner.reload_weights(weights_iterator=iter(weights))
+    return seconds[0]
 
 
 def held_prints(worker: Any, names: list[str]) -> dict[str, int]:
@@ -108,15 +111,15 @@ def _views(module: nn.Module, param: Tensor, parts: int) -> list[Tensor]:
 
 
 @contextlib.contextmanager
-def _recording_before_repack(model: nn.Module) -> Iterator[None]:
+def _recording_before_repack(model: nn.Module, seconds: list[float]) -> Iterator[None]:
     """While in the block, each layer's `quant_method.process_weights_after_loading` (the repack) first stores
-    the fingerprints of the layer's weight as loaded (`RECORDED`)."""
+    the fingerprints of the layer's weight as loaded (`RECORDED`), adding the time to `seconds[0]`."""
     patched = []
     for layer in model.modules():
         method = getattr(layer, "quant_method", None)
         if method is None or "process_weights_after_loading" in vars(method):  # one method may serve many layers
             continue
-        method.process_weights_after_loading = _recording(method.process_weights_after_loading)
+        method.process_weights_after_loading = _recording(method.process_weights_after_loading, seconds)
         patched.append(method)
     try:
         yield
@@ -125,14 +128,16 @@ def _recording_before_repack(model: nn.Module) -> Iterator[None]:
             del method.process_weights_after_loading  # the class's own again
 
 
-def _recording(process: Any) -> Any:
+def _recording(process: Any, seconds: list[float]) -> Any:
     """`process` (a bound `process_weights_after_loading`), after storing the layer weight's part prints."""
 
     def record_then_process(layer: nn.Module) -> None:
+        start = time.perf_counter()
         weight = getattr(layer, "weight", None)
         if isinstance(weight, Tensor) and weight.numel() > 0:
             parts = len(getattr(layer, "output_sizes", None) or [weight])
             setattr(layer, RECORDED, [tensor_fingerprint(v) for v in _views(layer, weight, parts)])
+        seconds[0] += time.perf_counter() - start
         process(layer)
 
     return record_then_process
