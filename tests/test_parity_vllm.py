@@ -1,7 +1,8 @@
 """Weight-sync parity into the vllm rollout (hybridflow/rollout/vllm_weights.py): vllm's worker fingerprints
 what it holds under the HF names (its fused q/k/v and gate/up split back into their rows), exactly the sender's
 fingerprints after a healthy load; each injected fault (skip_sync, corrupt_tensor, wrong_dtype,
-prefix_cache_stale) is a finding at its step naming rollout=vllm, the path and the tensors or the prefix cache.
+prefix_cache_stale) is a finding at its step naming rollout=vllm, the path and the tensors or the prefix cache,
+and the guard stops a real run with it (colocated, and over the one_step_off bridge: `slow`).
 
 Marked `vllm`: run inside .venv-vllm with `.venv-vllm/bin/python -m pytest -m vllm`.
 """
@@ -120,3 +121,26 @@ def test_the_guard_stops_a_run_whose_prefix_cache_was_not_reset(tmp_path: Path):
     ), last
     steps = [r for r in read_metrics(tmp_path) if "actor/pg_loss" in r]
     assert [r["step"] for r in steps] == [1] and steps[0]["parity/weight_findings"] == 0.0
+
+
+@pytest.mark.slow
+def test_a_vllm_rollout_on_the_bridge_is_checked_at_each_push(tmp_path: Path):
+    """trainer.mode=one_step_off (real Ray workers, split placement): the pushes of steps 1 and 2 are found as
+    sent (their fingerprints compared inside vllm), and the push of step 2 leaves the prefix cache unreset: the
+    finding reaches the guard with the next batch (step 3)."""
+    off_policy = ["trainer.mode=one_step_off", "trainer.placement=split", "trainer.n_workers_per_node=2"]
+    args = base_overrides(str(_model_dir()), tmp_path) + [
+        "rollout.name=vllm",
+        "trainer.total_training_steps=3",
+        "trainer.test_freq=-1",
+        "trainer.val_before_train=false",
+        "trainer.cpus_per_worker=1",
+        *off_policy,
+    ]
+    proc = run_cli(args, tmp_path, env={PARITY_FAULT_ENV: "prefix_cache_stale@2"}, timeout=900)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-4000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    site = "rollout=vllm, path=bridge, step=2"
+    assert f"parity check 'weights' failed at step 3: stale rollout state ({site}): {STALE_CACHE}." in last, last
+    steps = [r for r in read_metrics(tmp_path) if "actor/pg_loss" in r]
+    assert [(r["step"], r["parity/weight_findings"]) for r in steps] == [(1, 0.0), (2, 0.0)]
