@@ -84,13 +84,15 @@ def _mesh_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     dims = ParallelDims(dp_replicate=2, dp_shard=1, tp=2, sp=1)
     mesh = dims.build_mesh("cpu")
-    fsdp = dims.build_fsdp_mesh("cpu")
+    params = dims.build_param_mesh("cpu")
+    fsdp = dims.fsdp_submesh(params)
     sp_dims = ParallelDims(dp_replicate=1, dp_shard=4, sp=2)
     gen = GenerationDims(world, tp=2, stride=2).build_mesh("cpu")
     groups = {
         "tp": dist.get_process_group_ranks(mesh[Axis.TP.value].get_group()),
         "dp": dist.get_process_group_ranks(mesh[Axis.DP.value].get_group()),
         "fsdp": fsdp.mesh.flatten().tolist(),
+        "param_tp": params[Axis.TP.value].mesh.tolist(),
         "sp": dist.get_process_group_ranks(sp_dims.build_mesh("cpu")[Axis.SP.value].get_group()),
         "gen_tp": dist.get_process_group_ranks(gen[Axis.TP.value].get_group()),
     }
@@ -105,5 +107,6 @@ def test_meshes_hold_the_ranks_the_coordinates_say(tmp_path):
         assert got["tp"] == [rank // 2 * 2, rank // 2 * 2 + 1]
         assert got["dp"] == [rank % 2, rank % 2 + 2]
         assert got["fsdp"] == got["dp"]  # dp 2 x tp 2: FSDP spans the dp ranks of this tp slot, replicated
+        assert got["param_tp"] == got["tp"]
         assert got["sp"] == [rank // 2 * 2, rank // 2 * 2 + 1]
         assert got["gen_tp"] == [rank % 2, rank % 2 + 2]  # groups 2 ranks apart

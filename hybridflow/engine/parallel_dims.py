@@ -92,14 +92,10 @@ class ParallelDims:
     ) -> ParallelDims:
         """The layout of `cfg` over `world` ranks; `device` resolves fsdp_size None (1 on CPU, all on GPU).
         Raises ValueError naming `section`'s keys ("actor.engine.", ...) when a size does not divide."""
+        size = fsdp_shard_size(cfg, world, device, section)
         tp, sp = cfg.tensor_parallel_size, cfg.ulysses_sequence_parallel_size
         check_divides(world, tp, sp, section)
         fsdp_ranks = world // tp
-        size = cfg.fsdp_size if cfg.fsdp_size is not None else (1 if torch.device(device).type == "cpu" else -1)
-        size = fsdp_ranks if size == -1 else size
-        if fsdp_ranks % size:
-            what = f"dp groups ({fsdp_ranks} = ranks / tensor_parallel_size)" if tp > 1 else f"ranks ({fsdp_ranks})"
-            raise ValueError(f"{section}fsdp_size={size} must divide the number of {what}")
         return cls(dp_replicate=fsdp_ranks // size, dp_shard=size, tp=tp, sp=sp)
 
     # --- sizes -----------------------------------------------------------------
@@ -157,14 +153,33 @@ class ParallelDims:
         names = (Axis.DP.value, Axis.SP.value, Axis.TP.value)
         return init_device_mesh(device_type, (self.dp, self.sp, self.tp), mesh_dim_names=names)
 
-    def build_fsdp_mesh(self, device_type: str) -> DeviceMesh:
-        """The mesh `fully_shard` takes, over the dp x sp ranks of this rank's tp slot: 1-D (dp_shard)
-        when nothing is replicated, else 2-D (dp_replicate, dp_shard). A collective."""
+    def build_param_mesh(self, device_type: str) -> DeviceMesh:
+        """The mesh the parameters live on, axes (dp_replicate, dp_shard, tp): FSDP2 shards over the first two
+        (`fsdp_submesh`), tensor parallel splits over tp (the two must share one root mesh). A collective."""
         names = (Axis.DP_REPLICATE.value, Axis.DP_SHARD.value, Axis.TP.value)
-        mesh = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=names)
+        return init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=names)
+
+    def fsdp_submesh(self, param_mesh: DeviceMesh) -> DeviceMesh:
+        """The submesh of `param_mesh` that `fully_shard` takes: 1-D (dp_shard) when nothing is replicated,
+        else 2-D (dp_replicate, dp_shard) for HSDP."""
         if self.dp_replicate == 1:
-            return mesh[Axis.DP_SHARD.value]
-        return mesh[Axis.DP_REPLICATE.value, Axis.DP_SHARD.value]
+            return param_mesh[Axis.DP_SHARD.value]
+        return param_mesh[Axis.DP_REPLICATE.value, Axis.DP_SHARD.value]
+
+
+def fsdp_shard_size(cfg: EngineConfig, world: int, device: torch.device | str, section: str = "engine.") -> int:
+    """`engine.fsdp_size` with None (1 on CPU, -1 on GPU) and -1 (all the dp x sp ranks of a tp slot) resolved;
+    it must divide world / tensor_parallel_size (sequence parallel is not checked here: `check_divides`)."""
+    tp = cfg.tensor_parallel_size
+    if world % tp:
+        raise ValueError(f"{section}tensor_parallel_size={tp} must divide the number of ranks ({world})")
+    fsdp_ranks = world // tp
+    size = cfg.fsdp_size if cfg.fsdp_size is not None else (1 if torch.device(device).type == "cpu" else -1)
+    size = fsdp_ranks if size == -1 else size
+    if fsdp_ranks % size:
+        what = f"dp groups ({fsdp_ranks} = ranks / tensor_parallel_size)" if tp > 1 else f"ranks ({fsdp_ranks})"
+        raise ValueError(f"{section}fsdp_size={size} must divide the number of {what}")
+    return size
 
 
 def check_divides(world: int, tp: int, sp: int, section: str = "engine.") -> None:
