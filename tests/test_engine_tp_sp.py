@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 
 from hybridflow import keys
 from hybridflow.engine import EngineConfig, FSDPEngine, OptimConfig
+from hybridflow.engine.sequence_parallel import check_sp_layout
 from hybridflow.models import tiny_model_dir
 from tests.engine_helpers import free_port, make_group_batch, policy_nll_loss
 from tests.test_engine_sequence_parallel import OPTIM, ROWS, R, _reference, _value_loss
@@ -92,3 +93,12 @@ def test_tp2_sp2_matches_one_process(tmp_path, arch, fsdp_size):
             _close(r["grads"][name], g, f"grad {name}")
         for name, w in ref["trained"].items():
             _close_after_step(r["trained"][name], w, ref["grads"].get(name), f"trained {name}")
+
+
+def test_sp_is_bounded_by_the_kv_heads_of_a_tp_rank():
+    check_sp_layout(2, 4, 8, 4, tp=2)  # 2 kv heads per tp rank: one per sp rank
+    with pytest.raises(
+        ValueError,
+        match=r"=2 must be at most num_key_value_heads \(2\) / tensor_parallel_size \(2\) = 1: each sp rank",
+    ):
+        check_sp_layout(2, 4, 4, 2, tp=2)
