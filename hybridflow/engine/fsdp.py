@@ -1,11 +1,11 @@
-"""FSDP2 engine: `fully_shard` on every decoder layer and on the root, over the whole world.
+"""The training engine: one model, parallelised by `parallelize` (engine/parallelize.py) as `ParallelDims` lays
+out the world (tensor parallel, Ulysses attention, checkpointing, FSDP2); without tp / sp, plain FSDP2.
 
-Parameters, gradients and AdamW state are sharded over the ranks of the current
-torch.distributed world (gloo on CPU, nccl on GPU). Compute runs in
-`param_dtype` through FSDP2's MixedPrecisionPolicy while the sharded master
-weights and optimizer state stay fp32. Without an initialised process group the
-engine starts a single-process one (world size 1, in-memory store, no ports), so
-one code path serves one process and many.
+Parameters, gradients and AdamW state are sharded over the ranks of the current torch.distributed world
+(gloo on CPU, nccl on GPU). Compute runs in `param_dtype` through FSDP2's MixedPrecisionPolicy while the
+sharded master weights and optimizer state stay fp32. Without an initialised process group the engine
+starts a single-process one (world size 1, in-memory store, no ports), so one code path serves one
+process and many.
 
 Departures from a plain training loop, on purpose:
 - Logits are computed only at the response positions (`logits_to_keep`), never
@@ -111,14 +111,14 @@ class FSDPEngine(Engine):
         self._value = isinstance(model, ValueModel)
         self._lora = lora if lora is not None and lora.enabled else None
         _refuse_value_lora(self._value, self._lora)
+        self.dims = ParallelDims.from_config(config, dist.get_world_size(), self.device)
+        if self.dims.tp > 1 and self._lora:
+            raise ValueError("engine.tensor_parallel_size > 1 does not combine with LoRA adapters (lora.rank > 0)")
         if self._lora:
             from hybridflow.engine.lora import apply_lora  # noqa: PLC0415  (lazy: peft, only LoRA runs need it)
 
             model = apply_lora(model, self._lora)
         _contiguous_lm_head_input(model)
-        self.dims = ParallelDims.from_config(config, dist.get_world_size(), self.device)
-        if self.dims.tp > 1 and self._lora:
-            raise ValueError("engine.tensor_parallel_size > 1 does not combine with LoRA adapters (lora.rank > 0)")
         self.model = self._shard(model.to(self.device))
         self._optimizer = build_optimizer(self.model, optim) if optim else None
         self._lr_scheduler = build_lr_scheduler(self._optimizer, optim) if optim else None
