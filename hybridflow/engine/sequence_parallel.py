@@ -9,8 +9,8 @@ all-to-all turns [local tokens, all heads] into [all tokens, this rank's heads] 
 RoPE, which saw the sliced position ids), attention runs over the whole packed row block by block
 (each example, or each prompt group of a shared-prompt row, found from the full position ids: no
 token attends across blocks, so no [N, N] mask is built), and a second all-to-all turns the output
-back. FSDP2 shards parameters over all ranks (dp x sp) exactly as `FSDPEngine` does, so checkpoints
-are the plain FSDP layout and load at any sp.
+back. FSDP2 shards parameters over the dp x sp ranks (engine/parallelize.py), so checkpoints are the
+plain FSDP layout and load at any sp.
 
 Heads are split by whole kv groups, as evenly as they go: with 3 kv heads (SmolLM2: 9 q heads) and
 sp = 2, sp rank 0 attends with 2 kv groups (6 q heads) and rank 1 with 1 group (3 q heads), through
@@ -172,7 +172,7 @@ def ulysses_attention(
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function: q/k/v [b, heads, local tokens, d] -> output [b, local tokens, heads, d].
 
-    The sp layout and the row's attention blocks hang on the attention module (`SequenceParallelEngine` puts
+    The sp layout and the row's attention blocks hang on the attention module (`apply_ulysses` puts
     them there); transformers builds no mask for this attention implementation (`attention_mask` is None)."""
     sp: SPLayout = module.hybridflow_sp
     q = heads_to_sequence(query, sp.q_splits, sp)

@@ -4,13 +4,13 @@ The world is laid out as dp x sp x tp, tp fastest (engine/parallel_dims.py):
 the tp ranks of one dp group hold the same rows of the batch and split every decoder layer
 between them with DTensor tensor parallel (Megatron's split: q/k/v and gate/up by output
 columns, o and down by input rows, one all-reduce after attention and one after the MLP in
-the forward, the same in the backward); FSDP2 then shards the tp shards over dp (x
-replicas by `fsdp_size`, as in `FSDPEngine`). Attention needs no change: each rank runs the
+the forward, the same in the backward); FSDP2 then shards the tp shards over the dp x sp ranks
+(x replicas by `fsdp_size`, engine/parallelize.py). Attention needs no change: each rank runs the
 heads whose q/k/v columns it holds (HF attention reshapes with -1 heads).
 
 What stays whole on every tp rank: the embedding, the norms, the LM head (or value head).
 Their parameters become Replicate DTensors on the tp mesh so that every parameter lives on
-the one dp x tp mesh (one gradient norm, one fused AdamW, one checkpoint layout); their
+the one parameter mesh (one gradient norm, one fused AdamW, one checkpoint layout); their
 inputs and outputs stay plain tensors. Splitting the embedding / LM head by vocabulary
 (and the log-softmax with it) would save their FLOPs and memory; not done here.
 
