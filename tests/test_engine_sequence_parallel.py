@@ -250,8 +250,7 @@ def test_head_splits_and_layout_refused_with_the_numbers():
         check_sp_layout(4, 4, 9, 3)
     with pytest.raises(ValueError, match=r"=2 must divide the number of ranks \(3\)"):
         check_sp_layout(2, 3, 4, 2)
-    with pytest.raises(ValueError, match="does not combine with tensor parallel"):
-        EngineConfig(tensor_parallel_size=2, ulysses_sequence_parallel_size=2)
+    assert EngineConfig(tensor_parallel_size=2, ulysses_sequence_parallel_size=2).dp_size(8) == 2  # composes
     with pytest.raises(ValueError, match="ulysses_sequence_parallel_size must be >= 1"):
         EngineConfig(ulysses_sequence_parallel_size=0)
     with pytest.raises(

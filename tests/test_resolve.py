@@ -274,10 +274,8 @@ def test_sequence_parallel_layout_is_checked_against_the_model_and_the_workers()
         steps_per_epoch=4,
     )
     assert lora.config.actor.lora.rank == 4
-    with pytest.raises(ConfigError, match="does not combine with tensor parallel"):
-        load_config(
-            RunConfig, None, ["actor.engine.ulysses_sequence_parallel_size=2", "actor.engine.tensor_parallel_size=2"]
-        )
+    both = ["actor.engine.ulysses_sequence_parallel_size=2", "actor.engine.tensor_parallel_size=2"]
+    assert load_config(RunConfig, None, [*both, "trainer.n_workers_per_node=4"]).actor.engine.ranks_per_dp_group == 4
     with pytest.raises(ConfigError, match=r"= 6 responses must divide evenly over 4 dp groups \(8 workers / 2 actor"):
         load_config(
             RunConfig,

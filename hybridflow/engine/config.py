@@ -8,6 +8,7 @@ from typing import Any, Literal
 import torch
 
 from hybridflow.config_utils import Section
+from hybridflow.engine.parallel_dims import check_divides, fsdp_shard_size
 from hybridflow.utils.dtypes import check_dtype, dtype_of
 
 __all__ = ["EngineConfig", "LoraConfig", "OptimConfig", "dtype_of"]
@@ -91,15 +92,17 @@ class EngineConfig(Section):
     slow and memory is plentiful), -1 on GPU."""
     tensor_parallel_size: int = 1
     """Ranks each decoder layer is split over by tensor parallel (verl: tensor_parallel_size); the
-    world is laid out as dp x tp (tp fastest) and `fsdp_size` shards over the dp ranks. 1: off.
+    world is laid out as dp x sp x tp (tp fastest, engine/parallel_dims.py) and `fsdp_size` shards over
+    the dp x sp ranks. 1: off.
     Must divide the ranks, num_attention_heads and num_key_value_heads (checked when the run is
     resolved); Llama/Qwen2-style layers only, no LoRA (hybridflow/engine/tensor_parallel.py)."""
     ulysses_sequence_parallel_size: int = 1
     """Ranks each micro-batch's tokens are split over by Ulysses sequence parallel (verl:
-    ulysses_sequence_parallel_size): the world is laid out as dp x sp (sp fastest), the sp ranks of a dp
-    group share its rows, each runs 1/sp of every packed micro-batch's tokens, with all-to-alls around
-    attention (hybridflow/engine/sequence_parallel.py); FSDP2 shards over all ranks. 1: off. Must divide
-    the ranks and be <= num_key_value_heads (kv groups may split unevenly); not with tensor parallel."""
+    ulysses_sequence_parallel_size): the world is laid out as dp x sp x tp (tp fastest), the sp ranks of a
+    dp group share its rows, each runs 1/sp of every packed micro-batch's tokens, with all-to-alls around
+    attention (hybridflow/engine/sequence_parallel.py); FSDP2 shards over the dp x sp ranks. 1: off. tp x sp
+    must divide the ranks, and sp be <= num_key_value_heads / tensor_parallel_size (kv groups may split
+    unevenly)."""
     backend: str | None = None
     """Engine backend by name in hybridflow.workers.engines.ENGINES (or a module:function path to a builder).
     None: chosen from the layout, as before: "fsdp_tp" when tensor_parallel_size > 1, "fsdp_sp" when
@@ -111,16 +114,7 @@ class EngineConfig(Section):
     def resolve_fsdp_size(self, device: torch.device, world: int) -> int:
         """`fsdp_size` for this world, with None and -1 resolved; it must divide the world size (with
         tensor parallel: the number of dp groups, world / tensor_parallel_size)."""
-        size = self.fsdp_size if self.fsdp_size is not None else (1 if device.type == "cpu" else -1)
-        tp = self.tensor_parallel_size
-        if world % tp:
-            raise ValueError(f"engine.tensor_parallel_size={tp} must divide the number of ranks ({world})")
-        world //= tp
-        size = world if size == -1 else size
-        if world % size:
-            what = f"dp groups ({world} = ranks / tensor_parallel_size)" if tp > 1 else f"ranks ({world})"
-            raise ValueError(f"engine.fsdp_size={size} must divide the number of {what}")
-        return size
+        return fsdp_shard_size(self, world, device)
 
     @property
     def ranks_per_dp_group(self) -> int:
@@ -130,18 +124,8 @@ class EngineConfig(Section):
     def dp_size(self, world: int, section: str = "engine.") -> int:
         """Data-parallel groups (distinct shards of the batch) among `world` ranks: world / (tp x sp).
         `section`: the key path of this engine in the message ("actor.engine.", ...)."""
-        per = self.ranks_per_dp_group
-        if world % per:
-            keys = [
-                f"{section}{k}={v}"
-                for k, v in (
-                    ("tensor_parallel_size", self.tensor_parallel_size),
-                    ("ulysses_sequence_parallel_size", self.ulysses_sequence_parallel_size),
-                )
-                if v > 1
-            ]
-            raise ValueError(f"{' x '.join(keys)} must divide the number of ranks ({world})")
-        return world // per
+        check_divides(world, self.tensor_parallel_size, self.ulysses_sequence_parallel_size, section)
+        return world // self.ranks_per_dp_group
 
     def resolve_reshard_after_forward(self, device: torch.device) -> bool:
         """`reshard_after_forward`, with None resolved for `device`."""
@@ -159,12 +143,6 @@ class EngineConfig(Section):
         if self.ulysses_sequence_parallel_size < 1:
             raise ValueError(
                 f"engine.ulysses_sequence_parallel_size must be >= 1, got {self.ulysses_sequence_parallel_size}"
-            )
-        if self.ulysses_sequence_parallel_size > 1 and self.tensor_parallel_size > 1:
-            raise ValueError(
-                f"engine.ulysses_sequence_parallel_size={self.ulysses_sequence_parallel_size} with "
-                f"engine.tensor_parallel_size={self.tensor_parallel_size}: sequence parallel does not "
-                "combine with tensor parallel yet; use one of them"
             )
         if self.cpu_math_attention_max_len < 0:
             raise ValueError(f"engine.cpu_math_attention_max_len must be >= 0, got {self.cpu_math_attention_max_len}")

@@ -1,11 +1,11 @@
-"""FSDP2 engine: `fully_shard` on every decoder layer and on the root, over the whole world.
+"""The training engine: one model, parallelised by `parallelize` (engine/parallelize.py) as `ParallelDims` lays
+out the world (tensor parallel, Ulysses attention, checkpointing, FSDP2); without tp / sp, plain FSDP2.
 
-Parameters, gradients and AdamW state are sharded over the ranks of the current
-torch.distributed world (gloo on CPU, nccl on GPU). Compute runs in
-`param_dtype` through FSDP2's MixedPrecisionPolicy while the sharded master
-weights and optimizer state stay fp32. Without an initialised process group the
-engine starts a single-process one (world size 1, in-memory store, no ports), so
-one code path serves one process and many.
+Parameters, gradients and AdamW state are sharded over the ranks of the current torch.distributed world
+(gloo on CPU, nccl on GPU). Compute runs in `param_dtype` through FSDP2's MixedPrecisionPolicy while the
+sharded master weights and optimizer state stay fp32. Without an initialised process group the engine
+starts a single-process one (world size 1, in-memory store, no ports), so one code path serves one
+process and many.
 
 Departures from a plain training loop, on purpose:
 - Logits are computed only at the response positions (`logits_to_keep`), never
@@ -32,8 +32,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -42,12 +40,14 @@ from hybridflow.algos.logits import entropy_from_logits, logprobs_from_logits
 from hybridflow.engine import batch as B
 from hybridflow.engine.base import Engine, LossFn, MicroBatch
 from hybridflow.engine.checkpoint import load_checkpoint, save_checkpoint
-from hybridflow.engine.config import EngineConfig, LoraConfig, OptimConfig, dtype_of
+from hybridflow.engine.config import EngineConfig, LoraConfig, OptimConfig
 from hybridflow.engine.gather import gather_named, tied_aliases
 from hybridflow.engine.optim import build_lr_scheduler, build_optimizer
+from hybridflow.engine.parallel_dims import ParallelDims
+from hybridflow.engine.parallelize import decoder_layers, parallelize  # noqa: F401  (decoder_layers: re-exported)
 from hybridflow.engine.prefix import pack_shared_prompts, sharing_pays
+from hybridflow.engine.sequence_parallel import forward_sp_packed, sp_packed_row
 from hybridflow.models import load_causal_lm, load_value_model
-from hybridflow.models.loading import enable_activation_checkpointing
 from hybridflow.models.value import ValueModel
 from hybridflow.utils.device import compute_device, device_kind, dist_backend
 from hybridflow.utils.memory import keep_freed_memory
@@ -70,17 +70,6 @@ def engine_device() -> torch.device:
     return compute_device()
 
 
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The repeated transformer blocks of an HF model (its `_no_split_modules` classes)."""
-    names: set[str] = set()
-    for module in model.modules():
-        names.update(getattr(module, "_no_split_modules", None) or [])
-    layers = [m for m in model.modules() if type(m).__name__ in names]
-    if not layers:
-        raise ValueError(f"cannot find decoder layers in {type(model).__name__} to shard")
-    return layers
-
-
 def _refuse_value_lora(value_model: bool, lora: LoraConfig | None) -> None:
     if value_model and lora is not None and lora.enabled:
         raise ValueError(
@@ -99,7 +88,12 @@ def _contiguous_lm_head_input(model: nn.Module) -> None:
 
 
 class FSDPEngine(Engine):
-    """A causal LM or a `ValueModel`, sharded with FSDP2 over the current world.
+    """A causal LM or a `ValueModel`, parallelised over the current world as its `EngineConfig` lays it out
+    (`ParallelDims`: FSDP2 over dp, and tensor / Ulysses sequence parallel; engine/parallelize.py).
+
+    `rank` / `world_size` stay the global ones (checkpoints write per global rank); `dp_*`, `tp_*` and `sp_*`
+    give this rank's place in the layout. Adapters (LoRA) are refused with tensor parallel: peft wraps the very
+    projections it splits.
 
     Pass `optim=None` for an inference-only engine (reference policy, reward model), and
     `lora` with rank > 0 to train low-rank adapters on a causal LM instead of its weights
@@ -117,8 +111,9 @@ class FSDPEngine(Engine):
         self._value = isinstance(model, ValueModel)
         self._lora = lora if lora is not None and lora.enabled else None
         _refuse_value_lora(self._value, self._lora)
-        if config.gradient_checkpointing:
-            enable_activation_checkpointing(model.backbone if self._value else model)
+        self.dims = ParallelDims.from_config(config, dist.get_world_size(), self.device)
+        if self.dims.tp > 1 and self._lora:
+            raise ValueError("engine.tensor_parallel_size > 1 does not combine with LoRA adapters (lora.rank > 0)")
         if self._lora:
             from hybridflow.engine.lora import apply_lora  # noqa: PLC0415  (lazy: peft, only LoRA runs need it)
 
@@ -145,27 +140,42 @@ class FSDPEngine(Engine):
         model = load_value_model(path) if value_model else load_causal_lm(path)
         return cls(model, config, optim, lora)
 
-    def _mesh(self) -> DeviceMesh:
-        """1-D (shard over the whole world) or 2-D (replicate x shard, HSDP) by `fsdp_size`."""
-        world = dist.get_world_size()
-        shard = self.config.resolve_fsdp_size(self.device, world)
-        if shard == world:
-            return init_device_mesh(self.device.type, (world,))
-        return init_device_mesh(self.device.type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
-
     def _shard(self, model: nn.Module) -> nn.Module:
-        mesh = self._mesh()
-        policy = MixedPrecisionPolicy(
-            param_dtype=dtype_of(self.config.param_dtype), reduce_dtype=dtype_of(self.config.reduce_dtype)
-        )
-        # With one rank per shard group, resharding frees nothing and only costs a second cast in backward.
-        reshard = self.config.resolve_reshard_after_forward(self.device) and mesh.size(-1) > 1
-        self._reshard_after_forward = reshard
-        kwargs = dict(mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
-        for layer in decoder_layers(model):
-            fully_shard(layer, **kwargs)
-        fully_shard(model, **kwargs)
+        built = parallelize(model, self.dims, self.config)
+        self.dp_mesh, self.tp_mesh, self.sp = built.fsdp_mesh, built.tp_mesh, built.sp
+        self._reshard_after_forward = built.reshard_after_forward
         return model
+
+    # --- layout ---------------------------------------------------------------
+    @property
+    def dp_size(self) -> int:
+        """Number of dp groups (distinct shards of the batch)."""
+        return self.dims.dp
+
+    @property
+    def dp_rank(self) -> int:
+        """Which shard of the batch this rank holds."""
+        return self.dims.coords(self.rank).dp
+
+    @property
+    def tp_size(self) -> int:
+        """Ranks each decoder layer is split over."""
+        return self.dims.tp
+
+    @property
+    def tp_rank(self) -> int:
+        """This rank's place in its tp group."""
+        return self.dims.coords(self.rank).tp
+
+    @property
+    def sp_size(self) -> int:
+        """Ranks each micro-batch's tokens are split over."""
+        return self.dims.sp
+
+    @property
+    def sp_rank(self) -> int:
+        """This rank's place in its sp group (which slice of the tokens it runs)."""
+        return self.dims.coords(self.rank).sp
 
     # --- properties -----------------------------------------------------------
     @property
@@ -222,6 +232,8 @@ class FSDPEngine(Engine):
         self, micro: MicroBatch, temperature: float = 1.0, calc_entropy: bool = False
     ) -> dict[str, torch.Tensor]:
         inputs = B.select_inputs(micro, self.device)
+        if self.sp is not None:
+            return self._forward_packed(sp_packed_row(inputs, self.config), temperature, calc_entropy)
         if self.config.packing:
             return self._forward_packed(B.pack(inputs), temperature, calc_entropy)
         if self.config.share_prompts and sharing_pays(inputs, self.model.config):
@@ -241,6 +253,11 @@ class FSDPEngine(Engine):
         """The micro-batch as one packed row. Without an explicit mask (engine/batch.py `pack`) and
         without a cache, transformers masks attention block-diagonally from the restarting position
         ids; shared-prompt packing (engine/prefix.py) brings its own 4-D mask."""
+        if self.sp is not None:
+            outputs = lambda logits, labels, place: self._token_outputs(  # noqa: E731
+                logits, labels, place, temperature, calc_entropy
+            )
+            return forward_sp_packed(self.model, self.sp, packed, self._value, outputs)
         row = {"input_ids": packed.input_ids, "position_ids": packed.position_ids}
         if packed.attention_mask is not None:
             row["attention_mask"] = packed.attention_mask

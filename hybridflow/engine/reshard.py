@@ -32,6 +32,8 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
+from hybridflow.engine.parallel_dims import aligned_stride, group_coords  # noqa: F401  (re-exported)
+
 Box = tuple[tuple[int, int], ...]
 """A block of a tensor: (start, stop) per dim, in the full tensor's coordinates."""
 BUCKET_BYTES = 32 * 2**20
@@ -63,27 +65,6 @@ class GenerationLayout:
             size, i = shape[dim] // self.tp, self.tp_index(rank)
             box[dim] = (i * size, (i + 1) * size)
         return tuple(box)
-
-
-def group_coords(rank: int, tp: int, stride: int) -> tuple[int, int]:
-    """(dp index, tp index) of global `rank` when tp groups are `tp` ranks `stride` apart: the ranks laid
-    out as (outer, tp, stride), stride fastest (stride 1: groups of consecutive ranks)."""
-    return (rank // (tp * stride)) * stride + rank % stride, (rank // stride) % tp
-
-
-def aligned_stride(fsdp_shard: int | None, tp: int) -> int:
-    """The stride of generation tp groups that puts every rank's FSDP rows inside its generation shard.
-
-    FSDP over a shard group of `fsdp_shard` consecutive ranks gives rank r row chunk r mod fsdp_shard;
-    generation chunk i covers fsdp_shard / tp of those chunks, so the ranks that hold them should be
-    tp index i: tp groups of ranks fsdp_shard / tp apart (dp6 -> tp3 x dp2: {0,2,4}, {1,3,5}; consecutive
-    groups would leave 4 of 6 ranks holding rows outside their shard). 1 (consecutive) when the training
-    layout is not plain FSDP (`fsdp_shard` None, e.g. tensor parallel training, whose tp shards consecutive
-    groups match) or `tp` does not divide the shard group.
-    """
-    if fsdp_shard is None or fsdp_shard % tp:
-        return 1
-    return fsdp_shard // tp
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
-"""Ulysses sequence parallel x FSDP2: the FSDP engine with every micro-batch's tokens split over sp ranks.
+"""Ulysses sequence parallel: every micro-batch's tokens split over sp ranks (step 2 of engine/parallelize.py).
 
-The world of `world` ranks is laid out as dp x sp, sp fastest (global rank = dp_rank * sp + sp_rank):
+The world is laid out as dp x sp x tp, tp fastest (engine/parallel_dims.py):
 the sp ranks of one dp group hold the same rows of the batch. Each micro-batch runs as ONE packed
 row (hybridflow/engine/batch.py `pack`, or the shared-prompt row of engine/prefix.py), padded to a
 multiple of sp, and each sp rank runs its contiguous 1/sp of those tokens through the embedding,
@@ -9,8 +9,8 @@ all-to-all turns [local tokens, all heads] into [all tokens, this rank's heads] 
 RoPE, which saw the sliced position ids), attention runs over the whole packed row block by block
 (each example, or each prompt group of a shared-prompt row, found from the full position ids: no
 token attends across blocks, so no [N, N] mask is built), and a second all-to-all turns the output
-back. FSDP2 shards parameters over all ranks (dp x sp) exactly as `FSDPEngine` does, so checkpoints
-are the plain FSDP layout and load at any sp.
+back. FSDP2 shards parameters over the dp x sp ranks (engine/parallelize.py), so checkpoints are the
+plain FSDP layout and load at any sp.
 
 Heads are split by whole kv groups, as evenly as they go: with 3 kv heads (SmolLM2: 9 q heads) and
 sp = 2, sp rank 0 attends with 2 kv groups (6 q heads) and rank 1 with 1 group (3 q heads), through
@@ -23,28 +23,30 @@ sp rank the whole micro-batch's outputs, so every sp rank computes the same loss
 gives each rank sp x the gradient of its own tokens' share; FSDP2 then averages over dp x sp ranks,
 which divides that sp back out: the gradient is the one process's, as with data parallel alone.
 
-LoRA adapters need nothing here (peft wraps the projections; attention is untouched). Not here:
-sequence parallel combined with tensor parallel (refused by EngineConfig), sliding-window attention
-(refused at load). Attention is one SDPA call per block (causal
+LoRA adapters need nothing here (peft wraps the projections; attention is untouched). With tensor
+parallel, each rank's attention sees the 1/tp of the heads it holds, and the sp ranks split those (so sp
+must be at most num_key_value_heads / tp). Not here: sliding-window attention (refused at load). Attention is one SDPA call per block (causal
 for an example, under its own mask for a shared-prompt group): a loop, not a varlen kernel.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv
 
 from hybridflow.engine import batch as B
 from hybridflow.engine.base import MicroBatch
-from hybridflow.engine.fsdp import FSDPEngine
+from hybridflow.engine.config import EngineConfig
 from hybridflow.engine.prefix import pack_shared_prompts
+from hybridflow.models.value import ValueModel
 
 ATTENTION_NAME = "hybridflow_ulysses"
 """The attention implementation (transformers AttentionInterface) the engine sets on its model."""
@@ -56,18 +58,25 @@ def kv_head_splits(num_kv_heads: int, sp: int) -> list[int]:
 
 
 def check_sp_layout(
-    sp: int, world: int, num_heads: int, num_kv_heads: int, key: str = "engine.ulysses_sequence_parallel_size"
+    sp: int,
+    world: int,
+    num_heads: int,
+    num_kv_heads: int,
+    key: str = "engine.ulysses_sequence_parallel_size",
+    tp: int = 1,
 ) -> None:
-    """Refuse a layout Ulysses cannot run: sp must divide the ranks and be at most the number of kv heads
-    (each rank attends with whole kv groups; `key`: the config key named in the message)."""
+    """Refuse a layout Ulysses cannot run: sp must divide the ranks and be at most the number of kv heads a
+    tensor-parallel rank holds (num_key_value_heads / `tp`: each rank attends with whole kv groups; `key`: the
+    config key named in the message)."""
     if sp < 1:
         raise ValueError(f"{key} must be >= 1, got {sp}")
     problems = []
     if world % sp:
         problems.append(f"must divide the number of ranks ({world})")
-    if sp > num_kv_heads:
+    if sp > num_kv_heads // tp:
+        per_rank = f" / tensor_parallel_size ({tp}) = {num_kv_heads // tp}" if tp > 1 else ""
         problems.append(
-            f"must be at most num_key_value_heads ({num_kv_heads}): each sp rank attends with whole kv groups"
+            f"must be at most num_key_value_heads ({num_kv_heads}){per_rank}: each sp rank attends with whole kv groups"
         )
     if num_heads % num_kv_heads:
         problems.append(
@@ -163,7 +172,7 @@ def ulysses_attention(
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function: q/k/v [b, heads, local tokens, d] -> output [b, local tokens, heads, d].
 
-    The sp layout and the row's attention blocks hang on the attention module (`SequenceParallelEngine` puts
+    The sp layout and the row's attention blocks hang on the attention module (`apply_ulysses` puts
     them there); transformers builds no mask for this attention implementation (`attention_mask` is None)."""
     sp: SPLayout = module.hybridflow_sp
     q = heads_to_sequence(query, sp.q_splits, sp)
@@ -209,78 +218,65 @@ def padded_row(packed: B.PackedBatch, sp: int) -> tuple[torch.Tensor, torch.Tens
     return ids, pos, [(a, b, mask[a:b, a:b] if a < n else None) for a, b in bounds]
 
 
-class SequenceParallelEngine(FSDPEngine):
-    """`FSDPEngine` with each micro-batch's tokens split over `EngineConfig.ulysses_sequence_parallel_size` ranks.
+def apply_ulysses(model: nn.Module, sp_mesh: DeviceMesh, tp: int = 1) -> SPLayout:
+    """Switch `model`'s attention to Ulysses over `sp_mesh` (the sp ranks of this rank's dp group) and hang the
+    shared `SPLayout` on every attention module. With tensor parallel (`tp` > 1, applied before) each rank
+    holds 1/tp of the heads, and the sp ranks split those."""
+    hf, sp = model.config, sp_mesh.size()
+    check_sp_layout(sp, sp, hf.num_attention_heads, hf.num_key_value_heads, tp=tp)
+    heads, kv_heads = hf.num_attention_heads // tp, hf.num_key_value_heads // tp
+    if "sliding_attention" in (getattr(hf, "layer_types", None) or []):
+        raise ValueError("engine.ulysses_sequence_parallel_size > 1: sliding-window attention is not supported")
+    kv = kv_head_splits(kv_heads, sp)
+    groups = heads // kv_heads
+    layout = SPLayout(sp_mesh.get_group(), sp_mesh.get_local_rank(), sp, [n * groups for n in kv], kv)
+    (model.backbone if isinstance(model, ValueModel) else model).set_attn_implementation(ATTENTION_NAME)
+    attention = [m for m in model.modules() if hasattr(m, "num_key_value_groups")]
+    if not attention:
+        raise ValueError(f"sequence parallel: found no attention modules in {type(model).__name__}")
+    for m in attention:
+        m.hybridflow_sp = layout
+    return layout
 
-    `rank` / `world_size` stay the global ones; `dp_rank`, `dp_size`, `sp_rank` and `sp_size` give this rank's
-    place in the dp x sp layout. Every micro-batch runs packed: `packing` picks plain packing, else
-    `share_prompts` the shared-prompt row (sharing never adds tokens, and attention runs block by block in both).
-    """
 
-    def _shard(self, model: nn.Module) -> nn.Module:
-        hf = model.config
-        sp, world = self.config.ulysses_sequence_parallel_size, dist.get_world_size()
-        check_sp_layout(sp, world, hf.num_attention_heads, hf.num_key_value_heads)
-        if "sliding_attention" in (getattr(hf, "layer_types", None) or []):
-            raise ValueError("engine.ulysses_sequence_parallel_size > 1: sliding-window attention is not supported")
-        mesh = init_device_mesh(self.device.type, (world // sp, sp), mesh_dim_names=("dp", "sp"))
-        kv = kv_head_splits(hf.num_key_value_heads, sp)
-        groups = hf.num_attention_heads // hf.num_key_value_heads
-        self.sp = SPLayout(mesh["sp"].get_group(), mesh["sp"].get_local_rank(), sp, [n * groups for n in kv], kv)
-        (model.backbone if self._value else model).set_attn_implementation(ATTENTION_NAME)
-        attention = [m for m in model.modules() if hasattr(m, "num_key_value_groups")]
-        if not attention:
-            raise ValueError(f"sequence parallel: found no attention modules in {type(model).__name__}")
-        for m in attention:
-            m.hybridflow_sp = self.sp
-        return super()._shard(model)
+def sp_packed_row(inputs: MicroBatch, config: EngineConfig) -> B.PackedBatch:
+    """The packed row a micro-batch runs as under sequence parallel: `packing` picks plain packing, else
+    `share_prompts` the shared-prompt row (sharing never adds tokens, and attention runs block by block in both)."""
+    share = config.share_prompts and not config.packing
+    return pack_shared_prompts(inputs) if share else B.pack(inputs)
 
-    @property
-    def sp_size(self) -> int:
-        """Ranks each micro-batch's tokens are split over."""
-        return self.sp.size
 
-    @property
-    def sp_rank(self) -> int:
-        """This rank's place in its sp group (which slice of the tokens it runs)."""
-        return self.sp.rank
+def forward_sp_packed(
+    model: nn.Module, sp: SPLayout, packed: B.PackedBatch, value: bool, token_outputs: Callable
+) -> dict[str, torch.Tensor]:
+    """This rank's slice of the padded packed row through `model`; outputs summed over the sp group.
+    `token_outputs(logits, labels, place)`: the engine's log-probs / entropy of `labels`, placed by `place`."""
+    ids, pos, sp.blocks = padded_row(packed, sp.size)
+    width = ids.shape[1] // sp.size
+    start = sp.rank * width
+    mine = (packed.predictors >= start) & (packed.predictors < start + width)
+    local = packed.predictors[mine] - start
+    row = {"input_ids": ids[:, start : start + width], "position_ids": pos[:, start : start + width]}
 
-    @property
-    def dp_size(self) -> int:
-        """Number of dp groups (distinct shards of the batch)."""
-        return self.world_size // self.sp_size
+    def place(values: torch.Tensor, link: torch.Tensor) -> torch.Tensor:
+        # + link (a zero on the model's graph): a rank whose slice predicts no response token still
+        # runs the whole backward, whose all-to-alls its sp peers wait for.
+        whole = values.new_zeros(mine.shape, dtype=torch.float32).masked_scatter(mine, values.float() + link)
+        return B.unpack_to_response(_SumOverGroup.apply(whole, sp.group), packed)
 
-    @property
-    def dp_rank(self) -> int:
-        """Which shard of the batch this rank holds."""
-        return self.rank // self.sp_size
+    if value:
+        values = model(**row, use_cache=False)
+        return {"values": place(values[0, local], values[:, :0].sum())}
+    logits = model(**row, logits_to_keep=local, use_cache=False).logits[0]
+    link = logits[:0].sum()
+    return token_outputs(logits, packed.labels[mine], lambda v: place(v, link))
 
-    def forward_micro_batch(
-        self, micro: MicroBatch, temperature: float = 1.0, calc_entropy: bool = False
-    ) -> dict[str, torch.Tensor]:
-        inputs = B.select_inputs(micro, self.device)
-        share = self.config.share_prompts and not self.config.packing
-        packed = pack_shared_prompts(inputs) if share else B.pack(inputs)
-        return self._forward_packed(packed, temperature, calc_entropy)
 
-    def _forward_packed(self, packed: B.PackedBatch, temperature: float, calc_entropy: bool) -> dict[str, torch.Tensor]:
-        """This rank's slice of the padded packed row through the model; outputs summed over the sp group."""
-        ids, pos, self.sp.blocks = padded_row(packed, self.sp.size)
-        width = ids.shape[1] // self.sp.size
-        start = self.sp.rank * width
-        mine = (packed.predictors >= start) & (packed.predictors < start + width)
-        local = packed.predictors[mine] - start
-        row = {"input_ids": ids[:, start : start + width], "position_ids": pos[:, start : start + width]}
+def __getattr__(name: str) -> Any:
+    # The engine class was one subclass per strategy; it is now FSDPEngine for every layout. Resolved lazily:
+    # engine/fsdp.py imports this module (through parallelize.py).
+    if name == "SequenceParallelEngine":
+        from hybridflow.engine.fsdp import FSDPEngine  # noqa: PLC0415
 
-        def place(values: torch.Tensor, link: torch.Tensor) -> torch.Tensor:
-            # + link (a zero on the model's graph): a rank whose slice predicts no response token still
-            # runs the whole backward, whose all-to-alls its sp peers wait for.
-            whole = values.new_zeros(mine.shape, dtype=torch.float32).masked_scatter(mine, values.float() + link)
-            return B.unpack_to_response(_SumOverGroup.apply(whole, self.sp.group), packed)
-
-        if self._value:
-            values = self.model(**row, use_cache=False)
-            return {"values": place(values[0, local], values[:, :0].sum())}
-        logits = self.model(**row, logits_to_keep=local, use_cache=False).logits[0]
-        link = logits[:0].sum()
-        return self._token_outputs(logits, packed.labels[mine], lambda v: place(v, link), temperature, calc_entropy)
+        return FSDPEngine
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

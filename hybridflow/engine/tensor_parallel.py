@@ -1,16 +1,16 @@
-"""Tensor parallel x FSDP2: the FSDP engine on a 2-D (or, with HSDP, 3-D) device mesh.
+"""Tensor parallel: the plan that splits each decoder layer over the tp axis (step 1 of engine/parallelize.py).
 
-The world of `world` ranks is laid out as dp x tp, tp fastest (global rank = dp_rank * tp + tp_rank):
+The world is laid out as dp x sp x tp, tp fastest (engine/parallel_dims.py):
 the tp ranks of one dp group hold the same rows of the batch and split every decoder layer
 between them with DTensor tensor parallel (Megatron's split: q/k/v and gate/up by output
 columns, o and down by input rows, one all-reduce after attention and one after the MLP in
-the forward, the same in the backward); FSDP2 then shards the tp shards over dp (x
-replicas by `fsdp_size`, as in `FSDPEngine`). Attention needs no change: each rank runs the
+the forward, the same in the backward); FSDP2 then shards the tp shards over the dp x sp ranks
+(x replicas by `fsdp_size`, engine/parallelize.py). Attention needs no change: each rank runs the
 heads whose q/k/v columns it holds (HF attention reshapes with -1 heads).
 
 What stays whole on every tp rank: the embedding, the norms, the LM head (or value head).
 Their parameters become Replicate DTensors on the tp mesh so that every parameter lives on
-the one dp x tp mesh (one gradient norm, one fused AdamW, one checkpoint layout); their
+the one parameter mesh (one gradient norm, one fused AdamW, one checkpoint layout); their
 inputs and outputs stay plain tensors. Splitting the embedding / LM head by vocabulary
 (and the log-softmax with it) would save their FLOPs and memory; not done here.
 
@@ -18,8 +18,8 @@ Everything the FSDP engine does to a micro-batch (padding removal, packing, shar
 packing with its 4-D mask, token budgets) splits tokens or rows, never heads, so it runs
 unchanged: the tp ranks of a dp group get the same rows and cut the same micro-batches.
 
-Pipeline parallelism would plug in as a third mesh dim (pp, outermost): each pp rank keeps a
-contiguous slice of `decoder_layers`, `train_step` becomes a schedule over micro-batches
+Pipeline parallelism would plug in as the outermost mesh dim (pp, reserved in `ParallelDims`): each pp
+rank keeps a contiguous slice of the decoder layers, `train_step` becomes a schedule over micro-batches
 (torch.distributed.pipelining), and the log-probs come from the last stage.
 """
 
@@ -28,15 +28,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-from hybridflow.engine.config import EngineConfig, dtype_of
-from hybridflow.engine.fsdp import FSDPEngine, decoder_layers
 
 LAYER_PLAN: dict[str, str] = {
     "self_attn.q_proj": "colwise",
@@ -74,25 +69,12 @@ def check_tp_layout(
         )
 
 
-def build_meshes(device_type: str, world: int, config: EngineConfig) -> tuple[DeviceMesh, DeviceMesh]:
-    """(dp mesh for FSDP2, tp mesh), both slices of one world mesh with tp as its last (fastest) dim."""
-    tp = config.tensor_parallel_size
-    dp = world // tp
-    shard = config.resolve_fsdp_size(torch.device(device_type), world)
-    if shard == dp:
-        mesh = init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp_shard", "tp"))
-        return mesh["dp_shard"], mesh["tp"]
-    mesh = init_device_mesh(device_type, (dp // shard, shard, tp), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
-    return mesh["dp_replicate", "dp_shard"], mesh["tp"]
-
-
 def _style(kind: str) -> ColwiseParallel | RowwiseParallel:
     return ColwiseParallel() if kind == "colwise" else RowwiseParallel()
 
 
-def parallelize_layers(model: nn.Module, tp_mesh: DeviceMesh) -> list[nn.Module]:
-    """Split every decoder layer's attention and MLP projections over `tp_mesh`; return the layers."""
-    layers = decoder_layers(model)
+def parallelize_layers(layers: list[nn.Module], tp_mesh: DeviceMesh) -> None:
+    """Split every decoder layer's attention and MLP projections over `tp_mesh`."""
     for layer in layers:
         missing = [name for name in LAYER_PLAN if not _has(layer, name)]
         if missing:
@@ -100,7 +82,6 @@ def parallelize_layers(model: nn.Module, tp_mesh: DeviceMesh) -> list[nn.Module]
                 f"tensor parallel supports Llama/Qwen2-style decoder layers; {type(layer).__name__} has no {missing}"
             )
         parallelize_module(layer, tp_mesh, {name: _style(kind) for name, kind in LAYER_PLAN.items()})
-    return layers
 
 
 def _has(module: nn.Module, name: str) -> bool:
@@ -155,54 +136,11 @@ def _outputs_to_local(_module: nn.Module, _args: tuple, output: Any) -> Any:
     return output
 
 
-class TensorParallelEngine(FSDPEngine):
-    """`FSDPEngine` with each decoder layer split over `EngineConfig.tensor_parallel_size` ranks.
+def __getattr__(name: str) -> Any:
+    # The engine class was one subclass per strategy; it is now FSDPEngine for every layout. Resolved lazily:
+    # engine/fsdp.py imports this module (through parallelize.py).
+    if name == "TensorParallelEngine":
+        from hybridflow.engine.fsdp import FSDPEngine  # noqa: PLC0415
 
-    `rank` / `world_size` stay the global ones (checkpoints write per global rank); `dp_rank`,
-    `dp_size`, `tp_rank` and `tp_size` give this rank's place in the dp x tp layout. Adapters
-    (LoRA) are refused: peft wraps the very projections tensor parallel splits.
-    """
-
-    def __init__(self, model: nn.Module, config: EngineConfig, optim=None, lora=None) -> None:
-        if lora is not None and lora.enabled:
-            raise ValueError("engine.tensor_parallel_size > 1 does not combine with LoRA adapters (lora.rank > 0)")
-        super().__init__(model, config, optim, lora)
-
-    def _shard(self, model: nn.Module) -> nn.Module:
-        world, tp = dist.get_world_size(), self.config.tensor_parallel_size
-        hf = model.config
-        check_tp_layout(tp, world, hf.num_attention_heads, hf.num_key_value_heads)
-        dp_mesh, tp_mesh = build_meshes(self.device.type, world, self.config)
-        self.dp_mesh, self.tp_mesh = dp_mesh, tp_mesh
-        layers = parallelize_layers(model, tp_mesh)
-        replicate_rest(model, tp_mesh)
-        policy = MixedPrecisionPolicy(
-            param_dtype=dtype_of(self.config.param_dtype), reduce_dtype=dtype_of(self.config.reduce_dtype)
-        )
-        reshard = self.config.resolve_reshard_after_forward(self.device) and dp_mesh.size(-1) > 1
-        self._reshard_after_forward = reshard
-        kwargs = dict(mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
-        for layer in layers:
-            fully_shard(layer, **kwargs)
-        fully_shard(model, **kwargs)
-        return model
-
-    @property
-    def tp_size(self) -> int:
-        """Ranks each decoder layer is split over."""
-        return self.tp_mesh.size()
-
-    @property
-    def tp_rank(self) -> int:
-        """This rank's place in its tp group."""
-        return self.tp_mesh.get_local_rank()
-
-    @property
-    def dp_size(self) -> int:
-        """Number of dp groups (distinct shards of the batch)."""
-        return self.world_size // self.tp_size
-
-    @property
-    def dp_rank(self) -> int:
-        """Which shard of the batch this rank holds."""
-        return self.rank // self.tp_size
+        return FSDPEngine
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.device_mesh import init_device_mesh
 
+from hybridflow.engine.parallel_dims import Axis, GenerationDims
 from hybridflow.engine.reshard import GenerationLayout
 from hybridflow.keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS
 from hybridflow.models import load_causal_lm
@@ -244,15 +244,5 @@ def trim_left_padding(ids: Tensor, mask: Tensor, pos: Tensor) -> tuple[Tensor, T
 def tensor_parallel_group(tp: int, stride: int = 1):
     """This rank's group of `tp` ranks of the default group, `stride` apart: the ranks laid out as
     (outer, tp, stride), stride fastest; 1 gives consecutive ranks (collective: every rank calls it)."""
-
-    world = dist.get_world_size()
-    if world % (tp * stride):
-        raise ValueError(
-            f"rollout.tensor_model_parallel_size={tp} (groups {stride} ranks apart) must divide the "
-            f"number of ranks ({world})"
-        )
-    device = device_kind()
-    if stride == 1:
-        return init_device_mesh(device, (world // tp, tp), mesh_dim_names=("dp", "tp")).get_group("tp")
-    shape = (world // (tp * stride), tp, stride)
-    return init_device_mesh(device, shape, mesh_dim_names=("outer", "tp", "inner")).get_group("tp")
+    mesh = GenerationDims(dist.get_world_size(), tp, stride).build_mesh(device_kind())
+    return mesh.get_group(Axis.TP.value)

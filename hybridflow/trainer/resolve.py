@@ -30,6 +30,7 @@ A user value is never overwritten: where it contradicts a derived one, `ConfigEr
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass, replace
@@ -271,7 +272,7 @@ def check_parallel_layouts(cfg: RunConfig, sets: tuple[WorkerSet, ...]) -> None:
             engine.ulysses_sequence_parallel_size,
             cfg.model.path,
             policy,
-            check_sp_layout,
+            functools.partial(check_sp_layout, tp=engine.tensor_parallel_size),
         ),
         (
             "rollout.tensor_model_parallel_size",
@@ -295,7 +296,7 @@ def check_parallel_layouts(cfg: RunConfig, sets: tuple[WorkerSet, ...]) -> None:
                 cfg.critic.engine.ulysses_sequence_parallel_size,
                 critic_model,
                 ("critic",),
-                check_sp_layout,
+                functools.partial(check_sp_layout, tp=cfg.critic.engine.tensor_parallel_size),
             ),
         ]
     if cfg.reward_model.enable:

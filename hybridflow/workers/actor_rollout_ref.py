@@ -39,8 +39,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from hybridflow import keys as K
 from hybridflow.agent.harness import HarnessRunner
 from hybridflow.agent.rollout_loop import generate_multi_turn
@@ -50,7 +48,7 @@ from hybridflow.controller.dispatch import make_nd_compute_dataproto_dispatch_fn
 from hybridflow.controller.worker import Worker, collective_timeout_s
 from hybridflow.engine import export_hf
 from hybridflow.engine.config import EngineConfig
-from hybridflow.engine.reshard import aligned_stride, group_coords
+from hybridflow.engine.parallel_dims import GenerationDims, ParallelDims, aligned_stride
 from hybridflow.models import load_tokenizer, resolve_model_path
 from hybridflow.parity.faults import parity_fault
 from hybridflow.parity.rollout_faults import apply_rollout_faults
@@ -104,13 +102,10 @@ class ActorRolloutRefWorker(Worker):
         # The reference runs on the actor's layout: both are dispatched over the policy mesh.
         self.dp_size = declare_engine_mesh(self, POLICY_MESH, actor.engine, "actor.engine.")
         self.rollout_tp_size = rollout.tensor_model_parallel_size
-        if self.world_size % self.rollout_tp_size:
-            raise ValueError(
-                f"rollout.tensor_model_parallel_size={self.rollout_tp_size} must divide the number of "
-                f"ranks ({self.world_size})"
-            )
+        GenerationDims(self.world_size, self.rollout_tp_size)  # refuses a tp that does not divide the ranks
         self.rollout_stride = self._rollout_stride()
-        self.rollout_dp_rank, tp_index = group_coords(self.rank, self.rollout_tp_size, self.rollout_stride)
+        generation = GenerationDims(self.world_size, self.rollout_tp_size, self.rollout_stride)
+        self.rollout_dp_rank, tp_index = generation.coords(self.rank)
         self._register_dispatch_collect_info(ROLLOUT_MESH, self.rollout_dp_rank, tp_index == 0)
 
     def _rollout_stride(self) -> int:
@@ -124,8 +119,8 @@ class ActorRolloutRefWorker(Worker):
             or engine.ranks_per_dp_group > 1
         ):
             return 1
-        device = torch.device(device_kind())
-        return aligned_stride(engine.resolve_fsdp_size(device, self.world_size), self.rollout_tp_size)
+        dims = ParallelDims.from_config(engine, self.world_size, device_kind(), "actor.engine.")
+        return aligned_stride(dims.dp_shard, self.rollout_tp_size)
 
     # --- setup ----------------------------------------------------------------
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)

@@ -1,7 +1,7 @@
 """Which `Engine` a role worker builds: one place to plug in another backend.
 
-Role workers never name a backend class; they call `build_engine`, so a tensor-
-parallel, sequence-parallel or GPU-specific engine is one more entry in `ENGINES`, not a
+Role workers never name a backend class; they call `build_engine`, so a
+GPU-specific engine is one more entry in `ENGINES`, not a
 copy of a worker, selected by `engine.backend` (actor, critic, sft; `reward_model.backend`); `declare_engine_mesh` gives the worker its dp layout for the N-D dispatch.
 """
 
@@ -14,8 +14,8 @@ from typing import Any
 from hybridflow.engine.base import Engine
 from hybridflow.engine.config import EngineConfig, LoraConfig, OptimConfig
 from hybridflow.engine.fsdp import FSDPEngine
-from hybridflow.engine.sequence_parallel import SequenceParallelEngine
-from hybridflow.engine.tensor_parallel import TensorParallelEngine
+from hybridflow.engine.parallel_dims import ParallelDims, check_divides
+from hybridflow.utils.device import device_kind
 from hybridflow.utils.registry import Registry, UnknownNameError
 
 
@@ -23,18 +23,6 @@ def _fsdp(
     path: str | Path, cfg: EngineConfig, optim: OptimConfig | None, value_model: bool, lora: LoraConfig | None
 ) -> Engine:
     return FSDPEngine.from_pretrained(path, cfg, optim, value_model=value_model, lora=lora)
-
-
-def _fsdp_tp(
-    path: str | Path, cfg: EngineConfig, optim: OptimConfig | None, value_model: bool, lora: LoraConfig | None
-) -> Engine:
-    return TensorParallelEngine.from_pretrained(path, cfg, optim, value_model=value_model, lora=lora)
-
-
-def _fsdp_sp(
-    path: str | Path, cfg: EngineConfig, optim: OptimConfig | None, value_model: bool, lora: LoraConfig | None
-) -> Engine:
-    return SequenceParallelEngine.from_pretrained(path, cfg, optim, value_model=value_model, lora=lora)
 
 
 EngineBuilder = Callable[[str | Path, EngineConfig, OptimConfig | None, bool, LoraConfig | None], Engine]
@@ -49,8 +37,9 @@ ENGINES: Registry[EngineBuilder] = Registry(
 )
 """Engine backends by name (config: actor.engine.backend, critic.engine.backend, reward_model.backend)."""
 ENGINES.register("fsdp", _fsdp)
-ENGINES.register("fsdp_tp", _fsdp_tp)
-ENGINES.register("fsdp_sp", _fsdp_sp)
+# One engine for every layout (engine/parallelize.py); the names a layout used to pick stay valid.
+ENGINES.register("fsdp_tp", _fsdp)
+ENGINES.register("fsdp_sp", _fsdp)
 
 
 def engine_backend(cfg: EngineConfig) -> str:
@@ -88,10 +77,10 @@ def build_engine(
 
 
 def declare_engine_mesh(worker: Any, mesh_name: str, cfg: EngineConfig, section: str) -> int:
-    """Declare `worker`'s place on the dp x (tp x sp) layout of `cfg` for the N-D dispatch under `mesh_name`:
-    the tp/sp ranks of a dp group receive its rows and the first of them is collected. Returns the dp size;
+    """Declare `worker`'s place on the dp x (sp x tp) layout of `cfg` for the N-D dispatch under `mesh_name`:
+    the sp/tp ranks of a dp group receive its rows and the first of them is collected. Returns the dp size;
     raises ValueError (naming `section`, e.g. "actor.engine.") when tp x sp does not divide the world."""
-    dp_size = cfg.dp_size(worker.world_size, section)
-    per = cfg.ranks_per_dp_group
-    worker._register_dispatch_collect_info(mesh_name, worker.rank // per, worker.rank % per == 0)
-    return dp_size
+    check_divides(worker.world_size, cfg.tensor_parallel_size, cfg.ulysses_sequence_parallel_size, section)
+    dims = ParallelDims.from_config(cfg, worker.world_size, device_kind(), section)
+    worker._register_dispatch_collect_info(mesh_name, dims.coords(worker.rank).dp, dims.is_collect(worker.rank))
+    return dims.dp

@@ -1,0 +1,101 @@
+"""One model, parallelised in steps: tensor parallel, Ulysses attention, activation checkpointing, FSDP2.
+
+`parallelize(model, dims, cfg)` applies to the same module, in this order (torchtitan's
+`parallelize_llama` shape), each step only when its size is > 1 (checkpointing when asked for):
+
+1. tensor parallel (hybridflow/engine/tensor_parallel.py): each decoder layer's projections split
+   over the tp axis of the parameter mesh; the remaining parameters become Replicate DTensors there;
+2. Ulysses sequence parallel (hybridflow/engine/sequence_parallel.py): the attention implementation
+   that all-to-alls q/k/v over the sp group; with tensor parallel it splits the heads this tp rank
+   holds, so sp may be at most num_key_value_heads / tp;
+3. activation checkpointing of the decoder layers;
+4. FSDP2: `fully_shard` on every decoder layer, then on the root, over the dp x sp ranks of each tp
+   slot (dp_replicate x dp_shard, `ParallelDims`).
+
+Steps compose because each leaves the module an ordinary `nn.Module` the next one can take: the
+layouts tp x sp, tp, sp and plain FSDP are the same code path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from hybridflow.engine.config import EngineConfig, dtype_of
+from hybridflow.engine.parallel_dims import Axis, ParallelDims
+from hybridflow.engine.sequence_parallel import SPLayout, apply_ulysses
+from hybridflow.engine.tensor_parallel import check_tp_layout, parallelize_layers, replicate_rest
+from hybridflow.models.loading import enable_activation_checkpointing
+from hybridflow.models.value import ValueModel
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated transformer blocks of an HF model (its `_no_split_modules` classes)."""
+    names: set[str] = set()
+    for module in model.modules():
+        names.update(getattr(module, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(f"cannot find decoder layers in {type(model).__name__} to shard")
+    return layers
+
+
+@dataclass
+class Parallelized:
+    """What `parallelize` built around the model, for the engine that runs it."""
+
+    fsdp_mesh: DeviceMesh
+    """The mesh FSDP2 shards over (dp_shard, or dp_replicate x dp_shard)."""
+    tp_mesh: DeviceMesh
+    """The tensor-parallel axis of the parameter mesh (size 1 without tensor parallel)."""
+    sp: SPLayout | None
+    """The Ulysses layout the attention modules share; None without sequence parallel."""
+    reshard_after_forward: bool
+    """Whether FSDP2 frees gathered parameters after each forward."""
+
+
+def hf_model(model: nn.Module) -> nn.Module:
+    """The transformers model inside `model`: a value model's backbone, a peft model's base model, or itself."""
+    if isinstance(model, ValueModel):
+        return model.backbone
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def parallelize(model: nn.Module, dims: ParallelDims, cfg: EngineConfig) -> Parallelized:
+    """Apply tensor parallel, Ulysses attention, activation checkpointing and FSDP2 to `model` (on its device)
+    in place, as `dims` and `cfg` ask. A collective: every rank of the world calls it."""
+    device_type = next(model.parameters()).device.type
+    param_mesh = dims.build_param_mesh(device_type)
+    tp_mesh = param_mesh[Axis.TP.value]
+    layers = decoder_layers(model)
+    hf = model.config
+    if dims.tp > 1:
+        check_tp_layout(dims.tp, dims.world, hf.num_attention_heads, hf.num_key_value_heads)
+        parallelize_layers(layers, tp_mesh)
+        replicate_rest(model, tp_mesh)
+    sp = None
+    if dims.sp > 1:
+        sp_mesh = dims.build_mesh(device_type)[Axis.SP.value]
+        sp = apply_ulysses(model, sp_mesh, dims.tp)
+    if cfg.gradient_checkpointing:
+        enable_activation_checkpointing(hf_model(model))
+    fsdp_mesh = dims.fsdp_submesh(param_mesh)
+    reshard = _apply_fsdp(model, layers, fsdp_mesh, cfg, device_type)
+    return Parallelized(fsdp_mesh, tp_mesh, sp, reshard)
+
+
+def _apply_fsdp(
+    model: nn.Module, layers: list[nn.Module], mesh: DeviceMesh, cfg: EngineConfig, device_type: str
+) -> bool:
+    """`fully_shard` every decoder layer, then the root; returns whether parameters reshard after forward."""
+    policy = MixedPrecisionPolicy(param_dtype=dtype_of(cfg.param_dtype), reduce_dtype=dtype_of(cfg.reduce_dtype))
+    # With one rank per shard group, resharding frees nothing and only costs a second cast in backward.
+    reshard = cfg.resolve_reshard_after_forward(torch.device(device_type)) and mesh.size(-1) > 1
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+    return reshard
