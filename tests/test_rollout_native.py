@@ -193,6 +193,7 @@ def test_decode_over_whole_cache_equals_decode_over_filled_slice(monkeypatch):
 
 def test_bf16_decode_with_onednn_packed_weights_is_bit_identical(monkeypatch):
     import hybridflow.rollout.decoder as decoder
+    import hybridflow.rollout.linear as linear
 
     model, tok = tiny("llama", dtype=torch.bfloat16)
     probe = decoder.StaticLlamaDecoder(model)
@@ -200,7 +201,7 @@ def test_bf16_decode_with_onednn_packed_weights_is_bit_identical(monkeypatch):
         pytest.skip("this torch build has no oneDNN bf16 linear")
     cfg = RolloutConfig(name="native", dtype="bf16", do_sample=False, response_length=R, calculate_log_probs=True)
     packed = NativeRollout(cfg, model, tok).generate_sequences(prompt_batch(tok))
-    monkeypatch.setattr(decoder, "_pack_for_onednn", lambda weight, rows_hint: None)
+    monkeypatch.setattr(linear, "_pack_for_onednn", lambda weight, rows_hint: None)
     plain = NativeRollout(cfg, model, tok).generate_sequences(prompt_batch(tok))
     assert decoder.StaticLlamaDecoder(model).layers[0].qkv.packed is None
     assert torch.equal(packed.batch[RESPONSES], plain.batch[RESPONSES])
@@ -211,14 +212,15 @@ def test_fp32_decode_with_onednn_packed_weights_matches_plain(monkeypatch):
     """fp32 packs a shape only where this process timed packing faster; forced on, greedy tokens are the
     same as with F.linear and log-probs equal up to summation order."""
     import hybridflow.rollout.decoder as decoder
+    import hybridflow.rollout.linear as linear
 
     model, tok = tiny("llama")
-    monkeypatch.setattr(decoder, "_packing_pays", lambda weight, rows: True)
+    monkeypatch.setattr(linear, "_packing_pays", lambda weight, rows: True)
     if decoder.StaticLlamaDecoder(model).layers[0].qkv.packed is None:
         pytest.skip("this torch build has no oneDNN linear")
     cfg = RolloutConfig(name="native", dtype="fp32", do_sample=False, response_length=R, calculate_log_probs=True)
     packed = NativeRollout(cfg, model, tok).generate_sequences(prompt_batch(tok))
-    monkeypatch.setattr(decoder, "_packing_pays", lambda weight, rows: False)
+    monkeypatch.setattr(linear, "_packing_pays", lambda weight, rows: False)
     assert decoder.StaticLlamaDecoder(model).lm_head.packed is None
     plain = NativeRollout(cfg, model, tok).generate_sequences(prompt_batch(tok))
     assert torch.equal(packed.batch[RESPONSES], plain.batch[RESPONSES])
@@ -226,14 +228,14 @@ def test_fp32_decode_with_onednn_packed_weights_matches_plain(monkeypatch):
 
 
 def test_packing_is_timed_once_per_shape(monkeypatch):
-    import hybridflow.rollout.decoder as decoder
+    import hybridflow.rollout.linear as linear
 
-    monkeypatch.setattr(decoder, "_PACKING_PAYS", {})
+    monkeypatch.setattr(linear, "_PACKING_PAYS", {})
     w = torch.randn(48, 32)
-    first = decoder._packing_pays(w, 8)
-    assert decoder._PACKING_PAYS == {(48, 32, 8): first}
-    decoder._PACKING_PAYS[(48, 32, 8)] = not first  # a cached answer is not re-measured
-    assert decoder._packing_pays(w, 8) is (not first)
+    first = linear._packing_pays(w, 8)
+    assert linear._PACKING_PAYS == {(48, 32, 8): first}
+    linear._PACKING_PAYS[(48, 32, 8)] = not first  # a cached answer is not re-measured
+    assert linear._packing_pays(w, 8) is (not first)
 
 
 @pytest.mark.slow  # inductor compiles C++ on first use: 25-50 s on 2 cores for an opt-in path that does not pay yet

@@ -27,7 +27,6 @@ tokens (same seed).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +36,7 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 
 from hybridflow.rollout.kernels import EAGER, DecoderKernels
+from hybridflow.rollout.linear import Linear
 from hybridflow.rollout.sharding import own_part
 
 _FAST_MODEL_TYPES = ("llama", "qwen2")
@@ -57,72 +57,14 @@ def supports_static_path(model: nn.Module) -> bool:
     return not hasattr(attn, "q_norm") and hasattr(attn, "q_proj")
 
 
-class _Linear:
-    """y = x W^T + b, in the layout that runs fastest here (`_pack_for_onednn`)."""
-
-    def __init__(self, weight: Tensor, bias: Tensor | None, rows_hint: int = 64) -> None:
-        self.bias = bias
-        self.packed = _pack_for_onednn(weight, rows_hint)
-        self.weight = weight if self.packed is None else None  # the packed copy replaces it
-
-    def __call__(self, x: Tensor) -> Tensor:
-        if self.packed is None:
-            return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-
-
-_PACKING_PAYS: dict[tuple[int, int, int], bool] = {}
-"""(out, in, rows) -> whether oneDNN's packed fp32 product beat F.linear when this process timed it."""
-
-
-def _pack_for_onednn(weight: Tensor, rows_hint: int) -> Tensor | None:
-    """The weight reordered once into oneDNN's blocked layout, or None where F.linear is the better path.
-
-    bf16: always packed where oneDNN has bf16 (`F.linear` reorders the weight on every call, which at decode
-    sizes costs as much as the product; SmolLM2, 64 rows: 1.3-1.8x faster, bit-identical). fp32: packed when a
-    timing of this shape says so, once per process (on the avx2-only EPYC, MKL's fp32 product at 8 rows took
-    3.7x oneDNN's on the LM head and 1.2-1.4x on the layers' projections; bench/decode_profile.py --compare).
-    """
-    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return None
-    try:
-        if weight.dtype == torch.bfloat16:
-            if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-                return None
-        elif weight.dtype != torch.float32 or not _packing_pays(weight, rows_hint):
-            return None
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows_hint)
-    except (AttributeError, RuntimeError):  # private ops: absent or refused in some builds
-        return None
-
-
-def _packing_pays(weight: Tensor, rows: int, trials: int = 3) -> bool:
-    """Time F.linear against the packed product on `rows` random rows (best of `trials`, alternating)."""
-    key = (*weight.shape, rows)
-    if key not in _PACKING_PAYS:
-        w = weight.detach()
-        x = torch.randn(rows, w.shape[1], dtype=w.dtype)
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, rows)
-        calls = (lambda: F.linear(x, w), lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
-        best = [float("inf"), float("inf")]
-        with torch.no_grad():
-            for _ in range(trials + 1):  # the first round warms both up
-                for i, call in enumerate(calls):
-                    start = time.perf_counter()
-                    call()
-                    best[i] = min(best[i], time.perf_counter() - start)
-        _PACKING_PAYS[key] = best[1] < best[0]
-    return _PACKING_PAYS[key]
-
-
 @dataclass
 class _LayerWeights:
     ln1: Tensor
-    qkv: _Linear
-    o: _Linear
+    qkv: Linear
+    o: Linear
     ln2: Tensor
-    gate_up: _Linear
-    down: _Linear
+    gate_up: Linear
+    down: Linear
 
 
 def _cat_bias(*mods: nn.Linear, rank: int = 0, tp: int = 1) -> Tensor | None:
@@ -148,10 +90,10 @@ def _layer_weights(layer: nn.Module, rank: int = 0, tp: int = 1) -> _LayerWeight
     return _LayerWeights(
         ln1=layer.input_layernorm.weight,
         ln2=layer.post_attention_layernorm.weight,
-        qkv=_Linear(rows(a.q_proj, a.k_proj, a.v_proj), _cat_bias(a.q_proj, a.k_proj, a.v_proj, rank=rank, tp=tp)),
-        o=_Linear(cols(a.o_proj), a.o_proj.bias if rank == 0 else None),
-        gate_up=_Linear(rows(m.gate_proj, m.up_proj), _cat_bias(m.gate_proj, m.up_proj, rank=rank, tp=tp)),
-        down=_Linear(cols(m.down_proj), m.down_proj.bias if rank == 0 else None),
+        qkv=Linear(rows(a.q_proj, a.k_proj, a.v_proj), _cat_bias(a.q_proj, a.k_proj, a.v_proj, rank=rank, tp=tp)),
+        o=Linear(cols(a.o_proj), a.o_proj.bias if rank == 0 else None),
+        gate_up=Linear(rows(m.gate_proj, m.up_proj), _cat_bias(m.gate_proj, m.up_proj, rank=rank, tp=tp)),
+        down=Linear(cols(m.down_proj), m.down_proj.bias if rank == 0 else None),
     )
 
 
@@ -232,11 +174,11 @@ class StaticLlamaDecoder:
         embed, head = model.model.embed_tokens, model.lm_head
         self.vocab_split = tp > 1 and embed.num_embeddings % tp == 0
         if not self.vocab_split:
-            self.embed, self.lm_head, self.vocab_start = embed.weight, _Linear(head.weight, head.bias), 0
+            self.embed, self.lm_head, self.vocab_start = embed.weight, Linear(head.weight, head.bias), 0
             return
         self.embed = own_part(embed.weight, 0, rank, tp, embed.num_embeddings)
         bias = None if head.bias is None else own_part(head.bias, 0, rank, tp, head.out_features)
-        self.lm_head = _Linear(own_part(head.weight, 0, rank, tp, head.out_features), bias)
+        self.lm_head = Linear(own_part(head.weight, 0, rank, tp, head.out_features), bias)
         self.vocab_start = rank * (embed.num_embeddings // tp)
 
     def prefill(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, max_new: int) -> Tensor:

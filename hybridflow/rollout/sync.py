@@ -96,6 +96,14 @@ class SyncReport:
     """The rollout generates with the engine's own tensors (nothing was copied or checked)."""
 
 
+def share_engine_weights(rollout: Rollout, engine: Engine) -> bool:
+    """Point the rollout at the engine's own tensors where it can (module docstring); whether it now does."""
+    if rollout.generation_layout() is not None or engine.has_adapters or os.environ.get(PARITY_FAULT_ENV):
+        return False
+    tensors = engine_tensors(engine)
+    return tensors is not None and rollout.share_weights(tensors)
+
+
 def engine_tensors(engine: Engine) -> dict[str, Tensor] | None:
     """The engine's parameter tensors by name (tied ones under each name) when this rank holds each whole, else
     None. A DTensor over one rank (FSDP on one process) counts: its local tensor is the whole weight."""
@@ -128,9 +136,7 @@ def sync_weights(
     """
     start = time.perf_counter()
     layout = rollout.generation_layout()
-    share = share and layout is None and not engine.has_adapters and not os.environ.get(PARITY_FAULT_ENV)
-    shared = engine_tensors(engine) if share else None
-    if shared is not None and rollout.share_weights(shared):
+    if share and share_engine_weights(rollout, engine):
         return SyncReport(time.perf_counter() - start, 0.0, [], shared=True)
     resharded = layout is not None and not engine.has_adapters
     path = "reshard" if resharded else "lora" if engine.has_adapters else "colocated"

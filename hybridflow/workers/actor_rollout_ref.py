@@ -57,7 +57,7 @@ from hybridflow.protocol import DataProto
 from hybridflow.rollout import build_rollout
 from hybridflow.rollout.bridge import WeightBridge, manifest_of, open_store
 from hybridflow.rollout.config import RolloutConfig, SamplingParams
-from hybridflow.rollout.sync import sync_weights
+from hybridflow.rollout.sync import share_engine_weights, sync_weights
 from hybridflow.utils.device import device_kind
 from hybridflow.utils.memory import release_freed_memory
 from hybridflow.utils.peak_memory import operator_peak
@@ -147,6 +147,8 @@ class ActorRolloutRefWorker(Worker):
             cfg = self.rollout_cfg
             seed = cfg.seed + self.rollout_dp_rank
             self.rollout = build_rollout(replace(cfg, seed=seed), path, self.tokenizer, self.rollout_stride)
+            if self.actor is not None and share_engine_weights(self.rollout, self.actor):
+                release_freed_memory()  # the rollout's own copy, dropped before the first update allocates
 
     # --- rollout ----------------------------------------------------------------
     @register(dispatch_mode=_ON_ROLLOUT_MESH)
@@ -200,8 +202,6 @@ class ActorRolloutRefWorker(Worker):
             self.rollout, self.actor, self._rollout_has_all_weights, step, cfg.weight_fingerprints, cfg.name
         )
         self._rollout_stale = False
-        if report.shared and not self._rollout_has_all_weights:
-            release_freed_memory()  # the rollout's own copy, just dropped (utils/memory.py)
         self._rollout_has_all_weights = True
         metrics["timing_s/weight_sync"] = report.seconds
         if cfg.weight_fingerprints:
