@@ -74,9 +74,8 @@ def _close_after_step(got: torch.Tensor, want: torch.Tensor, grad: torch.Tensor 
     assert (got - want).abs().max() <= OPTIM["lr"], msg
 
 
-@pytest.mark.parametrize(
-    ("arch", "fsdp_size"), [("llama", -1), pytest.param("qwen2", 1, marks=pytest.mark.slow)]
-)  # ~85 s each on 2 CPU cores: the Llama case stays in the default suite as its one tp x sp check
+@pytest.mark.slow  # 4 gloo processes, 30-85 s each on 2 CPU cores; .ci/run runs the slow set
+@pytest.mark.parametrize(("arch", "fsdp_size"), [("llama", -1), ("qwen2", 1)])
 def test_tp2_sp2_matches_one_process(tmp_path, arch, fsdp_size):
     path = tiny_model_dir(arch, **MODEL)  # build the cache once, before the workers race for it
     mp.spawn(_worker, args=(4, arch, fsdp_size, free_port(), str(tmp_path)), nprocs=4, join=True)

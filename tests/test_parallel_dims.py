@@ -100,6 +100,7 @@ def _mesh_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow  # 4 gloo processes, ~17 s; the coordinates are checked by hand in the default suite
 def test_meshes_hold_the_ranks_the_coordinates_say(tmp_path):
     mp.spawn(_mesh_worker, args=(4, free_port(), str(tmp_path)), nprocs=4, join=True)
     for rank in range(4):
