@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 
 import pytest
 import ray
@@ -99,14 +98,21 @@ def test_async_method_through_ray(ray_local):
     pool.remove()
 
 
-def test_a_group_on_a_full_pool_is_refused_at_once(ray_local):
+def test_a_group_on_a_full_pool_is_refused_at_once(ray_local, monkeypatch):
     pool = RayResourcePool([1], num_cpus_per_process=0.5, name_prefix="full_")
     try:  # a failure here must not leave the pool holding the session's CPUs for the tests after it
         first = RayWorkerGroup(pool, RayClassWithInitArgs(AsyncWorker), name_prefix="full_a")
-        start = time.monotonic()
+        created: list[str] = []
+        create = RayWorkerGroup._create_workers
+
+        def spy(group, *args, **kwargs):
+            created.append(group.name)
+            return create(group, *args, **kwargs)
+
+        monkeypatch.setattr(RayWorkerGroup, "_create_workers", spy)
         with pytest.raises(ValueError, match=r"full_.*max_colocate_count=1.*full_a.*max_colocate_count=2"):
             RayWorkerGroup(pool, RayClassWithInitArgs(AsyncWorker), name_prefix="full_b")
-        assert time.monotonic() - start < 1.0
+        assert created == []  # refused before any actor exists: nothing waits on a placement that cannot happen
         first.shutdown()  # a shut-down group frees its slots
         second = RayWorkerGroup(pool, RayClassWithInitArgs(AsyncWorker), name_prefix="full_c")
         assert second.count() == [0]
