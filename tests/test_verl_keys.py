@@ -162,6 +162,7 @@ def test_every_missing_feature_and_unknown_key_is_reported_at_once() -> None:
     bad = [f"{k}=7" for k in refused] + [
         "actor_rollout_ref.actor.ppo_epoch=2",
         "actor.ppo_micro_batch_size_per_gpu=2",
+        "rollout.log_prob_micro_batch_size_per_gpu=2",  # verl's key without its actor_rollout_ref. prefix
         "data.train_batch_sizes=3",
     ]
     with pytest.raises(ConfigError) as err:
@@ -175,6 +176,11 @@ def test_every_missing_feature_and_unknown_key_is_reported_at_once() -> None:
     assert "did you mean 'actor_rollout_ref.actor.ppo_epochs' ('actor.ppo_epochs' here)?" in text
     assert "'actor.ppo_micro_batch_size_per_gpu'; 'actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu' is " in text
     assert "'actor.ppo_micro_batch_size_per_device' here" in text
+    assert (
+        "unknown config key 'rollout.log_prob_micro_batch_size_per_gpu'; "
+        "'actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu' is 'actor.log_prob_micro_batch_size_per_device' "
+        "here" in text
+    )
     assert "unknown config key 'data.train_batch_sizes'; did you mean ['data.train_batch_size', " in text
 
 
