@@ -86,9 +86,15 @@ class DataProto(DataProtoVerlMixin):
         tensors: dict[str, torch.Tensor] | None = None,
         non_tensors: dict[str, Any] | None = None,
         meta_info: dict[str, Any] | None = None,
+        num_batch_dims: int = 1,
         auto_padding: bool = False,
     ) -> DataProto:
-        """Build from a dict of tensors (dim 0 = batch) and per-row values (`auto_padding`: see DataProtoConfig)."""
+        """Build from a dict of tensors (dim 0 = batch) and per-row values (`auto_padding`: see DataProtoConfig).
+        verl's signature: `num_batch_dims` is accepted in verl's place but must be 1 (one batch dimension)."""
+        if num_batch_dims != 1:
+            raise ValueError(
+                f"DataProto.from_dict: DataProto has one batch dimension, got num_batch_dims={num_batch_dims}"
+            )
         tensors, non_tensors = tensors or {}, non_tensors or {}
         meta_info = {**(meta_info or {}), DataProtoConfig.auto_padding_key: True} if auto_padding else meta_info
         for key, value in non_tensors.items():
@@ -114,7 +120,7 @@ class DataProto(DataProtoVerlMixin):
         """Build from one dict: tensors go to `batch`, everything else to `non_tensor_batch`."""
         tensors = {k: v for k, v in data.items() if isinstance(v, torch.Tensor)}
         others = {k: v for k, v in data.items() if k not in tensors}
-        return cls.from_dict(tensors, others, meta_info, auto_padding)
+        return cls.from_dict(tensors, others, meta_info, auto_padding=auto_padding)
 
     # --- indexing -------------------------------------------------------------
     def __len__(self) -> int:

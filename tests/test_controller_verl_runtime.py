@@ -98,6 +98,17 @@ def test_async_method_through_ray(ray_local):
     pool.remove()
 
 
+def test_async_role_method_of_a_colocated_worker_through_ray(ray_local):
+    pool = RayResourcePool([1], num_cpus_per_process=0.5, name_prefix="async_fused_")
+    try:
+        group = RayWorkerGroup(pool, create_colocated_worker_cls({"a": AsyncWorker}), name_prefix="async_fused")
+        view = group.spawn({"a"})["a"]
+        assert view.add_later(6) == [6] and view.count() == [1]  # awaited in the actor, not pickled un-awaited
+        group.shutdown()
+    finally:
+        pool.remove()
+
+
 def test_a_group_on_a_full_pool_is_refused_at_once(ray_local, monkeypatch):
     pool = RayResourcePool([1], num_cpus_per_process=0.5, name_prefix="full_")
     try:  # a failure here must not leave the pool holding the session's CPUs for the tests after it

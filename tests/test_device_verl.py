@@ -24,7 +24,10 @@ def test_answers_without_an_accelerator(monkeypatch):
     assert device.is_cuda_available is False and device.is_npu_available is False
     assert device.is_torch_npu_available() is False
     assert device.get_nccl_backend() == "nccl"
+    assert device.get_torch_device() is torch.cpu and device.get_device_id() == "cpu"  # verl: getattr(torch, "cpu")
+    monkeypatch.setenv(device.DEVICE_ENV, "cuda")  # a GPU worker's process asks for torch.cuda
     assert device.get_torch_device() is torch.cuda
+    monkeypatch.delenv(device.DEVICE_ENV)
     assert device.get_resource_name() == "NPU"  # verl's rule: "GPU" only when CUDA is available
     assert device.get_visible_devices_keyword() == "CUDA_VISIBLE_DEVICES"
     device.set_expandable_segments(True)  # a no-op without CUDA

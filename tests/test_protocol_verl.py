@@ -73,6 +73,16 @@ def test_from_dict_takes_no_tensors_and_auto_padding_allows_unequal_chunks():
         DataProto.from_dict({"x": torch.arange(5)}).chunk(3)
 
 
+def test_from_dict_takes_verls_positional_arguments():
+    """verl: from_dict(tensors, non_tensors, meta_info, num_batch_dims, auto_padding)."""
+    data = DataProto.from_dict({"x": torch.arange(5)}, None, {"k": 1}, 1, True)
+    assert data.meta_info["k"] == 1 and data.is_padding_enabled()
+    assert [len(p) for p in data.chunk(2)] == [3, 2]
+    assert not DataProto.from_dict({"x": torch.arange(4)}, None, None, 1).is_padding_enabled()
+    with pytest.raises(ValueError, match="num_batch_dims=2"):
+        DataProto.from_dict({"x": torch.zeros(2, 3)}, num_batch_dims=2)
+
+
 def test_data_proto_config_auto_padding_is_process_wide_and_read_from_the_env(monkeypatch):
     assert DataProtoConfig.auto_padding is False
     monkeypatch.setenv("VERL_AUTO_PADDING", "1")

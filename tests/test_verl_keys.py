@@ -162,6 +162,7 @@ def test_every_missing_feature_and_unknown_key_is_reported_at_once() -> None:
     bad = [f"{k}=7" for k in refused] + [
         "actor_rollout_ref.actor.ppo_epoch=2",
         "actor.ppo_micro_batch_size_per_gpu=2",
+        "rollout.log_prob_micro_batch_size_per_gpu=2",  # verl's key without its actor_rollout_ref. prefix
         "data.train_batch_sizes=3",
     ]
     with pytest.raises(ConfigError) as err:
@@ -175,6 +176,11 @@ def test_every_missing_feature_and_unknown_key_is_reported_at_once() -> None:
     assert "did you mean 'actor_rollout_ref.actor.ppo_epochs' ('actor.ppo_epochs' here)?" in text
     assert "'actor.ppo_micro_batch_size_per_gpu'; 'actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu' is " in text
     assert "'actor.ppo_micro_batch_size_per_device' here" in text
+    assert (
+        "unknown config key 'rollout.log_prob_micro_batch_size_per_gpu'; "
+        "'actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu' is 'actor.log_prob_micro_batch_size_per_device' "
+        "here" in text
+    )
     assert "unknown config key 'data.train_batch_sizes'; did you mean ['data.train_batch_size', " in text
 
 
@@ -233,6 +239,34 @@ def test_print_config_shows_hybridflow_names_and_the_verl_defaults(tmp_path: Pat
     assert "actor_rollout_ref" not in printed and printed["model"]["path"] == MODEL
     assert printed["trainer"]["total_training_steps"] == 15 and printed["critic"]["ppo_mini_batch_size"] == 64
     assert "this run starts from verl's defaults" in proc.stderr and "algorithm.adv_estimator=gae" in proc.stderr
+
+
+PRINTED_ONLY_BY_LOAD = ("use_critic", "trainer.total_training_steps", "critic.model.path")
+"""EXPECTED keys the printed run does not repeat as loaded: use_critic is derived, the step count is resolved from
+the epochs (checked on its own), and the critic's model path is MODEL_KV4 here."""
+MODEL_KV4 = str(tiny_model_dir("llama", num_kv_heads=4))
+"""ppo_deepseek7b's rollout.tensor_model_parallel_size=4 must divide the model's kv heads (MODEL has 2)."""
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+def test_every_verl_script_prints_its_run(
+    name: str, tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each script through `hybridflow train --print-config` (load, read the data, measure, resolve): exit 0, the
+    run under hybridflow's names with the script's values, and verl's run length (epochs x batches per epoch)."""
+    from hybridflow.trainer.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    rows = 4096  # at least one batch of every script (ppo_seq_balance: 4096 prompts)
+    assert main(["train", "--print-config", *local(name, MODEL_KV4, TASKS, gen_train_size=rows)]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert "actor_rollout_ref" not in printed and printed["model"]["path"] == MODEL_KV4
+    flat = flatten(printed)
+    for key, want in EXPECTED[name].items():
+        if key not in PRINTED_ONLY_BY_LOAD:
+            assert flat[key] == want, (key, flat[key], want)
+    batches = rows // flat["data.train_batch_size"]
+    assert flat["trainer.total_epochs"] == 15 and flat["trainer.total_training_steps"] == 15 * batches
 
 
 def two_steps(name: str, tmp_path: Path) -> list[dict]:

@@ -151,7 +151,13 @@ class VerlDialect:
         return nest(dict(K.VERL_DEFAULTS))
 
     def hint(self, key: str) -> str:
-        """For a hybridflow key that does not exist: "; `verl key` is `hybridflow key` here" where one fits."""
+        """For a hybridflow key that does not exist: "; `verl key` is `hybridflow key` here" where one fits: the
+        renamed verl key that is `key` under a prefix (`rollout.log_prob_micro_batch_size_per_gpu` is verl's
+        `actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu`), else one whose hybridflow key is in
+        `key`'s section and whose verl key ends with the rest of `key` (`actor.ppo_micro_batch_size_per_gpu`)."""
+        for verl, mine in K.RENAMED.items():
+            if verl.endswith("." + key):
+                return f"; {verl!r} is {mine!r} here"
         section, _, rest = key.partition(".")
         for verl, mine in K.RENAMED.items():
             if rest and verl.endswith("." + rest) and mine.startswith(section + "."):

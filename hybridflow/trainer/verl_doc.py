@@ -15,7 +15,9 @@ do not edit by hand -->
 
 A verl run script loads unchanged: pass its `key=value` overrides (or its YAML file with `--config`) to
 `hybridflow train`. `hybridflow train --print-config ...` shows the run under hybridflow's names without
-starting anything.
+starting anything. This page covers verl's config keys and defaults, and the departures in them; a verl
+*program* (single controller, `DataProto`) changes only its imports, and the import mapping and the runtime
+departures are on [verl_runtime.md](verl_runtime.md).
 
 ## How verl's keys are read
 
@@ -47,7 +49,8 @@ line) goes through one table, before any config section is built:
   "no effect" (they do nothing while the switch is off), so verl's own defaults for them load.
 
 Every unknown or refused key of a run, and every value of the wrong type, is reported at once, one line each;
-a hybridflow-style key with verl's leaf name (`actor.ppo_micro_batch_size_per_gpu`) names its hybridflow
+a hybridflow-style key with verl's leaf name (`actor.ppo_micro_batch_size_per_gpu`), or a verl key written
+without its `actor_rollout_ref.` prefix (`rollout.log_prob_micro_batch_size_per_gpu`), names its hybridflow
 spelling.
 
 verl's whole generated config loads as it is (every one of its keys at its default):

@@ -30,7 +30,7 @@ _PROFILER = (
     "and memory/peak_gb/* per operator instead"
 )
 _COPY = "verl's copy of actor_rollout_ref.rollout.n, which hybridflow reads (as rollout.n)"
-_GLOBAL_MICRO = "a micro-batch size for all devices together (verl's deprecated key: use {}_per_gpu)"
+_GLOBAL_MICRO = "micro-batch size for all devices together (verl's deprecated key: use {}_per_gpu)"
 _SETTING_OF = "a setting of {}, which hybridflow lacks ({} is refused unless off)"
 _SEED = (
     "hybridflow's engines take no seed: LoRA adapters and value heads start from "
@@ -130,7 +130,7 @@ for _fsdp in FSDP:
     NO_EFFECT[f"{_fsdp}.entropy_checkpointing"] = "GPU memory saving for the entropy: logits are chunked here"
 
 NOT_YET: dict[str, str] = {
-    f"{A}.model.hf_config_path": "an HF config read from another directory than the model's",
+    f"{A}.model.hf_config_path": "HF config read from another directory than the model's",
     f"{A}.model.mtp.enable": "multi-token prediction (MTP)",
     f"{A}.model.mtp.enable_train": "multi-token prediction (MTP)",
     f"{A}.model.mtp.enable_rollout": "multi-token prediction (MTP)",
@@ -146,7 +146,7 @@ NOT_YET: dict[str, str] = {
     f"{A}.ref.log_prob_micro_batch_size": _GLOBAL_MICRO.format("log_prob_micro_batch_size"),
     f"{A}.rollout.log_prob_micro_batch_size": _GLOBAL_MICRO.format("log_prob_micro_batch_size"),
     "critic.ppo_micro_batch_size": _GLOBAL_MICRO.format("ppo_micro_batch_size"),
-    "critic.forward_micro_batch_size": "a separate compute_values micro-batch (it is ppo_micro_batch_size)",
+    "critic.forward_micro_batch_size": "separate compute_values micro-batch (it is ppo_micro_batch_size)",
     "reward_model.micro_batch_size": _GLOBAL_MICRO.format("micro_batch_size"),
     "critic.model.external_lib": "importing a model library by name (user code goes in trainer.plugins)",
     "reward_model.model.external_lib": "importing a model library by name (user code goes in trainer.plugins)",
@@ -155,14 +155,14 @@ NOT_YET: dict[str, str] = {
     "data.trust_remote_code": "models with custom code (trust_remote_code)",
     "reward_model.model.override_config": "overriding the model's HF config",
     "critic.shuffle": "shuffling the critic's mini-batches (hybridflow's critic keeps the batch order)",
-    "critic.data_loader_seed": "a separate mini-batch shuffle seed (the step seeds it)",
+    "critic.data_loader_seed": "separate mini-batch shuffle seed (the step seeds it)",
     "critic.checkpoint.*": "choosing what a checkpoint holds (hybridflow always saves model, optimizer and "
     "extra: the LR schedule and rng)",
     "data.validation_shuffle": "shuffling the validation set",
     "reward_manager.name": "reward managers other than verl's naive one (the one hybridflow has)",
     "reward_manager.source": "reward managers from a module",
     "reward_manager.module.path": "reward managers from a module",
-    "reward_model.enable_resource_pool": "a resource pool of the reward model's own",
+    "reward_model.enable_resource_pool": "resource pool of the reward model's own",
     "reward_model.rollout.name": "serving the reward model from an inference engine (e.g. a generative reward "
     "model); `???` is verl's unset value",
     "reward_model.max_length": "truncating the reward model's inputs",

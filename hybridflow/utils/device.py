@@ -96,13 +96,14 @@ def get_device_name() -> str:
 
 
 def get_torch_device() -> object:
-    """torch's module for this process's accelerator (`torch.cuda`, `torch.npu`; `torch.cuda` for the CPU)."""
-    name = get_device_name()
-    return torch.cuda if name == "cpu" else getattr(torch, name, torch.cuda)
+    """torch's module named by `get_device_name()` (`torch.cuda`, `torch.npu`, `torch.cpu`), as in verl;
+    `torch.cuda` when torch has no module of that name."""
+    return getattr(torch, get_device_name(), torch.cuda)
 
 
-def get_device_id() -> int:
-    """Index of the current accelerator device (`get_torch_device().current_device()`)."""
+def get_device_id() -> int | str:
+    """`get_torch_device().current_device()`: the current accelerator's index ("cpu" on the CPU, as torch.cpu
+    answers)."""
     return get_torch_device().current_device()
 
 
