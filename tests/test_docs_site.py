@@ -17,6 +17,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+import yaml
 
 from hybridflow import keys as K
 from hybridflow.config_utils import load_config
@@ -143,6 +144,19 @@ def test_every_recipe_is_documented_and_run_by_a_command():
     assert {f"recipes/{r.name}" for r in RECIPES} <= run
     page = (ROOT / "docs" / "recipes.md").read_text()
     assert all(f"recipes/{r.name}" in page for r in RECIPES)
+
+
+def test_every_page_is_in_the_nav():
+    """`mkdocs build --strict` refuses a page missing from mkdocs.yml's nav; this says so without mkdocs installed."""
+
+    def pages(node) -> set[str]:
+        if isinstance(node, str):
+            return {node}
+        items = node.values() if isinstance(node, dict) else node
+        return set().union(*(pages(i) for i in items))
+
+    nav = pages(yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"])
+    assert {str(p.relative_to(ROOT / "docs")) for p in DOCS} == nav
 
 
 def test_main_recipe_is_the_default_run(user_dir: Path):
