@@ -3,7 +3,8 @@ with the weight sync skipped does not learn, and the guard names the cause at th
 
 The task: any prompt; the reward is the share of upper-case letters in the response. A tiny random model's
 samples score ~0.07; GRPO at a high learning rate makes the policy concentrate on capitalised tokens within
-8 steps. With every sync from step 2 on skipped, the rollout keeps sampling from the initial weights.
+8 steps (in fp32: on a CPU where the dtype probe picks bf16, the bf16 run's reward stayed at ~0.07). With every
+sync from step 2 on skipped, the rollout keeps sampling from the initial weights.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ def learn(tmp: Path, *extra: str, env: dict[str, str] | None = None):
         "trainer.backend=local",
         "trainer.n_workers_per_node=1",
         "actor.optim.lr=5e-2",
+        "actor.engine.param_dtype=fp32",  # not the probe's pick: at this lr the tiny model did not learn in bf16
+        "rollout.dtype=fp32",
         f"reward.custom_reward_function.path={reward}",
         f"trainer.default_local_dir={tmp / 'ckpt'}",
         f"trainer.log_dir={tmp / 'logs'}",
