@@ -118,6 +118,7 @@ class RunConfig(Section):
         return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
 
     def __post_init__(self) -> None:
+        self._check_pipeline()
         self._check_batch_sizes()
         self._check_lengths()
         self._check_algorithm()
@@ -150,6 +151,16 @@ class RunConfig(Section):
                 raise ValueError(
                     f"{role}.ppo_mini_batch_size ({prompts}) * rollout.n ({n}) = {prompts * n} responses "
                     f"must divide evenly over {where}"
+                )
+
+    def _check_pipeline(self) -> None:
+        for role, engine in (("actor", self.actor.engine), ("critic", self.critic.engine)):
+            pp = engine.pipeline_model_parallel_size
+            if pp > 1:
+                raise ValueError(
+                    f"{role}.engine.pipeline_model_parallel_size={pp}: pipeline parallel runs in the training engine "
+                    "(hybridflow/engine/pipeline.py) but not yet in the RL workers (weight sync to the rollout, "
+                    "checkpoints); use 1"
                 )
 
     def _check_lengths(self) -> None:
