@@ -19,7 +19,11 @@ from hybridflow.engine import EngineConfig, FSDPEngine, OptimConfig
 from hybridflow.engine.batch import TokenBudget
 from hybridflow.engine.pipeline_stage import HeadSpec, check_pp_layout, split_stage, stage_layers
 from hybridflow.models import load_causal_lm, load_value_model, tiny_model_dir
+from hybridflow.protocol import DataProto
 from hybridflow.trainer.run_config import RunConfig
+from hybridflow.workers import ActorConfig
+from hybridflow.workers.losses import actor_loss_builder
+from hybridflow.workers.ppo_update import run_ppo_update
 from tests.engine_helpers import free_port, make_group_batch, policy_nll_loss, reference_log_probs
 from tests.test_engine_sequence_parallel import OPTIM, ROWS, R, _reference, _value_loss
 
@@ -37,7 +41,31 @@ def _grads(engine: FSDPEngine) -> dict[str, torch.Tensor]:
     return {n: p.grad.full_tensor() for n, p in engine.module.named_parameters() if p.grad is not None}
 
 
-def _worker(rank: int, world: int, model: dict, layout: dict, port: int, out_dir: str) -> None:
+def _ppo_batch(engine: FSDPEngine, data: dict) -> DataProto:
+    """`data` as a rollout batch: response mask, advantages of both signs, old log-probs a little off the current."""
+    mask = data[keys.ATTENTION_MASK][:, -R:]
+    advantages = torch.cos(data[keys.INPUT_IDS][:, :1].float()) * mask  # a row's own, wherever the row is
+    old, _ = engine.compute_log_probs(data, 4)
+    extra = {keys.RESPONSE_MASK: mask, keys.ADVANTAGES: advantages, keys.OLD_LOG_PROBS: old + 0.1 * mask}
+    return DataProto.from_dict({**data, **extra})
+
+
+def _ppo_update(path: Path, cfg: EngineConfig, data: dict, mini_rows: int) -> dict:
+    """Two PPO steps (two mini-batches) the way the actor worker runs them: the loss normalised by the mini-batch's
+    token count over every rank (`global_norm`), summed over micro-batches of 2 rows."""
+    engine = FSDPEngine.from_pretrained(path, cfg, OptimConfig(**OPTIM))
+    batch = _ppo_batch(engine, data)
+    metrics = run_ppo_update(engine, batch, mini_rows, 2, 1, actor_loss_builder(ActorConfig()))
+    return {"grad_norm": metrics["grad_norm"], "trained": engine.full_state_dict()}
+
+
+def _ppo_order(dp: int, rows: int) -> list[int]:
+    """The global rows of each mini-batch when dp groups of `rows` rows each take their halves in turn."""
+    m = rows // 2
+    return [d * rows + j * m + i for j in range(2) for d in range(dp) for i in range(m)]
+
+
+def _worker(rank: int, world: int, model: dict, layout: dict, ppo: bool, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     path, data = tiny_model_dir(**model), _data()
@@ -64,6 +92,8 @@ def _worker(rank: int, world: int, model: dict, layout: dict, port: int, out_dir
     res["critic"] = critic.train_step(
         _micro(shard, rows), _value_loss(int(data[keys.ATTENTION_MASK][:, -R:].sum()), dp)
     )
+    if ppo:
+        res["ppo"] = _ppo_update(path, cfg, shard, rows // 2)
     torch.save(res, Path(out_dir) / f"rank{rank}.pt")
 
 
@@ -75,9 +105,10 @@ def _close(got: torch.Tensor, want: torch.Tensor, msg: str = "") -> None:
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4, msg=lambda details: f"{msg}: {details}")
 
 
-def _run(tmp_path: Path, world: int, model: dict, **layout) -> list[dict]:
+def _run(tmp_path: Path, world: int, model: dict, ppo: bool = False, **layout) -> list[dict]:
+    """`ppo`: also two PPO steps through the workers' update loop (`run_ppo_update`), against one process."""
     path = tiny_model_dir(**model)  # build the cache once, before the workers race for it
-    mp.spawn(_worker, args=(world, model, layout, free_port(), str(tmp_path)), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, model, layout, ppo, free_port(), str(tmp_path)), nprocs=world, join=True)
     data, ranks = _data(), [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
     ref = _reference(path, data)
     for r in ranks:
@@ -95,6 +126,13 @@ def _run(tmp_path: Path, world: int, model: dict, **layout) -> list[dict]:
         for name, w in ref["trained"].items():  # AdamW's first step is ~lr * sign(g): looser where g ~ 0
             torch.testing.assert_close(r["trained"][name], w, atol=OPTIM["lr"] / 10, rtol=1e-4, msg=name)
     # the stages' parameters are disjoint and together the whole model (the tied weight on both ends)
+    if ppo:
+        dp, rows = ranks[0]["dp"], ranks[0]["rows"]
+        want = _ppo_update(path, EngineConfig(param_dtype="fp32"), _rows(data, _ppo_order(dp, rows)), ROWS // 2)
+        for r in ranks:
+            assert r["ppo"]["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+            for name, w in want["trained"].items():
+                torch.testing.assert_close(r["ppo"]["trained"][name], w, atol=OPTIM["lr"] / 10, rtol=1e-4, msg=name)
     stage_names = [set(r["names"]) for r in ranks if r["coords"][1:] == (0, 0)]
     assert set.union(*stage_names) | {"model.embed_tokens.weight"} >= {_untied(n) for n in ref["grads"]}
     assert sum(len(s) for s in stage_names) == len(set.union(*stage_names))
@@ -103,6 +141,10 @@ def _run(tmp_path: Path, world: int, model: dict, **layout) -> list[dict]:
     losses = {r["coords"][1]: r["metrics"]["loss"] for r in ranks}
     assert sum(losses.values()) / dp == pytest.approx(ref["loss"], rel=1e-5)
     return ranks
+
+
+def _rows(data: dict, order: list[int]) -> dict:
+    return {k: v[order] for k, v in data.items()}
 
 
 def _untied(name: str) -> str:
@@ -124,7 +166,7 @@ def test_pp2_llama_matches_one_process(tmp_path):
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_pp2_dp2_matches_one_process(tmp_path, arch):
     layout = dict(pipeline_model_parallel_size=2, fsdp_size=-1)
-    ranks = _run(tmp_path, 4, dict(arch=arch, num_layers=4), **layout)
+    ranks = _run(tmp_path, 4, dict(arch=arch, num_layers=4), ppo=True, **layout)
     assert [r["coords"] for r in ranks] == [(0, 0, 0), (0, 1, 0), (1, 0, 0), (1, 1, 0)]  # pp outermost
     assert all(r["q_rows"] == 32 for r in ranks)  # FSDP shards each stage over its 2 dp ranks
 
@@ -136,7 +178,7 @@ def test_pp2_qwen2_matches_one_process_with_checkpointing(tmp_path):
 
 @pytest.mark.slow
 def test_pp2_tp2_matches_one_process(tmp_path):
-    ranks = _run(tmp_path, 4, dict(arch="llama"), pipeline_model_parallel_size=2, tensor_parallel_size=2)
+    ranks = _run(tmp_path, 4, dict(arch="llama"), True, pipeline_model_parallel_size=2, tensor_parallel_size=2)
     assert [r["coords"] for r in ranks] == [(0, 0, 0), (0, 0, 1), (1, 0, 0), (1, 0, 1)]
     assert all(r["q_rows"] == 32 for r in ranks)  # each stage's layers split over its 2 tp ranks
 
