@@ -171,6 +171,10 @@ class FSDPEngine(Engine):
         return self.dims.coords(self.rank).sp
 
     @property
+    def pipeline_stages(self) -> int:
+        return self.dims.pp
+
+    @property
     def pp_rank(self) -> int:
         """The pipeline stage this rank holds (0: the embedding's, pp - 1: the head's)."""
         return self.dims.coords(self.rank).pp

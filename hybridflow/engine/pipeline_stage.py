@@ -152,8 +152,11 @@ class PipelineStageModule(nn.Module):
         logits = self.parts.head(h[:, -(s.n_valid + 1) :])[:, :-1]
         if s.temperature != 1.0:
             logits = logits.float() / s.temperature
-        out = (logprobs_from_logits(logits, labels, s.chunk),)
-        return (*out, entropy_from_logits(logits, s.chunk)) if s.calc_entropy else out
+        out = [logprobs_from_logits(logits, labels, s.chunk)]
+        if s.calc_entropy:
+            out.append(entropy_from_logits(logits, s.chunk))
+        # Fresh tensors, not reshaped views: FSDP2 warns that in-place ops on a view skip its backward hooks.
+        return tuple(t.clone() for t in out)
 
 
 def split_stage(model: nn.Module, stage: int, stages: int) -> PipelineStageModule:
