@@ -19,13 +19,19 @@ from hybridflow.engine import EngineConfig, FSDPEngine, OptimConfig
 from hybridflow.engine.batch import TokenBudget
 from hybridflow.engine.checkpoint import CheckpointError
 from hybridflow.engine.pipeline_stage import HeadSpec, check_pp_layout, split_stage, stage_layers
-from hybridflow.models import load_causal_lm, load_value_model, tiny_model_dir
+from hybridflow.models import default_model_dir, load_causal_lm, load_value_model, tiny_model_dir
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.run_config import RunConfig
 from hybridflow.workers import ActorConfig
 from hybridflow.workers.losses import actor_loss_builder
 from hybridflow.workers.ppo_update import run_ppo_update
-from tests.engine_helpers import free_port, make_group_batch, policy_nll_loss, reference_log_probs
+from tests.engine_helpers import (
+    check_smollm2_one_step,
+    free_port,
+    make_group_batch,
+    policy_nll_loss,
+    reference_log_probs,
+)
 from tests.test_engine_sequence_parallel import OPTIM, ROWS, R, _reference, _value_loss
 
 
@@ -284,3 +290,24 @@ def test_pp2_checkpoint_resumes_at_pp2_and_at_pp1(tmp_path):
             assert got_norm == pytest.approx(r["next"][0], rel=1e-5)
             for name, w in r["next"][1].items():  # lost optimizer state would put them an lr-sized step apart
                 torch.testing.assert_close(got[name], w, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def _smollm2_worker(rank: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="3")
+    torch.set_num_threads(1)
+    data = _data()
+    cfg = EngineConfig(param_dtype="fp32", pipeline_model_parallel_size=3)
+    engine = FSDPEngine.from_pretrained(default_model_dir(), cfg, OptimConfig(**OPTIM))
+    log_probs, _ = engine.compute_log_probs(data, 4)
+    metrics = engine.train_step(_micro(data, 2), policy_nll_loss(int(data[keys.ATTENTION_MASK][:, -R:].sum()), 1, R))
+    layers = sorted(int(i) for i in engine.module.model.layers)
+    torch.save({"log_probs": log_probs, "metrics": metrics, "layers": layers}, Path(out_dir) / f"rank{rank}.pt")
+
+
+@pytest.mark.slow
+def test_pp3_smollm2_log_probs_loss_and_grad_norm_match_one_process(tmp_path):
+    """The default model (30 layers, tied embeddings) in 3 stages of 10 layers, a middle stage between the tied ends."""
+    mp.spawn(_smollm2_worker, args=(free_port(), str(tmp_path)), nprocs=3, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(3)]
+    assert [r["layers"] for r in ranks] == [list(range(s * 10, s * 10 + 10)) for s in range(3)]
+    check_smollm2_one_step(load_causal_lm(default_model_dir()), _data(), R, ranks)

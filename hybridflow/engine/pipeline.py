@@ -47,6 +47,8 @@ class Pipeline:
         self, module: PipelineStageModule, group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype
     ) -> None:
         self.module, self.group, self.device, self.dtype = module, group, device, dtype
+        # A collective over the pp group: every stage learns it here, while all of them construct the engine.
+        self._tied_shape = self._tied_local_shape() if module.tied else None
 
     @property
     def last_rank(self) -> int:
@@ -117,7 +119,7 @@ class Pipeline:
         if weight is not None and weight.grad is not None:
             grad = _local(weight.grad)
         else:
-            grad = torch.zeros(self._tied_local_shape(), device=self.device)
+            grad = torch.zeros(self._tied_shape, device=self.device)
         dist.all_reduce(grad, group=self.group)
 
     def _tied_local_shape(self) -> torch.Size:
