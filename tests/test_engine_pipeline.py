@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 
 from hybridflow import keys
 from hybridflow.config_utils import ConfigError, load_config
-from hybridflow.engine import EngineConfig, FSDPEngine, OptimConfig
+from hybridflow.engine import EngineConfig, FSDPEngine, OptimConfig, export_hf
 from hybridflow.engine.batch import TokenBudget
 from hybridflow.engine.checkpoint import CheckpointError
 from hybridflow.engine.pipeline_stage import HeadSpec, check_pp_layout, split_stage, stage_layers
@@ -261,6 +261,7 @@ def _checkpoint_worker(rank: int, port: int, out_dir: str) -> None:
     engine.train_step(_micro(data), loss_fn)
     engine.save_checkpoint(out / "pp2")
     res["saved"] = engine.full_state_dict()
+    export_hf(engine, out / "hf_engine")
     resumed = FSDPEngine.from_pretrained(tiny_model_dir(), cfg, OptimConfig(**OPTIM))
     resumed.load_checkpoint(out / "pp2")
     for e, key in ((engine, "next"), (resumed, "resumed_next")):
@@ -269,9 +270,10 @@ def _checkpoint_worker(rank: int, port: int, out_dir: str) -> None:
 
 
 @pytest.mark.slow  # 2 gloo processes and two one-process engines, ~25 s
-def test_pp2_checkpoint_resumes_at_pp2_and_at_pp1(tmp_path):
+def test_pp2_checkpoint_resumes_at_pp2_and_at_pp1_and_exports(tmp_path):
     """The stages save disjoint parts of the one-process state (the optimizer's flattened: settings per parameter);
-    a resumed run's next step (AdamW moments and step count included) equals the uninterrupted one at pp 2 and 1."""
+    a resumed run's next step (AdamW moments and step count included) equals the uninterrupted one at pp 2 and 1;
+    the HF export from the pp2 engine and from its checkpoint is the whole model."""
     one = FSDPEngine.from_pretrained(tiny_model_dir(), EngineConfig(param_dtype="fp32"), OptimConfig(**OPTIM))
     one.save_checkpoint(tmp_path / "one")
     mp.spawn(_checkpoint_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
@@ -279,8 +281,10 @@ def test_pp2_checkpoint_resumes_at_pp2_and_at_pp1(tmp_path):
     assert all("saved without pipeline parallel" in r["refused"] for r in ranks)
     one = FSDPEngine.from_pretrained(tiny_model_dir(), EngineConfig(param_dtype="fp32"), OptimConfig(**OPTIM))
     one.load_checkpoint(tmp_path / "pp2")
-    for name, w in one.full_state_dict().items():
-        torch.testing.assert_close(w, ranks[0]["saved"][name], atol=0, rtol=0, msg=name)
+    exported = [export_hf(tmp_path / "pp2", tmp_path / "hf_ckpt"), tmp_path / "hf_engine"]
+    for sd in [one.full_state_dict(), *(load_causal_lm(d).state_dict() for d in exported)]:
+        for name, w in ranks[0]["saved"].items():
+            torch.testing.assert_close(sd[name], w, atol=0, rtol=0, msg=name)
     data = _data()
     norm = one.train_step(_micro(data), policy_nll_loss(int(data[keys.ATTENTION_MASK][:, -R:].sum()), 1, R))[
         "grad_norm"
