@@ -51,6 +51,7 @@ from hybridflow.engine.pipeline_stage import HeadSpec, split_stage
 from hybridflow.engine.prefix import pack_shared_prompts, sharing_pays
 from hybridflow.engine.sequence_parallel import forward_sp_packed, sp_packed_row
 from hybridflow.models import load_causal_lm, load_value_model
+from hybridflow.models.loading import contiguous_lm_head_input
 from hybridflow.models.value import ValueModel
 from hybridflow.utils.device import compute_device, ensure_process_group
 from hybridflow.utils.dtypes import dtype_of
@@ -62,16 +63,6 @@ def _refuse_value_lora(value_model: bool, lora: LoraConfig | None) -> None:
         raise ValueError(
             "LoRA adapters are supported on the policy (actor.lora) only; a value model (critic) trains all its weights"
         )
-
-
-def _contiguous_lm_head_input(model: nn.Module) -> None:
-    """Hand the LM head a contiguous input. HF models project a strided slice of the hidden states
-    (`logits_to_keep`); when neither the slice nor the weight requires grad (a frozen, tied LM head
-    under LoRA, in a no-grad pass) torch's matmul does not fold [b, t, h] into one GEMM but runs a
-    bmm over the weight expanded b times: a copy of b x 49152 x 576 per call, 2x the whole forward."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if head is not None:
-        head.register_forward_pre_hook(lambda _module, args: (args[0].contiguous(), *args[1:]))
 
 
 class FSDPEngine(Engine):
@@ -106,7 +97,7 @@ class FSDPEngine(Engine):
             from hybridflow.engine.lora import apply_lora  # noqa: PLC0415  (lazy: peft, only LoRA runs need it)
 
             model = apply_lora(model, self._lora)
-        _contiguous_lm_head_input(model)
+        contiguous_lm_head_input(model)
         if self.dims.pp > 1:
             model = split_stage(model, self.pp_rank, self.dims.pp)
         self.model = self._shard(model.to(self.device))
