@@ -22,6 +22,7 @@ from hybridflow.engine.pipeline_stage import HeadSpec, check_pp_layout, split_st
 from hybridflow.models import default_model_dir, load_causal_lm, load_value_model, tiny_model_dir
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.run_config import RunConfig
+from hybridflow.trainer.sft_config import SFTConfig
 from hybridflow.workers import ActorConfig
 from hybridflow.workers.losses import actor_loss_builder
 from hybridflow.workers.ppo_update import run_ppo_update
@@ -32,6 +33,7 @@ from tests.engine_helpers import (
     policy_nll_loss,
     reference_log_probs,
 )
+from tests.resolve_helpers import resolve_here
 from tests.test_engine_sequence_parallel import OPTIM, ROWS, R, _reference, _value_loss
 
 
@@ -241,9 +243,28 @@ def test_what_pipeline_parallel_does_not_combine_with_is_refused_at_load():
     assert EngineConfig(pipeline_model_parallel_size=2, tensor_parallel_size=2).dp_size(8) == 2
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 x actor.engine.pipeline_model_parallel_size=2 must"):
         EngineConfig(pipeline_model_parallel_size=2, tensor_parallel_size=2).dp_size(6, "actor.engine.")
-    for role in ("actor", "critic"):
-        with pytest.raises(ConfigError, match=rf"{role}.engine.pipeline_model_parallel_size=2: pipeline parallel runs"):
-            load_config(RunConfig, None, [f"{role}.engine.pipeline_model_parallel_size=2"])
+    with pytest.raises(ConfigError, match=r"actor.engine.pipeline_model_parallel_size=2: the policy's pipeline stages"):
+        load_config(RunConfig, None, ["actor.engine.pipeline_model_parallel_size=2"])
+    with pytest.raises(ConfigError, match=r"pipeline_model_parallel_size > 1: SFT runs data parallel only"):
+        load_config(SFTConfig, None, ["engine.pipeline_model_parallel_size=2"])
+
+
+@pytest.mark.parametrize(
+    ("pp", "workers", "message"),
+    [
+        (2, 2, None),
+        (4, 4, r"critic.engine.pipeline_model_parallel_size=4 must divide num_hidden_layers \(30\).*\(model "),
+        (3, 2, r"critic.engine.pipeline_model_parallel_size=3 must divide the number of ranks \(2\) of its worker set"),
+    ],
+)
+def test_a_critic_pipeline_is_checked_against_its_layers_and_ranks_when_resolved(pp, workers, message):
+    overrides = ["algorithm.adv_estimator=gae", f"trainer.n_workers_per_node={workers}"]
+    cfg = load_config(RunConfig, None, [*overrides, f"critic.engine.pipeline_model_parallel_size={pp}"])
+    if message is None:
+        assert resolve_here(cfg, steps_per_epoch=4).config.critic.engine.pipeline_model_parallel_size == pp
+        return
+    with pytest.raises(ConfigError, match=message):
+        resolve_here(cfg, steps_per_epoch=4)
 
 
 def _checkpoint_worker(rank: int, port: int, out_dir: str) -> None:

@@ -154,14 +154,12 @@ class RunConfig(Section):
                 )
 
     def _check_pipeline(self) -> None:
-        for role, engine in (("actor", self.actor.engine), ("critic", self.critic.engine)):
-            pp = engine.pipeline_model_parallel_size
-            if pp > 1:
-                raise ValueError(
-                    f"{role}.engine.pipeline_model_parallel_size={pp}: pipeline parallel runs in the training engine "
-                    "(hybridflow/engine/pipeline.py) but not yet in the RL workers (weight sync to the rollout, "
-                    "checkpoints); use 1"
-                )
+        pp = self.actor.engine.pipeline_model_parallel_size
+        if pp > 1:
+            raise ValueError(
+                f"actor.engine.pipeline_model_parallel_size={pp}: the policy's pipeline stages cannot yet fill the "
+                "rollout's weights (hybridflow/engine/pipeline.py runs them in the engine and the critic); use 1"
+            )
 
     def _check_lengths(self) -> None:
         for name in ("prompt_length", "response_length"):
