@@ -243,26 +243,27 @@ def test_what_pipeline_parallel_does_not_combine_with_is_refused_at_load():
     assert EngineConfig(pipeline_model_parallel_size=2, tensor_parallel_size=2).dp_size(8) == 2
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 x actor.engine.pipeline_model_parallel_size=2 must"):
         EngineConfig(pipeline_model_parallel_size=2, tensor_parallel_size=2).dp_size(6, "actor.engine.")
-    with pytest.raises(ConfigError, match=r"actor.engine.pipeline_model_parallel_size=2: the policy's pipeline stages"):
-        load_config(RunConfig, None, ["actor.engine.pipeline_model_parallel_size=2"])
     with pytest.raises(ConfigError, match=r"pipeline_model_parallel_size > 1: SFT runs data parallel only"):
         load_config(SFTConfig, None, ["engine.pipeline_model_parallel_size=2"])
 
 
+@pytest.mark.parametrize("role", ["actor", "critic"])
 @pytest.mark.parametrize(
     ("pp", "workers", "message"),
     [
         (2, 2, None),
-        (4, 4, r"critic.engine.pipeline_model_parallel_size=4 must divide num_hidden_layers \(30\).*\(model "),
-        (3, 2, r"critic.engine.pipeline_model_parallel_size=3 must divide the number of ranks \(2\) of its worker set"),
+        (4, 4, r"{role}.engine.pipeline_model_parallel_size=4 must divide num_hidden_layers \(30\).*\(model "),
+        (3, 2, r"{role}.engine.pipeline_model_parallel_size=3 must divide the number of ranks \(2\) of its worker set"),
     ],
 )
-def test_a_critic_pipeline_is_checked_against_its_layers_and_ranks_when_resolved(pp, workers, message):
-    overrides = ["algorithm.adv_estimator=gae", f"trainer.n_workers_per_node={workers}"]
-    cfg = load_config(RunConfig, None, [*overrides, f"critic.engine.pipeline_model_parallel_size={pp}"])
+def test_a_pipeline_is_checked_against_its_layers_and_ranks_when_resolved(role, pp, workers, message):
+    overrides = ["algorithm.adv_estimator=gae", f"trainer.n_workers_per_node={workers}", "rollout.n=4"]
+    cfg = load_config(RunConfig, None, [*overrides, f"{role}.engine.pipeline_model_parallel_size={pp}"])
     if message is None:
-        assert resolve_here(cfg, steps_per_epoch=4).config.critic.engine.pipeline_model_parallel_size == pp
+        resolved = resolve_here(cfg, steps_per_epoch=4).config
+        assert getattr(resolved, role).engine.pipeline_model_parallel_size == pp
         return
+    message = message.format(role=role)
     with pytest.raises(ConfigError, match=message):
         resolve_here(cfg, steps_per_epoch=4)
 

@@ -109,8 +109,7 @@ class EngineConfig(Section):
     micro-batches flow through torch.distributed.pipelining's schedules (GPipe forward-only, 1F1B training;
     hybridflow/engine/pipeline.py). The world is laid out as pp x dp x sp x tp (pp outermost); FSDP2 shards each
     stage over its dp ranks. 1: off. Must divide the ranks (with tp) and num_hidden_layers; not with
-    ulysses_sequence_parallel_size > 1, packing, or LoRA. In `hybridflow train` the critic's only: the actor's stages
-    cannot yet fill the rollout's weights, and SFT runs data parallel only (both refused at load)."""
+    ulysses_sequence_parallel_size > 1, packing, LoRA, or in SFT (refused at load)."""
     backend: str | None = None
     """Engine backend by name in hybridflow.workers.engines.ENGINES (or a module:function path to a builder).
     None: chosen from the layout, as before: "fsdp_tp" when tensor_parallel_size > 1, "fsdp_sp" when

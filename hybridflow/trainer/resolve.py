@@ -19,7 +19,7 @@ Derived here and nowhere else, always from the final merged values:
 - critic.enable and critic.model from the estimator and the policy model;
 - each trained role's engine.fsdp_size and reshard_after_forward from the device and its group size,
   and its engine.tensor_parallel_size / ulysses_sequence_parallel_size (and the reward model's) checked
-  against its group size and its model's heads, the critic's pipeline_model_parallel_size against its layers;
+  against its group size and its model's heads, each pipeline_model_parallel_size against its layers;
 - every compute dtype left "auto" (actor/critic engine.param_dtype, rollout.dtype, ref and reward
   model param_dtype): bf16 or fp32 as a matmul probe on trainer.cpus_per_worker threads measured
   (`Measurements.auto_dtypes`), bf16 on CUDA;
@@ -311,7 +311,7 @@ def check_parallel_layouts(cfg: RunConfig, sets: tuple[WorkerSet, ...]) -> None:
                 check_sp_layout,
             )
         )
-    _check_critic_stages(cfg, critic_model)
+    _check_stages(cfg, critic_model)
     for key, size, path, roles, check in checks:
         if size == 1:
             continue
@@ -324,14 +324,20 @@ def check_parallel_layouts(cfg: RunConfig, sets: tuple[WorkerSet, ...]) -> None:
                     raise ConfigError(f"{err} (model {path})") from None
 
 
-def _check_critic_stages(cfg: RunConfig, path: str) -> None:
-    """Refuse a critic pipeline that does not split its model's decoder layers evenly (its ranks: resolve_engine)."""
-    pp = cfg.critic.engine.pipeline_model_parallel_size
-    if cfg.use_critic and pp > 1:
-        try:
-            check_pp_layout(pp, load_config(path).num_hidden_layers, "critic.engine.pipeline_model_parallel_size")
-        except ValueError as err:
-            raise ConfigError(f"{err} (model {path})") from None
+def _check_stages(cfg: RunConfig, critic_model: str) -> None:
+    """Refuse a pipeline that does not split its model's decoder layers evenly (the actor's also the reference's;
+    the ranks are checked by resolve_engine)."""
+    roles = [("actor", cfg.actor.engine, cfg.model.path)]
+    if cfg.use_critic:
+        roles.append(("critic", cfg.critic.engine, critic_model))
+    for role, engine, path in roles:
+        pp = engine.pipeline_model_parallel_size
+        if pp > 1:
+            key = f"{role}.engine.pipeline_model_parallel_size"
+            try:
+                check_pp_layout(pp, load_config(path).num_hidden_layers, key)
+            except ValueError as err:
+                raise ConfigError(f"{err} (model {path})") from None
 
 
 @dataclass(frozen=True)

@@ -118,7 +118,6 @@ class RunConfig(Section):
         return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
 
     def __post_init__(self) -> None:
-        self._check_pipeline()
         self._check_batch_sizes()
         self._check_lengths()
         self._check_algorithm()
@@ -152,14 +151,6 @@ class RunConfig(Section):
                     f"{role}.ppo_mini_batch_size ({prompts}) * rollout.n ({n}) = {prompts * n} responses "
                     f"must divide evenly over {where}"
                 )
-
-    def _check_pipeline(self) -> None:
-        pp = self.actor.engine.pipeline_model_parallel_size
-        if pp > 1:
-            raise ValueError(
-                f"actor.engine.pipeline_model_parallel_size={pp}: the policy's pipeline stages cannot yet fill the "
-                "rollout's weights (hybridflow/engine/pipeline.py runs them in the engine and the critic); use 1"
-            )
 
     def _check_lengths(self) -> None:
         for name in ("prompt_length", "response_length"):
