@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -60,7 +61,7 @@ class Pipeline:
         """Per-token outputs [B, R] of every row of `micros` ("log_probs" (+ "entropy") or "values"), on every
         stage. Call under no_grad."""
         call = _Call(micros, remove_padding)
-        spec.n_valid, spec.value_first = call.win.n_valid, call.win.prompt_len - 1 - call.win.start
+        spec = call.head_spec(spec)
         schedule = ScheduleGPipe(self._stage(call, spec, False), len(micros), scale_grads=False)
         merged = schedule.step(*call.args(self.module.is_first), **call.kwargs)
         names = self._names(spec)
@@ -79,7 +80,7 @@ class Pipeline:
         """Forward + backward of every micro-batch (gradients accumulate in the stage's parameters); returns
         {"loss": sum of the micro-batch losses, "stats": {name: [one value per micro-batch]}} on every stage."""
         call = _Call(micros, remove_padding)
-        spec.n_valid, spec.value_first = call.win.n_valid, call.win.prompt_len - 1 - call.win.start
+        spec = call.head_spec(spec)
         names, stats, losses = self._names(spec), defaultdict(list), []
 
         def pipe_loss(output: torch.Tensor | tuple, index: torch.Tensor) -> torch.Tensor:
@@ -182,6 +183,10 @@ class _Call:
         padded = [self._padded(m) for m in micros]
         self.stacked = {k: torch.cat([p[k] for p in padded]) for k in padded[0]}
         self.kwargs = {k: self.stacked[k] for k in ("attention_mask", "position_ids", "labels")}
+
+    def head_spec(self, spec: HeadSpec) -> HeadSpec:
+        """`spec` with this call's response window: the columns predicted and where a value model's values start."""
+        return replace(spec, n_valid=self.win.n_valid, value_first=self.win.prompt_len - 1 - self.win.start)
 
     def args(self, first: bool) -> tuple[torch.Tensor, ...]:
         """Positional inputs of the schedule: the token ids on the first stage, nothing elsewhere."""
