@@ -255,6 +255,7 @@ def test_what_pipeline_parallel_does_not_combine_with_is_refused_at_load():
         (4, 4, r"{role}.engine.pipeline_model_parallel_size=4 must divide num_hidden_layers \(30\).*\(model "),
         (3, 2, r"{role}.engine.pipeline_model_parallel_size=3 must divide the number of ranks \(2\) of its worker set"),
     ],
+    ids=["fits", "layers-do-not-split", "ranks-do-not-split"],
 )
 def test_a_pipeline_is_checked_against_its_layers_and_ranks_when_resolved(role, pp, workers, message):
     overrides = ["algorithm.adv_estimator=gae", f"trainer.n_workers_per_node={workers}", "rollout.n=4"]
