@@ -243,6 +243,11 @@ def test_what_pipeline_parallel_does_not_combine_with_is_refused_at_load():
     assert EngineConfig(pipeline_model_parallel_size=2, tensor_parallel_size=2).dp_size(8) == 2
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 x actor.engine.pipeline_model_parallel_size=2 must"):
         EngineConfig(pipeline_model_parallel_size=2, tensor_parallel_size=2).dp_size(6, "actor.engine.")
+    lora = ["actor.engine.pipeline_model_parallel_size=2", "actor.lora.rank=4"]
+    with pytest.raises(
+        ConfigError, match=r"actor.engine.pipeline_model_parallel_size > 1 does not combine with actor.lo"
+    ):
+        resolve_here(load_config(RunConfig, None, lora), steps_per_epoch=4)
     with pytest.raises(ConfigError, match=r"pipeline_model_parallel_size > 1: SFT runs data parallel only"):
         load_config(SFTConfig, None, ["engine.pipeline_model_parallel_size=2"])
 

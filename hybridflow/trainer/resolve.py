@@ -265,6 +265,8 @@ def check_parallel_layouts(cfg: RunConfig, sets: tuple[WorkerSet, ...]) -> None:
             "actor.engine.tensor_parallel_size > 1 does not combine with actor.lora.rank > 0 "
             "(peft wraps the projections tensor parallel splits)"
         )
+    if cfg.actor.lora.enabled and engine.pipeline_model_parallel_size > 1:
+        raise ConfigError("actor.engine.pipeline_model_parallel_size > 1 does not combine with actor.lora.rank > 0")
     policy, critic_model = ("actor", "ref"), (cfg.critic.model or cfg.model).path
     checks = [
         ("actor.engine.tensor_parallel_size", engine.tensor_parallel_size, cfg.model.path, policy, check_tp_layout),
