@@ -55,6 +55,18 @@ def test_coordinates_by_hand():
         sp_only.coords(4)
 
 
+def test_pipeline_coordinates_by_hand():
+    d = _dims(8, pipeline_model_parallel_size=2, tensor_parallel_size=2, fsdp_size=-1)
+    assert (d.pp, d.dp, d.tp, d.dp_shard, d.dp_replicate, d.ranks_per_dp_group) == (2, 2, 2, 2, 1, 4)
+    # rank = (pp * 2 + dp) * 2 + tp: pp outermost, so each stage is a contiguous block of dp x tp ranks
+    assert [(c.pp, c.dp, c.tp) for c in map(d.coords, range(8))] == [
+        (p, dp, t) for p in range(2) for dp in range(2) for t in range(2)
+    ]
+    assert all(d.rank_of(d.coords(r)) == r for r in range(8))
+    assert [d.fsdp_coords(r) for r in range(8)] == [(0, 0), (0, 0), (0, 1), (0, 1)] * 2  # FSDP within a stage
+    assert [r for r in range(8) if d.is_collect(r)] == [4, 6]  # the last stage's first tp rank of each dp group
+
+
 def test_generation_coordinates_by_hand():
     g = GenerationDims(world=6, tp=3, stride=2)
     assert [g.coords(r) for r in range(6)] == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2)]
@@ -73,8 +85,14 @@ def test_invalid_layouts_name_the_keys():
         _dims(4, tensor_parallel_size=2, fsdp_size=3)
     with pytest.raises(ValueError, match=r"actor.engine.fsdp_size=3 must divide the number of ranks \(4\)"):
         _dims(4, fsdp_size=3)
-    with pytest.raises(ValueError, match="pipeline parallel is not implemented"):
-        ParallelDims(1, 2, pp=2)
+    with pytest.raises(
+        ValueError, match=r"actor.engine.pipeline_model_parallel_size=3 must divide the number of ranks"
+    ):
+        _dims(4, pipeline_model_parallel_size=3)
+    with pytest.raises(
+        ValueError, match=r"fsdp_size=3 must divide the number of dp groups \(2 = ranks / pipeline_model"
+    ):
+        _dims(4, pipeline_model_parallel_size=2, fsdp_size=3)
     with pytest.raises(ValueError, match=r"rollout.tensor_model_parallel_size=4 .* must divide the number of ranks"):
         GenerationDims(world=6, tp=4)
 
@@ -87,6 +105,7 @@ def _mesh_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     params = dims.build_param_mesh("cpu")
     fsdp = dims.fsdp_submesh(params)
     sp_dims = ParallelDims(dp_replicate=1, dp_shard=4, sp=2)
+    pp_params = ParallelDims(dp_replicate=1, dp_shard=2, pp=2).build_param_mesh("cpu")
     gen = GenerationDims(world, tp=2, stride=2).build_mesh("cpu")
     groups = {
         "tp": dist.get_process_group_ranks(mesh[Axis.TP.value].get_group()),
@@ -95,6 +114,8 @@ def _mesh_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         "param_tp": params[Axis.TP.value].mesh.tolist(),
         "sp": dist.get_process_group_ranks(sp_dims.build_mesh("cpu")[Axis.SP.value].get_group()),
         "gen_tp": dist.get_process_group_ranks(gen[Axis.TP.value].get_group()),
+        "pp": dist.get_process_group_ranks(pp_params[Axis.PP.value].get_group()),
+        "pp_fsdp": pp_params[Axis.DP_SHARD.value].mesh.tolist(),
     }
     torch.save(groups, Path(out_dir) / f"rank{rank}.pt")
     dist.destroy_process_group()
@@ -111,3 +132,5 @@ def test_meshes_hold_the_ranks_the_coordinates_say(tmp_path):
         assert got["param_tp"] == got["tp"]
         assert got["sp"] == [rank // 2 * 2, rank // 2 * 2 + 1]
         assert got["gen_tp"] == [rank % 2, rank % 2 + 2]  # groups 2 ranks apart
+        assert got["pp"] == [rank % 2, rank % 2 + 2]  # pp outermost: the stages of a dp slot are 2 ranks apart
+        assert got["pp_fsdp"] == [rank // 2 * 2, rank // 2 * 2 + 1]  # FSDP within one stage

@@ -147,6 +147,11 @@ class Engine(ABC):
         """
         raise RuntimeError(f"{type(self).__name__} has no adapters to disable (it was built without lora.rank > 0)")
 
+    @property
+    def pipeline_stages(self) -> int:
+        """Pipeline stages the model is split over, each rank holding one (1: the whole model on every rank)."""
+        return 1
+
     @abstractmethod
     def hf_config(self) -> Any:
         """The Hugging Face config of the model (written with checkpoints, used by exports)."""

@@ -60,12 +60,17 @@ def _broadcast_token() -> str:
     return token[0]
 
 
-def _states(engine: Engine) -> dict[str, Any]:
+# Pipeline stages hold disjoint parameters: the optimizer's param_groups, one object per rank in the nested layout,
+# would keep only one stage's; flattened, every setting is keyed by its parameter's name, like the tensors.
+_FLAT_OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _states(engine: Engine, flat_optim: bool = False) -> dict[str, Any]:
     if engine.has_adapters:
         return _adapter_states(engine)
     if engine.optimizer is None:
         return {"model": engine.module.state_dict()}
-    model_sd, optim_sd = get_state_dict(engine.module, engine.optimizer)
+    model_sd, optim_sd = get_state_dict(engine.module, engine.optimizer, options=_FLAT_OPTIM if flat_optim else None)
     return {"model": model_sd, "optim": optim_sd}
 
 
@@ -98,7 +103,8 @@ def save_checkpoint(engine: Engine, path: Path, extra: dict[str, Any] | None = N
     if rank == 0:
         fresh_dir(tmp)
     dist.barrier()
-    dcp.save(_states(engine), checkpoint_id=tmp)
+    flat = engine.pipeline_stages > 1
+    dcp.save(_states(engine, flat), checkpoint_id=tmp)
     sched = engine.lr_scheduler.state_dict() if engine.lr_scheduler else None
     torch.save({"lr_scheduler": sched, "extra": extra or {}}, tmp / f"extra_rank{rank}.pt")
     if rank == 0:
@@ -108,6 +114,7 @@ def save_checkpoint(engine: Engine, path: Path, extra: dict[str, Any] | None = N
             "value_model": engine.is_value_model,
             "has_optimizer": engine.optimizer is not None,
             "lora": _lora_meta(engine),
+            "flat_optim": flat,
         }
         (tmp / "meta.json").write_text(json.dumps(meta))
     dist.barrier()
@@ -138,10 +145,17 @@ def load_checkpoint(engine: Engine, path: Path) -> dict[str, Any]:
             f"{path} holds LoRA settings {meta.get('lora')} (None: full weights), the engine "
             f"has {_lora_meta(engine)}; build it with the checkpoint's lora settings"
         )
-    state = _states(engine)
+    flat = meta.get("flat_optim", False)
+    if engine.pipeline_stages > 1 and not flat:
+        raise CheckpointError(
+            f"{path} was saved without pipeline parallel; loading it into pipeline_model_parallel_size="
+            f"{engine.pipeline_stages} is not implemented (load it at 1; a pipeline checkpoint loads at 1 and at its own size)"
+        )
+    state = _states(engine, flat)
     dcp.load(state, checkpoint_id=path)  # refuses a checkpoint that lacks any of these keys
     # The frozen base weights are absent from an adapter checkpoint on purpose, hence not strict there.
     options = StateDictOptions(ignore_frozen_params=True, strict=False) if engine.has_adapters else None
+    options = _FLAT_OPTIM if flat else options
     if engine.optimizer is None:
         set_state_dict(engine.module, [], model_state_dict=state["model"], optim_state_dict={}, options=options)
     else:

@@ -103,6 +103,13 @@ class EngineConfig(Section):
     attention (hybridflow/engine/sequence_parallel.py); FSDP2 shards over the dp x sp ranks. 1: off. tp x sp
     must divide the ranks, and sp be <= num_key_value_heads / tensor_parallel_size (kv groups may split
     unevenly)."""
+    pipeline_model_parallel_size: int = 1
+    """Pipeline stages the decoder layers are split over (verl's Megatron key): stage i holds layers
+    [i L/pp, (i+1) L/pp), the first also the embedding, the last the final norm and the LM (or value) head;
+    micro-batches flow through torch.distributed.pipelining's schedules (GPipe forward-only, 1F1B training;
+    hybridflow/engine/pipeline.py). The world is laid out as pp x dp x sp x tp (pp outermost); FSDP2 shards each
+    stage over its dp ranks. 1: off. Must divide the ranks (with tp) and num_hidden_layers; not with
+    ulysses_sequence_parallel_size > 1, packing, LoRA, or in SFT (refused at load)."""
     backend: str | None = None
     """Engine backend by name in hybridflow.workers.engines.ENGINES (or a module:function path to a builder).
     None: chosen from the layout, as before: "fsdp_tp" when tensor_parallel_size > 1, "fsdp_sp" when
@@ -118,13 +125,19 @@ class EngineConfig(Section):
 
     @property
     def ranks_per_dp_group(self) -> int:
-        """Ranks that hold the same rows of the batch (tensor_parallel_size x ulysses_sequence_parallel_size)."""
-        return self.tensor_parallel_size * self.ulysses_sequence_parallel_size
+        """Ranks that hold the same rows of the batch (tensor x sequence x pipeline parallel sizes)."""
+        return self.tensor_parallel_size * self.ulysses_sequence_parallel_size * self.pipeline_model_parallel_size
 
     def dp_size(self, world: int, section: str = "engine.") -> int:
-        """Data-parallel groups (distinct shards of the batch) among `world` ranks: world / (tp x sp).
+        """Data-parallel groups (distinct shards of the batch) among `world` ranks: world / (tp x sp x pp).
         `section`: the key path of this engine in the message ("actor.engine.", ...)."""
-        check_divides(world, self.tensor_parallel_size, self.ulysses_sequence_parallel_size, section)
+        check_divides(
+            world,
+            self.tensor_parallel_size,
+            self.ulysses_sequence_parallel_size,
+            section,
+            self.pipeline_model_parallel_size,
+        )
         return world // self.ranks_per_dp_group
 
     def resolve_reshard_after_forward(self, device: torch.device) -> bool:
@@ -144,10 +157,26 @@ class EngineConfig(Section):
             raise ValueError(
                 f"engine.ulysses_sequence_parallel_size must be >= 1, got {self.ulysses_sequence_parallel_size}"
             )
+        self._check_pipeline()
         if self.cpu_math_attention_max_len < 0:
             raise ValueError(f"engine.cpu_math_attention_max_len must be >= 0, got {self.cpu_math_attention_max_len}")
         if self.logits_chunk_size < 1:
             raise ValueError(f"engine.logits_chunk_size must be >= 1, got {self.logits_chunk_size}")
+
+    def _check_pipeline(self) -> None:
+        pp = self.pipeline_model_parallel_size
+        if pp < 1:
+            raise ValueError(f"engine.pipeline_model_parallel_size must be >= 1, got {pp}")
+        if pp > 1 and self.ulysses_sequence_parallel_size > 1:
+            raise ValueError(
+                f"engine.pipeline_model_parallel_size={pp} does not combine with "
+                f"engine.ulysses_sequence_parallel_size={self.ulysses_sequence_parallel_size} (not implemented)"
+            )
+        if pp > 1 and self.packing:
+            raise ValueError(
+                f"engine.pipeline_model_parallel_size={pp} does not combine with engine.packing=true: pipeline stages "
+                "pass one [rows, columns] activation shape per call (micro-batches run trimmed and padded)"
+            )
 
 
 @dataclass

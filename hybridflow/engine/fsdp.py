@@ -1,5 +1,6 @@
 """The training engine: one model, parallelised by `parallelize` (engine/parallelize.py) as `ParallelDims` lays
-out the world (tensor parallel, Ulysses attention, checkpointing, FSDP2); without tp / sp, plain FSDP2.
+out the world (tensor parallel, Ulysses attention, checkpointing, FSDP2); without tp / sp, plain FSDP2. With
+pipeline parallel each rank holds its stage and every call runs through a schedule (engine/pipeline.py).
 
 Parameters, gradients and AdamW state are sharded over the ranks of the current torch.distributed world
 (gloo on CPU, nccl on GPU). Compute runs in `param_dtype` through FSDP2's MixedPrecisionPolicy while the
@@ -45,29 +46,16 @@ from hybridflow.engine.gather import gather_named, tied_aliases
 from hybridflow.engine.optim import build_lr_scheduler, build_optimizer
 from hybridflow.engine.parallel_dims import ParallelDims
 from hybridflow.engine.parallelize import decoder_layers, parallelize  # noqa: F401  (decoder_layers: re-exported)
+from hybridflow.engine.pipeline import Pipeline, gather_stages
+from hybridflow.engine.pipeline_stage import HeadSpec, split_stage
 from hybridflow.engine.prefix import pack_shared_prompts, sharing_pays
 from hybridflow.engine.sequence_parallel import forward_sp_packed, sp_packed_row
 from hybridflow.models import load_causal_lm, load_value_model
+from hybridflow.models.loading import contiguous_lm_head_input
 from hybridflow.models.value import ValueModel
-from hybridflow.utils.device import compute_device, device_kind, dist_backend
+from hybridflow.utils.device import compute_device, ensure_process_group
+from hybridflow.utils.dtypes import dtype_of
 from hybridflow.utils.memory import keep_freed_memory
-
-
-def ensure_process_group() -> None:
-    """Initialise torch.distributed if needed (nccl for a cuda worker, gloo for a cpu one): from env://
-    when RANK/WORLD_SIZE are set, else world 1."""
-    if dist.is_initialized():
-        return
-    backend = dist_backend(device_kind())
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend)
-    else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-
-
-def engine_device() -> torch.device:
-    """The worker's device (`utils/device.py`): its GPU for a cuda worker, else the CPU."""
-    return compute_device()
 
 
 def _refuse_value_lora(value_model: bool, lora: LoraConfig | None) -> None:
@@ -77,23 +65,13 @@ def _refuse_value_lora(value_model: bool, lora: LoraConfig | None) -> None:
         )
 
 
-def _contiguous_lm_head_input(model: nn.Module) -> None:
-    """Hand the LM head a contiguous input. HF models project a strided slice of the hidden states
-    (`logits_to_keep`); when neither the slice nor the weight requires grad (a frozen, tied LM head
-    under LoRA, in a no-grad pass) torch's matmul does not fold [b, t, h] into one GEMM but runs a
-    bmm over the weight expanded b times: a copy of b x 49152 x 576 per call, 2x the whole forward."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if head is not None:
-        head.register_forward_pre_hook(lambda _module, args: (args[0].contiguous(), *args[1:]))
-
-
 class FSDPEngine(Engine):
     """A causal LM or a `ValueModel`, parallelised over the current world as its `EngineConfig` lays it out
     (`ParallelDims`: FSDP2 over dp, and tensor / Ulysses sequence parallel; engine/parallelize.py).
 
-    `rank` / `world_size` stay the global ones (checkpoints write per global rank); `dp_*`, `tp_*` and `sp_*`
-    give this rank's place in the layout. Adapters (LoRA) are refused with tensor parallel: peft wraps the very
-    projections it splits.
+    `rank` / `world_size` stay the global ones (checkpoints write per global rank); `dp_*`, `tp_*`, `sp_*` and
+    `pp_rank` give this rank's place in the layout. Adapters (LoRA) are refused with tensor parallel (peft wraps the
+    very projections it splits) and with pipeline parallel.
 
     Pass `optim=None` for an inference-only engine (reference policy, reward model), and
     `lora` with rank > 0 to train low-rank adapters on a causal LM instead of its weights
@@ -105,20 +83,23 @@ class FSDPEngine(Engine):
     ) -> None:
         ensure_process_group()
         self.config = config
-        self.device = engine_device()
+        self.device = compute_device()
         if self.device.type == "cpu" and config.cpu_keep_freed_memory:
             keep_freed_memory()
         self._value = isinstance(model, ValueModel)
         self._lora = lora if lora is not None and lora.enabled else None
         _refuse_value_lora(self._value, self._lora)
         self.dims = ParallelDims.from_config(config, dist.get_world_size(), self.device)
-        if self.dims.tp > 1 and self._lora:
-            raise ValueError("engine.tensor_parallel_size > 1 does not combine with LoRA adapters (lora.rank > 0)")
+        for key, size in (("tensor_parallel_size", self.dims.tp), ("pipeline_model_parallel_size", self.dims.pp)):
+            if size > 1 and self._lora:
+                raise ValueError(f"engine.{key}={size} does not combine with LoRA adapters (lora.rank > 0)")
         if self._lora:
             from hybridflow.engine.lora import apply_lora  # noqa: PLC0415  (lazy: peft, only LoRA runs need it)
 
             model = apply_lora(model, self._lora)
-        _contiguous_lm_head_input(model)
+        contiguous_lm_head_input(model)
+        if self.dims.pp > 1:
+            model = split_stage(model, self.pp_rank, self.dims.pp)
         self.model = self._shard(model.to(self.device))
         self._optimizer = build_optimizer(self.model, optim) if optim else None
         self._lr_scheduler = build_lr_scheduler(self._optimizer, optim) if optim else None
@@ -144,6 +125,9 @@ class FSDPEngine(Engine):
         built = parallelize(model, self.dims, self.config)
         self.dp_mesh, self.tp_mesh, self.sp = built.fsdp_mesh, built.tp_mesh, built.sp
         self._reshard_after_forward = built.reshard_after_forward
+        self.pipeline = None
+        if self.dims.pp > 1:
+            self.pipeline = Pipeline(model, built.pp_group, self.device, dtype_of(self.config.param_dtype))
         return model
 
     # --- layout ---------------------------------------------------------------
@@ -176,6 +160,15 @@ class FSDPEngine(Engine):
     def sp_rank(self) -> int:
         """This rank's place in its sp group (which slice of the tokens it runs)."""
         return self.dims.coords(self.rank).sp
+
+    @property
+    def pipeline_stages(self) -> int:
+        return self.dims.pp
+
+    @property
+    def pp_rank(self) -> int:
+        """The pipeline stage this rank holds (0: the embedding's, pp - 1: the head's)."""
+        return self.dims.coords(self.rank).pp
 
     # --- properties -----------------------------------------------------------
     @property
@@ -231,6 +224,11 @@ class FSDPEngine(Engine):
     def forward_micro_batch(
         self, micro: MicroBatch, temperature: float = 1.0, calc_entropy: bool = False
     ) -> dict[str, torch.Tensor]:
+        if self.pipeline is not None:
+            raise RuntimeError(
+                "with pipeline_model_parallel_size > 1 a micro-batch runs on every stage at once: "
+                "use compute_log_probs / compute_values / train_step"
+            )
         inputs = B.select_inputs(micro, self.device)
         if self.sp is not None:
             return self._forward_packed(sp_packed_row(inputs, self.config), temperature, calc_entropy)
@@ -288,7 +286,11 @@ class FSDPEngine(Engine):
         # Keep each layer gathered across micro-batches; reshard so no stale copy outlives the call.
         self.model.set_reshard_after_forward(False)
         try:
-            for micro in B.split_micro_batches(B.select_inputs(data, self.device), micro_batch_size):
+            micros = B.split_micro_batches(B.select_inputs(data, self.device), micro_batch_size)
+            if self.pipeline is not None:
+                spec = HeadSpec(0, chunk=self.config.logits_chunk_size, **kw)
+                return self.pipeline.infer(micros, spec, self.config.use_remove_padding)
+            for micro in micros:
                 for k, v in self.forward_micro_batch(micro, **kw).items():
                     parts[k].append(v)
         finally:
@@ -325,6 +327,8 @@ class FSDPEngine(Engine):
         if self.optimizer is None:
             raise RuntimeError("train_step needs an optimizer; build the engine with an OptimConfig")
         self.model.train()
+        if self.pipeline is not None:
+            return self._pipeline_train_step(micro_batches, loss_fn, temperature, calc_entropy)
         collected: dict[str, list[float]] = defaultdict(list)
         total_loss = 0.0
         for i, micro in enumerate(micro_batches):
@@ -338,6 +342,18 @@ class FSDPEngine(Engine):
             total_loss += float(loss.detach())
             for k, v in stats.items():
                 collected[k].append(float(v))
+        return self._step_metrics(collected, total_loss)
+
+    def _pipeline_train_step(
+        self, micro_batches: list[MicroBatch], loss_fn: LossFn, temperature: float, calc_entropy: bool
+    ) -> dict[str, float]:
+        micros = [{k: v.to(self.device) if torch.is_tensor(v) else v for k, v in m.items()} for m in micro_batches]
+        spec = HeadSpec(0, temperature=temperature, calc_entropy=calc_entropy, chunk=self.config.logits_chunk_size)
+        with self._training_attention(micros[0]):
+            run = self.pipeline.train(micros, spec, loss_fn, self.config.use_remove_padding)
+        return self._step_metrics(run["stats"], run["loss"])
+
+    def _step_metrics(self, collected: Mapping[str, list[float]], total_loss: float) -> dict[str, float]:
         metrics = {k: max(v) if k.endswith("_max") else sum(v) / len(v) for k, v in collected.items()}
         metrics.update(self._optimizer_step(), loss=total_loss)
         return metrics
@@ -355,20 +371,23 @@ class FSDPEngine(Engine):
 
     def _optimizer_step(self) -> dict[str, float]:
         params = [p for p in self.model.parameters() if p.grad is not None]
-        clip = self.optim_config.grad_clip
-        # foreach=False: the foreach norm is ~4x slower on CPU with DTensor gradients.
-        if clip > 0:
-            norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=False)
-        else:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=False)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        norm = float(norm)
+        norm = self._clip_grads(params, self.optim_config.grad_clip)
         finite = bool(torch.isfinite(torch.tensor(norm)))
         if finite:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return {"grad_norm": norm, "update_skipped": 0.0 if finite else 1.0, "lr": self.lr}
+
+    def _clip_grads(self, params: list[nn.Parameter], clip: float) -> float:
+        """The global gradient norm before clipping; scales the gradients to at most `clip` when clip > 0."""
+        if self.pipeline is not None:
+            return self.pipeline.clip_grads(params, clip)
+        # foreach=False: the foreach norm is ~4x slower on CPU with DTensor gradients.
+        if clip > 0:
+            norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=False)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=False)
+        return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
 
     def lr_scheduler_step(self) -> float:
         if self.lr_scheduler is None:
@@ -385,7 +404,8 @@ class FSDPEngine(Engine):
             return merged_state_dict(self.model, dtype, changed_only)
         prefix = "backbone." if self._value else ""
         named = {name.removeprefix(prefix): t for name, t in self.model.state_dict().items()}
-        return gather_named(named, dtype, tied_aliases(self.model.config, named))
+        full = gather_named(named, dtype, tied_aliases(self.model.config, named))
+        return full if self.pipeline is None else gather_stages(full, self.pipeline.group)
 
     def hf_config(self) -> Any:
         """The HF config of the model (for exports)."""

@@ -7,9 +7,10 @@ Training layout (`ParallelDims`). The world is laid out as pp x dp x sp x tp, tp
 - dp: groups that hold distinct rows of the batch (the N-D dispatch splits over them);
 - sp: Ulysses sequence parallel, the ranks of a dp group that split each micro-batch's tokens;
 - tp: tensor parallel, the ranks that split each decoder layer's projections;
-- pp: reserved for pipeline parallel, always 1 here.
+- pp: pipeline parallel, the stages that each hold a contiguous slice of the decoder layers
+  (engine/pipeline.py); the pp ranks of one (dp, sp, tp) slot hold the same rows.
 
-FSDP2 shards parameters over the dp x sp ranks of each tp slot (the sp ranks train on the same
+FSDP2 shards parameters over the dp x sp ranks of each (pp, tp) slot (the sp ranks train on the same
 rows, so they average gradients like dp ranks), split by `engine.fsdp_size` into
 dp_replicate x dp_shard (HSDP: shard within a group of dp_shard consecutive dp x sp ranks,
 all-reduce across the dp_replicate groups). So dp_replicate * dp_shard == dp * sp; a dp_shard
@@ -72,14 +73,12 @@ class ParallelDims:
     sp: int = 1
     """Ulysses sequence-parallel ranks (`engine.ulysses_sequence_parallel_size`)."""
     pp: int = 1
-    """Pipeline stages: reserved, must be 1."""
+    """Pipeline stages (`engine.pipeline_model_parallel_size`)."""
 
     def __post_init__(self) -> None:
         for name in ("dp_replicate", "dp_shard", "tp", "sp", "pp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ParallelDims.{name} must be >= 1, got {getattr(self, name)}")
-        if self.pp != 1:
-            raise ValueError(f"pipeline parallel is not implemented: pp must be 1, got {self.pp}")
         if (self.dp_replicate * self.dp_shard) % self.sp:
             raise ValueError(
                 f"dp_replicate x dp_shard ({self.dp_replicate} x {self.dp_shard}) must be a multiple of sp ({self.sp})"
@@ -93,10 +92,10 @@ class ParallelDims:
         """The layout of `cfg` over `world` ranks; `device` resolves fsdp_size None (1 on CPU, all on GPU).
         Raises ValueError naming `section`'s keys ("actor.engine.", ...) when a size does not divide."""
         size = fsdp_shard_size(cfg, world, device, section)
-        tp, sp = cfg.tensor_parallel_size, cfg.ulysses_sequence_parallel_size
-        check_divides(world, tp, sp, section)
-        fsdp_ranks = world // tp
-        return cls(dp_replicate=fsdp_ranks // size, dp_shard=size, tp=tp, sp=sp)
+        tp, sp, pp = cfg.tensor_parallel_size, cfg.ulysses_sequence_parallel_size, cfg.pipeline_model_parallel_size
+        check_divides(world, tp, sp, section, pp)
+        fsdp_ranks = world // (tp * pp)
+        return cls(dp_replicate=fsdp_ranks // size, dp_shard=size, tp=tp, sp=sp, pp=pp)
 
     # --- sizes -----------------------------------------------------------------
     @property
@@ -111,12 +110,12 @@ class ParallelDims:
 
     @property
     def ranks_per_dp_group(self) -> int:
-        """Ranks that hold the same rows of the batch (sp x tp)."""
-        return self.sp * self.tp
+        """Ranks that hold the same rows of the batch (pp x sp x tp)."""
+        return self.pp * self.sp * self.tp
 
     @property
     def fsdp_ranks(self) -> int:
-        """Ranks FSDP2 spreads each tp slot's parameters over (dp x sp)."""
+        """Ranks FSDP2 spreads each (pp, tp) slot's parameters over (dp x sp)."""
         return self.dp_replicate * self.dp_shard
 
     # --- rank <-> coordinates ------------------------------------------------------
@@ -138,7 +137,8 @@ class ParallelDims:
         return divmod(rank // self.tp % self.fsdp_ranks, self.dp_shard)
 
     def is_collect(self, rank: int) -> bool:
-        """Whether `rank` returns its dp group's rows to the controller (the group's first sp and tp rank)."""
+        """Whether `rank` returns its dp group's rows to the controller (the group's first sp and tp rank of
+        the last pipeline stage, where the outputs are computed)."""
         c = self.coords(rank)
         return c.sp == 0 and c.tp == 0 and c.pp == self.pp - 1
 
@@ -148,16 +148,22 @@ class ParallelDims:
 
     # --- meshes ----------------------------------------------------------------
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """The world mesh with axes (dp, sp, tp) (a collective: every rank calls it); submeshes by
-        `mesh[Axis.SP.value]` and so on. pp is left out while it is 1."""
-        names = (Axis.DP.value, Axis.SP.value, Axis.TP.value)
-        return init_device_mesh(device_type, (self.dp, self.sp, self.tp), mesh_dim_names=names)
+        """The world mesh with axes (pp, dp, sp, tp) (a collective: every rank calls it); submeshes by
+        `mesh[Axis.SP.value]` and so on. pp is left out while it is 1 (the meshes stay as before pp existed)."""
+        return self._mesh(device_type, ((Axis.DP, self.dp), (Axis.SP, self.sp), (Axis.TP, self.tp)))
 
     def build_param_mesh(self, device_type: str) -> DeviceMesh:
-        """The mesh the parameters live on, axes (dp_replicate, dp_shard, tp): FSDP2 shards over the first two
-        (`fsdp_submesh`), tensor parallel splits over tp (the two must share one root mesh). A collective."""
-        names = (Axis.DP_REPLICATE.value, Axis.DP_SHARD.value, Axis.TP.value)
-        return init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=names)
+        """The mesh the parameters live on, axes (pp, dp_replicate, dp_shard, tp): FSDP2 shards over dp_replicate x
+        dp_shard (`fsdp_submesh`), tensor parallel splits over tp (the two must share one root mesh), each pp stage
+        holds its own parameters. pp is left out while it is 1. A collective."""
+        sizes = ((Axis.DP_REPLICATE, self.dp_replicate), (Axis.DP_SHARD, self.dp_shard), (Axis.TP, self.tp))
+        return self._mesh(device_type, sizes)
+
+    def _mesh(self, device_type: str, sizes: tuple[tuple[Axis, int], ...]) -> DeviceMesh:
+        if self.pp > 1:
+            sizes = ((Axis.PP, self.pp), *sizes)
+        names = tuple(axis.value for axis, _ in sizes)
+        return init_device_mesh(device_type, tuple(n for _, n in sizes), mesh_dim_names=names)
 
     def fsdp_submesh(self, param_mesh: DeviceMesh) -> DeviceMesh:
         """The submesh of `param_mesh` that `fully_shard` takes: 1-D (dp_shard) when nothing is replicated,
@@ -168,27 +174,28 @@ class ParallelDims:
 
 
 def fsdp_shard_size(cfg: EngineConfig, world: int, device: torch.device | str, section: str = "engine.") -> int:
-    """`engine.fsdp_size` with None (1 on CPU, -1 on GPU) and -1 (all the dp x sp ranks of a tp slot) resolved;
-    it must divide world / tensor_parallel_size (sequence parallel is not checked here: `check_divides`)."""
-    tp = cfg.tensor_parallel_size
-    if world % tp:
-        raise ValueError(f"{section}tensor_parallel_size={tp} must divide the number of ranks ({world})")
-    fsdp_ranks = world // tp
+    """`engine.fsdp_size` with None (1 on CPU, -1 on GPU) and -1 (all the dp x sp ranks of a (pp, tp) slot)
+    resolved; it must divide world / (tensor_parallel_size x pipeline_model_parallel_size) (sequence parallel is not
+    checked here: `check_divides`)."""
+    tp, pp = cfg.tensor_parallel_size, cfg.pipeline_model_parallel_size
+    check_divides(world, tp, 1, section, pp)
+    fsdp_ranks = world // (tp * pp)
     size = cfg.fsdp_size if cfg.fsdp_size is not None else (1 if torch.device(device).type == "cpu" else -1)
     size = fsdp_ranks if size == -1 else size
     if fsdp_ranks % size:
-        what = f"dp groups ({fsdp_ranks} = ranks / tensor_parallel_size)" if tp > 1 else f"ranks ({fsdp_ranks})"
+        split = " x ".join(k for k, n in (("tensor_parallel_size", tp), ("pipeline_model_parallel_size", pp)) if n > 1)
+        what = f"dp groups ({fsdp_ranks} = ranks / {split})" if split else f"ranks ({fsdp_ranks})"
         raise ValueError(f"{section}fsdp_size={size} must divide the number of {what}")
     return size
 
 
-def check_divides(world: int, tp: int, sp: int, section: str = "engine.") -> None:
-    """Refuse tp x sp that does not divide `world`, naming the keys of `section` that are > 1."""
-    for key, size in (("tensor_parallel_size", tp), ("ulysses_sequence_parallel_size", sp)):
+def check_divides(world: int, tp: int, sp: int, section: str = "engine.", pp: int = 1) -> None:
+    """Refuse tp x sp x pp that does not divide `world`, naming the keys of `section` that are > 1."""
+    sizes = (("tensor_parallel_size", tp), ("ulysses_sequence_parallel_size", sp), ("pipeline_model_parallel_size", pp))
+    for key, size in sizes:
         if size < 1:
             raise ValueError(f"{section}{key} must be >= 1, got {size}")
-    if world % (tp * sp):
-        sizes = (("tensor_parallel_size", tp), ("ulysses_sequence_parallel_size", sp))
+    if world % (tp * sp * pp):
         keys = [f"{section}{k}={v}" for k, v in sizes if v > 1]
         raise ValueError(f"{' x '.join(keys)} must divide the number of ranks ({world})")
 

@@ -9,8 +9,11 @@
    that all-to-alls q/k/v over the sp group; with tensor parallel it splits the heads this tp rank
    holds, so sp may be at most num_key_value_heads / tp;
 3. activation checkpointing of the decoder layers;
-4. FSDP2: `fully_shard` on every decoder layer, then on the root, over the dp x sp ranks of each tp
+4. FSDP2: `fully_shard` on every decoder layer, then on the root, over the dp x sp ranks of each (pp, tp)
    slot (dp_replicate x dp_shard, `ParallelDims`).
+
+With pipeline parallel the model is first cut to this rank's stage (engine/pipeline_stage.py); the steps
+then apply to the stage as to a whole model, and the pp axis of the parameter mesh links the stages.
 
 Steps compose because each leaves the module an ordinary `nn.Module` the next one can take: the
 layouts tp x sp, tp, sp and plain FSDP are the same code path.
@@ -21,12 +24,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from hybridflow.engine.config import EngineConfig, dtype_of
 from hybridflow.engine.parallel_dims import Axis, ParallelDims
+from hybridflow.engine.pipeline_stage import PipelineStageModule
 from hybridflow.engine.sequence_parallel import SPLayout, apply_ulysses
 from hybridflow.engine.tensor_parallel import check_tp_layout, parallelize_layers, replicate_rest
 from hybridflow.models.loading import enable_activation_checkpointing
@@ -56,10 +61,15 @@ class Parallelized:
     """The Ulysses layout the attention modules share; None without sequence parallel."""
     reshard_after_forward: bool
     """Whether FSDP2 frees gathered parameters after each forward."""
+    pp_group: dist.ProcessGroup | None = None
+    """The ranks that hold the other stages of this rank's pipeline (stage i is group rank i); None without pp."""
 
 
 def hf_model(model: nn.Module) -> nn.Module:
-    """The transformers model inside `model`: a value model's backbone, a peft model's base model, or itself."""
+    """The transformers model inside `model`: a value model's backbone, a peft model's base model, the (cut down)
+    model of a pipeline stage, or itself."""
+    if isinstance(model, PipelineStageModule):
+        return model.parts.hf
     if isinstance(model, ValueModel):
         return model.backbone
     return model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -85,7 +95,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: EngineConfig) -> Para
         enable_activation_checkpointing(hf_model(model))
     fsdp_mesh = dims.fsdp_submesh(param_mesh)
     reshard = _apply_fsdp(model, layers, fsdp_mesh, cfg, device_type)
-    return Parallelized(fsdp_mesh, tp_mesh, sp, reshard)
+    pp_group = param_mesh[Axis.PP.value].get_group() if dims.pp > 1 else None
+    return Parallelized(fsdp_mesh, tp_mesh, sp, reshard, pp_group)
 
 
 def _apply_fsdp(

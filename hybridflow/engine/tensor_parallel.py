@@ -18,9 +18,8 @@ Everything the FSDP engine does to a micro-batch (padding removal, packing, shar
 packing with its 4-D mask, token budgets) splits tokens or rows, never heads, so it runs
 unchanged: the tp ranks of a dp group get the same rows and cut the same micro-batches.
 
-Pipeline parallelism would plug in as the outermost mesh dim (pp, reserved in `ParallelDims`): each pp
-rank keeps a contiguous slice of the decoder layers, `train_step` becomes a schedule over micro-batches
-(torch.distributed.pipelining), and the log-probs come from the last stage.
+With pipeline parallel (engine/pipeline.py, the outermost mesh dim) each stage's decoder layers are split
+the same way over the tp ranks of its slot.
 """
 
 from __future__ import annotations

@@ -121,6 +121,16 @@ def load_causal_lm(path: str | os.PathLike, dtype: torch.dtype = torch.float32) 
     return model
 
 
+def contiguous_lm_head_input(model: torch.nn.Module) -> None:
+    """Hand the LM head a contiguous input. HF models project a strided slice of the hidden states
+    (`logits_to_keep`); when neither the slice nor the weight requires grad (a frozen, tied LM head
+    under LoRA, in a no-grad pass) torch's matmul does not fold [b, t, h] into one GEMM but runs a
+    bmm over the weight expanded b times: a copy of b x 49152 x 576 per call, 2x the whole forward."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None:
+        head.register_forward_pre_hook(lambda _module, args: (args[0].contiguous(), *args[1:]))
+
+
 def enable_activation_checkpointing(model: PreTrainedModel) -> None:
     """Activation checkpointing (non-reentrant) in the decoder layers of an HF model.
 

@@ -100,6 +100,8 @@ def share_engine_weights(rollout: Rollout, engine: Engine) -> bool:
     """Point the rollout at the engine's own tensors where it can (module docstring); whether it now does."""
     if rollout.generation_layout() is not None or engine.has_adapters or os.environ.get(PARITY_FAULT_ENV):
         return False
+    if engine.pipeline_stages > 1:  # a stage holds part of the model
+        return False
     tensors = engine_tensors(engine)
     return tensors is not None and rollout.share_weights(tensors)
 
@@ -138,7 +140,9 @@ def sync_weights(
     layout = rollout.generation_layout()
     if share and share_engine_weights(rollout, engine):
         return SyncReport(time.perf_counter() - start, 0.0, [], shared=True)
-    resharded = layout is not None and not engine.has_adapters
+    # Pipeline stages gather the whole model (Engine.full_state_dict) and the rollout takes its chunk: the reshard
+    # reads one whole-model training layout.
+    resharded = layout is not None and not engine.has_adapters and engine.pipeline_stages == 1
     path = "reshard" if resharded else "lora" if engine.has_adapters else "colocated"
     site = SyncSite(backend, path, step, None if layout is None else dist.get_rank())
     check_ = WeightCheck(rollout, site, check)

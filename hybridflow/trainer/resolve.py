@@ -19,7 +19,7 @@ Derived here and nowhere else, always from the final merged values:
 - critic.enable and critic.model from the estimator and the policy model;
 - each trained role's engine.fsdp_size and reshard_after_forward from the device and its group size,
   and its engine.tensor_parallel_size / ulysses_sequence_parallel_size (and the reward model's) checked
-  against its group size and its model's heads;
+  against its group size and its model's heads, each pipeline_model_parallel_size against its layers;
 - every compute dtype left "auto" (actor/critic engine.param_dtype, rollout.dtype, ref and reward
   model param_dtype): bf16 or fp32 as a matmul probe on trainer.cpus_per_worker threads measured
   (`Measurements.auto_dtypes`), bf16 on CUDA;
@@ -39,6 +39,7 @@ import torch
 
 from hybridflow.config_utils import ConfigError, freeze, to_yaml
 from hybridflow.engine.config import EngineConfig, OptimConfig
+from hybridflow.engine.pipeline_stage import check_pp_layout
 from hybridflow.engine.sequence_parallel import check_sp_layout
 from hybridflow.engine.tensor_parallel import check_tp_layout
 from hybridflow.models.loading import load_config
@@ -264,6 +265,8 @@ def check_parallel_layouts(cfg: RunConfig, sets: tuple[WorkerSet, ...]) -> None:
             "actor.engine.tensor_parallel_size > 1 does not combine with actor.lora.rank > 0 "
             "(peft wraps the projections tensor parallel splits)"
         )
+    if cfg.actor.lora.enabled and engine.pipeline_model_parallel_size > 1:
+        raise ConfigError("actor.engine.pipeline_model_parallel_size > 1 does not combine with actor.lora.rank > 0")
     policy, critic_model = ("actor", "ref"), (cfg.critic.model or cfg.model).path
     checks = [
         ("actor.engine.tensor_parallel_size", engine.tensor_parallel_size, cfg.model.path, policy, check_tp_layout),
@@ -310,6 +313,7 @@ def check_parallel_layouts(cfg: RunConfig, sets: tuple[WorkerSet, ...]) -> None:
                 check_sp_layout,
             )
         )
+    _check_stages(cfg, critic_model)
     for key, size, path, roles, check in checks:
         if size == 1:
             continue
@@ -320,6 +324,22 @@ def check_parallel_layouts(cfg: RunConfig, sets: tuple[WorkerSet, ...]) -> None:
                     check(size, s.world_size, hf.num_attention_heads, hf.num_key_value_heads, key)
                 except ValueError as err:
                     raise ConfigError(f"{err} (model {path})") from None
+
+
+def _check_stages(cfg: RunConfig, critic_model: str) -> None:
+    """Refuse a pipeline that does not split its model's decoder layers evenly (the actor's also the reference's;
+    the ranks are checked by resolve_engine)."""
+    roles = [("actor", cfg.actor.engine, cfg.model.path)]
+    if cfg.use_critic:
+        roles.append(("critic", cfg.critic.engine, critic_model))
+    for role, engine, path in roles:
+        pp = engine.pipeline_model_parallel_size
+        if pp > 1:
+            key = f"{role}.engine.pipeline_model_parallel_size"
+            try:
+                check_pp_layout(pp, load_config(path).num_hidden_layers, key)
+            except ValueError as err:
+                raise ConfigError(f"{err} (model {path})") from None
 
 
 @dataclass(frozen=True)

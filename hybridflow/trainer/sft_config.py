@@ -138,8 +138,8 @@ class SFTConfig(Section):
             )
         if self.engine.ranks_per_dp_group != 1:
             raise ValueError(
-                "engine.tensor_parallel_size / ulysses_sequence_parallel_size > 1 are for the RL roles "
-                "(actor/critic); SFT runs data parallel only"
+                "engine.tensor_parallel_size / ulysses_sequence_parallel_size / pipeline_model_parallel_size > 1: "
+                "SFT runs data parallel only"
             )
         if self.engine.packing and not self.data.packing:
             raise ValueError(

@@ -35,6 +35,20 @@ def dist_backend(kind: str) -> str:
     return "nccl" if kind == "cuda" else "gloo"
 
 
+def ensure_process_group() -> None:
+    """Initialise torch.distributed if needed (nccl for a cuda worker, gloo for a cpu one): from env://
+    when RANK/WORLD_SIZE are set, else world 1."""
+    import torch.distributed as dist  # noqa: PLC0415  (lazy: most importers only ask which device)
+
+    if dist.is_initialized():
+        return
+    backend = dist_backend(device_kind())
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
 def cuda_index(local_rank: int, visible: int) -> int:
     """The CUDA index of this process's GPU among the `visible` ones (torch.cuda.device_count()).
 

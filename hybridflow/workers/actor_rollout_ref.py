@@ -140,6 +140,7 @@ class ActorRolloutRefWorker(Worker):
                     param_dtype=self.ref_cfg.param_dtype,
                     tensor_parallel_size=engine.tensor_parallel_size,
                     ulysses_sequence_parallel_size=engine.ulysses_sequence_parallel_size,
+                    pipeline_model_parallel_size=engine.pipeline_model_parallel_size,
                     backend=engine.backend,  # the reference runs on the actor's engine backend
                 ),
             )

@@ -20,8 +20,8 @@ from hybridflow.workers.losses import critic_loss_builder
 from hybridflow.workers.ppo_update import run_ppo_update
 
 CRITIC_MESH = "critic"
-"""The mesh the critic declares for the N-D dispatch: dp x tp x sp by critic.engine's tensor_parallel_size and
-ulysses_sequence_parallel_size."""
+"""The mesh the critic declares for the N-D dispatch: pp x dp x sp x tp by critic.engine's pipeline_model_parallel_size,
+tensor_parallel_size and ulysses_sequence_parallel_size (collected from the last pipeline stage)."""
 _ON_CRITIC_MESH = make_nd_compute_dataproto_dispatch_fn(CRITIC_MESH)
 
 

@@ -77,10 +77,12 @@ def build_engine(
 
 
 def declare_engine_mesh(worker: Any, mesh_name: str, cfg: EngineConfig, section: str) -> int:
-    """Declare `worker`'s place on the dp x (sp x tp) layout of `cfg` for the N-D dispatch under `mesh_name`:
-    the sp/tp ranks of a dp group receive its rows and the first of them is collected. Returns the dp size;
-    raises ValueError (naming `section`, e.g. "actor.engine.") when tp x sp does not divide the world."""
-    check_divides(worker.world_size, cfg.tensor_parallel_size, cfg.ulysses_sequence_parallel_size, section)
+    """Declare `worker`'s place on the pp x dp x (sp x tp) layout of `cfg` for the N-D dispatch under `mesh_name`:
+    the pp/sp/tp ranks of a dp group receive its rows and the first sp/tp rank of its last pipeline stage is collected.
+    Returns the dp size; raises ValueError (naming `section`, e.g. "actor.engine.") when tp x sp x pp does not divide
+    the world."""
+    tp, sp, pp = cfg.tensor_parallel_size, cfg.ulysses_sequence_parallel_size, cfg.pipeline_model_parallel_size
+    check_divides(worker.world_size, tp, sp, section, pp)
     dims = ParallelDims.from_config(cfg, worker.world_size, device_kind(), section)
     worker._register_dispatch_collect_info(mesh_name, dims.coords(worker.rank).dp, dims.is_collect(worker.rank))
     return dims.dp
