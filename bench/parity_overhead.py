@@ -8,6 +8,10 @@ timers the guard's share of step time (`timing_s/parity` on the controller plus 
 the workers, against `timing_s/step`); and the largest log-prob gaps and weight findings it saw.
 
     .venv/bin/python bench/parity_overhead.py --out /tmp/parity-bench                 # 40 steps on, 12 off
+    .venv/bin/python bench/parity_overhead.py --out /tmp/pb --abba --steps-on 12 --steps-off 12   # off, on, on, off
+
+`--abba` runs four runs in the order off, on, on, off (so a drift of the machine over the invocation weighs on both
+arms alike) and pools each arm's steps.
     .venv/bin/python bench/parity_overhead.py --out /tmp/parity-bench --steps-on 4 --steps-off 4 trainer.backend=local
 """
 
@@ -47,16 +51,31 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps-on", type=int, default=40)
     parser.add_argument("--steps-off", type=int, default=12)
+    parser.add_argument("--abba", action="store_true", help="four runs: off, on, on, off; each arm's steps pooled")
     parser.add_argument("overrides", nargs="*", help="key=value for both runs")
     args = parser.parse_args()
     from hybridflow.utils.hardware import describe_cpu
 
     print(describe_cpu(os.cpu_count() or 2), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    on = train(args.out / "guard_on", args.steps_on, args.overrides)
-    off = train(args.out / "guard_off", args.steps_off, [*args.overrides, "trainer.parity=off"])
-    n = min(len(on), len(off))
-    step_on, step_off = (statistics.median(r["timing_s/step"] for r in rows[:n]) for rows in (on, off))
+    off_args = [*args.overrides, "trainer.parity=off"]
+    if args.abba:
+        runs = [("off_1", False), ("on_1", True), ("on_2", True), ("off_2", False)]
+        done = {
+            name: train(
+                args.out / f"guard_{name}",
+                args.steps_on if is_on else args.steps_off,
+                args.overrides if is_on else off_args,
+            )
+            for name, is_on in runs
+        }
+        arms = [[done["on_1"], done["on_2"]], [done["off_1"], done["off_2"]]]
+    else:
+        arms = [[train(args.out / "guard_on", args.steps_on, args.overrides)]]
+        arms.append([train(args.out / "guard_off", args.steps_off, off_args)])
+    n = min(len(rows) for arm in arms for rows in arm)
+    step_on, step_off = (statistics.median(r["timing_s/step"] for rows in arm for r in rows[:n]) for arm in arms)
+    on = [r for rows in arms[0] for r in rows]
     guard = [r.get("timing_s/parity", 0.0) + r.get("timing_s/parity_weights", 0.0) for r in on]
     share = [g / r["timing_s/step"] for g, r in zip(guard, on, strict=True)]
     print(f"median step, first {n} steps: guard on {step_on:.2f} s, off {step_off:.2f} s ({step_on / step_off:.3f}x)")

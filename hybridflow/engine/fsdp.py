@@ -163,6 +163,7 @@ class FSDPEngine(Engine):
 
     @property
     def pipeline_stages(self) -> int:
+        """Stages the decoder layers are split over (1: no pipeline parallel)."""
         return self.dims.pp
 
     @property
