@@ -131,13 +131,8 @@ class EngineConfig(Section):
     def dp_size(self, world: int, section: str = "engine.") -> int:
         """Data-parallel groups (distinct shards of the batch) among `world` ranks: world / (tp x sp x pp).
         `section`: the key path of this engine in the message ("actor.engine.", ...)."""
-        check_divides(
-            world,
-            self.tensor_parallel_size,
-            self.ulysses_sequence_parallel_size,
-            section,
-            self.pipeline_model_parallel_size,
-        )
+        tp, sp, pp = self.tensor_parallel_size, self.ulysses_sequence_parallel_size, self.pipeline_model_parallel_size
+        check_divides(world, tp, sp, section, pp=pp)
         return world // self.ranks_per_dp_group
 
     def resolve_reshard_after_forward(self, device: torch.device) -> bool:

@@ -93,7 +93,7 @@ class ParallelDims:
         Raises ValueError naming `section`'s keys ("actor.engine.", ...) when a size does not divide."""
         size = fsdp_shard_size(cfg, world, device, section)
         tp, sp, pp = cfg.tensor_parallel_size, cfg.ulysses_sequence_parallel_size, cfg.pipeline_model_parallel_size
-        check_divides(world, tp, sp, section, pp)
+        check_divides(world, tp, sp, section, pp=pp)
         fsdp_ranks = world // (tp * pp)
         return cls(dp_replicate=fsdp_ranks // size, dp_shard=size, tp=tp, sp=sp, pp=pp)
 
@@ -178,7 +178,7 @@ def fsdp_shard_size(cfg: EngineConfig, world: int, device: torch.device | str, s
     resolved; it must divide world / (tensor_parallel_size x pipeline_model_parallel_size) (sequence parallel is not
     checked here: `check_divides`)."""
     tp, pp = cfg.tensor_parallel_size, cfg.pipeline_model_parallel_size
-    check_divides(world, tp, 1, section, pp)
+    check_divides(world, tp, 1, section, pp=pp)
     fsdp_ranks = world // (tp * pp)
     size = cfg.fsdp_size if cfg.fsdp_size is not None else (1 if torch.device(device).type == "cpu" else -1)
     size = fsdp_ranks if size == -1 else size
@@ -189,7 +189,7 @@ def fsdp_shard_size(cfg: EngineConfig, world: int, device: torch.device | str, s
     return size
 
 
-def check_divides(world: int, tp: int, sp: int, section: str = "engine.", pp: int = 1) -> None:
+def check_divides(world: int, tp: int, sp: int, section: str = "engine.", *, pp: int = 1) -> None:
     """Refuse tp x sp x pp that does not divide `world`, naming the keys of `section` that are > 1."""
     sizes = (("tensor_parallel_size", tp), ("ulysses_sequence_parallel_size", sp), ("pipeline_model_parallel_size", pp))
     for key, size in sizes:

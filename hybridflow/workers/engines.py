@@ -82,7 +82,7 @@ def declare_engine_mesh(worker: Any, mesh_name: str, cfg: EngineConfig, section:
     Returns the dp size; raises ValueError (naming `section`, e.g. "actor.engine.") when tp x sp x pp does not divide
     the world."""
     tp, sp, pp = cfg.tensor_parallel_size, cfg.ulysses_sequence_parallel_size, cfg.pipeline_model_parallel_size
-    check_divides(worker.world_size, tp, sp, section, pp)
+    check_divides(worker.world_size, tp, sp, section, pp=pp)
     dims = ParallelDims.from_config(cfg, worker.world_size, device_kind(), section)
     worker._register_dispatch_collect_info(mesh_name, dims.coords(worker.rank).dp, dims.is_collect(worker.rank))
     return dims.dp
