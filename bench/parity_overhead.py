@@ -83,6 +83,8 @@ def main() -> None:
         f"guard's own time over {len(on)} steps: median {statistics.median(guard):.3f} s, "
         f"share of step median {statistics.median(share):.2%}, max {max(share):.2%}"
     )
+    for key in ("timing_s/parity", "timing_s/parity_weights"):
+        print(f"  {key}: median {statistics.median(r.get(key, 0.0) for r in on):.3f} s")
     worst = {k: max(r.get(k, 0.0) for r in on) for k in ("parity/logprob_gap_mean", "parity/logprob_gap_max")}
     findings = sum(r.get("parity/weight_findings", 0.0) + r.get("parity/token_mismatch_rows", 0.0) for r in on)
     print(f"largest gaps: {worst}; weight findings + token mismatches over the run: {findings:.0f}")

@@ -24,7 +24,8 @@ def test_blocks_tiling_a_tensor_add_up_to_it(w, dtype):
     whole = tensor_fingerprint(t)
     assert combine(tensor_fingerprint(t[:100]), tensor_fingerprint(t[100:], row_offset=100)) == whole  # row shards
     assert combine(tensor_fingerprint(t[:, :288]), tensor_fingerprint(t[:, 288:])) == whole  # column shards
-    blocks = [tensor_fingerprint(t[:50, :7]), tensor_fingerprint(t[:50, 7:]), tensor_fingerprint(t[50:], 50)]
+    right = tensor_fingerprint(t[:50, 7:], col_start=(7,), row_shape=(576,))  # bf16 / fp16: parities from col 7
+    blocks = [tensor_fingerprint(t[:50, :7]), right, tensor_fingerprint(t[50:], 50)]
     assert combine(*blocks) == whole  # ragged, unaligned blocks too
 
 
@@ -43,3 +44,40 @@ def test_named_fingerprints_and_differences(w):
     held = fingerprints({"a": w, "b": w[:10] * 2, "c": w})
     assert differing(sent, held) == ["b", "c"]
     assert differing(sent, sent) == []
+
+
+def test_hand_computed_value_of_2_byte_elements():
+    # bf16 1.0 is 0x3F80, -2.0 is 0xC000: row 0 of [[1, -2, 1]] sums 0x3F80 + 0xC000 * 2^16 + 0x3F80 (mod 2^32)
+    t = torch.tensor([[1.0, -2.0, 1.0], [0.0, 0.0, 1.0]], dtype=torch.bfloat16)
+    g = row_weights(0, 2).tolist()
+    rows = [0x3F80 + 0xC000 * 2**16 + 0x3F80, 0x3F80]
+    assert tensor_fingerprint(t) == (g[0] * rows[0] + g[1] * rows[1]) % 2**32
+
+
+def test_2_byte_pairs_and_the_element_wise_path_agree(w):
+    t = w.bfloat16()
+    flat = torch.cat([torch.zeros(1, dtype=torch.bfloat16), t.reshape(-1)])[1:].view(300, 576)  # odd storage offset
+    assert flat.storage_offset() == 1 and tensor_fingerprint(flat) == tensor_fingerprint(t)
+    odd = t[:, :575].contiguous()  # odd width: the element-wise path
+    assert combine(tensor_fingerprint(odd), tensor_fingerprint(t[:, 575:], col_start=(575,), row_shape=(576,))) == (
+        tensor_fingerprint(t)
+    )
+
+
+def test_blocks_of_a_3d_tensor_add_up_to_it():
+    t = torch.randn(4, 5, 6).bfloat16()
+    blocks = [
+        (slice(0, 4), slice(0, 2), slice(0, 3)),
+        (slice(0, 4), slice(0, 2), slice(3, 6)),
+        (slice(0, 4), slice(2, 5), slice(0, 6)),
+    ]
+    prints = [tensor_fingerprint(t[b], 0, (b[1].start, b[2].start), (5, 6)) for b in blocks]
+    assert combine(*prints) == tensor_fingerprint(t)
+
+
+@pytest.mark.parametrize("col", [4, 5])  # the low and the high half of a 32-bit pair
+def test_2_byte_elements_see_one_ulp_in_either_half(w, col):
+    t = w.bfloat16()
+    nudged = t.clone()
+    nudged.view(torch.int16)[3, col] += 1  # the next bf16 away from 0
+    assert tensor_fingerprint(nudged) != tensor_fingerprint(t)

@@ -159,7 +159,10 @@ def expected_shard_prints(named: Mapping[str, Tensor], layout: GenerationLayout,
         for p in plan_pieces(held, targets):
             if p.src == rank:  # each piece counted once, by the rank that provides it
                 piece = block_view(local, held[rank], p.region).to(dtype)
-                table[p.dst, j] += tensor_fingerprint(piece, p.region[0][0] - targets[p.dst][0][0])
+                start = [a - b for (a, _), (b, _) in zip(p.region, targets[p.dst])]  # inside the generation shard
+                table[p.dst, j] += tensor_fingerprint(
+                    piece, start[0], start[1:], [b - a for a, b in targets[p.dst][1:]]
+                )
     dist.all_reduce(table)  # sums of a few values < 2^32 per rank: no int64 overflow
     table %= MOD
     prints = {id(t): int(table[rank, j]) for j, (_, t) in enumerate(groups)}
