@@ -2,10 +2,11 @@
 
 For each layout, `world` processes (1 thread each, gloo over loopback, oversubscribed on the cores)
 hold SmolLM2-135M twice: the actor's training shards (fp32 FSDP2, or dp x tp with the tensor-parallel
-engine) and the native rollout's generation shard (bf16, rollout.tensor_model_parallel_size=tp_g,
+engine, or pipeline stages: pp x dp, pp x tp) and the native rollout's generation shard (bf16, rollout.tensor_model_parallel_size=tp_g,
 dp_g = world / tp_g groups). Round by round, alternating:
 
-- `plain`:   gather the full model on every rank (`gather_full`, each tied weight once), then
+- `plain`:   gather the full model on every rank (`gather_full`, each tied weight once; with pipeline
+             stages `Engine.full_state_dict`, which also exchanges the stages' full weights), then
              `load_weights` takes this rank's chunks (what sync_weights did before the reshard).
 - `reshard`: `reshard_into` (hybridflow/engine/reshard.py): each rank receives only the pieces of
              its generation shard it does not hold, written straight into the rollout's tensors.
@@ -21,6 +22,9 @@ SmolLM2 has 9 attention heads and 3 kv heads, so tensor parallel sizes are 1 or 
 layouts are 3 ranks FSDP dp3 -> tp3, 6 ranks dp2 x tp3 (tensor-parallel engine) -> tp3 x dp2,
 and 6 ranks FSDP dp6 -> tp3 x dp2, with generation tp groups spaced as the worker spaces them
 ({0,2,4}, {1,3,5}: each FSDP shard inside its generation shard) and, for comparison, consecutive.
+With pipeline stages (30 layers: 2 or 3 stages): 3 ranks pp3 -> tp3, 6 ranks pp2 x tp3 -> tp3 x dp2
+and 6 ranks pp2 x dp3 (FSDP over each stage's 3 ranks) -> tp3 x dp2, generation groups consecutive
+(as the worker lays them out beside a pipelined actor).
 
     PYTHONPATH=. .venv/bin/python bench/reshard.py --rounds 3
 """
@@ -40,13 +44,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 LAYOUTS = {
-    "dp3": (3, 1, 3, True),
-    "dp2xtp3": (6, 3, 3, True),
-    "dp6": (6, 1, 3, True),
-    "dp6-consecutive": (6, 1, 3, False),
+    "dp3": (3, 1, 1, 3, True),
+    "dp2xtp3": (6, 1, 3, 3, True),
+    "dp6": (6, 1, 1, 3, True),
+    "dp6-consecutive": (6, 1, 1, 3, False),
+    "pp3": (3, 3, 1, 3, False),
+    "pp2xtp3": (6, 2, 3, 3, False),
+    "pp2xdp3": (6, 2, 1, 3, False),
 }
-"""name -> (world, training tp, generation tp, whether generation tp groups are spaced as the worker
-spaces them beside a plain FSDP actor (`aligned_stride`) or, False, consecutive ranks)."""
+"""name -> (world, pipeline stages, training tp, generation tp, whether generation tp groups are spaced as the
+worker spaces them beside a plain FSDP actor (`aligned_stride`) or, False, consecutive ranks)."""
 
 
 def _trim_and_rss() -> float:
@@ -62,7 +69,7 @@ def _status(key: str) -> float:
         return next(float(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
 
 
-def _build(train_tp: int, gen_tp: int, aligned: bool):
+def _build(pp: int, train_tp: int, gen_tp: int, aligned: bool):
     from hybridflow.engine import EngineConfig, FSDPEngine
     from hybridflow.engine.reshard import aligned_stride
     from hybridflow.engine.tensor_parallel import TensorParallelEngine
@@ -70,9 +77,15 @@ def _build(train_tp: int, gen_tp: int, aligned: bool):
     from hybridflow.rollout import RolloutConfig, build_rollout
 
     path = default_model_dir()
-    cfg = EngineConfig(param_dtype="bf16", tensor_parallel_size=train_tp, fsdp_size=-1, cpu_keep_freed_memory=False)
-    engine = (TensorParallelEngine if train_tp > 1 else FSDPEngine).from_pretrained(path, cfg)
-    stride = aligned_stride(dist.get_world_size() if train_tp == 1 else None, gen_tp) if aligned else 1
+    cfg = EngineConfig(
+        param_dtype="bf16",
+        tensor_parallel_size=train_tp,
+        pipeline_model_parallel_size=pp,
+        fsdp_size=-1,
+        cpu_keep_freed_memory=False,
+    )
+    engine = (TensorParallelEngine if train_tp > 1 and pp == 1 else FSDPEngine).from_pretrained(path, cfg)
+    stride = aligned_stride(dist.get_world_size() if train_tp == pp == 1 else None, gen_tp) if aligned else 1
     rollout = build_rollout(
         RolloutConfig(dtype="bf16", tensor_model_parallel_size=gen_tp), path, load_tokenizer(path), tp_stride=stride
     )
@@ -85,7 +98,10 @@ def _variants(engine, rollout) -> dict:
     from hybridflow.rollout.sync import reshard_into
 
     def plain() -> tuple[int, int]:
-        full = gather_named(named_weights(engine.module), rollout.weight_dtype)
+        if engine.pipeline_stages > 1:
+            full = engine.full_state_dict(dtype=rollout.weight_dtype)
+        else:
+            full = gather_named(named_weights(engine.module), rollout.weight_dtype)
         rollout.load_weights(full)
         return sum({id(t): t.nbytes for t in full.values()}.values()), 0
 
@@ -155,12 +171,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _layout(world: int, train_tp: int, gen_tp: int, aligned: bool) -> str:
+def _layout(world: int, pp: int, train_tp: int, gen_tp: int, aligned: bool) -> str:
     from hybridflow.engine.reshard import aligned_stride
 
-    train = f"dp{world // train_tp}" + (f"xtp{train_tp}" if train_tp > 1 else "")
+    dp = world // (pp * train_tp)
+    parts = [f"pp{pp}" if pp > 1 else "", f"dp{dp}" if dp > 1 or pp == train_tp == 1 else "", f"tp{train_tp}"]
+    train = "x".join(p for p in parts if p and p != "tp1")
     gen = f"tp{gen_tp}" + (f"xdp{world // gen_tp}" if world > gen_tp else "")
-    stride = aligned_stride(world if train_tp == 1 else None, gen_tp) if aligned else 1
+    stride = aligned_stride(world if train_tp == pp == 1 else None, gen_tp) if aligned else 1
     groups = "consecutive" if stride == 1 else f"{stride} apart"
     return f"{train} -> {gen}, generation tp groups {groups}"
 

@@ -2,7 +2,9 @@
 
 Training layout: every weight is a DTensor over the engine's mesh (FSDP2's Shard(0) over dp, times
 DTensor tensor parallel for the tp engine, Replicate over HSDP replicas), or a plain tensor that
-every rank holds whole. A rank's local piece is one block of the full tensor (`held_boxes`).
+every rank holds whole. A rank's local piece is one block of the full tensor (`held_boxes`). With pipeline
+stages a weight lives only on its stage's ranks; the others hold none of it. Who holds which block of every
+weight is the plan's `WeightTable` (hybridflow/engine/reshard_plan.py).
 Generation layout (`GenerationLayout`): tp groups of `tp` global ranks, consecutive or strided (as the
 rollout's `tensor_parallel_group`; `aligned_stride` picks the stride that makes each FSDP shard part of
 its generation shard); a split weight is cut into `tp` even chunks along its split dim, group rank i
@@ -12,7 +14,8 @@ For each weight, each rank's target block is cut by the distinct held blocks; a 
 the rank itself when it holds that block (a cast-copy, nothing on the wire), else from one of the
 ranks holding it (chosen by receiver rank, which spreads the load over replicas), by point-to-point
 isend/irecv, one packed message per pair of ranks and bucket of weights. Every rank derives the same
-plan from the placements alone, so no exchange is needed to match sends and receives. Pieces land in
+plan from the placements alone (under pp, exchanged once per engine: `gathered_table`), so no exchange is
+needed to match sends and receives. Pieces land in
 the destination tensors (the rollout's own, or new ones); the only other memory is one bucket's
 packed send and receive buffers. No rank materialises a full tensor it does not keep whole.
 
@@ -22,7 +25,6 @@ model on every rank; here a rank receives its generation shard less what it alre
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -30,12 +32,20 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
 from hybridflow.engine.parallel_dims import aligned_stride, group_coords  # noqa: F401  (re-exported)
+from hybridflow.engine.reshard_plan import (  # noqa: F401  (held_boxes, Piece, ...: re-exported)
+    Box,
+    Piece,
+    WeightTable,
+    held_boxes,
+    local_table,
+    plan_pieces,
+    split_pieces,
+    unique_tensors,
+    volume,
+)
 
-Box = tuple[tuple[int, int], ...]
-"""A block of a tensor: (start, stop) per dim, in the full tensor's coordinates."""
 BUCKET_BYTES = 32 * 2**20
 """Complete the transfers every this many bytes on the wire (all ranks' pieces, in the target dtype):
 bounds each rank's send and receive buffers."""
@@ -67,15 +77,6 @@ class GenerationLayout:
         return tuple(box)
 
 
-@dataclass(frozen=True)
-class Piece:
-    """One block of one weight moving from rank `src` to rank `dst` (the same rank: a local copy)."""
-
-    src: int
-    dst: int
-    region: Box
-
-
 @dataclass
 class ReshardStats:
     """What one reshard moved and allocated on this rank, in bytes."""
@@ -94,51 +95,6 @@ class ReshardStats:
         return self.allocated + self.peak_buffers
 
 
-def held_boxes(t: Tensor, world: int, meshes: dict[int, tuple] | None = None) -> tuple[Box, ...]:
-    """The block of the full tensor that each global rank < `world` holds of `t` (all of it for a plain
-    tensor). `meshes`: a cache of each device mesh's ranks and shape (reading `DeviceMesh.mesh` is slow)."""
-    if not isinstance(t, DTensor):
-        return (tuple((0, n) for n in t.shape),) * world
-    mesh, meshes = t.device_mesh, meshes if meshes is not None else {}
-    if id(mesh) not in meshes:
-        meshes[id(mesh)] = (tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape))
-    ranks, shape = meshes[id(mesh)]
-    return tuple(_held_box(tuple(t.shape), ranks, shape, tuple(t.placements), r) for r in range(world))
-
-
-@functools.cache
-def _held_box(
-    shape: tuple[int, ...], ranks: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple, rank: int
-) -> Box:
-    flat, coord = ranks.index(rank), []
-    for size in reversed(mesh_shape):
-        flat, c = divmod(flat, size)
-        coord.insert(0, c)
-    local, offset = _compute_local_shape_and_global_offset(shape, mesh_shape, coord, placements)
-    return tuple((o, o + n) for o, n in zip(offset, local))
-
-
-def _intersect(a: Box, b: Box) -> Box | None:
-    box = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
-    return box if all(lo < hi for lo, hi in box) else None
-
-
-@functools.cache
-def plan_pieces(held: tuple[Box, ...], targets: tuple[Box, ...]) -> tuple[Piece, ...]:
-    """The pieces that give every rank r its `targets[r]` from the blocks `held[r]` (ranks with the same
-    block are replicas: a rank takes a block from itself if it can, else from replica number r mod count)."""
-    holders: dict[Box, list[int]] = {}
-    for rank, box in enumerate(held):
-        holders.setdefault(box, []).append(rank)
-    pieces = []
-    for dst, want in enumerate(targets):
-        for box, ranks in holders.items():
-            region = _intersect(box, want)
-            if region is not None:
-                pieces.append(Piece(dst if dst in ranks else ranks[dst % len(ranks)], dst, region))
-    return tuple(pieces)
-
-
 def named_weights(module: torch.nn.Module) -> dict[str, Tensor]:
     """Every parameter of `module` under each of its names (tied ones repeated, the same object)."""
     return dict(module.named_parameters(remove_duplicate=False))
@@ -147,13 +103,6 @@ def named_weights(module: torch.nn.Module) -> dict[str, Tensor]:
 def block_view(t: Tensor, box: Box, region: Box) -> Tensor:
     """The part of `t` (which holds block `box` of its full tensor) that is `region` of the full tensor."""
     return t[tuple(slice(lo - b0, hi - b0) for (lo, hi), (b0, _) in zip(region, box))]
-
-
-def _volume(box: Box) -> int:
-    n = 1
-    for lo, hi in box:
-        n *= hi - lo
-    return n
 
 
 @dataclass
@@ -172,19 +121,20 @@ class _Bucket:
     sends: dict[int, list[Tensor]] = field(default_factory=dict)
     receives: dict[int, list[Tensor]] = field(default_factory=dict)
 
-    def add(self, p: Piece, local: Tensor, own: Box, dest: Tensor, dest_box: Box) -> None:
-        """Copy `p` if it is local; else queue it if this rank sends (a view of `local`) or receives it (a view
-        of `dest`), in plan order, which both ends of every pair share."""
+    def add(self, p: Piece, local: Tensor | None, own: Box | None, dest: Tensor, dest_box: Box) -> None:
+        """Copy `p` if it is local; else queue it if this rank sends (a view of `local`, its block `own`; None where
+        this rank holds none of the weight, so sends none of it) or receives it (a view of `dest`), in plan order,
+        which both ends of every pair share."""
         if p.src == p.dst:
             if p.src == self.rank:
                 block_view(dest, dest_box, p.region).copy_(block_view(local, own, p.region))
-                self.stats.local += _volume(p.region) * dest.element_size()
+                self.stats.local += volume(p.region) * dest.element_size()
             return
         if p.src == self.rank:
             self.sends.setdefault(p.dst, []).append(block_view(local, own, p.region))
         elif p.dst == self.rank:
             self.receives.setdefault(p.src, []).append(block_view(dest, dest_box, p.region))
-        self.filled += _volume(p.region) * dest.element_size()
+        self.filled += volume(p.region) * dest.element_size()
         if self.filled >= self.bucket_bytes:
             self.finish()
 
@@ -209,19 +159,6 @@ class _Bucket:
         self.sends, self.receives, self.filled, self.tag = {}, {}, 0, self.tag + 1
 
 
-@functools.cache
-def split_pieces(pieces: tuple[Piece, ...], max_elems: int) -> tuple[Piece, ...]:
-    """`pieces` with every moved piece larger than `max_elems` cut into blocks of rows no larger (so one
-    big weight spreads over buckets instead of needing buffers its size)."""
-    out = []
-    for p in pieces:
-        (lo, hi), rest = p.region[0], p.region[1:]
-        row = _volume(rest)
-        step = hi - lo if p.src == p.dst else max(1, max_elems // max(row, 1))
-        out += [Piece(p.src, p.dst, ((r, min(r + step, hi)), *rest)) for r in range(lo, hi, step)]
-    return tuple(out)
-
-
 def _pack(views: list[Tensor], dtype: torch.dtype) -> Tensor:
     flat = torch.empty(sum(v.numel() for v in views), dtype=dtype, device=views[0].device)
     offset = 0
@@ -238,14 +175,6 @@ def _unpack(flat: Tensor, views: list[Tensor]) -> None:
         offset += v.numel()
 
 
-def unique_tensors(named: Mapping[str, Tensor]) -> list[tuple[list[str], Tensor]]:
-    """(names, tensor) per distinct tensor object, in first-seen order (tied parameters once)."""
-    groups: dict[int, tuple[list[str], Tensor]] = {}
-    for name, t in named.items():
-        groups.setdefault(id(t), ([], t))[0].append(name)
-    return list(groups.values())
-
-
 def local_block(name: str, t: Tensor, box: Box) -> Tensor:
     """This rank's piece of `t`, checked to be the block `box` claims."""
     local = t.detach().to_local() if isinstance(t, DTensor) else t.detach()
@@ -258,7 +187,7 @@ def local_block(name: str, t: Tensor, box: Box) -> Tensor:
 
 
 def _destination(
-    names: list[str],
+    names: tuple[str, ...],
     shape: tuple[int, ...],
     dtype: torch.dtype,
     out: Mapping[str, Tensor] | None,
@@ -288,37 +217,43 @@ def reshard(
     out: Mapping[str, Tensor] | None = None,
     stats: ReshardStats | None = None,
     bucket_bytes: int = BUCKET_BYTES,
+    table: WeightTable | None = None,
 ) -> dict[str, Tensor]:
-    """This rank's generation shard of every weight in `named` (name -> training tensor, DTensor or plain,
-    the same names in the same order on every rank: a collective over the default group), in `dtype`.
-    Pass parameters (`named_weights`), not a state dict: FSDP2's state dict wraps a tied parameter in
-    two DTensor objects, which would move it twice.
+    """This rank's generation shard of every weight of the model, in `dtype` (a collective over the default group).
+    `named`: name -> this rank's training tensor (DTensor or plain). Pass parameters (`named_weights`), not a state
+    dict: FSDP2's state dict wraps a tied parameter in two DTensor objects, which would move it twice.
 
+    `table`: every weight and who holds which block of it, the same on every rank (reshard_plan.py); None reads it
+    off `named` (`local_table`: every rank holds every name, the same names in the same order). Pipeline stages,
+    whose ranks hold different weights, pass `gathered_table(named, ...)`.
     `out`: name -> destination tensor (the rollout's own, shaped as the shard) to write into; without
     it new tensors are returned. Tied weights are moved once. `stats` is filled with what moved.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
+    table = table if table is not None else local_table(named, world)
     stats = stats if stats is not None else ReshardStats()
     bucket = _Bucket(rank, stats, dtype, bucket_bytes)
     max_elems = bucket_bytes // torch.empty(0, dtype=dtype).element_size()
+    device = next(iter(named.values())).device
     result: dict[str, Tensor] = {}
     late: list[tuple[str, Tensor]] = []
-    meshes: dict[int, tuple] = {}
-    for names, t in unique_tensors(named):
-        held = held_boxes(t, world, meshes)
-        targets = tuple(layout.target(names[0], tuple(t.shape), r) for r in range(world))
-        local = local_block(names[0], t, held[rank])
-        dest = _destination(names, tuple(hi - lo for lo, hi in targets[rank]), dtype, out, stats, local.device)
-        for piece in split_pieces(plan_pieces(held, targets), max_elems):
-            bucket.add(piece, local, held[rank], dest, targets[rank])
-        late += [(name, dest) for name in _alias(names, dest, out, result)]
+    for spec in table:
+        name, own = spec.names[0], spec.held[rank]
+        targets = tuple(layout.target(name, spec.shape, r) for r in range(world))
+        local = None if own is None else local_block(name, named[name], own)
+        dest = _destination(spec.names, tuple(hi - lo for lo, hi in targets[rank]), dtype, out, stats, device)
+        for piece in split_pieces(plan_pieces(spec.held, targets), max_elems):
+            bucket.add(piece, local, own, dest, targets[rank])
+        late += [(n, dest) for n in _alias(spec.names, dest, out, result)]
     bucket.finish()
     for name, dest in late:
         result[name].copy_(dest)
     return result
 
 
-def _alias(names: list[str], dest: Tensor, out: Mapping[str, Tensor] | None, result: dict[str, Tensor]) -> list[str]:
+def _alias(
+    names: tuple[str, ...], dest: Tensor, out: Mapping[str, Tensor] | None, result: dict[str, Tensor]
+) -> list[str]:
     """Record `dest` under every name of a tied weight; returns the names whose own destination is
     another tensor (to be copied from `dest` once the transfers completed)."""
     late = []

