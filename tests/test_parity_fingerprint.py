@@ -81,3 +81,10 @@ def test_2_byte_elements_see_one_ulp_in_either_half(w, col):
     nudged = t.clone()
     nudged.view(torch.int16)[3, col] += 1  # the next bf16 away from 0
     assert tensor_fingerprint(nudged) != tensor_fingerprint(t)
+
+
+def test_the_documented_blind_spot_an_exactly_doubled_fp32_tensor():
+    # fingerprint.py's docstring: every word + 2^23, summed over 576 x 576 words, cancels modulo 2^32
+    t = torch.randn(576, 576, generator=torch.Generator().manual_seed(1))
+    assert tensor_fingerprint(t * 2) == tensor_fingerprint(t)
+    assert tensor_fingerprint((t * 2).bfloat16()) != tensor_fingerprint(t.bfloat16())
