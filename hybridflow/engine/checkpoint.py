@@ -9,10 +9,10 @@ Layout of a checkpoint directory (e.g. `ckpts/global_step_20`):
 
 Optimizer state is saved nested (torch's form: moments per parameter name, settings per param group) without
 pipeline parallel, and flat (every setting keyed by its parameter's name too) at pipeline_model_parallel_size > 1,
-where the stages hold disjoint parameters. DCP reshards tensors, so either form loads at any dp / tp / sp / pp
-layout: a pipeline stage loading a nested checkpoint reads the moments under the keys the two forms share, its
-parameters' settings from the param groups, and a tied LM head's moments from the embedding's (one process saves
-the one tied parameter under the embedding's name).
+where the stages hold disjoint parameters. `load_checkpoint` takes either form at any dp / tp / sp / pp layout
+(DCP reshards the tensors): a pipeline stage loading a nested checkpoint reads the moments under the keys the two
+forms share, its parameters' settings from the param groups, and a tied LM head's moments from the embedding's
+(one process saves the one tied parameter under the embedding's name).
 
 With LoRA adapters (`Engine.has_adapters`) the shards hold the adapters and their
 optimizer state only, never the frozen base weights: the base model comes back from its
