@@ -9,14 +9,19 @@ engine skips, so it slightly overstates the work done — see the printout).
 With `--lora-rank R` the same batch is then timed on a LoRA engine (adapters of rank R on
 every linear layer), and the full-update / LoRA-update step-time ratio is printed.
 
-With `--layout dp|tp|sp --ranks N` the same global batch is timed on N gloo processes of
+With `--layout dp|tp|sp|pp --ranks N` the same global batch is timed on N gloo processes of
 `--threads` threads each: dp splits the rows over the ranks (FSDP2), tp splits every decoder
 layer (tensor_parallel_size=N), sp splits every micro-batch's packed tokens (Ulysses,
-ulysses_sequence_parallel_size=N). Steps are timed on every rank; a step counts as its slowest rank's.
+ulysses_sequence_parallel_size=N), pp splits the decoder layers into N stages that run the
+micro-batches as a pipeline (pipeline_model_parallel_size=N; one micro-batch, the default
+`--micro 8`, leaves one stage idle while the other runs: `--micro 2` gives the schedule 4).
+Steps are timed on every rank; a step counts as its slowest rank's. Each rank's peak RSS over
+the warm-up and timed steps (the high-water mark reset after the engine is built) is printed.
 
     .venv/bin/python bench/train_step.py            # defaults: 8 x 256, bf16, 2 threads
     .venv/bin/python bench/train_step.py --lora-rank 8 --lora-alpha 16
     .venv/bin/python bench/train_step.py --layout sp --ranks 2 --threads 1
+    .venv/bin/python bench/train_step.py --layout pp --ranks 2 --threads 1 --micro 2
 
 With `--profile` one more step is run under torch.profiler and FlopCounterMode: the ops with the most
 self time, and the GEMMs' (aten::mm / bmm) FLOPs, time and rate beside the matmul figure, i.e. how much
@@ -40,6 +45,7 @@ from hybridflow import keys
 from hybridflow.engine import EngineConfig, FSDPEngine, LoraConfig, OptimConfig
 from hybridflow.models import default_model_dir
 from hybridflow.utils.hardware import describe_cpu, matmul_gflops
+from hybridflow.utils.peak_memory import operator_peak
 
 
 def make_batch(rows: int, prompt_len: int, resp_len: int) -> dict[str, torch.Tensor]:
@@ -82,7 +88,11 @@ def build_engine(args, lora: LoraConfig | None = None) -> FSDPEngine:
     return FSDPEngine.from_pretrained(default_model_dir(), config, OptimConfig(lr=1e-5), lora=lora)
 
 
-LAYOUT_KEYS = {"tp": "tensor_parallel_size", "sp": "ulysses_sequence_parallel_size"}
+LAYOUT_KEYS = {
+    "tp": "tensor_parallel_size",
+    "sp": "ulysses_sequence_parallel_size",
+    "pp": "pipeline_model_parallel_size",
+}
 """--layout -> the EngineConfig field set to --ranks (dp sets none)."""
 
 
@@ -103,8 +113,11 @@ def _layout_rank(rank: int, args, port: int, out_dir: str) -> None:
     }
     micro = [{k: v[i : i + args.micro] for k, v in data.items()} for i in range(0, rows, args.micro)]
     base = token_mean_nll(args.batch * args.response)
-    times, metrics = time_steps(engine, micro, lambda out, m: (base(out, m)[0] * dp, {}), args.steps)
-    torch.save({"times": times, "metrics": metrics}, Path(out_dir) / f"rank{rank}.pt")
+    peak: dict[str, float] = {}
+    with operator_peak("steps", peak):
+        times, metrics = time_steps(engine, micro, lambda out, m: (base(out, m)[0] * dp, {}), args.steps)
+    result = {"times": times, "metrics": metrics, "peak_gb": peak["memory/peak_gb/steps"]}
+    torch.save(result, Path(out_dir) / f"rank{rank}.pt")
 
 
 def run_layout(args) -> None:
@@ -116,7 +129,7 @@ def run_layout(args) -> None:
         mp.spawn(_layout_rank, args=(args, port, tmp), nprocs=args.ranks, join=True)
         ranks = [torch.load(Path(tmp) / f"rank{r}.pt") for r in range(args.ranks)]
     times = [max(step) for step in zip(*(r["times"] for r in ranks))]
-    # dp: each rank's loss is its rows' share x dp, so the mean over ranks is the batch's; tp / sp ranks agree
+    # dp: each rank's loss is its rows' share x dp, so the mean over ranks is the batch's; tp / sp / pp ranks agree
     m = {k: sum(r["metrics"][k] for r in ranks) / len(ranks) for k in ("loss", "grad_norm")}
     tokens = args.batch * args.seq
     print(describe_cpu(args.threads))
@@ -129,6 +142,11 @@ def run_layout(args) -> None:
         f"(slowest rank; loss {m['loss']:.3f}, grad_norm {m['grad_norm']:.2f}, means over ranks)"
     )
     print(f"tokens/s   {tokens / min(times):.0f} at the best step, {tokens * len(times) / sum(times):.0f} at the mean")
+    print(
+        "peak RSS   "
+        + "  ".join(f"rank {i} {r['peak_gb']:.2f} GB" for i, r in enumerate(ranks))
+        + "  (during the steps)"
+    )
 
 
 def main() -> None:
@@ -147,9 +165,9 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="also profile one step: top ops, GEMM FLOPs and rate")
     ap.add_argument(
         "--layout",
-        choices=["dp", "tp", "sp"],
+        choices=["dp", "tp", "sp", "pp"],
         default=None,
-        help="time on --ranks gloo processes: rows split (dp), layers split (tp) or tokens split (sp)",
+        help="time on --ranks gloo processes: rows split (dp), layers split (tp), tokens split (sp), stages (pp)",
     )
     ap.add_argument("--ranks", type=int, default=2, help="processes of a --layout run")
     args = ap.parse_args()

@@ -15,9 +15,8 @@ import torch.multiprocessing as mp
 
 from hybridflow import keys
 from hybridflow.config_utils import ConfigError, load_config
-from hybridflow.engine import EngineConfig, FSDPEngine, OptimConfig, export_hf
+from hybridflow.engine import EngineConfig, FSDPEngine, OptimConfig
 from hybridflow.engine.batch import TokenBudget
-from hybridflow.engine.checkpoint import CheckpointError
 from hybridflow.engine.pipeline_stage import HeadSpec, check_pp_layout, split_stage, stage_layers
 from hybridflow.models import default_model_dir, load_causal_lm, load_value_model, tiny_model_dir
 from hybridflow.protocol import DataProto
@@ -272,56 +271,6 @@ def test_a_pipeline_is_checked_against_its_layers_and_ranks_when_resolved(role, 
     message = message.format(role=role)
     with pytest.raises(ConfigError, match=message):
         resolve_here(cfg, steps_per_epoch=4)
-
-
-def _checkpoint_worker(rank: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
-    torch.set_num_threads(1)
-    out, data = Path(out_dir), _data()
-    cfg = EngineConfig(param_dtype="fp32", pipeline_model_parallel_size=2)
-    engine = FSDPEngine.from_pretrained(tiny_model_dir(), cfg, OptimConfig(**OPTIM))
-    res: dict = {}
-    try:
-        engine.load_checkpoint(out / "one")
-    except CheckpointError as err:
-        res["refused"] = str(err)
-    loss_fn = policy_nll_loss(int(data[keys.ATTENTION_MASK][:, -R:].sum()), 1, R)
-    engine.train_step(_micro(data), loss_fn)
-    engine.save_checkpoint(out / "pp2")
-    res["saved"] = engine.full_state_dict()
-    export_hf(engine, out / "hf_engine")
-    resumed = FSDPEngine.from_pretrained(tiny_model_dir(), cfg, OptimConfig(**OPTIM))
-    resumed.load_checkpoint(out / "pp2")
-    for e, key in ((engine, "next"), (resumed, "resumed_next")):
-        res[key] = (e.train_step(_micro(data), loss_fn)["grad_norm"], e.full_state_dict())
-    torch.save(res, out / f"rank{rank}.pt")
-
-
-@pytest.mark.slow  # 2 gloo processes and two one-process engines, ~25 s
-def test_pp2_checkpoint_resumes_at_pp2_and_at_pp1_and_exports(tmp_path):
-    """The stages save disjoint parts of the one-process state (the optimizer's flattened: settings per parameter);
-    a resumed run's next step (AdamW moments and step count included) equals the uninterrupted one at pp 2 and 1;
-    the HF export from the pp2 engine and from its checkpoint is the whole model."""
-    one = FSDPEngine.from_pretrained(tiny_model_dir(), EngineConfig(param_dtype="fp32"), OptimConfig(**OPTIM))
-    one.save_checkpoint(tmp_path / "one")
-    mp.spawn(_checkpoint_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
-    assert all("saved without pipeline parallel" in r["refused"] for r in ranks)
-    one = FSDPEngine.from_pretrained(tiny_model_dir(), EngineConfig(param_dtype="fp32"), OptimConfig(**OPTIM))
-    one.load_checkpoint(tmp_path / "pp2")
-    exported = [export_hf(tmp_path / "pp2", tmp_path / "hf_ckpt"), tmp_path / "hf_engine"]
-    for sd in [one.full_state_dict(), *(load_causal_lm(d).state_dict() for d in exported)]:
-        for name, w in ranks[0]["saved"].items():
-            torch.testing.assert_close(sd[name], w, atol=0, rtol=0, msg=name)
-    data = _data()
-    norm = one.train_step(_micro(data), policy_nll_loss(int(data[keys.ATTENTION_MASK][:, -R:].sum()), 1, R))[
-        "grad_norm"
-    ]
-    for r in ranks:
-        for got_norm, got in (r["resumed_next"], (norm, one.full_state_dict())):
-            assert got_norm == pytest.approx(r["next"][0], rel=1e-5)
-            for name, w in r["next"][1].items():  # lost optimizer state would put them an lr-sized step apart
-                torch.testing.assert_close(got[name], w, atol=1e-5, rtol=1e-5, msg=name)
 
 
 def _smollm2_worker(rank: int, port: int, out_dir: str) -> None:

@@ -4,8 +4,15 @@ Layout of a checkpoint directory (e.g. `ckpts/global_step_20`):
   *.distcp, .metadata   model + optimizer shards (torch.distributed.checkpoint)
   extra_rank{r}.pt      LR-schedule state and the caller's `extra` (rng, step) of rank r
   hf_config/            the model's HF config, so `export_hf` works from the shards alone
-  meta.json             world size, model kind, whether optimizer state is present, LoRA settings
+  meta.json             world size, model kind, whether optimizer state is present, LoRA settings, optimizer form
   COMPLETE              written last, by rank 0, before the directory takes its name
+
+Optimizer state is saved nested (torch's form: moments per parameter name, settings per param group) without
+pipeline parallel, and flat (every setting keyed by its parameter's name too) at pipeline_model_parallel_size > 1,
+where the stages hold disjoint parameters. `load_checkpoint` takes either form at any dp / tp / sp / pp layout
+(DCP reshards the tensors): a pipeline stage loading a nested checkpoint reads the moments under the keys the two
+forms share, its parameters' settings from the param groups, and a tied LM head's moments from the embedding's
+(one process saves the one tied parameter under the embedding's name).
 
 With LoRA adapters (`Engine.has_adapters`) the shards hold the adapters and their
 optimizer state only, never the frozen base weights: the base model comes back from its
@@ -23,6 +30,7 @@ import json
 import os
 import re
 import uuid
+from collections.abc import Mapping
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -40,6 +48,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 
 from hybridflow.engine.base import Engine
 from hybridflow.engine.config import LoraConfig
+from hybridflow.engine.gather import TIED_HEAD
 from hybridflow.models import load_causal_lm, load_tokenizer
 from hybridflow.models.value import ValueModel
 from hybridflow.utils.atomic import OLD_INFIX, TMP_INFIX, atomic_dir, fresh_dir, temp_sibling
@@ -145,14 +154,8 @@ def load_checkpoint(engine: Engine, path: Path) -> dict[str, Any]:
             f"{path} holds LoRA settings {meta.get('lora')} (None: full weights), the engine "
             f"has {_lora_meta(engine)}; build it with the checkpoint's lora settings"
         )
-    flat = meta.get("flat_optim", False)
-    if engine.pipeline_stages > 1 and not flat:
-        raise CheckpointError(
-            f"{path} was saved without pipeline parallel; loading it into pipeline_model_parallel_size="
-            f"{engine.pipeline_stages} is not implemented (load it at 1; a pipeline checkpoint loads at 1 and at its own size)"
-        )
-    state = _states(engine, flat)
-    dcp.load(state, checkpoint_id=path)  # refuses a checkpoint that lacks any of these keys
+    flat = meta.get("flat_optim", False) or engine.pipeline_stages > 1  # the form the engine loads in
+    state = _read_states(engine, path, nested=not meta.get("flat_optim", False))
     # The frozen base weights are absent from an adapter checkpoint on purpose, hence not strict there.
     options = StateDictOptions(ignore_frozen_params=True, strict=False) if engine.has_adapters else None
     options = _FLAT_OPTIM if flat else options
@@ -171,6 +174,52 @@ def load_checkpoint(engine: Engine, path: Path) -> dict[str, Any]:
     if engine.lr_scheduler is not None and blob["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(blob["lr_scheduler"])
     return blob["extra"]
+
+
+def _read_states(engine: Engine, path: Path, nested: bool) -> dict[str, Any]:
+    """The engine's states, read from `path`: in the checkpoint's optimizer form, or flat on a pipeline stage."""
+    if not (nested and engine.pipeline_stages > 1 and engine.optimizer is not None):
+        state = _states(engine, flat_optim=not nested)
+        dcp.load(state, checkpoint_id=path)  # refuses a checkpoint that lacks any of these keys
+        return state
+    return _stage_states_from_nested(engine, path)
+
+
+def _stage_states_from_nested(engine: Engine, path: Path) -> dict[str, Any]:
+    """A pipeline stage's flat states from a checkpoint saved without pp: the moments and step counts share their
+    keys with the flat form; the settings come from the checkpoint's param groups (one object per group, with its
+    parameters' names); a tied LM head's moments from the embedding's, the one name one process saves them under."""
+    state = _states(engine, flat_optim=True)
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    moments = {_saved_name(k, saved): v for k, v in state["optim"].items() if k.startswith("state.")}
+    groups = {k.removeprefix("optim."): None for k in saved if k.startswith("optim.param_groups.")}
+    read = {"model": state["model"], "optim": {**moments, **groups}}
+    dcp.load(read, checkpoint_id=path)  # tensors in place; each param-group object replaces its None
+    settings = _settings_by_param({k: read["optim"][k] for k in groups})
+    for key in [k for k in state["optim"] if k.startswith("param_groups.")]:
+        fqn, setting = key.removeprefix("param_groups.").rsplit(".", 1)
+        own = settings.get(fqn) or settings.get(TIED_HEAD.get(fqn, ""))
+        if own is None or setting not in own:
+            raise CheckpointError(f"{path} has no optimizer setting {setting!r} for {fqn}")
+        state["optim"][key] = own[setting]
+    return state
+
+
+def _saved_name(key: str, saved: Mapping[str, Any]) -> str:
+    """`key` ("state.<param>.<moment>") as the checkpoint holds it: a tied head's under the embedding's name."""
+    for alias, src in TIED_HEAD.items():
+        if f"optim.{key}" not in saved and key.startswith(f"state.{alias}."):
+            return f"state.{src}." + key.removeprefix(f"state.{alias}.")
+    return key
+
+
+def _settings_by_param(groups: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """{"param_groups.<i>.<setting>": value} of a nested optimizer state -> {param name: {setting: value}}."""
+    by_group: dict[str, dict[str, Any]] = {}
+    for key, value in groups.items():
+        _, index, setting = key.split(".", 2)
+        by_group.setdefault(index, {})[setting] = value
+    return {fqn: group for group in by_group.values() for fqn in group.get("params", ())}
 
 
 def _step_of(path: Path) -> int:
