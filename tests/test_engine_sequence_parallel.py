@@ -1,7 +1,8 @@
 """Ulysses sequence parallel x FSDP2 on gloo ranks computes what one plain process computes: log-probs and
 entropy (shared-prompt, plainly packed and token-budget micro-batches of several examples), values, the
 loss, gradients and one AdamW step, the critic's gradient norm; with heads that split evenly over sp and
-with whole kv groups split unevenly (3 kv heads over 2 ranks, as SmolLM2's 9/3 heads); the checkpoint
+with whole kv groups split unevenly (3 kv heads over 2 ranks, as SmolLM2's 9/3 heads), and with one kv head's
+q heads split over 2 ranks (as SmolLM2's at tensor parallel 3); the checkpoint
 restores into a one-process engine without sequence parallel; LoRA adapters train as in one process."""
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ MODELS = {  # name -> tiny_model_dir arguments
     "llama": dict(arch="llama"),  # 4 heads, 2 kv heads: 1 kv group per rank at sp 2
     "qwen2-uneven": dict(arch="qwen2", hidden_size=48, num_heads=6, num_kv_heads=3),  # kv groups 2 + 1
     "llama-kv6": dict(arch="llama", hidden_size=48, num_heads=6, num_kv_heads=6),  # sp 4: 2 + 2 + 1 + 1 heads
+    "qwen2-kv1": dict(arch="qwen2", hidden_size=48, num_heads=3, num_kv_heads=1),  # one kv group over 2 ranks
 }
 
 
@@ -160,6 +162,11 @@ def test_sp2_qwen2_uneven_kv_groups_match_one_process_with_checkpointing(tmp_pat
     _run(tmp_path, world=2, sp=2, model="qwen2-uneven", gc=True)
 
 
+def test_sp2_one_kv_head_split_over_the_ranks_matches_one_process(tmp_path):
+    # SmolLM2 at tensor parallel 3 leaves each rank 3 q heads and 1 kv head: the kv head's copies go to 2 + 1 q heads
+    _run(tmp_path, world=2, sp=2, model="qwen2-kv1")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fsdp_size", [1, -1], ids=["replicated", "sharded-over-dp-x-sp"])
 def test_dp2_sp2_llama_matches_one_process(tmp_path, fsdp_size):
@@ -242,12 +249,13 @@ def test_padded_row_has_one_attention_block_per_example_and_one_for_the_padding(
 def test_head_splits_and_layout_refused_with_the_numbers():
     assert kv_head_splits(3, 2) == [2, 1] and kv_head_splits(2, 2) == [1, 1] and kv_head_splits(9, 4) == [3, 2, 2, 2]
     check_sp_layout(2, 2, 9, 3)  # SmolLM2 at sp 2: 6 + 3 query heads
+    check_sp_layout(4, 4, 9, 3)  # more ranks than kv heads: kv heads repeated, 3 + 2 + 2 + 2 query heads
     with pytest.raises(
         ValueError,
-        match=r"ulysses_sequence_parallel_size=4 must be at most num_key_value_heads "
-        r"\(3\).*the model has 9 attention heads and 3 kv heads",
+        match=r"ulysses_sequence_parallel_size=12 must be at most num_attention_heads "
+        r"\(9\).*the model has 9 attention heads and 3 kv heads",
     ):
-        check_sp_layout(4, 4, 9, 3)
+        check_sp_layout(12, 12, 9, 3)
     with pytest.raises(ValueError, match=r"=2 must divide the number of ranks \(3\)"):
         check_sp_layout(2, 3, 4, 2)
     assert EngineConfig(tensor_parallel_size=2, ulysses_sequence_parallel_size=2).dp_size(8) == 2  # composes

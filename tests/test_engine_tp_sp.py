@@ -1,6 +1,7 @@
 """Tensor parallel x Ulysses sequence parallel (tp 2 x sp 2 on 4 gloo ranks, one engine: engine/parallelize.py)
 computes what one plain process computes: log-probs and entropy, values, the loss, gradients and one AdamW
-step, on tiny Llama and Qwen2 models whose 8 heads / 4 kv heads leave each tp rank 2 kv heads to split over sp.
+step, on tiny Llama and Qwen2 models whose 8 heads / 4 kv heads leave each tp rank 2 kv heads to split over sp,
+and on a Llama with 2 kv heads, whose one kv head per tp rank is repeated for the q heads each sp rank holds.
 Llama runs FSDP sharded over the dp x sp ranks (fsdp_size -1), Qwen2 replicated over them (fsdp_size 1); the
 checkpoint restores into one process."""
 
@@ -31,10 +32,10 @@ def _micro(shard: dict, size: int = 2) -> list[dict]:
     return [{k: v[i : i + size] for k, v in shard.items()} for i in range(0, ROWS, size)]
 
 
-def _worker(rank: int, world: int, arch: str, fsdp_size: int, port: int, out_dir: str) -> None:
+def _worker(rank: int, world: int, arch: str, fsdp_size: int, kv: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
-    path, data = tiny_model_dir(arch, **MODEL), _data()
+    path, data = tiny_model_dir(arch, **{**MODEL, "num_kv_heads": kv}), _data()
     cfg = EngineConfig(
         param_dtype="fp32", tensor_parallel_size=2, ulysses_sequence_parallel_size=2, fsdp_size=fsdp_size
     )
@@ -75,10 +76,10 @@ def _close_after_step(got: torch.Tensor, want: torch.Tensor, grad: torch.Tensor 
 
 
 @pytest.mark.slow  # 4 gloo processes, 30-85 s each on 2 CPU cores; .ci/run runs the slow set
-@pytest.mark.parametrize(("arch", "fsdp_size"), [("llama", -1), ("qwen2", 1)])
-def test_tp2_sp2_matches_one_process(tmp_path, arch, fsdp_size):
-    path = tiny_model_dir(arch, **MODEL)  # build the cache once, before the workers race for it
-    mp.spawn(_worker, args=(4, arch, fsdp_size, free_port(), str(tmp_path)), nprocs=4, join=True)
+@pytest.mark.parametrize(("arch", "fsdp_size", "kv"), [("llama", -1, 4), ("qwen2", 1, 4), ("llama", -1, 2)])
+def test_tp2_sp2_matches_one_process(tmp_path, arch, fsdp_size, kv):
+    path = tiny_model_dir(arch, **{**MODEL, "num_kv_heads": kv})  # build the cache once, before the workers race
+    mp.spawn(_worker, args=(4, arch, fsdp_size, kv, free_port(), str(tmp_path)), nprocs=4, join=True)
     data, ranks = _data(), [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
     ref = _reference(path, data)
     assert [r["coords"] for r in ranks] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)]  # rank = sp * 2 + tp
@@ -103,10 +104,12 @@ def test_tp2_sp2_matches_one_process(tmp_path, arch, fsdp_size):
         torch.testing.assert_close(w, ranks[0]["trained"][name], atol=0, rtol=0, msg=name)
 
 
-def test_sp_is_bounded_by_the_kv_heads_of_a_tp_rank():
+def test_sp_is_bounded_by_the_heads_of_a_tp_rank():
     check_sp_layout(2, 4, 8, 4, tp=2)  # 2 kv heads per tp rank: one per sp rank
+    check_sp_layout(2, 4, 4, 2, tp=2)  # 1 kv head per tp rank: its copies split over the sp ranks
+    check_sp_layout(3, 9, 9, 3, tp=3)  # SmolLM2 at tp 3 x sp 3
     with pytest.raises(
         ValueError,
-        match=r"=2 must be at most num_key_value_heads \(2\) / tensor_parallel_size \(2\) = 1: each sp rank",
+        match=r"=4 must be at most num_attention_heads \(4\) / tensor_parallel_size \(2\) = 2: each sp rank",
     ):
-        check_sp_layout(2, 4, 4, 2, tp=2)
+        check_sp_layout(4, 8, 4, 2, tp=2)

@@ -101,8 +101,8 @@ class EngineConfig(Section):
     ulysses_sequence_parallel_size): the world is laid out as dp x sp x tp (tp fastest), the sp ranks of a
     dp group share its rows, each runs 1/sp of every packed micro-batch's tokens, with all-to-alls around
     attention (hybridflow/engine/sequence_parallel.py); FSDP2 shards over the dp x sp ranks. 1: off. tp x sp
-    must divide the ranks, and sp be <= num_key_value_heads / tensor_parallel_size (kv groups may split
-    unevenly)."""
+    must divide the ranks, and sp be <= num_attention_heads / tensor_parallel_size (heads may split
+    unevenly; with more sp ranks than kv heads, k and v are repeated for their q heads)."""
     pipeline_model_parallel_size: int = 1
     """Pipeline stages the decoder layers are split over (verl's Megatron key): stage i holds layers
     [i L/pp, (i+1) L/pp), the first also the embedding, the last the final norm and the LM (or value) head;

@@ -7,7 +7,7 @@
    over the tp axis of the parameter mesh; the remaining parameters become Replicate DTensors there;
 2. Ulysses sequence parallel (hybridflow/engine/sequence_parallel.py): the attention implementation
    that all-to-alls q/k/v over the sp group; with tensor parallel it splits the heads this tp rank
-   holds, so sp may be at most num_key_value_heads / tp;
+   holds, so sp may be at most num_attention_heads / tp;
 3. activation checkpointing of the decoder layers;
 4. FSDP2: `fully_shard` on every decoder layer, then on the root, over the dp x sp ranks of each (pp, tp)
    slot (dp_replicate x dp_shard, `ParallelDims`).

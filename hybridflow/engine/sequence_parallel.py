@@ -14,8 +14,11 @@ plain FSDP layout and load at any sp.
 
 Heads are split by whole kv groups, as evenly as they go: with 3 kv heads (SmolLM2: 9 q heads) and
 sp = 2, sp rank 0 attends with 2 kv groups (6 q heads) and rank 1 with 1 group (3 q heads), through
-all-to-alls with uneven split sizes. Only sp > num_key_value_heads is refused (a rank would have no
-whole group); plain Ulysses would also refuse sp = 2 there.
+all-to-alls with uneven split sizes. With more sp ranks than kv heads (e.g. tensor parallel 3 leaves
+SmolLM2 one kv head per rank), each kv head is first repeated for its group's q heads and the q heads
+are split as evenly as they go, each rank receiving the copies of k and v its q heads use (the
+all-to-all moves up to `groups` x more k/v; the repeat's backward sums the copies' gradients). sp must
+be at most the number of q heads a rank holds.
 
 Outputs and gradients: each rank computes log-probs / entropy / values for the response tokens its
 slice predicts, and a sum over the sp group (autograd-aware: its backward is the same sum) hands every
@@ -25,7 +28,7 @@ which divides that sp back out: the gradient is the one process's, as with data 
 
 LoRA adapters need nothing here (peft wraps the projections; attention is untouched). With tensor
 parallel, each rank's attention sees the 1/tp of the heads it holds, and the sp ranks split those (so sp
-must be at most num_key_value_heads / tp). Not here: sliding-window attention (refused at load). Attention is one SDPA call per block (causal
+must be at most num_attention_heads / tp). Not here: sliding-window attention (refused at load). Attention is one SDPA call per block (causal
 for an example, under its own mask for a shared-prompt group): a loop, not a varlen kernel.
 """
 
@@ -65,18 +68,18 @@ def check_sp_layout(
     key: str = "engine.ulysses_sequence_parallel_size",
     tp: int = 1,
 ) -> None:
-    """Refuse a layout Ulysses cannot run: sp must divide the ranks and be at most the number of kv heads a
-    tensor-parallel rank holds (num_key_value_heads / `tp`: each rank attends with whole kv groups; `key`: the
+    """Refuse a layout Ulysses cannot run: sp must divide the ranks and be at most the number of q heads a
+    tensor-parallel rank holds (num_attention_heads / `tp`: each rank attends with at least one; `key`: the
     config key named in the message)."""
     if sp < 1:
         raise ValueError(f"{key} must be >= 1, got {sp}")
     problems = []
     if world % sp:
         problems.append(f"must divide the number of ranks ({world})")
-    if sp > num_kv_heads // tp:
-        per_rank = f" / tensor_parallel_size ({tp}) = {num_kv_heads // tp}" if tp > 1 else ""
+    if sp > num_heads // tp:
+        per_rank = f" / tensor_parallel_size ({tp}) = {num_heads // tp}" if tp > 1 else ""
         problems.append(
-            f"must be at most num_key_value_heads ({num_kv_heads}){per_rank}: each sp rank attends with whole kv groups"
+            f"must be at most num_attention_heads ({num_heads}){per_rank}: each sp rank attends with at least one head"
         )
     if num_heads % num_kv_heads:
         problems.append(
@@ -106,9 +109,12 @@ class SPLayout:
     size: int
     """Ranks in the group."""
     q_splits: list[int]
-    """Query heads each sp rank attends with (whole kv groups' worth)."""
+    """Query heads each sp rank attends with (whole kv groups' worth unless `expand_kv`)."""
     kv_splits: list[int]
     """Key/value heads each sp rank attends with."""
+    expand_kv: bool = False
+    """k and v repeated for their q heads before the all-to-all (more sp ranks than kv heads): kv_splits is
+    q_splits."""
     blocks: list[Block] = field(default_factory=list)
     """Attention blocks of the packed row being run: set by the engine before each forward, and still
     valid in its backward (which recomputes attention under gradient checkpointing)."""
@@ -176,8 +182,9 @@ def ulysses_attention(
     them there); transformers builds no mask for this attention implementation (`attention_mask` is None)."""
     sp: SPLayout = module.hybridflow_sp
     q = heads_to_sequence(query, sp.q_splits, sp)
-    k = repeat_kv(heads_to_sequence(key, sp.kv_splits, sp), module.num_key_value_groups)
-    v = repeat_kv(heads_to_sequence(value, sp.kv_splits, sp), module.num_key_value_groups)
+    before, after = (module.num_key_value_groups, 1) if sp.expand_kv else (1, module.num_key_value_groups)
+    k = repeat_kv(heads_to_sequence(repeat_kv(key, before), sp.kv_splits, sp), after)
+    v = repeat_kv(heads_to_sequence(repeat_kv(value, before), sp.kv_splits, sp), after)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     out = torch.cat(
         [
@@ -227,9 +234,13 @@ def apply_ulysses(model: nn.Module, sp_mesh: DeviceMesh, tp: int = 1) -> SPLayou
     heads, kv_heads = hf.num_attention_heads // tp, hf.num_key_value_heads // tp
     if "sliding_attention" in (getattr(hf, "layer_types", None) or []):
         raise ValueError("engine.ulysses_sequence_parallel_size > 1: sliding-window attention is not supported")
-    kv = kv_head_splits(kv_heads, sp)
-    groups = heads // kv_heads
-    layout = SPLayout(sp_mesh.get_group(), sp_mesh.get_local_rank(), sp, [n * groups for n in kv], kv)
+    if sp > kv_heads:  # a kv group spans sp ranks: each gets the k/v copies of its q heads
+        q = kv_head_splits(heads, sp)
+        layout = SPLayout(sp_mesh.get_group(), sp_mesh.get_local_rank(), sp, q, q, expand_kv=True)
+    else:
+        kv = kv_head_splits(kv_heads, sp)
+        groups = heads // kv_heads
+        layout = SPLayout(sp_mesh.get_group(), sp_mesh.get_local_rank(), sp, [n * groups for n in kv], kv)
     (model.backbone if isinstance(model, ValueModel) else model).set_attn_implementation(ATTENTION_NAME)
     attention = [m for m in model.modules() if hasattr(m, "num_key_value_groups")]
     if not attention:
