@@ -233,20 +233,22 @@ def test_two_experiments_never_share_a_directory_and_auto_resume_never_crosses_r
 
 
 def test_sequence_parallel_layout_is_checked_against_the_model_and_the_workers():
-    """SmolLM2 has 3 kv heads: sp=2 resolves on 2 workers (kv groups split 2 + 1, one dp group), sp=4 is refused
-    with the numbers, as are sp not dividing the workers, sp with tp, and mini-batches that do not split
-    over the dp groups."""
+    """SmolLM2 has 9 heads and 3 kv heads: sp=2 resolves on 2 workers (kv groups split 2 + 1, one dp group), sp=4
+    too (kv heads repeated for their q heads), sp=16 is refused with the numbers, as are sp not dividing the
+    workers, sp with tp, and mini-batches that do not split over the dp groups."""
     ok = resolve_here(
         load_config(RunConfig, None, ["actor.engine.ulysses_sequence_parallel_size=2"]), steps_per_epoch=4
     )
     assert ok.config.actor.engine.ulysses_sequence_parallel_size == 2 and ok.config.actor.engine.fsdp_size == 1
     sp4 = ["actor.engine.ulysses_sequence_parallel_size=4", "trainer.n_workers_per_node=4"]
+    assert resolve_here(load_config(RunConfig, None, sp4), steps_per_epoch=4).config.actor.engine.dp_size(4) == 1
+    sp16 = ["actor.engine.ulysses_sequence_parallel_size=16", "trainer.n_workers_per_node=16"]
     with pytest.raises(
         ConfigError,
-        match=r"actor.engine.ulysses_sequence_parallel_size=4 must be at most "
-        r"num_key_value_heads \(3\).*9 attention heads and 3 kv heads",
+        match=r"actor.engine.ulysses_sequence_parallel_size=16 must be at most "
+        r"num_attention_heads \(9\).*9 attention heads and 3 kv heads",
     ):
-        resolve_here(load_config(RunConfig, None, sp4), steps_per_epoch=4)
+        resolve_here(load_config(RunConfig, None, sp16), steps_per_epoch=4)
     with pytest.raises(ConfigError, match=r"ulysses_sequence_parallel_size=2 must divide the number of ranks \(3\)"):
         resolve_here(
             load_config(
@@ -256,15 +258,15 @@ def test_sequence_parallel_layout_is_checked_against_the_model_and_the_workers()
             ),
             steps_per_epoch=4,
         )
-    with pytest.raises(ConfigError, match=r"critic.engine.ulysses_sequence_parallel_size=4 must be at most"):
+    with pytest.raises(ConfigError, match=r"critic.engine.ulysses_sequence_parallel_size=16 must be at most"):
         resolve_here(
             load_config(
                 RunConfig,
                 None,
                 [
-                    "critic.engine.ulysses_sequence_parallel_size=4",
+                    "critic.engine.ulysses_sequence_parallel_size=16",
                     "algorithm.adv_estimator=gae",
-                    "trainer.n_workers_per_node=4",
+                    "trainer.n_workers_per_node=16",
                 ],
             ),
             steps_per_epoch=4,
