@@ -56,7 +56,8 @@ ATTENTION_NAME = "hybridflow_ulysses"
 
 
 def kv_head_splits(num_kv_heads: int, sp: int) -> list[int]:
-    """Whole kv heads per sp rank, as even as possible, the larger shares first: (3, 2) -> [2, 1]."""
+    """Whole heads per sp rank (kv heads; q heads where k/v are repeated for them), as even as possible, the
+    larger shares first: (3, 2) -> [2, 1]."""
     return [num_kv_heads // sp + (r < num_kv_heads % sp) for r in range(sp)]
 
 

@@ -72,8 +72,9 @@ def _row_sums(bits: Tensor) -> Tensor:
 def _half_word_sums(bits: Tensor, col_start: Sequence[int], row_shape: Sequence[int], block: Sequence[int]) -> Tensor:
     """Row sums of 2-byte words, element j weighing 1 or 2^16 by the parity of its place in the tensor's rows."""
     width = bits.shape[1]
-    parity = _block_parity(col_start, row_shape, block) if row_shape else torch.arange(width) % 2
-    if width % 2 == 0 and torch.equal(parity, torch.arange(width) % 2):  # pairs line up: sum them as int32 words
+    whole_rows = torch.arange(width) % 2
+    parity = _block_parity(col_start, row_shape, block) if row_shape else whole_rows
+    if width % 2 == 0 and torch.equal(parity, whole_rows):  # pairs line up: sum them as int32 words
         return _row_sums((bits.clone() if bits.storage_offset() % 2 else bits).view(torch.int32))
     halves = bits.to(torch.int64) & 0xFFFF
     return (halves << (16 * parity.to(bits.device))).sum(dim=1) & _MASK
