@@ -7,9 +7,12 @@ malloc's bytes in use (glibc mallinfo2: heap in use + mmapped chunks) and the hi
 millisecond since the previous mark, in MiB. Linux + glibc only.
 
     PYTHONPATH=. python bench/worker_memory.py [--steps 2] [--phases] [--trim] [--gradient-checkpointing]
+        [--no-keep-freed]
 
 --phases: marks inside the update (after forward, after backward, after the optimizer step); --trim: malloc_trim
-after each operator (what RSS is left once freed heap memory is handed back).
+after each operator (what RSS is left once freed heap memory is handed back). --no-keep-freed: glibc's thresholds
+as the environment sets them (MALLOC_MMAP_THRESHOLD_=...), not hybridflow.utils.memory's; with another malloc
+preloaded (LD_PRELOAD) the in-use columns read 0 (mallinfo2 counts glibc's heap only).
 """
 
 from __future__ import annotations
@@ -103,13 +106,20 @@ def main() -> None:
     p.add_argument("--phases", action="store_true")
     p.add_argument("--trim", action="store_true")
     p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--no-keep-freed", action="store_true", help="leave glibc's malloc thresholds to the environment")
     args = p.parse_args()
     torch.set_num_threads(2)
     threading.Thread(target=_sample_in_use, daemon=True).start()
     path = resolve_model_path("default")
     mark("start")
     engine = build_engine(
-        path, EngineConfig(param_dtype="fp32", gradient_checkpointing=args.gradient_checkpointing), OptimConfig()
+        path,
+        EngineConfig(
+            param_dtype="fp32",
+            gradient_checkpointing=args.gradient_checkpointing,
+            cpu_keep_freed_memory=not args.no_keep_freed,
+        ),
+        OptimConfig(),
     )
     rollout = build_rollout(
         RolloutConfig(prompt_length=64, response_length=32, n=4, dtype="fp32"), path, load_tokenizer(path)

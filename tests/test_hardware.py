@@ -64,3 +64,22 @@ def test_resolve_fills_in_every_auto_dtype(cache_home, monkeypatch):
     run = resolve_here(cfg, steps_per_epoch=4, cpu_count=2).config
     assert (run.actor.engine.param_dtype, run.rollout.dtype, run.reward_model.param_dtype) == ("fp32",) * 3
     assert run.ref.param_dtype == "bf16"  # a user value is kept
+
+
+def test_a_cpu_with_another_isa_is_probed_again(cache_home, monkeypatch):
+    """Machines of one kind all say "AMD EPYC": the cache key holds what decides the kernels' speed."""
+    monkeypatch.setattr(hardware, "probe_compute_dtype", lambda threads: {"bf16": 9.0, "fp32": 1.0, "choice": "bf16"})
+    assert hardware.auto_compute_dtype("cpu", 1) == "bf16"
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # as on an avx2-only CPU, where bf16 is ~0.3 GFLOP/s
+    monkeypatch.setattr(hardware, "probe_compute_dtype", lambda threads: {"bf16": 0.3, "fp32": 9.0, "choice": "fp32"})
+    hardware.auto_compute_dtype.cache_clear()
+    assert hardware.auto_compute_dtype("cpu", 1) == "fp32"
+    keys = list(json.loads((cache_home / "hybridflow" / "dtype_probe.json").read_text()))
+    assert len(keys) == 2 and "oneDNN <= AVX2" in keys[1] and "family" in keys[0]
+    assert torch_isa() in keys[0]
+
+
+def torch_isa() -> str:
+    import torch
+
+    return torch.backends.cpu.get_cpu_capability()

@@ -30,6 +30,31 @@ def cpu_model() -> str:
         return "unknown"
 
 
+def cpu_signature() -> str:
+    """What decides this CPU's kernel speeds, for keying measured caches: the model name, family and model
+    (machines that all say "AMD EPYC" differ), the vector ISA torch dispatches to (ATEN_CPU_CAPABILITY caps it),
+    the bf16/AMX flags oneDNN uses, and a oneDNN ISA cap when ONEDNN_MAX_CPU_ISA sets one."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                name, _, value = line.partition(":")
+                fields.setdefault(name.strip(), value.strip())
+    except OSError:
+        pass
+    flags = set(fields.get("flags", "").split())
+    fast = [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
+    isa_cap = os.environ.get("ONEDNN_MAX_CPU_ISA")
+    return " ".join(
+        [
+            cpu_model(),
+            f"(family {fields.get('cpu family', '?')} model {fields.get('model', '?')},",
+            f"{torch.backends.cpu.get_cpu_capability()}{''.join(', ' + f for f in fast)}"
+            + (f", oneDNN <= {isa_cap})" if isa_cap else ")"),
+        ]
+    )
+
+
 def matmul_gflops(dtype: torch.dtype, shape: tuple[int, int, int] = (2048, 2048, 2048), repeats: int = 5) -> float:
     """Best-of-`repeats` GFLOP/s of an (m x k) @ (k x n) matmul in `dtype` on the current threads."""
     m, k, n = shape
@@ -103,12 +128,12 @@ def _probe_cache() -> Path:
 @functools.cache
 def auto_compute_dtype(device: str = "cpu", threads: int | None = None) -> str:
     """The compute dtype "auto" stands for: bf16 on a CUDA GPU that supports it; on CPU, the measured
-    choice of `probe_compute_dtype`, probed once per machine (CPU model, threads, torch version) and
+    choice of `probe_compute_dtype`, probed once per machine (`cpu_signature`, threads, torch version) and
     kept in ~/.cache/hybridflow/dtype_probe.json. Logged once per process."""
     if device == "cuda":
         return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "fp32"
     threads = threads or torch.get_num_threads()
-    key = f"{cpu_model()} | {threads} threads | torch {torch.__version__}"
+    key = f"{cpu_signature()} | {threads} threads | torch {torch.__version__}"
     path = _probe_cache()
     try:
         cache = json.loads(path.read_text())
