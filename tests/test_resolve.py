@@ -7,9 +7,11 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from hybridflow.config_utils import ConfigError, FrozenConfigError, load_config
+from hybridflow.engine.config import EngineConfig
 from hybridflow.trainer.checkpointing import STATE_FILE, resume_path
 from hybridflow.trainer.resolve import plan_step
 from hybridflow.trainer.run_config import RunConfig
@@ -97,7 +99,8 @@ def test_rollout_lengths_and_critic_derive_and_the_result_is_frozen():
     c = run.config
     assert (c.rollout.prompt_length, c.rollout.response_length) == (c.data.max_prompt_length, 48)
     assert c.critic.enable is True and c.critic.model == c.model
-    assert c.actor.engine.fsdp_size == 1 and c.actor.engine.reshard_after_forward is False  # CPU defaults
+    # CPU defaults: one rank per shard group, whose gathered copy of the weights is freed after forward
+    assert c.actor.engine.fsdp_size == 1 and c.actor.engine.reshard_after_forward is True
     assert run.roles == ("actor", "rollout", "critic")
     with pytest.raises(FrozenConfigError, match="read-only"):
         c.trainer.log_dir = "elsewhere"
@@ -329,3 +332,12 @@ def test_tensor_parallel_layout_is_checked_against_the_model_and_the_workers():
         resolve_here(load_config(RunConfig, None, ["rollout.tensor_model_parallel_size=2"]), steps_per_epoch=4)
     with pytest.raises(ConfigError, match="does not combine with actor.lora.rank > 0"):
         resolve_here(load_config(RunConfig, None, [*tp3, "actor.lora.rank=4"]), steps_per_epoch=4)
+
+
+def test_reshard_after_forward_defaults_to_freeing_memory_except_across_cpu_ranks():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    engine = EngineConfig()
+    assert engine.resolve_reshard_after_forward(cpu, 1) is True  # a local copy: free it
+    assert engine.resolve_reshard_after_forward(cpu, 2) is False  # a gloo gather in backward costs more
+    assert engine.resolve_reshard_after_forward(cuda, 2) is True
+    assert EngineConfig(reshard_after_forward=False).resolve_reshard_after_forward(cpu, 1) is False

@@ -15,10 +15,10 @@ Departures from a plain training loop, on purpose:
 - Gradients are reduce-scattered once per optimizer step, after the last
   micro-batch; the micro-batches before it accumulate unsharded gradients in
   `reduce_dtype` (FSDP2 upcasts them), trading memory for 1/n of the traffic.
-- On CPU parameters stay gathered from forward to backward
-  (`EngineConfig.reshard_after_forward` resolves to False there), and an
-  inference call gathers each layer once for all its micro-batches and
-  reshards at the end: gloo gathers over loopback cost more than the memory.
+- On CPU across ranks parameters stay gathered from forward to backward
+  (`EngineConfig.reshard_after_forward` resolves to False there; gloo gathers
+  over loopback cost more than the memory), and an inference call gathers each
+  layer once for all its micro-batches and reshards at the end.
 """
 
 from __future__ import annotations

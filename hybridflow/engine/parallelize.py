@@ -104,8 +104,8 @@ def _apply_fsdp(
 ) -> bool:
     """`fully_shard` every decoder layer, then the root; returns whether parameters reshard after forward."""
     policy = MixedPrecisionPolicy(param_dtype=dtype_of(cfg.param_dtype), reduce_dtype=dtype_of(cfg.reduce_dtype))
-    # With one rank per shard group, resharding frees nothing and only costs a second cast in backward.
-    reshard = cfg.resolve_reshard_after_forward(torch.device(device_type)) and mesh.size(-1) > 1
+    # One rank per shard group still gathers into a copy of the weights: resharding frees it between passes.
+    reshard = cfg.resolve_reshard_after_forward(torch.device(device_type), mesh.size(-1))
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)

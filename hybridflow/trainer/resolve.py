@@ -249,7 +249,7 @@ def resolve_engine(engine: EngineConfig, device: str, world: int, section: str, 
     return replace(
         engine,
         fsdp_size=fsdp_size,
-        reshard_after_forward=engine.resolve_reshard_after_forward(torch.device(device)),
+        reshard_after_forward=engine.resolve_reshard_after_forward(torch.device(device), fsdp_size),
         param_dtype=param_dtype,
     )
 
