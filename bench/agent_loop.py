@@ -59,7 +59,7 @@ from hybridflow.protocol import DataProto
 from hybridflow.rollout import RolloutConfig, build_rollout
 from hybridflow.rollout.base import ModuleRollout
 from hybridflow.rollout.config import MultiTurnConfig
-from hybridflow.utils.hardware import cpu_model, describe_cpu
+from hybridflow.utils.hardware import cpu_signature, describe_cpu
 
 VARIANTS = ("single", "mt1", "mt", "forced")
 
@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"cpu: {cpu_model()} (matmul probe skipped: --tiny)" if args.tiny else describe_cpu(), flush=True)
+    print(f"cpu: {cpu_signature()} (matmul probe skipped: --tiny)" if args.tiny else describe_cpu(), flush=True)
     print("command: " + shlex.join(["python", "bench/agent_loop.py", *(sys.argv[1:] if argv is None else argv)]))
     summary = summarize(measure(args))
     print(f"{'variant':>7} {'tokens/s':>9} {'ratio':>6} {'min':>6} {'env share':>10} {'tool calls':>11} {'turns':>6}")

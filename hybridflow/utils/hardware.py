@@ -69,7 +69,8 @@ def matmul_gflops(dtype: torch.dtype, shape: tuple[int, int, int] = (2048, 2048,
 
 
 def describe_cpu(threads: int | None = None) -> str:
-    """One header line: CPU model, bf16 and fp32 2048^3 matmul GFLOP/s on `threads` threads, the threads.
+    """One header line: the CPU (`cpu_signature`: the three EPYC types differ there, not in the model name), bf16
+    and fp32 2048^3 matmul GFLOP/s on `threads` threads, the threads.
 
     bf16 is first timed on 512^3; below `SLOW_BF16_GFLOPS` that figure is reported (marked 512^3), since
     six 2048^3 bf16 matmuls take minutes on CPUs without bf16 instructions (0.3-1 GFLOP/s).
@@ -83,7 +84,7 @@ def describe_cpu(threads: int | None = None) -> str:
             bf16, bf16_shape = matmul_gflops(torch.bfloat16), ""
         fp32 = matmul_gflops(torch.float32)
         return (
-            f"cpu: {cpu_model()}; matmul 2048^3 bf16 {bf16:.0f}{bf16_shape} / fp32 {fp32:.0f} GFLOP/s "
+            f"cpu: {cpu_signature()}; matmul 2048^3 bf16 {bf16:.0f}{bf16_shape} / fp32 {fp32:.0f} GFLOP/s "
             f"({bf16 / fp32:.1f}x) on {torch.get_num_threads()} threads"
         )
     finally:
