@@ -69,7 +69,8 @@ PROFILE_VERSION = "engine-ops-1"
 def cached_device_profile(model: Path, threads: int, dtype: torch.dtype, rows_per_thread: int) -> DeviceProfile:
     """The device profile of the model directory `model` at `threads` threads in `dtype`, decoding
     `rows_per_thread` rows per thread (decode's cost per token falls with the rows per step): read from
-    the cache, else measured once (a minute or more) and cached per CPU (`cpu_signature`). The one function here that measures."""
+    the cache, else measured once (a minute or more) and cached per CPU (`cpu_signature`). The one function
+    here that measures."""
 
     key = f"{model.resolve()}:{threads}:{dtype}:{rows_per_thread}:{PROFILE_VERSION}:{cpu_signature()}"
     path = cache_root() / "device_profiles" / f"{hashlib.sha1(key.encode()).hexdigest()[:12]}.json"

@@ -21,19 +21,8 @@ from hybridflow.utils.atomic import atomic_file
 log = logging.getLogger(__name__)
 
 
-def cpu_model() -> str:
-    """The CPU's model name, as lscpu prints it ("unknown" where /proc/cpuinfo has none)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
-    except OSError:
-        return "unknown"
-
-
-def cpu_signature() -> str:
-    """What decides this CPU's kernel speeds, for keying measured caches: the model name, family and model
-    (machines that all say "AMD EPYC" differ), the vector ISA torch dispatches to (ATEN_CPU_CAPABILITY caps it),
-    the bf16/AMX flags oneDNN uses, and a oneDNN ISA cap when ONEDNN_MAX_CPU_ISA sets one."""
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo ({} where there is none)."""
     fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
@@ -42,17 +31,28 @@ def cpu_signature() -> str:
                 fields.setdefault(name.strip(), value.strip())
     except OSError:
         pass
-    flags = set(fields.get("flags", "").split())
-    fast = [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
-    isa_cap = os.environ.get("ONEDNN_MAX_CPU_ISA")
-    return " ".join(
-        [
-            cpu_model(),
-            f"(family {fields.get('cpu family', '?')} model {fields.get('model', '?')},",
-            f"{torch.backends.cpu.get_cpu_capability()}{''.join(', ' + f for f in fast)}"
-            + (f", oneDNN <= {isa_cap})" if isa_cap else ")"),
-        ]
-    )
+    return fields
+
+
+def cpu_model() -> str:
+    """The CPU's model name, as lscpu prints it ("unknown" where /proc/cpuinfo has none)."""
+    return _cpuinfo().get("model name", "unknown")
+
+
+def cpu_signature() -> str:
+    """What decides this CPU's kernel speeds, for keying measured caches: the model name, family and model
+    (machines that all say "AMD EPYC" differ), the vector ISA torch dispatches to (ATEN_CPU_CAPABILITY caps it),
+    the bf16/AMX flags oneDNN uses, and a oneDNN ISA cap when ONEDNN_MAX_CPU_ISA sets one."""
+    info = _cpuinfo()
+    flags = set(info.get("flags", "").split())
+    traits = [
+        f"family {info.get('cpu family', '?')} model {info.get('model', '?')}",
+        torch.backends.cpu.get_cpu_capability(),
+        *(f for f in ("avx512_bf16", "amx_bf16") if f in flags),
+    ]
+    if isa_cap := os.environ.get("ONEDNN_MAX_CPU_ISA"):
+        traits.append(f"oneDNN <= {isa_cap}")
+    return f"{info.get('model name', 'unknown')} ({', '.join(traits)})"
 
 
 def matmul_gflops(dtype: torch.dtype, shape: tuple[int, int, int] = (2048, 2048, 2048), repeats: int = 5) -> float:
