@@ -34,11 +34,6 @@ def _cpuinfo() -> dict[str, str]:
     return fields
 
 
-def cpu_model() -> str:
-    """The CPU's model name, as lscpu prints it ("unknown" where /proc/cpuinfo has none)."""
-    return _cpuinfo().get("model name", "unknown")
-
-
 def cpu_signature() -> str:
     """What decides this CPU's kernel speeds, for keying measured caches: the model name, family and model
     (machines that all say "AMD EPYC" differ), the vector ISA torch dispatches to (ATEN_CPU_CAPABILITY caps it),
