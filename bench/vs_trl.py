@@ -3,8 +3,9 @@
 Same model (SmolLM2-135M-Instruct), same arithmetic prompts in the same order (no
 shuffle), same batches (P prompts x 4 samples), same prompt/response limits (64/32),
 same learning rate and number of steps, GRPO without KL, temperature 1, both on 2
-CPU threads in total (TRL: one process with 2 threads; hybridflow in two layouts: one
-worker with 2 threads, "hf 1x2", and two workers with 1 thread each, "hf 2x1"). Prints
+CPU threads in total (TRL: one process with 2 threads; hybridflow in up to three layouts: one
+worker with 2 threads, "hf 1x2", two workers with 1 thread each, "hf 2x1", and optionally
+the one worker inside the controller's process, "hf local": trainer.backend=local). Prints
 median step time, generated tokens/s, peak memory (RSS summed over each run's process
 tree) and the reward curve of each.
 
@@ -108,8 +109,11 @@ def trl_side(args, model_dir: str, parquet: str, prompts: int, work: Path) -> di
     }
 
 
-def hybridflow_side(args, parquet: str, prompts: int, work: Path, workers: int) -> dict:
-    run_dir = work / f"hf_{prompts}_{workers}w"
+def hybridflow_side(args, parquet: str, prompts: int, work: Path, layout: str) -> dict:
+    """One hybridflow run; layout "1" or "2": that many Ray workers sharing 2 threads; "local": one
+    worker in the controller's process (no Ray processes)."""
+    workers = 1 if layout == "local" else int(layout)
+    run_dir = work / f"hf_{prompts}_{layout}"
     overrides = [
         f"data.train_files=[{parquet}]",
         f"data.val_files=[{parquet}]",
@@ -131,6 +135,7 @@ def hybridflow_side(args, parquet: str, prompts: int, work: Path, workers: int) 
         f"trainer.cpus_per_worker={2 // workers}",
         f"actor.lora.rank={args.lora_rank}",
         f"actor.lora.alpha={args.lora_alpha}",
+        *(["trainer.backend=local"] if layout == "local" else []),
         *args.overrides,
     ]
     env = {**os.environ, "HYBRIDFLOW_NO_PROGRESS": "1"}
@@ -177,7 +182,8 @@ def main() -> None:
         "--workers",
         default="1,2",
         help="hybridflow layouts to run, as workers sharing the 2 threads (1: one worker with "
-        "2 threads; 2: two workers with 1 thread each), comma-separated",
+        "2 threads; 2: two workers with 1 thread each; local: one worker with 2 threads in the "
+        "controller's process, trainer.backend=local), comma-separated",
     )
     parser.add_argument("--skip-trl", action="store_true", help="run only the hybridflow side (quick checks)")
     parser.add_argument(
@@ -202,7 +208,12 @@ def main() -> None:
     if args.trl_precision == "auto":
         args.trl_precision = "bf16-autocast" if auto_compute_dtype("cpu", 2) == "bf16" else "fp32"
 
-    print(describe_cpu(2), "(TRL: 1 process x 2 threads; hf 1x2: 1 worker x 2; hf 2x1: 2 workers x 1)", flush=True)
+    print(
+        describe_cpu(2),
+        "(TRL: 1 process x 2 threads; hf 1x2: 1 worker x 2; hf 2x1: 2 workers x 1; "
+        "hf local: 1 worker x 2 in the controller's process)",
+        flush=True,
+    )
     print(f"TRL precision: {args.trl_precision}", flush=True)
     from hybridflow.data.tasks import build_task
     from hybridflow.models import default_model_dir
@@ -212,8 +223,9 @@ def main() -> None:
     parquet, _ = build_task("arithmetic", work / "data", 512, 16, seed=0)
     for prompts in [int(s) for s in args.sizes.split(",")]:
         runs = {} if args.skip_trl else {"TRL": trl_side(args, model_dir, parquet, prompts, work)}
-        for w in [int(x) for x in args.workers.split(",")]:
-            runs[f"hf {w}x{2 // w}"] = hybridflow_side(args, parquet, prompts, work, w)
+        for layout in args.workers.split(","):
+            name = "hf local" if layout == "local" else f"hf {layout}x{2 // int(layout)}"
+            runs[name] = hybridflow_side(args, parquet, prompts, work, layout)
         lora = f", LoRA rank {args.lora_rank}" if args.lora_rank else ""
         print(f"\n== {prompts} prompts x 4 samples = {prompts * 4} completions/step, {args.steps} steps{lora} ==")
         print_table(runs)

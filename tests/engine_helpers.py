@@ -6,10 +6,16 @@ import socket
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 from hybridflow import keys
 
 VOCAB = 49152
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """A parameter or gradient whole: a DTensor gathered, a plain tensor (a one-rank fp32 engine's) as it is."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def make_batch(batch: int, prompt_len: int, resp_len: int, seed: int = 0) -> dict[str, torch.Tensor]:

@@ -18,7 +18,7 @@ from hybridflow.engine.lora import apply_lora, is_adapter_key
 from hybridflow.models import load_causal_lm, load_tokenizer, tiny_model_dir
 from hybridflow.rollout import RolloutConfig, build_rollout, sync_weights
 from hybridflow.trainer import cli
-from tests.engine_helpers import make_batch
+from tests.engine_helpers import full, make_batch
 
 LORA = LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj"])
 ADAPTED = {f"model.layers.{i}.self_attn.{m}_proj.weight" for i in range(2) for m in "qv"}
@@ -41,7 +41,7 @@ def _step(engine: FSDPEngine, seed: int) -> dict[str, float]:
 
 
 def _weights(engine: FSDPEngine) -> dict[str, torch.Tensor]:
-    return {k: v.full_tensor().clone() for k, v in engine.module.state_dict().items()}
+    return {k: full(v).clone() for k, v in engine.module.state_dict().items()}
 
 
 def _adapters(engine: FSDPEngine) -> dict[str, torch.Tensor]:

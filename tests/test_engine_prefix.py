@@ -10,7 +10,7 @@ from hybridflow import keys
 from hybridflow.engine import EngineConfig, FSDPEngine
 from hybridflow.engine.prefix import pack_shared_prompts, sharing_pays
 from hybridflow.models import load_causal_lm, load_value_model, tiny_model_dir
-from tests.engine_helpers import make_group_batch, reference_log_probs
+from tests.engine_helpers import full, make_group_batch, reference_log_probs
 
 
 def _engine(path, **kw) -> FSDPEngine:
@@ -73,7 +73,7 @@ def test_gradients_equal_the_padded_forward():
         engine.module.train()
         out = engine.forward_micro_batch(data)
         (out["log_probs"] * weights).sum().backward()
-        grads.append({n: p.grad.full_tensor() for n, p in engine.module.named_parameters()})
+        grads.append({n: full(p.grad) for n, p in engine.module.named_parameters()})
     assert grads[0].keys() == grads[1].keys()
     for name in grads[0]:
         torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-5, rtol=1e-4, msg=name)

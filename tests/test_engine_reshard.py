@@ -1,5 +1,7 @@
 """On CPU with one rank per shard group the engine frees each layer's gathered weights after forward
-(`reshard_after_forward` resolves to True there): FSDP2 gathers into a copy even on one rank."""
+(`reshard_after_forward` resolves to True there): FSDP2 gathers into a copy even on one rank. bf16 compute
+keeps FSDP2 on one rank (it casts the fp32 master weights); in fp32 one rank runs the plain module
+(tests/test_engine_plain.py)."""
 
 import torch
 
@@ -12,7 +14,7 @@ from tests.engine_helpers import make_batch
 def _engine(**kw) -> FSDPEngine:
     torch.manual_seed(0)
     return FSDPEngine.from_pretrained(
-        tiny_model_dir("llama"), EngineConfig(param_dtype="fp32", **kw), OptimConfig(lr=1e-2)
+        tiny_model_dir("llama"), EngineConfig(param_dtype="bf16", **kw), OptimConfig(lr=1e-2)
     )
 
 

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -285,7 +286,9 @@ class FSDPEngine(Engine):
         self.model.eval()
         parts: dict[str, list[torch.Tensor]] = defaultdict(list)
         # Keep each layer gathered across micro-batches; reshard so no stale copy outlives the call.
-        self.model.set_reshard_after_forward(False)
+        fsdp = isinstance(self.model, FSDPModule)
+        if fsdp:
+            self.model.set_reshard_after_forward(False)
         try:
             micros = B.split_micro_batches(B.select_inputs(data, self.device), micro_batch_size)
             if self.pipeline is not None:
@@ -295,8 +298,9 @@ class FSDPEngine(Engine):
                 for k, v in self.forward_micro_batch(micro, **kw).items():
                     parts[k].append(v)
         finally:
-            self.model.reshard()
-            self.model.set_reshard_after_forward(self._reshard_after_forward)
+            if fsdp:
+                self.model.reshard()
+                self.model.set_reshard_after_forward(self._reshard_after_forward)
         return {k: torch.cat(v) for k, v in parts.items()}
 
     def compute_log_probs(
@@ -367,8 +371,10 @@ class FSDPEngine(Engine):
         return contextlib.nullcontext()
 
     def _set_grad_sync(self, sync: bool) -> None:
-        """Reduce-scatter gradients in the coming backward (last micro-batch) or accumulate them."""
-        self.model.set_requires_gradient_sync(sync)
+        """Reduce-scatter gradients in the coming backward (last micro-batch) or accumulate them (a plain module
+        on one rank always accumulates: there is nothing to reduce)."""
+        if isinstance(self.model, FSDPModule):
+            self.model.set_requires_gradient_sync(sync)
 
     def _optimizer_step(self) -> dict[str, float]:
         params = [p for p in self.model.parameters() if p.grad is not None]

@@ -60,7 +60,7 @@ class Parallelized:
     sp: SPLayout | None
     """The Ulysses layout the attention modules share; None without sequence parallel."""
     reshard_after_forward: bool
-    """Whether FSDP2 frees gathered parameters after each forward."""
+    """Whether FSDP2 frees gathered parameters after each forward (False where FSDP2 is not applied)."""
     pp_group: dist.ProcessGroup | None = None
     """The ranks that hold the other stages of this rank's pipeline (stage i is group rank i); None without pp."""
 
@@ -94,9 +94,18 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: EngineConfig) -> Para
     if cfg.gradient_checkpointing:
         enable_activation_checkpointing(hf_model(model))
     fsdp_mesh = dims.fsdp_submesh(param_mesh)
-    reshard = _apply_fsdp(model, layers, fsdp_mesh, cfg, device_type)
+    reshard = _apply_fsdp(model, layers, fsdp_mesh, cfg, device_type) if needs_fsdp(model, dims, cfg) else False
     pp_group = param_mesh[Axis.PP.value].get_group() if dims.pp > 1 else None
     return Parallelized(fsdp_mesh, tp_mesh, sp, reshard, pp_group)
+
+
+def needs_fsdp(model: nn.Module, dims: ParallelDims, cfg: EngineConfig) -> bool:
+    """Whether FSDP2 wraps the model: it shards across ranks and casts to param_dtype for compute. A world of
+    one rank computing in the weights' own dtype needs neither, and FSDP2 there would still gather every layer
+    into a copy and reduce its gradients through another (SmolLM2 fp32, 1x2 update: ~0.9 GB more RSS at the
+    peak, BENCHMARKS.md); the plain module trains bit-identically."""
+    weights = next(model.parameters()).dtype
+    return dims.world > 1 or dtype_of(cfg.param_dtype) != weights
 
 
 def _apply_fsdp(
