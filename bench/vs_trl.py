@@ -180,7 +180,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-6)
     parser.add_argument(
         "--workers",
-        default="1,2",
+        default="1,2,local",
         help="hybridflow layouts to run, as workers sharing the 2 threads (1: one worker with "
         "2 threads; 2: two workers with 1 thread each; local: one worker with 2 threads in the "
         "controller's process, trainer.backend=local), comma-separated",

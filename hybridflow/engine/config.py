@@ -118,7 +118,8 @@ class EngineConfig(Section):
     """FSDP2: free gathered parameters after forward (saves memory, costs a re-gather in backward). None: True
     on GPU; on CPU True where a shard group has one rank (fsdp_size 1: the "gather" is a local copy, and keeping
     every layer's copy from forward to backward held ~0.5 GB more for SmolLM2 in fp32), False across ranks (gloo
-    gathers over loopback cost more than the memory)."""
+    gathers over loopback cost more than the memory). One rank computing in the weights' dtype (fp32) runs
+    without FSDP2 at all (engine/parallelize.py `needs_fsdp`)."""
 
     def resolve_fsdp_size(self, device: torch.device, world: int) -> int:
         """`fsdp_size` for this world, with None and -1 resolved; it must divide the world size (with
