@@ -10,7 +10,7 @@ median step time, generated tokens/s, peak memory (RSS summed over each run's pr
 tree) and the reward curve of each.
 
     ./bench/setup_trl_env.sh                       # once: the benchmark-only TRL env
-    .venv/bin/python bench/vs_trl.py --steps 8     # both sizes, ~11 min on 2 cores
+    .venv/bin/python bench/vs_trl.py --steps 8     # both sizes, three layouts: ~15 min on 2 cores
     .venv/bin/python bench/vs_trl.py --lora-rank 16   # both sides train LoRA adapters (peft) instead
 """
 
