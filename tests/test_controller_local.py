@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -163,3 +165,24 @@ def test_call_nonblocking_issues_a_blocking_method_as_a_future(group):
     assert torch.equal(shifted.batch["x"], rows(2).batch["x"] + 100)
     with pytest.raises(AttributeError, match="no registered method 'negate'"):
         roles["actor"].call_nonblocking("negate", rows(2))
+
+
+def test_the_local_backend_never_imports_ray():
+    """Dispatch, collect and the failure classifier run without Ray imported (nor installed, on a GPU box
+    with the local backend): a worker error must reach the user as itself, not as "No module named 'ray'"."""
+    code = """
+import sys
+from controller_workers import Probe, rows
+from hybridflow import ClassWithInitArgs
+from hybridflow.controller.local import LocalResourcePool, LocalWorkerGroup
+from hybridflow.trainer.recovery import is_worker_failure
+group = LocalWorkerGroup(LocalResourcePool(), ClassWithInitArgs(Probe, offset=5))
+assert group.affine(rows(4), scale=2).batch["y"].shape[0] == 4
+assert not is_worker_failure(RuntimeError("a bug in a step"), [])
+print(sorted(m for m in sys.modules if m == "ray" or m.startswith("ray.")))
+"""
+    here = os.path.dirname(__file__)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"

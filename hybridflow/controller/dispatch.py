@@ -14,6 +14,7 @@ offers `world_size` and `get_dispatch_info(mesh_name)`.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -133,11 +134,9 @@ def _split_value(value: Any, parts: int, pad_size: int, tensordicts: bool = Fals
 
 
 def _is_object_ref(x: Any) -> bool:
-    try:
-        import ray  # noqa: PLC0415  (lazy: the local backend runs without Ray)
-    except ImportError:  # the local backend works without Ray
-        return False
-    return isinstance(x, ray.ObjectRef)
+    # a Ray object ref exists only once Ray is imported: the local backend never imports it (nor needs it installed)
+    ray = sys.modules.get("ray")
+    return ray is not None and isinstance(x, ray.ObjectRef)
 
 
 def _first(outputs: list) -> Any:

@@ -283,6 +283,12 @@ class FSDPEngine(Engine):
     def _infer(
         self, data: Mapping[str, torch.Tensor], micro_batch_size: B.MicroBatchSize, **kw
     ) -> dict[str, torch.Tensor]:
+        """Forward only, on the engine's device; the outputs come back on the host, as the batch came."""
+        return {k: v.cpu() for k, v in self._infer_on_device(data, micro_batch_size, **kw).items()}
+
+    def _infer_on_device(
+        self, data: Mapping[str, torch.Tensor], micro_batch_size: B.MicroBatchSize, **kw
+    ) -> dict[str, torch.Tensor]:
         self.model.eval()
         parts: dict[str, list[torch.Tensor]] = defaultdict(list)
         # Keep each layer gathered across micro-batches; reshard so no stale copy outlives the call.

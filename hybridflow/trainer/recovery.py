@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -67,12 +68,13 @@ class Failure:
 
 def is_worker_failure(err: BaseException, dead: list[str]) -> bool:
     """Whether `err` is a worker failure (see the module docstring); `dead`: the run's dead workers."""
-    import ray.exceptions as rx  # noqa: PLC0415  (lazy: the local backend runs without Ray)
-
     if isinstance(err, ParityError) or isinstance(getattr(err, "cause", None), ParityError):
         return False
     if isinstance(err, WorkerError):
         return True
+    rx = sys.modules.get("ray.exceptions")
+    if rx is None:  # Ray never imported (the local backend, perhaps without Ray installed): no Ray error to recognise
+        return False
     if isinstance(err, rx.RayTaskError):
         cause = getattr(err, "cause", None)
         return (
