@@ -201,41 +201,43 @@ def test_bf16_decode_with_onednn_packed_weights_is_bit_identical(monkeypatch):
         pytest.skip("this torch build has no oneDNN bf16 linear")
     cfg = RolloutConfig(name="native", dtype="bf16", do_sample=False, response_length=R, calculate_log_probs=True)
     packed = NativeRollout(cfg, model, tok).generate_sequences(prompt_batch(tok))
-    monkeypatch.setattr(linear, "_pack_for_onednn", lambda weight, rows_hint: None)
+    monkeypatch.setattr(linear, "_choose", lambda weight, rows: "plain")
     plain = NativeRollout(cfg, model, tok).generate_sequences(prompt_batch(tok))
     assert decoder.StaticLlamaDecoder(model).layers[0].qkv.packed is None
     assert torch.equal(packed.batch[RESPONSES], plain.batch[RESPONSES])
     assert torch.equal(packed.batch[ROLLOUT_LOG_PROBS], plain.batch[ROLLOUT_LOG_PROBS])
 
 
-def test_fp32_decode_with_onednn_packed_weights_matches_plain(monkeypatch):
-    """fp32 packs a shape only where this process timed packing faster; forced on, greedy tokens are the
-    same as with F.linear and log-probs equal up to summation order."""
+@pytest.mark.parametrize("path", ["packed", "panels"])
+def test_fp32_decode_with_laid_out_weights_matches_plain(monkeypatch, path):
+    """fp32 lays a shape out only where this process timed that faster; forced to oneDNN's packed layout or to
+    the AVX2 panel kernel, greedy tokens are the same as with F.linear and log-probs equal up to summation order."""
     import hybridflow.rollout.decoder as decoder
     import hybridflow.rollout.linear as linear
 
     model, tok = tiny("llama")
-    monkeypatch.setattr(linear, "_packing_pays", lambda weight, rows: True)
-    if decoder.StaticLlamaDecoder(model).layers[0].qkv.packed is None:
-        pytest.skip("this torch build has no oneDNN linear")
+    monkeypatch.setattr(linear, "_choose", lambda weight, rows: path)
+    if path not in linear._usable_paths(model.lm_head.weight):
+        pytest.skip(f"no {path} path here (no oneDNN linear, or no AVX2 / C compiler for the panel kernel)")
+    assert getattr(decoder.StaticLlamaDecoder(model).lm_head, path) is not None
     cfg = RolloutConfig(name="native", dtype="fp32", do_sample=False, response_length=R, calculate_log_probs=True)
-    packed = NativeRollout(cfg, model, tok).generate_sequences(prompt_batch(tok))
-    monkeypatch.setattr(linear, "_packing_pays", lambda weight, rows: False)
-    assert decoder.StaticLlamaDecoder(model).lm_head.packed is None
+    laid_out = NativeRollout(cfg, model, tok).generate_sequences(prompt_batch(tok))
+    monkeypatch.setattr(linear, "_choose", lambda weight, rows: "plain")
+    assert decoder.StaticLlamaDecoder(model).lm_head.weight is not None
     plain = NativeRollout(cfg, model, tok).generate_sequences(prompt_batch(tok))
-    assert torch.equal(packed.batch[RESPONSES], plain.batch[RESPONSES])
-    torch.testing.assert_close(packed.batch[ROLLOUT_LOG_PROBS], plain.batch[ROLLOUT_LOG_PROBS], atol=1e-5, rtol=0)
+    assert torch.equal(laid_out.batch[RESPONSES], plain.batch[RESPONSES])
+    torch.testing.assert_close(laid_out.batch[ROLLOUT_LOG_PROBS], plain.batch[ROLLOUT_LOG_PROBS], atol=1e-5, rtol=0)
 
 
-def test_packing_is_timed_once_per_shape(monkeypatch):
+def test_the_fp32_layout_is_timed_once_per_shape(monkeypatch):
     import hybridflow.rollout.linear as linear
 
-    monkeypatch.setattr(linear, "_PACKING_PAYS", {})
+    monkeypatch.setattr(linear, "_FASTEST", {})
     w = torch.randn(48, 32)
-    first = linear._packing_pays(w, 8)
-    assert linear._PACKING_PAYS == {(48, 32, 8): first}
-    linear._PACKING_PAYS[(48, 32, 8)] = not first  # a cached answer is not re-measured
-    assert linear._packing_pays(w, 8) is (not first)
+    first = linear._choose(w, 8)
+    assert first in linear._usable_paths(w) and linear._FASTEST == {(48, 32, 8): first}
+    linear._FASTEST[(48, 32, 8)] = "elsewhere"  # a cached answer is not re-measured
+    assert linear._choose(w, 8) == "elsewhere"
 
 
 @pytest.mark.slow  # inductor compiles C++ on first use: 25-50 s on 2 cores for an opt-in path that does not pay yet

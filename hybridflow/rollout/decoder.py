@@ -85,14 +85,16 @@ def _layer_weights(layer: nn.Module, rank: int = 0, tp: int = 1) -> _LayerWeight
     so chunking rows by tp keeps whole heads), taken from the full weights or, when the native rollout
     holds only its shard (rollout/sharding.py), used as they are. The o/down bias is added once, by tp rank 0."""
     a, m = layer.self_attn, layer.mlp
-    rows = lambda *mods: torch.cat([own_part(mod.weight, 0, rank, tp, mod.out_features) for mod in mods])  # noqa: E731
+    rows = lambda *mods: [own_part(mod.weight, 0, rank, tp, mod.out_features) for mod in mods]  # noqa: E731
     cols = lambda mod: own_part(mod.weight, 1, rank, tp, mod.in_features)  # noqa: E731
     return _LayerWeights(
         ln1=layer.input_layernorm.weight,
         ln2=layer.post_attention_layernorm.weight,
-        qkv=Linear(rows(a.q_proj, a.k_proj, a.v_proj), _cat_bias(a.q_proj, a.k_proj, a.v_proj, rank=rank, tp=tp)),
+        qkv=Linear.stacked(
+            rows(a.q_proj, a.k_proj, a.v_proj), _cat_bias(a.q_proj, a.k_proj, a.v_proj, rank=rank, tp=tp)
+        ),
         o=Linear(cols(a.o_proj), a.o_proj.bias if rank == 0 else None),
-        gate_up=Linear(rows(m.gate_proj, m.up_proj), _cat_bias(m.gate_proj, m.up_proj, rank=rank, tp=tp)),
+        gate_up=Linear.stacked(rows(m.gate_proj, m.up_proj), _cat_bias(m.gate_proj, m.up_proj, rank=rank, tp=tp)),
         down=Linear(cols(m.down_proj), m.down_proj.bias if rank == 0 else None),
     )
 

@@ -3,71 +3,103 @@
 `F.linear` hands CPU products to MKL (fp32) or oneDNN (bf16), and oneDNN reorders the weight into its blocked
 layout on every call. At decode sizes (a few dozen rows) that reorder costs as much as the product, and on the
 avx2-only EPYC MKL's fp32 product is itself slow at these shapes (bench/decode_profile.py --compare). A `Linear`
-reorders its weight once per generate call (the decoder is built per call) where that pays.
+lays its weight out once per generate call (the decoder is built per call) in one of three ways:
+- "plain": the module's own tensor, through `F.linear`;
+- "packed": reordered once into oneDNN's blocked layout;
+- "panels": fp32 in 16-column panels for hybridflow's AVX2 kernel (rollout/panel.py).
+bf16 is packed wherever oneDNN has bf16; fp32 takes whichever a timing of the shape in this process finds
+fastest (once per shape and process).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from hybridflow.rollout import panel
+
+PATHS = ("plain", "packed", "panels")
+
 
 class Linear:
-    """y = x W^T + b, in the layout that runs fastest here (`_pack_for_onednn`)."""
+    """y = x W^T + b, in the layout `path` names (None: `_choose`'s pick for `rows_hint` rows)."""
 
-    def __init__(self, weight: Tensor, bias: Tensor | None, rows_hint: int = 64) -> None:
+    def __init__(self, weight: Tensor, bias: Tensor | None, rows_hint: int = 64, path: str | None = None) -> None:
         self.bias = bias
-        self.packed = _pack_for_onednn(weight, rows_hint)
-        self.weight = weight if self.packed is None else None  # the packed copy replaces it
+        self.path = path or _choose(weight, rows_hint)
+        self.weight = weight if self.path == "plain" else None  # a packed or panel copy replaces it
+        self.packed = _reorder(weight, rows_hint) if self.path == "packed" else None
+        self.panels = panel.to_panels(weight) if self.path == "panels" else None
+
+    @classmethod
+    def stacked(cls, parts: list[Tensor], bias: Tensor | None, rows_hint: int = 64) -> Linear:
+        """The product of the row blocks `parts` stacked in order (fused q/k/v, gate/up); in the panel layout
+        the blocks are laid out one by one, without a copy of their stack first."""
+        if all(panel.fits(p) for p in parts):
+            shape_only = parts[0].new_empty(sum(p.shape[0] for p in parts), parts[0].shape[1])  # never read
+            if _choose(shape_only, rows_hint) == "panels":
+                fused = cls.__new__(cls)
+                fused.bias, fused.path, fused.weight, fused.packed = bias, "panels", None, None
+                fused.panels = panel.to_panels(*parts)
+                return fused
+        return cls(torch.cat(parts), bias, rows_hint)
 
     def __call__(self, x: Tensor) -> Tensor:
-        if self.packed is None:
-            return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.panels is not None:
+            return panel.panel_linear(x, self.panels, self.bias)
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
 
 
-_PACKING_PAYS: dict[tuple[int, int, int], bool] = {}
-"""(out, in, rows) -> whether oneDNN's packed fp32 product beat F.linear when this process timed it."""
+_FASTEST: dict[tuple[int, int, int], str] = {}
+"""(out, in, rows) -> the fp32 path that was fastest when this process timed it."""
 
 
-def _pack_for_onednn(weight: Tensor, rows_hint: int) -> Tensor | None:
-    """The weight reordered once into oneDNN's blocked layout, or None where F.linear is the better path.
-
-    bf16: always packed where oneDNN has bf16 (`F.linear` reorders the weight on every call, which at decode
-    sizes costs as much as the product; SmolLM2, 64 rows: 1.3-1.8x faster, bit-identical). fp32: packed when a
-    timing of this shape says so, once per process (on the avx2-only EPYC, MKL's fp32 product at 8 rows took
-    3.7x oneDNN's on the LM head and 1.2-1.4x on the layers' projections; bench/decode_profile.py --compare).
-    """
-    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return None
-    try:
-        if weight.dtype == torch.bfloat16:
-            if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-                return None
-        elif weight.dtype != torch.float32 or not _packing_pays(weight, rows_hint):
-            return None
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows_hint)
-    except (AttributeError, RuntimeError):  # private ops: absent or refused in some builds
-        return None
-
-
-def _packing_pays(weight: Tensor, rows: int, trials: int = 3) -> bool:
-    """Time F.linear against the packed product on `rows` random rows (best of `trials`, alternating)."""
+def _choose(weight: Tensor, rows: int) -> str:
+    """bf16: "packed" where oneDNN has bf16 (SmolLM2, 64 rows: 1.3-1.8x F.linear, bit-identical). fp32: the
+    fastest available path on `rows` random rows (on the avx2-only EPYC, MKL's fp32 product at 8 rows took 3.7x
+    oneDNN's on the LM head; bench/decode_weights.py compares all three)."""
+    usable = _usable_paths(weight)
+    if weight.dtype != torch.float32 or len(usable) == 1:
+        return usable[-1]
     key = (*weight.shape, rows)
-    if key not in _PACKING_PAYS:
-        w = weight.detach()
-        x = torch.randn(rows, w.shape[1], dtype=w.dtype)
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, rows)
-        calls = (lambda: F.linear(x, w), lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
-        best = [float("inf"), float("inf")]
-        with torch.no_grad():
-            for _ in range(trials + 1):  # the first round warms both up
-                for i, call in enumerate(calls):
-                    start = time.perf_counter()
-                    call()
-                    best[i] = min(best[i], time.perf_counter() - start)
-        _PACKING_PAYS[key] = best[1] < best[0]
-    return _PACKING_PAYS[key]
+    if key not in _FASTEST:
+        _FASTEST[key] = _time_paths(weight, rows, usable)
+    return _FASTEST[key]
+
+
+def _usable_paths(weight: Tensor) -> list[str]:
+    """The paths that can run this weight here, "plain" first."""
+    paths = ["plain"]
+    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+        return paths
+    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        if weight.dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            paths.append("packed")
+    if panel.fits(weight) and panel.kernel() is not None:
+        paths.append("panels")
+    return paths
+
+
+def _reorder(weight: Tensor, rows: int) -> Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
+
+
+def _time_paths(weight: Tensor, rows: int, paths: list[str], trials: int = 3) -> str:
+    """The path with the best time of `trials` rounds (after one warm-up round), called in turn."""
+    w = torch.randn(weight.shape, dtype=weight.dtype)  # timed on its own values: `weight` may be a shape only
+    x = torch.randn(rows, w.shape[1], dtype=w.dtype)
+    calls: list[Callable[[], Tensor]] = [Linear(w, None, rows, path).__call__ for path in paths]
+    best = [float("inf")] * len(paths)
+    with torch.no_grad():
+        for _ in range(trials + 1):
+            for i, call in enumerate(calls):
+                start = time.perf_counter()
+                call(x)
+                best[i] = min(best[i], time.perf_counter() - start)
+    return paths[best.index(min(best))]

@@ -1,0 +1,121 @@
+"""How fast a decode step's products read their weights, and what torch's weight-only low-precision kernels give.
+
+Run: .venv/bin/python bench/decode_weights.py [--rows 8 32] [--repeats 5]
+
+A decode step runs every layer's four products (fused q/k/v, o, fused gate/up, down) on a few rows, so each
+weight comes from memory once per step (SmolLM2-135M: 30 layers, 424 MB in fp32, more than any cache). For
+SmolLM2's shapes and random weights, one sweep over the 30 layers' products is timed (median of `repeats`) as:
+- `fp32 F.linear`: torch's fp32 product (MKL);
+- `fp32 oneDNN packed`: the product on weights reordered once (rollout/linear.py's "packed");
+- `fp32 panels`: hybridflow's AVX2 kernel on 16-column panels (rollout/panel.py; rollout/linear.py's "panels");
+- `int8 weight-only, fp32 in` / `bf16 in`: `aten._weight_int8pack_mm` (one scale per output row);
+- `int4 weight-only, fp32 in`: `aten._weight_int4pack_mm_for_cpu` (groups of 64);
+- `stream read fp32` / `stream read bf16`: a sum over the same weights, no product: how fast this CPU streams
+  them (the floor a product bound by weight reads would reach).
+Each line gives the sweep's time and the weight bytes it read per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from hybridflow.rollout import panel
+from hybridflow.utils.hardware import describe_cpu
+
+LAYERS = 30
+SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+"""SmolLM2-135M's fused products: (out, in) features."""
+INT4_GROUP = 64
+
+
+def median_ms(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def int8_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = w.abs().amax(dim=1) / 127
+    return torch.round(w / scale[:, None]).to(torch.int8), scale
+
+
+def int4_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed int4 weights and [groups, out, 2] (scale, zero) as `_weight_int4pack_mm_for_cpu` takes them."""
+    n, k = w.shape
+    g = w.view(n, k // INT4_GROUP, INT4_GROUP)
+    low, high = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    scale = ((high - low) / 15).clamp(min=1e-8)
+    q = torch.clamp(torch.round((g - low) / scale), 0, 15).to(torch.int32).view(n, k)
+    zero = low + 8 * scale
+    pairs = torch.stack([scale.view(n, -1), zero.view(n, -1)], dim=-1).transpose(0, 1).contiguous()
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), pairs
+
+
+def sweeps(rows: int) -> dict[str, tuple[Callable[[], None], int]]:
+    """name -> (one sweep over every layer's products, weight bytes it reads)."""
+    weights = [{n: torch.randn(shape) * 0.02 for n, shape in SHAPES.items()} for _ in range(LAYERS)]
+    xs = {n: torch.randn(rows, shape[1]) for n, shape in SHAPES.items()}
+    fp32_bytes = sum(w.numel() * 4 for layer in weights for w in layer.values())
+    packed = [{n: torch.ops.mkldnn._reorder_linear_weight(w, rows) for n, w in layer.items()} for layer in weights]
+    int8 = [{n: int8_weights(w) for n, w in layer.items()} for layer in weights]
+    int4 = [{n: int4_weights(w) for n, w in layer.items()} for layer in weights]
+    panels = [{n: panel.to_panels(w) for n, w in layer.items()} for layer in weights]
+    bf16 = [{n: w.bfloat16() for n, w in layer.items()} for layer in weights]
+    xs16 = {n: x.bfloat16() for n, x in xs.items()}
+
+    def run(per_product: Callable[[str, object], object], held: list[dict]) -> Callable[[], None]:
+        return lambda: [per_product(n, w) for layer in held for n, w in layer.items()]
+
+    return {
+        "fp32 F.linear": (run(lambda n, w: F.linear(xs[n], w), weights), fp32_bytes),
+        "fp32 oneDNN packed": (
+            run(lambda n, p: torch.ops.mkldnn._linear_pointwise(xs[n], p, None, "none", [], ""), packed),
+            fp32_bytes,
+        ),
+        "fp32 panels": (run(lambda n, pw: panel.panel_linear(xs[n], pw, None), panels), fp32_bytes),
+        "int8 weight-only, fp32 in": (
+            run(lambda n, qs: torch.ops.aten._weight_int8pack_mm(xs[n], *qs), int8),
+            fp32_bytes // 4,
+        ),
+        "int8 weight-only, bf16 in": (
+            run(lambda n, qs: torch.ops.aten._weight_int8pack_mm(xs16[n], qs[0], qs[1].bfloat16()), int8),
+            fp32_bytes // 4,
+        ),
+        "int4 weight-only, fp32 in": (
+            run(lambda n, qs: torch.ops.aten._weight_int4pack_mm_for_cpu(xs[n], qs[0], INT4_GROUP, qs[1]), int4),
+            fp32_bytes // 8,
+        ),
+        "stream read fp32": (run(lambda n, w: w.sum(), weights), fp32_bytes),
+        "stream read bf16": (run(lambda n, w: w.sum(), bf16), fp32_bytes // 2),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=int, nargs="+", default=[8, 32])
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args()
+    print(describe_cpu(), flush=True)
+    for rows in args.rows:
+        with torch.no_grad():
+            for name, (sweep, nbytes) in sweeps(rows).items():
+                ms = median_ms(sweep, args.repeats)
+                print(
+                    f"{rows:>3} rows  {name:<27} {ms:8.1f} ms per sweep of {LAYERS} layers  "
+                    f"{nbytes / ms / 1e6:6.1f} GB/s of weights",
+                    flush=True,
+                )
+
+
+if __name__ == "__main__":
+    main()

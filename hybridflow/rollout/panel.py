@@ -1,0 +1,129 @@
+"""fp32 products on weights laid out in 16-column panels, by a small AVX2 kernel (panel.c) built on first use.
+
+On an AVX2 CPU a decode step's products are bound by how fast the weights stream from memory, and oneDNN's
+product on its own blocked layout reads them at well under the rate a plain read reaches
+(bench/decode_weights.py). `panel.c` reads each thread's run of panels front to back with a prefetch ahead.
+The kernel is compiled once per machine with the C compiler (`$CC`, else `cc`) into hybridflow's cache
+(`$HYBRIDFLOW_CACHE/kernels`) and loaded with ctypes; where there is no compiler, no AVX2 and FMA, or the build
+fails, `kernel()` is None (with one warning) and the decoder keeps torch's products.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+PANEL = 16
+"""Output columns per panel: the kernel's two 8-float vectors."""
+SOURCE = Path(__file__).with_name("panel.c")
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+
+_UNSET = object()
+_kernel: object = _UNSET
+
+
+def kernel() -> ctypes._CFuncPtr | None:
+    """The built kernel (`hf_panel_linear`), or None where it cannot run here; built once per process."""
+    global _kernel
+    if _kernel is _UNSET:
+        _kernel = _load()
+    return _kernel  # type: ignore[return-value]
+
+
+def _cpu_has_avx2_fma() -> bool:
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return False
+    return {"avx2", "fma"} <= set(flags.split())
+
+
+def _load() -> ctypes._CFuncPtr | None:
+    if not _cpu_has_avx2_fma():
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build()))
+    except (OSError, subprocess.SubprocessError) as err:
+        log.warning("the fp32 panel kernel is not available (%s); the rollout uses torch's products", err)
+        return None
+    fn = lib.hf_panel_linear
+    p, n = ctypes.c_void_p, ctypes.c_long
+    fn.argtypes = [p, n, p, p, n, n, p, ctypes.c_int]
+    fn.restype = None
+    return fn
+
+
+def _build() -> Path:
+    """The shared library for this source and these flags: from the cache, else compiled into it atomically."""
+    from hybridflow.models.default import cache_root  # noqa: PLC0415  (lazy: models imports transformers)
+
+    compiler = os.environ.get("CC") or "cc"
+    if shutil.which(compiler) is None:
+        raise OSError(f"no C compiler {compiler!r} on PATH (set CC)")
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
+    out = cache_root() / "kernels" / f"panel-{digest}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        built = Path(tmp) / out.name
+        proc = subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise OSError(f"{compiler} failed: {proc.stderr.strip()[-500:]}")
+        os.replace(built, out)
+    return out
+
+
+def fits(weight: Tensor) -> bool:
+    """Whether a weight [out, in] can use the kernel: fp32 on the CPU, `out` a multiple of PANEL."""
+    return weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.shape[0] % PANEL == 0
+
+
+def to_panels(*parts: Tensor) -> Tensor:
+    """The row blocks `parts` ([out_i, in] each, stacked in order) as [sum(out_i) / PANEL, in, PANEL]: one copy,
+    written block by block (fused q/k/v or gate/up never materialise their stack first)."""
+    k = parts[0].shape[1]
+    out = torch.empty(sum(p.shape[0] for p in parts) // PANEL, k, PANEL, dtype=torch.float32)
+    start = 0
+    for p in parts:
+        n = p.shape[0] // PANEL
+        out[start : start + n].copy_(p.detach().view(n, PANEL, k).transpose(1, 2))
+        start += n
+    return out
+
+
+def panel_linear(x: Tensor, panels: Tensor, bias: Tensor | None) -> Tensor:
+    """x [..., in] (fp32) W^T + b with W given as `to_panels(W)`."""
+    fn = kernel()
+    if fn is None:
+        raise RuntimeError("the fp32 panel kernel is not available here (panel.kernel() is None)")
+    k = panels.shape[1]
+    rows = x.reshape(-1, k).contiguous()
+    n = panels.shape[0] * PANEL
+    y = torch.empty(rows.shape[0], n, dtype=torch.float32)
+    b = None if bias is None else bias.detach().contiguous()
+    fn(
+        rows.data_ptr(),
+        rows.shape[0],
+        panels.data_ptr(),
+        None if b is None else b.data_ptr(),
+        n,
+        k,
+        y.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return y.view(*x.shape[:-1], n)

@@ -1,0 +1,70 @@
+"""The AVX2 panel kernel (hybridflow/rollout/panel.py): its products against F.linear, and its build."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybridflow.rollout import panel
+
+needs_kernel = pytest.mark.skipif(panel.kernel() is None, reason="no AVX2 + FMA CPU or no C compiler here")
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [*range(1, 15), 64, 70])
+def test_panel_products_equal_f_linear(rows: int):
+    torch.manual_seed(rows)
+    w, b, x = torch.randn(48, 40), torch.randn(48), torch.randn(rows, 40)
+    panels = panel.to_panels(w)
+    torch.testing.assert_close(panel.panel_linear(x, panels, b), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(panel.panel_linear(x, panels, None), F.linear(x, w), atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_panel_products_keep_leading_dims_and_take_strided_inputs():
+    w, x = torch.randn(64, 24), torch.randn(3, 5, 48)[..., ::2]  # every other column: not contiguous
+    y = panel.panel_linear(x, panel.to_panels(w), None)
+    assert y.shape == (3, 5, 64)
+    torch.testing.assert_close(y, F.linear(x, w), atol=1e-5, rtol=1e-5)
+
+
+def test_only_fp32_cpu_weights_with_whole_panels_fit():
+    assert panel.fits(torch.zeros(32, 8))
+    assert not panel.fits(torch.zeros(40, 8))  # 40 output columns: not whole panels of 16
+    assert not panel.fits(torch.zeros(32, 8, dtype=torch.bfloat16))
+
+
+@needs_kernel
+def test_the_kernel_is_built_once_into_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HYBRIDFLOW_CACHE", str(tmp_path))
+    built = panel._build()
+    assert built.parent == tmp_path / "kernels" and built.exists()
+    stamp = built.stat().st_mtime_ns
+    assert panel._build() == built and built.stat().st_mtime_ns == stamp  # found, not compiled again
+    assert [p.name for p in built.parent.iterdir()] == [built.name]  # no temporary left behind
+
+
+@needs_kernel
+def test_without_a_compiler_the_kernel_is_absent_with_one_warning(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("HYBRIDFLOW_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "no-such-compiler")
+    with caplog.at_level(logging.WARNING, logger="hybridflow.rollout.panel"):
+        assert panel._load() is None
+    assert "no C compiler 'no-such-compiler'" in caplog.text and "torch's products" in caplog.text
+
+
+def test_stacked_blocks_are_laid_out_as_their_stack(monkeypatch):
+    """Fused q/k/v (gate/up) in panels straight from the blocks: the same layout as panels of their cat."""
+    import hybridflow.rollout.linear as linear
+
+    q, k, v, b = torch.randn(32, 24), torch.randn(16, 24), torch.randn(16, 24), torch.randn(64)
+    assert torch.equal(panel.to_panels(q, k, v), panel.to_panels(torch.cat([q, k, v])))
+    for path in linear._usable_paths(q):
+        monkeypatch.setattr(linear, "_choose", lambda weight, rows, path=path: path)
+        fused = linear.Linear.stacked([q, k, v], b)
+        assert fused.path == path
+        x = torch.randn(5, 24)
+        torch.testing.assert_close(fused(x), F.linear(x, torch.cat([q, k, v]), b), atol=1e-5, rtol=1e-5)
