@@ -10,11 +10,12 @@ For each row count the static decoder prefills `rows` prompts of `context` token
 - `rest`: step minus the three above (norms, rotary, SiLU, cache writes, embedding, Python and dispatch).
 Each is the median of `steps` timed calls, measured in the same process one after another. With
 `--compare`, the LM head and projections are also timed as plain `F.linear` (unpacked fp32), as
-oneDNN-packed fp32 and as int8 dynamic quantization (rollout/quantized.py), so
+oneDNN-packed fp32 and as int8 dynamic quantization (`Int8Linear` below), so
 the per-shape choice the decoder makes can be checked on the CPU at hand. `--int8-gap` measures what int8
 would cost in accuracy: 16 chat prompts x 64 sampled tokens (fp32 rollout) are teacher-forced through the
 fp32 decoder and through one with a part's products in int8, and the mean / max absolute gap of the tokens'
-log-probs is printed per part (the trainer would see this gap as rollout/trainer mismatch).
+log-probs is printed per part (the trainer would see this gap as rollout/trainer mismatch); `--bf16-weights-gap`
+does the same for weights rounded to bf16 with fp32 math (what a bf16-weight kernel would compute).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from hybridflow.keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, RESPONSES
 from hybridflow.models import default_model_dir, load_causal_lm, load_tokenizer
 from hybridflow.rollout import RolloutConfig, build_rollout
 from hybridflow.rollout.decoder import StaticLlamaDecoder, _decode_attention
+from hybridflow.rollout.linear import Linear
 from hybridflow.utils.hardware import describe_cpu
 
 
@@ -127,8 +129,13 @@ def compare_gemms(model, rows: int, steps: int) -> None:
 PARTS = ("qkv", "o", "gate_up", "down", "lm_head")
 
 
-def int8_decoder(model, parts: tuple[str, ...]) -> StaticLlamaDecoder:
-    """The fp32 static decoder with the products named in `parts` swapped for `Int8Linear`s."""
+def bf16_weights(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+    """fp32 math on weights rounded to bf16: what a kernel storing bf16 weights and computing in fp32 returns."""
+    return Linear(weight.detach().bfloat16().float(), bias)
+
+
+def int8_decoder(model, parts: tuple[str, ...], make: Callable = Int8Linear) -> StaticLlamaDecoder:
+    """The fp32 static decoder with the products named in `parts` swapped for `make(weight, bias)`."""
     dec = StaticLlamaDecoder(model)
     for w, layer in zip(dec.layers, model.model.layers):
         a, m = layer.self_attn, layer.mlp
@@ -139,9 +146,9 @@ def int8_decoder(model, parts: tuple[str, ...]) -> StaticLlamaDecoder:
             "down": m.down_proj.weight,
         }
         for name in set(parts) & set(full):
-            setattr(w, name, Int8Linear(full[name], None))
+            setattr(w, name, make(full[name], None))
     if "lm_head" in parts:
-        dec.lm_head = Int8Linear(model.lm_head.weight, model.lm_head.bias)
+        dec.lm_head = make(model.lm_head.weight, model.lm_head.bias)
     return dec
 
 
@@ -156,8 +163,9 @@ def teacher_forced_log_probs(dec: StaticLlamaDecoder, prompts, responses: torch.
     return torch.stack(out, 1)
 
 
-def int8_gap(model, rows: int = 16, new_tokens: int = 64) -> None:
-    """Per part (and all together): mean / max |log-prob gap| of int8 vs fp32 on sampled chat responses."""
+def int8_gap(model, rows: int = 16, new_tokens: int = 64, make: Callable = Int8Linear, label: str = "int8") -> None:
+    """Per part (and all together): mean / max |log-prob gap| of `make`'s products (int8 by default) vs fp32 on
+    sampled chat responses."""
     from rollout import make_prompts  # bench/rollout.py, beside this file
 
     tokenizer = load_tokenizer(default_model_dir())
@@ -167,9 +175,9 @@ def int8_gap(model, rows: int = 16, new_tokens: int = 64) -> None:
     with torch.no_grad():
         ref = teacher_forced_log_probs(StaticLlamaDecoder(model), prompts, responses)
         for parts in [(p,) for p in PARTS] + [PARTS]:
-            gap = (teacher_forced_log_probs(int8_decoder(model, parts), prompts, responses) - ref).abs()
+            gap = (teacher_forced_log_probs(int8_decoder(model, parts, make), prompts, responses) - ref).abs()
             print(
-                f"  int8 {'+'.join(parts):>28}: log-prob gap mean {gap.mean():.4f}, max {gap.max():.3f}, "
+                f"  {label} {'+'.join(parts):>28}: log-prob gap mean {gap.mean():.4f}, max {gap.max():.3f}, "
                 f"tokens with |ratio - 1| > 0.2: {((gap.exp() - 1) > 0.2).float().mean():.1%}",
                 flush=True,
             )
@@ -183,6 +191,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--compare", action="store_true", help="also time each GEMM shape three ways")
     p.add_argument("--int8-gap", action="store_true", help="also measure int8's log-prob gap per part")
+    p.add_argument(
+        "--bf16-weights-gap", action="store_true", help="the same gap for bf16 weights with fp32 math, per part"
+    )
     args = p.parse_args()
     print(describe_cpu(), flush=True)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
@@ -198,6 +209,8 @@ def main() -> None:
             compare_gemms(model, rows, args.steps)
     if args.int8_gap:
         int8_gap(model)
+    if args.bf16_weights_gap:
+        int8_gap(model, make=bf16_weights, label="bf16 weights")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ SmolLM2's shapes and random weights, one sweep over the 30 layers' products is t
 - `fp32 F.linear`: torch's fp32 product (MKL);
 - `fp32 oneDNN packed`: the product on weights reordered once (rollout/linear.py's "packed");
 - `fp32 panels`: hybridflow's AVX2 kernel on 16-column panels (rollout/panel.py; rollout/linear.py's "panels");
+- `bf16 panels, fp32 math`: the same kernel on the weights rounded to bf16 (rollout.weight_dtype=bf16);
 - `int8 weight-only, fp32 in` / `bf16 in`: `aten._weight_int8pack_mm` (one scale per output row);
 - `int4 weight-only, fp32 in`: `aten._weight_int4pack_mm_for_cpu` (groups of 64);
 - `stream read fp32` / `stream read bf16`: a sum over the same weights, no product: how fast this CPU streams
@@ -70,6 +71,7 @@ def sweeps(rows: int) -> dict[str, tuple[Callable[[], None], int]]:
     int8 = [{n: int8_weights(w) for n, w in layer.items()} for layer in weights]
     int4 = [{n: int4_weights(w) for n, w in layer.items()} for layer in weights]
     panels = [{n: panel.to_panels(w) for n, w in layer.items()} for layer in weights]
+    bf16_panels = [{n: panel.to_panels(w, dtype=torch.bfloat16) for n, w in layer.items()} for layer in weights]
     bf16 = [{n: w.bfloat16() for n, w in layer.items()} for layer in weights]
     xs16 = {n: x.bfloat16() for n, x in xs.items()}
 
@@ -83,6 +85,10 @@ def sweeps(rows: int) -> dict[str, tuple[Callable[[], None], int]]:
             fp32_bytes,
         ),
         "fp32 panels": (run(lambda n, pw: panel.panel_linear(xs[n], pw, None), panels), fp32_bytes),
+        "bf16 panels, fp32 math": (
+            run(lambda n, pw: panel.panel_linear(xs[n], pw, None), bf16_panels),
+            fp32_bytes // 2,
+        ),
         "int8 weight-only, fp32 in": (
             run(lambda n, qs: torch.ops.aten._weight_int8pack_mm(xs[n], *qs), int8),
             fp32_bytes // 4,

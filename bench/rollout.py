@@ -1,6 +1,7 @@
 """Native rollout vs transformers `generate` on SmolLM2-135M: generated tokens per second.
 
 Run: .venv/bin/python bench/rollout.py [--batch 64] [--new-tokens 64] [--dtypes bf16 fp32] [--repeats 2]
+     [--weight-dtype bf16]  (the fp32 native rollout with rollout.weight_dtype=bf16; `generate` stays fp32)
 
 Both sample at temperature 1, top_p 1, no top-k, and both generate exactly
 `new-tokens` tokens per sequence: EOS stopping is off for both (generate gets a
@@ -101,6 +102,7 @@ def bench_dtype(dtype: str, args, tokenizer) -> dict[str, float]:
         ignore_eos=True,
         max_batch_size=args.batch,
         prompt_length=256,
+        weight_dtype=args.weight_dtype if dtype == "fp32" else None,
     )
     model = load_causal_lm(default_model_dir(), dtype=cfg.torch_dtype).eval()
     rollouts = {"native": build_rollout(cfg, model, tokenizer)}
@@ -196,6 +198,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=["bf16", "fp32"])
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument(
+        "--weight-dtype", choices=["bf16"], help="fp32 native rollout: rollout.weight_dtype (bf16 weights, fp32 math)"
+    )
     parser.add_argument("--layouts", nargs="+", choices=["dp", "tp"], help="native rollout on --ranks processes")
     parser.add_argument("--ranks", type=int, default=3)
     args = parser.parse_args()

@@ -201,7 +201,7 @@ def test_bf16_decode_with_onednn_packed_weights_is_bit_identical(monkeypatch):
         pytest.skip("this torch build has no oneDNN bf16 linear")
     cfg = RolloutConfig(name="native", dtype="bf16", do_sample=False, response_length=R, calculate_log_probs=True)
     packed = NativeRollout(cfg, model, tok).generate_sequences(prompt_batch(tok))
-    monkeypatch.setattr(linear, "_choose", lambda weight, rows: "plain")
+    monkeypatch.setattr(linear, "_choose", lambda *args: "plain")
     plain = NativeRollout(cfg, model, tok).generate_sequences(prompt_batch(tok))
     assert decoder.StaticLlamaDecoder(model).layers[0].qkv.packed is None
     assert torch.equal(packed.batch[RESPONSES], plain.batch[RESPONSES])
@@ -216,13 +216,13 @@ def test_fp32_decode_with_laid_out_weights_matches_plain(monkeypatch, path):
     import hybridflow.rollout.linear as linear
 
     model, tok = tiny("llama")
-    monkeypatch.setattr(linear, "_choose", lambda weight, rows: path)
+    monkeypatch.setattr(linear, "_choose", lambda *args: path)
     if path not in linear._usable_paths(model.lm_head.weight):
         pytest.skip(f"no {path} path here (no oneDNN linear, or no AVX2 / C compiler for the panel kernel)")
     assert getattr(decoder.StaticLlamaDecoder(model).lm_head, path) is not None
     cfg = RolloutConfig(name="native", dtype="fp32", do_sample=False, response_length=R, calculate_log_probs=True)
     laid_out = NativeRollout(cfg, model, tok).generate_sequences(prompt_batch(tok))
-    monkeypatch.setattr(linear, "_choose", lambda weight, rows: "plain")
+    monkeypatch.setattr(linear, "_choose", lambda *args: "plain")
     assert decoder.StaticLlamaDecoder(model).lm_head.weight is not None
     plain = NativeRollout(cfg, model, tok).generate_sequences(prompt_batch(tok))
     assert torch.equal(laid_out.batch[RESPONSES], plain.batch[RESPONSES])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import pytest
 import torch
@@ -63,8 +64,59 @@ def test_stacked_blocks_are_laid_out_as_their_stack(monkeypatch):
     q, k, v, b = torch.randn(32, 24), torch.randn(16, 24), torch.randn(16, 24), torch.randn(64)
     assert torch.equal(panel.to_panels(q, k, v), panel.to_panels(torch.cat([q, k, v])))
     for path in linear._usable_paths(q):
-        monkeypatch.setattr(linear, "_choose", lambda weight, rows, path=path: path)
+        monkeypatch.setattr(linear, "_choose", lambda *args, path=path: path)
         fused = linear.Linear.stacked([q, k, v], b)
         assert fused.path == path
         x = torch.randn(5, 24)
         torch.testing.assert_close(fused(x), F.linear(x, torch.cat([q, k, v]), b), atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_bf16_panels_compute_in_fp32_on_the_rounded_weights():
+    import hybridflow.rollout.linear as linear
+
+    w, b, x = torch.randn(48, 40), torch.randn(48), torch.randn(7, 40)
+    lin = linear.Linear(w, b, weight_dtype=torch.bfloat16)
+    assert lin.path == "bf16_panels" and lin.panels.dtype == torch.bfloat16
+    torch.testing.assert_close(lin(x), F.linear(x, w.bfloat16().float(), b), atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_a_bf16_weight_rollout_samples_as_fp32_math_on_bf16_rounded_weights(monkeypatch):
+    """rollout.weight_dtype=bf16: the same tokens and bit-identical log-probs as an fp32 rollout whose model
+    weights were rounded to bf16 (both on the panel kernel: same math, same order); and not the fp32 model's."""
+    from rollout_helpers import prompt_batch, tiny
+
+    import hybridflow.rollout.linear as linear
+    from hybridflow.keys import RESPONSES, ROLLOUT_LOG_PROBS
+    from hybridflow.rollout import RolloutConfig
+    from hybridflow.rollout.native import NativeRollout
+
+    model, tok = tiny("llama")
+    prompts = prompt_batch(tok)
+    cfg = RolloutConfig(name="native", dtype="fp32", do_sample=False, response_length=8, calculate_log_probs=True)
+    bf16 = NativeRollout(replace(cfg, weight_dtype="bf16"), model, tok).generate_sequences(prompts)
+    exact = NativeRollout(cfg, model, tok).generate_sequences(prompts)
+    monkeypatch.setattr(linear, "_choose", lambda *args: "panels")
+    with torch.no_grad():
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            for layer in model.model.layers:
+                getattr(layer.self_attn, name).weight.copy_(getattr(layer.self_attn, name).weight.bfloat16())
+        for layer in model.model.layers:
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                getattr(layer.mlp, name).weight.copy_(getattr(layer.mlp, name).weight.bfloat16())
+    # a new parameter: the LM head rounded, the (tied) input embedding left in fp32 as the bf16 rollout reads it
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().bfloat16().float())
+    rounded = NativeRollout(cfg, model, tok).generate_sequences(prompts)
+    assert torch.equal(bf16.batch[RESPONSES], rounded.batch[RESPONSES])
+    assert torch.equal(bf16.batch[ROLLOUT_LOG_PROBS], rounded.batch[ROLLOUT_LOG_PROBS])
+    assert not torch.equal(bf16.batch[ROLLOUT_LOG_PROBS], exact.batch[ROLLOUT_LOG_PROBS])
+
+
+def test_weight_dtype_is_checked_at_load():
+    from hybridflow.rollout import RolloutConfig
+
+    with pytest.raises(ValueError, match="rollout.weight_dtype must be null or 'bf16'"):
+        RolloutConfig(weight_dtype="fp16")
+    with pytest.raises(ValueError, match="is for the native rollout"):
+        RolloutConfig(name="hf", weight_dtype="bf16")

@@ -198,6 +198,12 @@ class RolloutConfig(Section):
     dtype: str = "auto"
     """Rollout weights and compute: "bf16" (about 2x faster on CPUs with avx512_bf16), "fp32", or "auto"
     (bf16 where a matmul probe measures it paying on this machine; see engine.param_dtype)."""
+    weight_dtype: str | None = None
+    """Native rollout computing in fp32: "bf16" holds its products' weights in bf16 for hybridflow's AVX2 panel
+    kernel (rollout/panel.py), math in fp32: half the bytes a decode step reads (bench/decode_weights.py), a small
+    gap to the fp32 trainer (SmolLM2, teacher-forced: mean |log-prob gap| 0.0065, max 0.063; bench/decode_profile.py
+    --bf16-weights-gap) that the mismatch/* metrics report and rollout importance sampling can correct. None: the
+    weights keep the rollout's dtype. Where the kernel cannot run (no AVX2, no C compiler) the weights stay fp32."""
     calculate_log_probs: bool | None = None
     """Return `rollout_log_probs` [B*n, R]: log-probs of the sampled tokens under the sampler. None: decided at
     load, on where it is free (native, hf) unless trainer.parity=off, and wherever algorithm.rollout_is_threshold
@@ -258,6 +264,13 @@ class RolloutConfig(Section):
         if self.agent.enable:
             self._check_agent()
         check_dtype("rollout.dtype", self.dtype)
+        if self.weight_dtype not in (None, "bf16"):
+            raise ValueError(f"rollout.weight_dtype must be null or 'bf16', got {self.weight_dtype!r}")
+        if self.weight_dtype is not None and self.name != "native":
+            raise ValueError(
+                f"rollout.weight_dtype={self.weight_dtype} is for the native rollout; rollout.name={self.name!r} "
+                "holds its weights in rollout.dtype (drop rollout.weight_dtype or use rollout.name=native)"
+            )
         for key in ("prompt_length", "response_length", "max_batch_size"):
             if getattr(self, key) is not None and getattr(self, key) < 1:
                 raise ValueError(f"rollout.{key} must be >= 1, got {getattr(self, key)}")

@@ -80,22 +80,25 @@ def _cat_bias(*mods: nn.Linear, rank: int = 0, tp: int = 1) -> Tensor | None:
     )
 
 
-def _layer_weights(layer: nn.Module, rank: int = 0, tp: int = 1) -> _LayerWeights:
+def _layer_weights(
+    layer: nn.Module, rank: int = 0, tp: int = 1, weight_dtype: torch.dtype | None = None
+) -> _LayerWeights:
     """The layer's fused weights; with tp > 1 this rank's share (heads are contiguous blocks of rows,
     so chunking rows by tp keeps whole heads), taken from the full weights or, when the native rollout
     holds only its shard (rollout/sharding.py), used as they are. The o/down bias is added once, by tp rank 0."""
     a, m = layer.self_attn, layer.mlp
     rows = lambda *mods: [own_part(mod.weight, 0, rank, tp, mod.out_features) for mod in mods]  # noqa: E731
     cols = lambda mod: own_part(mod.weight, 1, rank, tp, mod.in_features)  # noqa: E731
+    wd = {"weight_dtype": weight_dtype}
     return _LayerWeights(
         ln1=layer.input_layernorm.weight,
         ln2=layer.post_attention_layernorm.weight,
         qkv=Linear.stacked(
-            rows(a.q_proj, a.k_proj, a.v_proj), _cat_bias(a.q_proj, a.k_proj, a.v_proj, rank=rank, tp=tp)
+            rows(a.q_proj, a.k_proj, a.v_proj), _cat_bias(a.q_proj, a.k_proj, a.v_proj, rank=rank, tp=tp), **wd
         ),
-        o=Linear(cols(a.o_proj), a.o_proj.bias if rank == 0 else None),
-        gate_up=Linear.stacked(rows(m.gate_proj, m.up_proj), _cat_bias(m.gate_proj, m.up_proj, rank=rank, tp=tp)),
-        down=Linear(cols(m.down_proj), m.down_proj.bias if rank == 0 else None),
+        o=Linear(cols(a.o_proj), a.o_proj.bias if rank == 0 else None, **wd),
+        gate_up=Linear.stacked(rows(m.gate_proj, m.up_proj), _cat_bias(m.gate_proj, m.up_proj, rank=rank, tp=tp), **wd),
+        down=Linear(cols(m.down_proj), m.down_proj.bias if rank == 0 else None, **wd),
     )
 
 
@@ -146,11 +149,16 @@ class StaticLlamaDecoder:
 
     Fused weights are built from the module at construction, so build a new
     decoder after the module's weights change (the native rollout builds one per call).
-    `kernels`: the element-wise ops, eager or compiled (rollout/kernels.py).
+    `kernels`: the element-wise ops, eager or compiled (rollout/kernels.py). `weight_dtype`: bf16 to hold fp32
+    products' weights in bf16 panels (rollout.weight_dtype; rollout/linear.py).
     """
 
     def __init__(
-        self, model: nn.Module, kernels: DecoderKernels = EAGER, tp_group: dist.ProcessGroup | None = None
+        self,
+        model: nn.Module,
+        kernels: DecoderKernels = EAGER,
+        tp_group: dist.ProcessGroup | None = None,
+        weight_dtype: torch.dtype | None = None,
     ) -> None:
         cfg = model.config
         self.model = model
@@ -163,24 +171,25 @@ class StaticLlamaDecoder:
                 f"rollout.tensor_model_parallel_size={tp} must divide num_attention_heads "
                 f"({cfg.num_attention_heads}) and num_key_value_heads ({cfg.num_key_value_heads})"
             )
-        self.layers = [_layer_weights(layer, rank, tp) for layer in model.model.layers]
-        self._vocab_weights(model, rank, tp)
+        self.layers = [_layer_weights(layer, rank, tp, weight_dtype) for layer in model.model.layers]
+        self._vocab_weights(model, rank, tp, weight_dtype)
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.heads, self.kv_heads = cfg.num_attention_heads // tp, cfg.num_key_value_heads // tp
         self.scaling = model.model.layers[0].self_attn.scaling
         self.eps = cfg.rms_norm_eps
         self.dtype = model.model.embed_tokens.weight.dtype
 
-    def _vocab_weights(self, model: nn.Module, rank: int, tp: int) -> None:
+    def _vocab_weights(self, model: nn.Module, rank: int, tp: int, weight_dtype: torch.dtype | None) -> None:
         """Embedding and LM head: whole, or with tp > 1 (when tp divides the vocabulary) this rank's rows."""
         embed, head = model.model.embed_tokens, model.lm_head
         self.vocab_split = tp > 1 and embed.num_embeddings % tp == 0
         if not self.vocab_split:
-            self.embed, self.lm_head, self.vocab_start = embed.weight, Linear(head.weight, head.bias), 0
+            self.embed, self.vocab_start = embed.weight, 0
+            self.lm_head = Linear(head.weight, head.bias, weight_dtype=weight_dtype)
             return
         self.embed = own_part(embed.weight, 0, rank, tp, embed.num_embeddings)
         bias = None if head.bias is None else own_part(head.bias, 0, rank, tp, head.out_features)
-        self.lm_head = Linear(own_part(head.weight, 0, rank, tp, head.out_features), bias)
+        self.lm_head = Linear(own_part(head.weight, 0, rank, tp, head.out_features), bias, weight_dtype=weight_dtype)
         self.vocab_start = rank * (embed.num_embeddings // tp)
 
     def prefill(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, max_new: int) -> Tensor:

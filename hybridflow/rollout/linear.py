@@ -6,9 +6,10 @@ avx2-only EPYC MKL's fp32 product is itself slow at these shapes (bench/decode_p
 lays its weight out once per generate call (the decoder is built per call) in one of three ways:
 - "plain": the module's own tensor, through `F.linear`;
 - "packed": reordered once into oneDNN's blocked layout;
-- "panels": fp32 in 16-column panels for hybridflow's AVX2 kernel (rollout/panel.py).
+- "panels": fp32 in 16-column panels for hybridflow's AVX2 kernel (rollout/panel.py);
+- "bf16_panels": an fp32 weight rounded to bf16 in those panels, fp32 math (rollout.weight_dtype=bf16).
 bf16 is packed wherever oneDNN has bf16; fp32 takes whichever a timing of the shape in this process finds
-fastest (once per shape and process).
+fastest (once per shape and process), unless bf16 panels are asked for.
 """
 
 from __future__ import annotations
@@ -22,31 +23,44 @@ from torch import Tensor
 
 from hybridflow.rollout import panel
 
-PATHS = ("plain", "packed", "panels")
+PATHS = ("plain", "packed", "panels", "bf16_panels")
+_PANEL_DTYPE = {"panels": torch.float32, "bf16_panels": torch.bfloat16}
 
 
 class Linear:
-    """y = x W^T + b, in the layout `path` names (None: `_choose`'s pick for `rows_hint` rows)."""
+    """y = x W^T + b, in the layout `path` names (None: `_choose`'s pick for `rows_hint` rows and
+    `weight_dtype`, the rollout's rollout.weight_dtype)."""
 
-    def __init__(self, weight: Tensor, bias: Tensor | None, rows_hint: int = 64, path: str | None = None) -> None:
+    def __init__(
+        self,
+        weight: Tensor,
+        bias: Tensor | None,
+        rows_hint: int = 64,
+        path: str | None = None,
+        weight_dtype: torch.dtype | None = None,
+    ) -> None:
         self.bias = bias
-        self.path = path or _choose(weight, rows_hint)
+        self.path = path or _choose(weight, rows_hint, weight_dtype)
         self.weight = weight if self.path == "plain" else None  # a packed or panel copy replaces it
         self.packed = _reorder(weight, rows_hint) if self.path == "packed" else None
-        self.panels = panel.to_panels(weight) if self.path == "panels" else None
+        dtype = _PANEL_DTYPE.get(self.path)
+        self.panels = None if dtype is None else panel.to_panels(weight, dtype=dtype)
 
     @classmethod
-    def stacked(cls, parts: list[Tensor], bias: Tensor | None, rows_hint: int = 64) -> Linear:
+    def stacked(
+        cls, parts: list[Tensor], bias: Tensor | None, rows_hint: int = 64, weight_dtype: torch.dtype | None = None
+    ) -> Linear:
         """The product of the row blocks `parts` stacked in order (fused q/k/v, gate/up); in the panel layout
         the blocks are laid out one by one, without a copy of their stack first."""
         if all(panel.fits(p) for p in parts):
             shape_only = parts[0].new_empty(sum(p.shape[0] for p in parts), parts[0].shape[1])  # never read
-            if _choose(shape_only, rows_hint) == "panels":
+            path = _choose(shape_only, rows_hint, weight_dtype)
+            if path in _PANEL_DTYPE:
                 fused = cls.__new__(cls)
-                fused.bias, fused.path, fused.weight, fused.packed = bias, "panels", None, None
-                fused.panels = panel.to_panels(*parts)
+                fused.bias, fused.path, fused.weight, fused.packed = bias, path, None, None
+                fused.panels = panel.to_panels(*parts, dtype=_PANEL_DTYPE[path])
                 return fused
-        return cls(torch.cat(parts), bias, rows_hint)
+        return cls(torch.cat(parts), bias, rows_hint, weight_dtype=weight_dtype)
 
     def __call__(self, x: Tensor) -> Tensor:
         if self.panels is not None:
@@ -60,11 +74,14 @@ _FASTEST: dict[tuple[int, int, int], str] = {}
 """(out, in, rows) -> the fp32 path that was fastest when this process timed it."""
 
 
-def _choose(weight: Tensor, rows: int) -> str:
-    """bf16: "packed" where oneDNN has bf16 (SmolLM2, 64 rows: 1.3-1.8x F.linear, bit-identical). fp32: the
-    fastest available path on `rows` random rows (on the avx2-only EPYC, MKL's fp32 product at 8 rows took 3.7x
-    oneDNN's on the LM head; bench/decode_weights.py compares all three)."""
+def _choose(weight: Tensor, rows: int, weight_dtype: torch.dtype | None = None) -> str:
+    """bf16: "packed" where oneDNN has bf16 (SmolLM2, 64 rows: 1.3-1.8x F.linear, bit-identical). fp32 with
+    `weight_dtype` bf16: "bf16_panels" where the panel kernel runs. fp32 otherwise: the fastest available path
+    on `rows` random rows (on the avx2-only EPYC, MKL's fp32 product at 8 rows took 3.7x oneDNN's on the LM
+    head; bench/decode_weights.py compares them)."""
     usable = _usable_paths(weight)
+    if weight_dtype == torch.bfloat16 and "panels" in usable:
+        return "bf16_panels"
     if weight.dtype != torch.float32 or len(usable) == 1:
         return usable[-1]
     key = (*weight.shape, rows)

@@ -19,12 +19,15 @@ shard of the split weights (rollout/sharding.py); the weight sync reshards the a
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from hybridflow.engine.reshard import GenerationLayout
 from hybridflow.parity import tokens as parity_tokens
+from hybridflow.rollout import panel
 from hybridflow.rollout.base import ModuleRollout
 from hybridflow.rollout.config import RolloutConfig, SamplingParams
 from hybridflow.rollout.decoder import HFDecoder, StaticLlamaDecoder, supports_static_path
@@ -32,6 +35,8 @@ from hybridflow.rollout.kernels import decoder_kernels
 from hybridflow.rollout.sampling import sample_next
 from hybridflow.rollout.sharding import own_part, shard_module_, split_dims
 from hybridflow.utils.memory import release_freed_memory
+
+log = logging.getLogger(__name__)
 
 COMPACT_FRACTION = 0.125
 """Compact the batch once this fraction of the held rows has finished."""
@@ -59,6 +64,10 @@ class NativeRollout(ModuleRollout):
             )
         self._eos = torch.tensor(self.eos_ids)
         self.kernels = decoder_kernels(compile=self.use_static and not config.enforce_eager)
+        if config.weight_dtype == "bf16" and panel.kernel(torch.bfloat16) is None:
+            log.warning(
+                "rollout.weight_dtype=bf16 needs the AVX2 panel kernel, which cannot run here: weights stay fp32"
+            )
         self.tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
         self.tp_stride = tp_stride  # how far apart the group's ranks are (rollout/base.py tensor_parallel_group)
         self.tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
@@ -95,7 +104,8 @@ class NativeRollout(ModuleRollout):
     def _decoder(self) -> StaticLlamaDecoder | HFDecoder:
         # built per call: the static decoder's fused weights must follow in-place weight updates
         if self.use_static:
-            return StaticLlamaDecoder(self.model, self.kernels, self.tp_group)
+            weight_dtype = torch.bfloat16 if self.config.weight_dtype == "bf16" else None
+            return StaticLlamaDecoder(self.model, self.kernels, self.tp_group, weight_dtype)
         return HFDecoder(self.model)
 
     def _generate(

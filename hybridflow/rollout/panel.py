@@ -1,4 +1,5 @@
-"""fp32 products on weights laid out in 16-column panels, by a small AVX2 kernel (panel.c) built on first use.
+"""fp32 products on weights laid out in 16-column panels (fp32, or bf16 widened as loaded), by a small AVX2 kernel
+(panel.c) built on first use.
 
 On an AVX2 CPU a decode step's products are bound by how fast the weights stream from memory, and oneDNN's
 product on its own blocked layout reads them at well under the rate a plain read reaches
@@ -30,16 +31,20 @@ PANEL = 16
 SOURCE = Path(__file__).with_name("panel.c")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 
+PANEL_DTYPES = (torch.float32, torch.bfloat16)
+"""What the panels can hold; the math is fp32 either way."""
+_SYMBOLS = {torch.float32: "hf_panel_linear", torch.bfloat16: "hf_panel_linear_bf16"}
+
 _UNSET = object()
-_kernel: object = _UNSET
+_kernels: object = _UNSET
 
 
-def kernel() -> ctypes._CFuncPtr | None:
-    """The built kernel (`hf_panel_linear`), or None where it cannot run here; built once per process."""
-    global _kernel
-    if _kernel is _UNSET:
-        _kernel = _load()
-    return _kernel  # type: ignore[return-value]
+def kernel(dtype: torch.dtype = torch.float32) -> ctypes._CFuncPtr | None:
+    """The built kernel for panels of `dtype`, or None where it cannot run here; built once per process."""
+    global _kernels
+    if _kernels is _UNSET:
+        _kernels = _load()
+    return None if _kernels is None else _kernels[dtype]  # type: ignore[index]
 
 
 def _cpu_has_avx2_fma() -> bool:
@@ -52,19 +57,22 @@ def _cpu_has_avx2_fma() -> bool:
     return {"avx2", "fma"} <= set(flags.split())
 
 
-def _load() -> ctypes._CFuncPtr | None:
+def _load() -> dict[torch.dtype, ctypes._CFuncPtr] | None:
     if not _cpu_has_avx2_fma():
         return None
     try:
         lib = ctypes.CDLL(str(_build()))
     except (OSError, subprocess.SubprocessError) as err:
-        log.warning("the fp32 panel kernel is not available (%s); the rollout uses torch's products", err)
+        log.warning("the panel kernel is not available (%s); the rollout uses torch's products", err)
         return None
-    fn = lib.hf_panel_linear
     p, n = ctypes.c_void_p, ctypes.c_long
-    fn.argtypes = [p, n, p, p, n, n, p, ctypes.c_int]
-    fn.restype = None
-    return fn
+    kernels = {}
+    for dtype, symbol in _SYMBOLS.items():
+        fn = getattr(lib, symbol)
+        fn.argtypes = [p, n, p, p, n, n, p, ctypes.c_int]
+        fn.restype = None
+        kernels[dtype] = fn
+    return kernels
 
 
 def _build() -> Path:
@@ -93,11 +101,11 @@ def fits(weight: Tensor) -> bool:
     return weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.shape[0] % PANEL == 0
 
 
-def to_panels(*parts: Tensor) -> Tensor:
-    """The row blocks `parts` ([out_i, in] each, stacked in order) as [sum(out_i) / PANEL, in, PANEL]: one copy,
-    written block by block (fused q/k/v or gate/up never materialise their stack first)."""
+def to_panels(*parts: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """The row blocks `parts` ([out_i, in] each, stacked in order) as [sum(out_i) / PANEL, in, PANEL] of `dtype`:
+    one copy, written block by block (fused q/k/v or gate/up never materialise their stack first)."""
     k = parts[0].shape[1]
-    out = torch.empty(sum(p.shape[0] for p in parts) // PANEL, k, PANEL, dtype=torch.float32)
+    out = torch.empty(sum(p.shape[0] for p in parts) // PANEL, k, PANEL, dtype=dtype)
     start = 0
     for p in parts:
         n = p.shape[0] // PANEL
@@ -107,10 +115,10 @@ def to_panels(*parts: Tensor) -> Tensor:
 
 
 def panel_linear(x: Tensor, panels: Tensor, bias: Tensor | None) -> Tensor:
-    """x [..., in] (fp32) W^T + b with W given as `to_panels(W)`."""
-    fn = kernel()
+    """x [..., in] (fp32) W^T + b in fp32 with W given as `to_panels(W)` (fp32 or bf16 panels)."""
+    fn = kernel(panels.dtype)
     if fn is None:
-        raise RuntimeError("the fp32 panel kernel is not available here (panel.kernel() is None)")
+        raise RuntimeError("the panel kernel is not available here (panel.kernel() is None)")
     k = panels.shape[1]
     rows = x.reshape(-1, k).contiguous()
     n = panels.shape[0] * PANEL
