@@ -19,12 +19,11 @@ Each line gives the sweep's time and the weight bytes it read per second.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from decode_profile import median_ms  # bench/decode_profile.py, beside this file
 
 from hybridflow.rollout import panel
 from hybridflow.utils.hardware import describe_cpu
@@ -33,16 +32,6 @@ LAYERS = 30
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 """SmolLM2-135M's fused products: (out, in) features."""
 INT4_GROUP = 64
-
-
-def median_ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
 
 
 def int8_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

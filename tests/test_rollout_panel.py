@@ -120,3 +120,11 @@ def test_weight_dtype_is_checked_at_load():
         RolloutConfig(weight_dtype="fp16")
     with pytest.raises(ValueError, match="is for the native rollout"):
         RolloutConfig(name="hf", weight_dtype="bf16")
+
+
+def test_a_column_chunk_is_laid_out_like_its_copy():
+    """tp > 1 splits o / down by columns: a strided view of the full weight."""
+    w = torch.randn(32, 24)
+    chunk = w[:, 8:16]
+    assert not chunk.is_contiguous()
+    assert torch.equal(panel.to_panels(chunk), panel.to_panels(chunk.contiguous()))

@@ -3,7 +3,7 @@
 `F.linear` hands CPU products to MKL (fp32) or oneDNN (bf16), and oneDNN reorders the weight into its blocked
 layout on every call. At decode sizes (a few dozen rows) that reorder costs as much as the product, and on the
 avx2-only EPYC MKL's fp32 product is itself slow at these shapes (bench/decode_profile.py --compare). A `Linear`
-lays its weight out once per generate call (the decoder is built per call) in one of three ways:
+lays its weight out once per generate call (the decoder is built per call) in one of these ways:
 - "plain": the module's own tensor, through `F.linear`;
 - "packed": reordered once into oneDNN's blocked layout;
 - "panels": fp32 in 16-column panels for hybridflow's AVX2 kernel (rollout/panel.py);
@@ -23,7 +23,6 @@ from torch import Tensor
 
 from hybridflow.rollout import panel
 
-PATHS = ("plain", "packed", "panels", "bf16_panels")
 _PANEL_DTYPE = {"panels": torch.float32, "bf16_panels": torch.bfloat16}
 
 
@@ -95,12 +94,20 @@ def _usable_paths(weight: Tensor) -> list[str]:
     paths = ["plain"]
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return paths
-    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
-        if weight.dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported():
-            paths.append("packed")
+    if _onednn_packs(weight.dtype):
+        paths.append("packed")
     if panel.fits(weight) and panel.kernel() is not None:
         paths.append("panels")
     return paths
+
+
+def _onednn_packs(dtype: torch.dtype) -> bool:
+    try:
+        if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+            return False
+        return dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    except (AttributeError, RuntimeError):  # private ops: absent or refused in some builds
+        return False
 
 
 def _reorder(weight: Tensor, rows: int) -> Tensor:

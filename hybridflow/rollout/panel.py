@@ -109,7 +109,7 @@ def to_panels(*parts: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     start = 0
     for p in parts:
         n = p.shape[0] // PANEL
-        out[start : start + n].copy_(p.detach().view(n, PANEL, k).transpose(1, 2))
+        out[start : start + n].copy_(p.detach().reshape(n, PANEL, k).transpose(1, 2))  # a tp column chunk: strided
         start += n
     return out
 
@@ -117,6 +117,8 @@ def to_panels(*parts: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
 def panel_linear(x: Tensor, panels: Tensor, bias: Tensor | None) -> Tensor:
     """x [..., in] (fp32) W^T + b in fp32 with W given as `to_panels(W)` (fp32 or bf16 panels)."""
     fn = kernel(panels.dtype)
+    if x.dtype != torch.float32:
+        raise TypeError(f"the panel kernel multiplies fp32 inputs, got {x.dtype}")
     if fn is None:
         raise RuntimeError("the panel kernel is not available here (panel.kernel() is None)")
     k = panels.shape[1]
