@@ -195,6 +195,15 @@ def test_config_rejects_bad_values_naming_the_key():
     assert load_config(RunConfig, None, ["trainer.parity=off"]).trainer.parity == "off"  # not YAML's false
 
 
+def test_bf16_rollout_weights_take_the_bf16_limits():
+    """rollout.weight_dtype=bf16 puts an fp32 rollout's log-probs at bf16 distance from an fp32 trainer."""
+    fp32 = ["rollout.dtype=fp32", "actor.engine.param_dtype=fp32"]
+    exact = ParityGuard.from_config(load_config(RunConfig, None, fp32))
+    rounded = ParityGuard.from_config(load_config(RunConfig, None, [*fp32, "rollout.weight_dtype=bf16"]))
+    assert exact.limits == ParityThresholds().resolve("native", "fp32")
+    assert rounded.limits == ParityThresholds().resolve("native", "bf16")
+
+
 def test_rollout_log_probs_are_on_where_free_and_off_with_the_guard():
     assert parity_rollout_fields(RolloutConfig(name="native"), "error", False) == {"calculate_log_probs": True}
     assert parity_rollout_fields(RolloutConfig(name="native"), "off", False)["calculate_log_probs"] is False

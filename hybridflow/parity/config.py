@@ -33,8 +33,8 @@ DEFAULT_THRESHOLDS: dict[tuple[str, str], Thresholds] = {
     ("native", "bf16"): Thresholds(gap_mean=0.15, gap_max=5.0, ratio=0.2, frac_beyond=0.1),
     ("hf", "bf16"): Thresholds(gap_mean=0.15, gap_max=5.0, ratio=0.2, frac_beyond=0.1),
 }
-"""(rollout.name, precision) -> defaults; precision is "bf16" when the rollout or the actor computes in bf16, else
-"fp32". fp32: about 10x (mean) and 100x (max) what healthy SmolLM2 runs measured; bf16: about 3x (mean, fraction
+"""(rollout.name, precision) -> defaults; precision is "bf16" when the rollout or the actor computes in bf16 or the
+rollout holds bf16 weights (rollout.weight_dtype), else "fp32". fp32: about 10x (mean) and 100x (max) what healthy SmolLM2 runs measured; bf16: about 3x (mean, fraction
 beyond) and 4x (max) the largest step of the main job's 40 healthy bf16 steps (docs/parity.md has the
 measurements)."""
 FALLBACK = ("native", "bf16")

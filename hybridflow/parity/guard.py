@@ -59,7 +59,8 @@ class ParityGuard:
     @classmethod
     def from_config(cls, cfg: Any) -> ParityGuard:
         """The guard of a resolved RunConfig: trainer.parity, its thresholds for the rollout backend and dtypes."""
-        prec = precision(cfg.rollout.dtype, cfg.actor.engine.param_dtype)
+        # bf16 rollout weights (rollout.weight_dtype) put the rollout's numbers at bf16 distance from the trainer's
+        prec = precision(cfg.rollout.dtype, cfg.rollout.weight_dtype or "fp32", cfg.actor.engine.param_dtype)
         limits = cfg.trainer.parity_thresholds.resolve(cfg.rollout.name, prec)
         return cls(cfg.trainer.parity, limits, cfg.rollout.name, cfg.trainer.mode != "sync")
 
