@@ -202,8 +202,9 @@ class RolloutConfig(Section):
     """Native rollout computing in fp32: "bf16" holds its products' weights in bf16 for hybridflow's AVX2 panel
     kernel (rollout/panel.py), math in fp32: half the bytes a decode step reads (bench/decode_weights.py), a small
     gap to the fp32 trainer (SmolLM2, teacher-forced: mean |log-prob gap| 0.0065, max 0.063; bench/decode_profile.py
-    --bf16-weights-gap) that the mismatch/* metrics report and rollout importance sampling can correct. None: the
-    weights keep the rollout's dtype. Where the kernel cannot run (no AVX2, no C compiler) the weights stay fp32."""
+    --bf16-weights-gap), which the parity guard checks against its bf16 limits. One main-job run with it ended at
+    53.1% held-out against 68.8% in fp32 (BENCHMARKS.md): equal learning is not shown. None: the weights keep the
+    rollout's dtype. Where the kernel cannot run (no AVX2, no C compiler) the weights stay fp32."""
     calculate_log_probs: bool | None = None
     """Return `rollout_log_probs` [B*n, R]: log-probs of the sampled tokens under the sampler. None: decided at
     load, on where it is free (native, hf) unless trainer.parity=off, and wherever algorithm.rollout_is_threshold
