@@ -65,7 +65,7 @@ def test_stacked_blocks_are_laid_out_as_their_stack(monkeypatch):
     assert torch.equal(panel.to_panels(q, k, v), panel.to_panels(torch.cat([q, k, v])))
     for path in linear._usable_paths(q):
         monkeypatch.setattr(linear, "_choose", lambda *args, path=path: path)
-        fused = linear.Linear.stacked([q, k, v], b)
+        fused = linear.Linear([q, k, v], b)
         assert fused.path == path
         x = torch.randn(5, 24)
         torch.testing.assert_close(fused(x), F.linear(x, torch.cat([q, k, v]), b), atol=1e-5, rtol=1e-5)

@@ -93,11 +93,9 @@ def _layer_weights(
     return _LayerWeights(
         ln1=layer.input_layernorm.weight,
         ln2=layer.post_attention_layernorm.weight,
-        qkv=Linear.stacked(
-            rows(a.q_proj, a.k_proj, a.v_proj), _cat_bias(a.q_proj, a.k_proj, a.v_proj, rank=rank, tp=tp), **wd
-        ),
+        qkv=Linear(rows(a.q_proj, a.k_proj, a.v_proj), _cat_bias(a.q_proj, a.k_proj, a.v_proj, rank=rank, tp=tp), **wd),
         o=Linear(cols(a.o_proj), a.o_proj.bias if rank == 0 else None, **wd),
-        gate_up=Linear.stacked(rows(m.gate_proj, m.up_proj), _cat_bias(m.gate_proj, m.up_proj, rank=rank, tp=tp), **wd),
+        gate_up=Linear(rows(m.gate_proj, m.up_proj), _cat_bias(m.gate_proj, m.up_proj, rank=rank, tp=tp), **wd),
         down=Linear(cols(m.down_proj), m.down_proj.bias if rank == 0 else None, **wd),
     )
 

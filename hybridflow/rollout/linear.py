@@ -28,38 +28,27 @@ _PANEL_DTYPE = {"panels": torch.float32, "bf16_panels": torch.bfloat16}
 
 class Linear:
     """y = x W^T + b, in the layout `path` names (None: `_choose`'s pick for `rows_hint` rows and
-    `weight_dtype`, the rollout's rollout.weight_dtype)."""
+    `weight_dtype`, the rollout's rollout.weight_dtype). `weight` is one tensor or a list of row blocks stacked in
+    order (fused q/k/v, gate/up): the panel layouts take the blocks one by one, the others their stack."""
 
     def __init__(
         self,
-        weight: Tensor,
+        weight: Tensor | list[Tensor],
         bias: Tensor | None,
         rows_hint: int = 64,
         path: str | None = None,
         weight_dtype: torch.dtype | None = None,
     ) -> None:
+        blocks = weight if isinstance(weight, list) else [weight]
+        first = blocks[0]
+        shape = (sum(b.shape[0] for b in blocks), first.shape[1])
         self.bias = bias
-        self.path = path or _choose(weight, rows_hint, weight_dtype)
-        self.weight = weight if self.path == "plain" else None  # a packed or panel copy replaces it
-        self.packed = _reorder(weight, rows_hint) if self.path == "packed" else None
+        self.path = path or _choose(first if len(blocks) == 1 else first.new_empty(shape), rows_hint, weight_dtype)
         dtype = _PANEL_DTYPE.get(self.path)
-        self.panels = None if dtype is None else panel.to_panels(weight, dtype=dtype)
-
-    @classmethod
-    def stacked(
-        cls, parts: list[Tensor], bias: Tensor | None, rows_hint: int = 64, weight_dtype: torch.dtype | None = None
-    ) -> Linear:
-        """The product of the row blocks `parts` stacked in order (fused q/k/v, gate/up); in the panel layout
-        the blocks are laid out one by one, without a copy of their stack first."""
-        if all(panel.fits(p) for p in parts):
-            shape_only = parts[0].new_empty(sum(p.shape[0] for p in parts), parts[0].shape[1])  # never read
-            path = _choose(shape_only, rows_hint, weight_dtype)
-            if path in _PANEL_DTYPE:
-                fused = cls.__new__(cls)
-                fused.bias, fused.path, fused.weight, fused.packed = bias, path, None, None
-                fused.panels = panel.to_panels(*parts, dtype=_PANEL_DTYPE[path])
-                return fused
-        return cls(torch.cat(parts), bias, rows_hint, weight_dtype=weight_dtype)
+        self.panels = None if dtype is None else panel.to_panels(*blocks, dtype=dtype)
+        stack = None if dtype is not None else first if len(blocks) == 1 else torch.cat(blocks)
+        self.packed = _reorder(stack, rows_hint) if self.path == "packed" else None
+        self.weight = stack if self.path == "plain" else None  # a packed or panel copy replaces it
 
     def __call__(self, x: Tensor) -> Tensor:
         if self.panels is not None:

@@ -102,7 +102,10 @@ def fits(weight: Tensor) -> bool:
 
 def to_panels(*parts: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     """The row blocks `parts` ([out_i, in] each, stacked in order) as [sum(out_i) / PANEL, in, PANEL] of `dtype`:
-    one copy, written block by block (fused q/k/v or gate/up never materialise their stack first)."""
+    one copy, written block by block where each block is whole panels (fused q/k/v or gate/up never materialise
+    their stack first), else from their stack."""
+    if any(p.shape[0] % PANEL for p in parts):
+        parts = (torch.cat(parts),)
     k = parts[0].shape[1]
     out = torch.empty(sum(p.shape[0] for p in parts) // PANEL, k, PANEL, dtype=dtype)
     start = 0
