@@ -284,11 +284,6 @@ class FSDPEngine(Engine):
         self, data: Mapping[str, torch.Tensor], micro_batch_size: B.MicroBatchSize, **kw
     ) -> dict[str, torch.Tensor]:
         """Forward only, on the engine's device; the outputs come back on the host, as the batch came."""
-        return {k: v.cpu() for k, v in self._infer_on_device(data, micro_batch_size, **kw).items()}
-
-    def _infer_on_device(
-        self, data: Mapping[str, torch.Tensor], micro_batch_size: B.MicroBatchSize, **kw
-    ) -> dict[str, torch.Tensor]:
         self.model.eval()
         parts: dict[str, list[torch.Tensor]] = defaultdict(list)
         # Keep each layer gathered across micro-batches; reshard so no stale copy outlives the call.
@@ -299,7 +294,8 @@ class FSDPEngine(Engine):
             micros = B.split_micro_batches(B.select_inputs(data, self.device), micro_batch_size)
             if self.pipeline is not None:
                 spec = HeadSpec(0, chunk=self.config.logits_chunk_size, **kw)
-                return self.pipeline.infer(micros, spec, self.config.use_remove_padding)
+                outputs = self.pipeline.infer(micros, spec, self.config.use_remove_padding)
+                return {k: v.cpu() for k, v in outputs.items()}
             for micro in micros:
                 for k, v in self.forward_micro_batch(micro, **kw).items():
                     parts[k].append(v)
@@ -307,7 +303,7 @@ class FSDPEngine(Engine):
             if fsdp:
                 self.model.reshard()
                 self.model.set_reshard_after_forward(self._reshard_after_forward)
-        return {k: torch.cat(v) for k, v in parts.items()}
+        return {k: torch.cat(v).cpu() for k, v in parts.items()}
 
     def compute_log_probs(
         self,
