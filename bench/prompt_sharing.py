@@ -1,7 +1,7 @@
 """Actor update and log-prob pass with the n samples of a prompt sharing one copy of it, side by side.
 
-Each of 2 processes (1 thread each, gloo over loopback: the main job's layout) holds one
-engine per variant on the real model and times them round by round in a shuffled order
+Each of 2 processes (1 thread each, gloo over loopback: the main job's layout; `--ranks 1`: one
+process with 2 threads, bench/vs_trl.py's 1x2 and local layouts) holds one engine per variant on the real model and times them round by round in a shuffled order
 shared by both ranks, on the main job's batch shape: per rank `--prompts` prompts x `--n`
 samples, `--prompt` prompt tokens (the arithmetic task's chat prompt is ~45), response
 lengths drawn in [`--min-response`, `--response`]. Variants (EngineConfig):
@@ -9,7 +9,10 @@ lengths drawn in [`--min-response`, `--response`]. Variants (EngineConfig):
 - `trimmed`: the default layout: padded rows, padding columns shared by all rows dropped.
 - `packed`:  every row's real tokens back to back in one row (engine.packing).
 - `shared`:  one packed row per micro-batch in which each prompt appears once and its
-             samples' responses attend to it under a block mask (engine.share_prompts).
+             samples' responses attend to it under a block mask (engine.share_prompts); attention
+             computes only the pairs the mask allows (engine/prefix_attention.py).
+- `dense`:   `shared` with the attention a dense masked product over the whole row (transformers'
+             SDPA with the [N, N] mask: what `shared` ran before prefix_attention).
 
 Per round and rank: one actor update = `--minis` train_steps (one micro-batch each, as
 in the main job), then one compute_log_probs over all rows. A round's time is the slower
@@ -39,7 +42,12 @@ from hybridflow import keys  # noqa: E402
 from hybridflow.engine import EngineConfig, FSDPEngine, OptimConfig  # noqa: E402
 from hybridflow.models import default_model_dir, load_causal_lm  # noqa: E402
 
-VARIANTS = {"trimmed": {}, "packed": {"packing": True}, "shared": {"share_prompts": True}}
+VARIANTS = {
+    "trimmed": {"share_prompts": False},
+    "packed": {"packing": True},
+    "shared": {"share_prompts": True},
+    "dense": {"share_prompts": True},
+}
 
 
 def group_batch(args, seed: int) -> dict[str, torch.Tensor]:
@@ -78,21 +86,23 @@ def _run(engine: FSDPEngine, data: dict, args) -> tuple[float, float]:
 
 
 def _worker(rank: int, port: int, args) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
-    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(args.ranks))
+    torch.set_num_threads(2 // args.ranks)
     dist.init_process_group("gloo")
     names = args.variants.split(",")
     engines = {
         n: FSDPEngine(load_causal_lm(default_model_dir()), EngineConfig(**VARIANTS[n]), OptimConfig(lr=1e-6))
         for n in names
     }
+    if "dense" in engines:  # SDPA ignores the layout the engine passes and runs the [N, N] mask
+        engines["dense"].module.set_attn_implementation("sdpa")
     data = group_batch(args, seed=rank)
     times: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for r in range(args.rounds + 1):
         order = list(names)
         random.Random(r).shuffle(order)  # same order on both ranks
         for name in order:
-            both = [None, None]
+            both = [None] * args.ranks
             dist.all_gather_object(both, _run(engines[name], data, args))
             if r > 0:  # round 0 warms up allocations and oneDNN kernel choice
                 times[name].append((max(t[0] for t in both), max(t[1] for t in both)))
@@ -105,7 +115,7 @@ def _report(times: dict, data: dict, args) -> None:
     real = int(data[keys.ATTENTION_MASK].sum())
     shared = real - (args.n - 1) * args.prompts * args.prompt
     print(
-        f"2 ranks x 1 thread, gloo; per rank {args.prompts} prompts x {args.n} samples, {args.prompt} prompt + "
+        f"{args.ranks} rank(s) x {2 // args.ranks} thread(s), gloo; per rank {args.prompts} prompts x {args.n} samples, {args.prompt} prompt + "
         f"{args.min_response}-{args.response} response tokens ({real} real tokens, {shared} with shared prompts), "
         f"{args.minis} mini-batches; median of {args.rounds} rounds (slower rank), seconds"
     )
@@ -135,13 +145,14 @@ def main() -> None:
     ap.add_argument("--min-response", type=int, default=5)
     ap.add_argument("--minis", type=int, default=2, help="mini-batches (optimizer steps) per update")
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds after one warm-up round")
+    ap.add_argument("--ranks", type=int, default=2, choices=(1, 2), help="1: one process with 2 threads")
     ap.add_argument("--variants", default="trimmed,shared", help=f"comma-separated, of {list(VARIANTS)}")
     args = ap.parse_args()
-    print(describe_cpu(1), "(per rank; 2 ranks x 1 thread)", flush=True)
+    print(describe_cpu(2 // args.ranks), f"(per rank; {args.ranks} rank(s) x {2 // args.ranks} thread(s))", flush=True)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_worker, args=(port, args), nprocs=2, join=True)
+    mp.spawn(_worker, args=(port, args), nprocs=args.ranks, join=True)
 
 
 if __name__ == "__main__":

@@ -17,11 +17,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from hybridflow import keys
+
+if TYPE_CHECKING:
+    from hybridflow.engine.prefix_attention import PrefixLayout
 
 MODEL_INPUT_KEYS = (keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS, keys.RESPONSES)
 
@@ -190,6 +194,9 @@ class PackedBatch:
     attention_mask: torch.Tensor | None = None
     """None: examples are told apart by their restarting position ids; else an explicit
     [1, 1, N, N] bool mask (shared-prompt packing, hybridflow/engine/prefix.py)."""
+    prefix: PrefixLayout | None = None
+    """The shared-prompt row's groups as index tensors (engine/prefix_attention.py `PrefixLayout`), for an
+    attention that computes only the pairs the mask allows; None for other rows."""
 
 
 def pack(micro: Mapping[str, torch.Tensor]) -> PackedBatch:

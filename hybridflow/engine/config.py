@@ -75,7 +75,8 @@ class EngineConfig(Section):
     """Run a micro-batch as one packed row in which the rows with the same prompt (the n samples of
     a prompt) share ONE copy of it, under a block mask (hybridflow/engine/prefix.py): no padding
     and no repeated prompt tokens, same outputs; used for the micro-batches where it costs fewer
-    FLOPs than the trimmed layout (its attention is dense over the packed row). packing wins."""
+    FLOPs than the trimmed layout (with SDPA, its attention computes only the pairs the mask
+    allows: hybridflow/engine/prefix_attention.py). packing wins."""
     logits_chunk_size: int = 1024
     """Tokens per chunk when turning logits into log-probs/entropy (bounds fp32 memory)."""
     cpu_math_attention_max_len: int = 128

@@ -50,6 +50,7 @@ from hybridflow.engine.parallelize import decoder_layers, parallelize  # noqa: F
 from hybridflow.engine.pipeline import Pipeline, gather_stages
 from hybridflow.engine.pipeline_stage import HeadSpec, split_stage
 from hybridflow.engine.prefix import pack_shared_prompts, sharing_pays
+from hybridflow.engine.prefix_attention import LAYOUT_KWARG
 from hybridflow.engine.sequence_parallel import forward_sp_packed, sp_packed_row
 from hybridflow.models import load_causal_lm, load_value_model
 from hybridflow.models.loading import contiguous_lm_head_input
@@ -125,6 +126,7 @@ class FSDPEngine(Engine):
     def _shard(self, model: nn.Module) -> nn.Module:
         built = parallelize(model, self.dims, self.config)
         self.dp_mesh, self.tp_mesh, self.sp = built.fsdp_mesh, built.tp_mesh, built.sp
+        self._prefix_attention = built.prefix_attention
         self._reshard_after_forward = built.reshard_after_forward
         self.pipeline = None
         if self.dims.pp > 1:
@@ -236,7 +238,7 @@ class FSDPEngine(Engine):
             return self._forward_packed(sp_packed_row(inputs, self.config), temperature, calc_entropy)
         if self.config.packing:
             return self._forward_packed(B.pack(inputs), temperature, calc_entropy)
-        if self.config.share_prompts and sharing_pays(inputs, self.model.config):
+        if self.config.share_prompts and sharing_pays(inputs, self.model.config, not self._prefix_attention):
             return self._forward_packed(pack_shared_prompts(inputs), temperature, calc_entropy)
         win = B.response_window(inputs, self.config.use_remove_padding)
         rmask = B.response_mask_of(inputs)
@@ -261,6 +263,8 @@ class FSDPEngine(Engine):
         row = {"input_ids": packed.input_ids, "position_ids": packed.position_ids}
         if packed.attention_mask is not None:
             row["attention_mask"] = packed.attention_mask
+        if packed.prefix is not None and self._prefix_attention:
+            row[LAYOUT_KWARG] = packed.prefix
         place = lambda v: B.unpack_to_response(v, packed)  # noqa: E731
         if self._value:
             return {"values": place(self.model(**row, use_cache=False)[0, packed.predictors])}

@@ -32,6 +32,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from hybridflow.engine.config import EngineConfig, dtype_of
 from hybridflow.engine.parallel_dims import Axis, ParallelDims
 from hybridflow.engine.pipeline_stage import PipelineStageModule
+from hybridflow.engine.prefix_attention import use_prefix_attention
 from hybridflow.engine.sequence_parallel import SPLayout, apply_ulysses
 from hybridflow.engine.tensor_parallel import check_tp_layout, parallelize_layers, replicate_rest
 from hybridflow.models.loading import enable_activation_checkpointing
@@ -63,6 +64,8 @@ class Parallelized:
     """Whether FSDP2 frees gathered parameters after each forward (False where FSDP2 is not applied)."""
     pp_group: dist.ProcessGroup | None = None
     """The ranks that hold the other stages of this rank's pipeline (stage i is group rank i); None without pp."""
+    prefix_attention: bool = False
+    """Whether the model runs engine/prefix_attention.py, which shared-prompt rows hand their layout to."""
 
 
 def hf_model(model: nn.Module) -> nn.Module:
@@ -91,12 +94,13 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: EngineConfig) -> Para
     if dims.sp > 1:
         sp_mesh = dims.build_mesh(device_type)[Axis.SP.value]
         sp = apply_ulysses(model, sp_mesh, dims.tp)
+    prefix = cfg.share_prompts and sp is None and use_prefix_attention(hf_model(model))
     if cfg.gradient_checkpointing:
         enable_activation_checkpointing(hf_model(model))
     fsdp_mesh = dims.fsdp_submesh(param_mesh)
     reshard = _apply_fsdp(model, layers, fsdp_mesh, cfg, device_type) if needs_fsdp(model, dims, cfg) else False
     pp_group = param_mesh[Axis.PP.value].get_group() if dims.pp > 1 else None
-    return Parallelized(fsdp_mesh, tp_mesh, sp, reshard, pp_group)
+    return Parallelized(fsdp_mesh, tp_mesh, sp, reshard, pp_group, prefix)
 
 
 def needs_fsdp(model: nn.Module, dims: ParallelDims, cfg: EngineConfig) -> bool:

@@ -9,10 +9,11 @@ itself only. Each response keeps its own position ids (continuing after the prom
 it sees exactly the context it had alone; the prompt's activations are computed once and
 shared, so in backward their gradient is the sum over the responses, as with separate rows.
 
-The mask is a dense [N, N] boolean (transformers takes a 4-D mask as given) and the
-attention a dense masked product over all N tokens, where the padded layout attends within
-each row only: sharing pays while the prompt tokens it saves outweigh that, which
-`sharing_pays` decides per micro-batch from the model's shape (a FLOP estimate).
+The row carries a dense [N, N] boolean mask (transformers takes a 4-D mask as given; the
+Ulysses and SDPA paths use it) and the index layout of its groups, with which
+engine/prefix_attention.py computes only the visible pairs: each prompt causally, each response
+against its prompt and itself. `sharing_pays` decides per micro-batch from the model's shape
+(a FLOP estimate) whether the row costs less than the trimmed padded rows.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 
 from hybridflow import keys
 from hybridflow.engine.batch import PackedBatch, response_mask_of
+from hybridflow.engine.prefix_attention import build_layout
 
 
 def _group_rows(micro: Mapping[str, torch.Tensor], prompt_len: int) -> list[list[int]]:
@@ -34,30 +36,40 @@ def _group_rows(micro: Mapping[str, torch.Tensor], prompt_len: int) -> list[list
     return list(groups.values())
 
 
-def _tokens_per_layout(micro: Mapping[str, torch.Tensor]) -> tuple[int, int, int]:
-    """(rows, trimmed width, shared-packed length) of a micro-batch."""
+def _shared_row_cost(micro: Mapping[str, torch.Tensor], dense: bool) -> tuple[int, int]:
+    """(tokens, attention pairs) of the shared-prompt row: N^2 pairs under the dense mask, else what
+    prefix_attention computes (each prompt group padded to the longest prompt, each response to the
+    longest response)."""
     mask = micro[keys.ATTENTION_MASK].bool()
     prompt_len = mask.shape[1] - micro[keys.RESPONSES].shape[1]
-    cols = mask.any(dim=0).nonzero().flatten()
-    width = int(cols[-1] - cols[0] + 1) if cols.numel() else 0
-    prompts = sum(int(mask[g[0], :prompt_len].sum()) for g in _group_rows(micro, prompt_len))
-    return mask.shape[0], width, prompts + int(mask[:, prompt_len:].sum())
+    groups = _group_rows(micro, prompt_len)
+    prompts = [int(mask[g[0], :prompt_len].sum()) for g in groups]
+    responses = mask[:, prompt_len:].sum(dim=1)
+    n = sum(prompts) + int(responses.sum())
+    if dense:
+        return n, n * n
+    p_max, r_max, t = max(prompts), int(responses.max()), int((responses > 0).sum())
+    return n, len(groups) * p_max * p_max + t * r_max * (p_max + r_max)
 
 
-def sharing_pays(micro: Mapping[str, torch.Tensor], model_config) -> bool:
+def sharing_pays(micro: Mapping[str, torch.Tensor], model_config, dense_attention: bool = False) -> bool:
     """Whether the shared-prompt row costs fewer FLOPs than the trimmed padded rows.
 
     Per token the linear layers cost 2 * L * (2h^2 + 2h*kv + 3h*I) (attention projections with
     grouped KV, gated MLP); per (query, key) pair attention costs 4 * L * h. The trimmed layout
-    runs rows x width tokens and rows x width^2 pairs; the shared row N tokens and N^2 pairs.
+    runs rows x width tokens and rows x width^2 pairs; the shared row N tokens and the pairs its
+    attention computes (`dense_attention`: all N^2 of them).
     """
     c = model_config
     h, layers, inter = c.hidden_size, c.num_hidden_layers, c.intermediate_size
     kv = c.num_key_value_heads * (getattr(c, "head_dim", None) or h // c.num_attention_heads)
     per_token = 2 * layers * (2 * h * h + 2 * h * kv + 3 * h * inter)
     per_pair = 4 * layers * h
-    rows, width, n = _tokens_per_layout(micro)
-    return n * per_token + n * n * per_pair < rows * width * per_token + rows * width * width * per_pair
+    mask = micro[keys.ATTENTION_MASK].bool()
+    rows, cols = mask.shape[0], mask.any(dim=0).nonzero().flatten()
+    width = int(cols[-1] - cols[0] + 1) if cols.numel() else 0
+    n, pairs = _shared_row_cost(micro, dense_attention)
+    return n * per_token + pairs * per_pair < rows * width * per_token + rows * width * width * per_pair
 
 
 def pack_shared_prompts(micro: Mapping[str, torch.Tensor]) -> PackedBatch:
@@ -70,6 +82,8 @@ def pack_shared_prompts(micro: Mapping[str, torch.Tensor]) -> PackedBatch:
     rmask = response_mask_of(micro).bool()
     prompt_len = mask.shape[1] - rmask.shape[1]
     rows, cols, segment, owner = [], [], [], []
+    prompt_spans: list[tuple[int, int]] = []
+    response_spans: list[tuple[int, int, int]] = []
     response_cols: dict[int, torch.Tensor] = {}  # row -> packed columns of its response tokens
     last_prompt_col: dict[int, int] = {}
     n = 0
@@ -82,6 +96,7 @@ def pack_shared_prompts(micro: Mapping[str, torch.Tensor]) -> PackedBatch:
         cols += p_cols.tolist()
         segment += [g] * len(p_cols)
         owner += [-1] * len(p_cols)
+        prompt_spans.append((n, len(p_cols)))
         n += len(p_cols)
         p_last = n - 1
         for row in group:
@@ -91,6 +106,8 @@ def pack_shared_prompts(micro: Mapping[str, torch.Tensor]) -> PackedBatch:
             segment += [g] * len(r_cols)
             owner += [row] * len(r_cols)
             response_cols[row] = torch.arange(n, n + len(r_cols))
+            if len(r_cols):
+                response_spans.append((n, len(r_cols), g))
             last_prompt_col[row] = p_last
             n += len(r_cols)
     device = mask.device
@@ -110,6 +127,7 @@ def pack_shared_prompts(micro: Mapping[str, torch.Tensor]) -> PackedBatch:
         labels=micro[keys.RESPONSES][rmask],
         response_mask=rmask,
         attention_mask=_block_mask(torch.tensor(segment), torch.tensor(owner)).to(device),
+        prefix=build_layout(prompt_spans, response_spans).to(device),
     )
 
 
