@@ -128,3 +128,18 @@ def test_a_column_chunk_is_laid_out_like_its_copy():
     chunk = w[:, 8:16]
     assert not chunk.is_contiguous()
     assert torch.equal(panel.to_panels(chunk), panel.to_panels(chunk.contiguous()))
+
+
+@needs_kernel
+@pytest.mark.parametrize("k", [8, 24, 576, 20])
+def test_the_tiled_repack_writes_the_panel_layout(k: int, monkeypatch):
+    """hf_to_panels (K a multiple of 8; rows contiguous or a column chunk's strided rows) against torch's strided
+    copy; K = 20 takes the copy."""
+    asked = []
+    real = panel.kernel
+    monkeypatch.setattr(panel, "kernel", lambda key=torch.float32: asked.append(key) or real(key))
+    w = torch.randn(48, 3 * k)
+    for weight in (w[:, :k].contiguous(), w[:, k : 2 * k]):
+        want = weight.reshape(3, 16, k).transpose(1, 2)
+        assert torch.equal(panel.to_panels(weight), want)
+    assert asked.count(panel._REPACK) == 2

@@ -69,3 +69,48 @@ static inline __m256 load_bf16(const uint16_t* w) {
 
 KERNEL(hf_panel_linear, float, load_f32)
 KERNEL(hf_panel_linear_bf16, uint16_t, load_bf16)
+
+/* wp[N / 16][K][16] = w[N][K] (row stride ldw) laid out in panels. Each thread takes whole panels; a panel is
+ * written front to back from 8 x 8 tiles of its 16 rows transposed in registers, so the 16 source rows are read
+ * as 16 forward streams and the panel is written once, in order (a strided element copy reads each source line
+ * 16 times over). K must be a multiple of 8 (panel.py checks). */
+static inline void transpose8(__m256* r) {
+    __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    r[0] = _mm256_permute2f128_ps(s0, s4, 0x20);
+    r[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
+    r[2] = _mm256_permute2f128_ps(s2, s6, 0x20);
+    r[3] = _mm256_permute2f128_ps(s3, s7, 0x20);
+    r[4] = _mm256_permute2f128_ps(s0, s4, 0x31);
+    r[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
+    r[6] = _mm256_permute2f128_ps(s2, s6, 0x31);
+    r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
+}
+
+void hf_to_panels(const float* w, long N, long K, long ldw, float* wp, int threads) {
+    long panels = N / 16;
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")
+    for (long p = 0; p < panels; ++p) {
+        const float* src = w + p * 16 * ldw;
+        float* dst = wp + p * K * 16;
+        for (long k = 0; k < K; k += 8) {
+            __m256 lo[8], hi[8];
+            for (int j = 0; j < 8; ++j) {
+                lo[j] = _mm256_loadu_ps(src + j * ldw + k);
+                hi[j] = _mm256_loadu_ps(src + (j + 8) * ldw + k);
+            }
+            transpose8(lo);
+            transpose8(hi);
+            for (int i = 0; i < 8; ++i) {
+                _mm256_storeu_ps(dst + (k + i) * 16, lo[i]);
+                _mm256_storeu_ps(dst + (k + i) * 16 + 8, hi[i]);
+            }
+        }
+    }
+}

@@ -33,13 +33,17 @@ FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 
 _SYMBOLS = {torch.float32: "hf_panel_linear", torch.bfloat16: "hf_panel_linear_bf16"}
 """What the panels can hold, and each one's kernel; the math is fp32 either way."""
+_REPACK = "hf_to_panels"
+"""The fp32 layout change as a transpose of 8 x 8 tiles: SmolLM2's 578 MB of weights in 52-56 ms where torch's
+strided copy took 87-97 ms (AVX2 cap, 2 threads, BENCHMARKS.md)."""
 
 _UNSET = object()
 _kernels: object = _UNSET
 
 
-def kernel(dtype: torch.dtype = torch.float32) -> ctypes._CFuncPtr | None:
-    """The built kernel for panels of `dtype`, or None where it cannot run here; built once per process."""
+def kernel(dtype: torch.dtype | str = torch.float32) -> ctypes._CFuncPtr | None:
+    """The built kernel for panels of `dtype` (or `_REPACK`), or None where it cannot run here; built once per
+    process."""
     global _kernels
     if _kernels is _UNSET:
         _kernels = _load()
@@ -56,7 +60,7 @@ def _cpu_has_avx2_fma() -> bool:
     return {"avx2", "fma"} <= set(flags.split())
 
 
-def _load() -> dict[torch.dtype, ctypes._CFuncPtr] | None:
+def _load() -> dict[torch.dtype | str, ctypes._CFuncPtr] | None:
     if not _cpu_has_avx2_fma():
         return None
     try:
@@ -65,12 +69,14 @@ def _load() -> dict[torch.dtype, ctypes._CFuncPtr] | None:
         log.warning("the panel kernel is not available (%s); the rollout uses torch's products", err)
         return None
     p, n = ctypes.c_void_p, ctypes.c_long
-    kernels = {}
-    for dtype, symbol in _SYMBOLS.items():
+    kernels: dict[torch.dtype | str, ctypes._CFuncPtr] = {}
+    for key, symbol, args in [
+        *((dtype, symbol, [p, n, p, p, n, n, p, ctypes.c_int]) for dtype, symbol in _SYMBOLS.items()),
+        (_REPACK, _REPACK, [p, n, n, n, p, ctypes.c_int]),
+    ]:
         fn = getattr(lib, symbol)
-        fn.argtypes = [p, n, p, p, n, n, p, ctypes.c_int]
-        fn.restype = None
-        kernels[dtype] = fn
+        fn.argtypes, fn.restype = args, None
+        kernels[key] = fn
     return kernels
 
 
@@ -111,9 +117,21 @@ def to_panels(*parts: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     start = 0
     for p in parts:
         n = p.shape[0] // PANEL
-        out[start : start + n].copy_(p.detach().reshape(n, PANEL, k).transpose(1, 2))  # a tp column chunk: strided
+        _write_panels(p.detach(), out[start : start + n])
         start += n
     return out
+
+
+def _write_panels(weight: Tensor, out: Tensor) -> None:
+    """out [n, in, PANEL] = weight [n * PANEL, in] in panels: by the kernel's tiled transpose where it runs on this
+    weight (fp32, rows contiguous, in a multiple of 8), else by torch's strided copy."""
+    n, k = out.shape[0], weight.shape[1]
+    repack = kernel(_REPACK) if out.dtype == weight.dtype == torch.float32 else None
+    # rows may be strided (a tp column chunk of the weight), columns must be contiguous
+    if repack is None or weight.stride(1) != 1 or k % 8:
+        out.copy_(weight.reshape(n, PANEL, k).transpose(1, 2))
+        return
+    repack(weight.data_ptr(), weight.shape[0], k, weight.stride(0), out.data_ptr(), torch.get_num_threads())
 
 
 def panel_linear(x: Tensor, panels: Tensor, bias: Tensor | None) -> Tensor:
