@@ -14,6 +14,10 @@ SmolLM2's shapes and random weights, one sweep over the 30 layers' products is t
 - `stream read fp32` / `stream read bf16`: a sum over the same weights, no product: how fast this CPU streams
   them (the floor a product bound by weight reads would reach).
 Each line gives the sweep's time and the weight bytes it read per second.
+
+`--repack`: the layout change the decoder makes per generate call, for the 30 layers and the LM head
+(49152 x 576): torch's strided copy into panels against panel.c's tiled transpose (`panel.to_panels`), every
+panel kept until the sweep ends (as the decoder holds them), with a worker's malloc settings (utils/memory.py).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from decode_profile import median_ms  # bench/decode_profile.py, beside this fil
 
 from hybridflow.rollout import panel
 from hybridflow.utils.hardware import describe_cpu
+from hybridflow.utils.memory import keep_freed_memory
 
 LAYERS = 30
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
@@ -95,12 +100,36 @@ def sweeps(rows: int) -> dict[str, tuple[Callable[[], None], int]]:
     }
 
 
+def repacks() -> tuple[dict[str, Callable[[], None]], int]:
+    """name -> one layout change of every layer's weights and the LM head into panels; the bytes they hold."""
+    weights = [torch.randn(shape) for _ in range(LAYERS) for shape in SHAPES.values()] + [torch.randn(49152, 576)]
+
+    def strided_copy(w: torch.Tensor) -> torch.Tensor:
+        n, k = w.shape[0] // panel.PANEL, w.shape[1]
+        return torch.empty(n, k, panel.PANEL).copy_(w.reshape(n, panel.PANEL, k).transpose(1, 2))
+
+    assert torch.equal(panel.to_panels(weights[-1]), strided_copy(weights[-1]))
+    runs = {"torch strided copy": strided_copy, "panel.c tiled transpose": panel.to_panels}
+    return {name: lambda f=f: [f(w) for w in weights] for name, f in runs.items()}, sum(w.numel() * 4 for w in weights)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, nargs="+", default=[8, 32])
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repack", action="store_true", help="time the layout change into panels instead")
     args = p.parse_args()
     print(describe_cpu(), flush=True)
+    if args.repack:
+        keep_freed_memory()  # the malloc settings of a CPU worker, whose decoder repacks into reused heap memory
+        runs, nbytes = repacks()
+        for _ in range(2):  # the two in turn, twice: the machine's load drifts
+            for name, run in runs.items():
+                ms = median_ms(run, args.repeats)
+                print(
+                    f"{name:<24} {ms:6.1f} ms for {nbytes / 1e6:.0f} MB  {2 * nbytes / ms / 1e6:5.1f} GB/s read + write"
+                )
+        return
     for rows in args.rows:
         with torch.no_grad():
             for name, (sweep, nbytes) in sweeps(rows).items():

@@ -108,7 +108,29 @@ def _worker(rank: int, port: int, args) -> None:
                 times[name].append((max(t[0] for t in both), max(t[1] for t in both)))
     if rank == 0:
         _report(times, data, args)
+    if args.profile:
+        _profile(engines[names[0]], data, args, rank)
     dist.destroy_process_group()
+
+
+def _profile(engine: FSDPEngine, data: dict, args, rank: int) -> None:
+    """One more update of the first variant under torch.profiler; rank 0 prints the ops (and FSDP ranges, merged
+    over layers) with the most CPU time, children included."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        _run(engine, data, args)
+    if rank != 0:
+        return
+    merged: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])
+    for event in prof.key_averages():
+        row = merged[event.key.split(" (")[0]]  # "FSDP::post_backward_reduce (model.layers.3)" -> one row
+        row[0] += event.cpu_time_total / 1e6
+        row[1] += event.self_cpu_time_total / 1e6
+        row[2] += event.count
+    print(f"profile of one '{args.variants.split(',')[0]}' round (update + log-prob pass), rank 0, seconds:")
+    for name, (total, own, calls) in sorted(merged.items(), key=lambda kv: -kv[1][0])[: args.profile]:
+        print(f"  {name[:64]:64s} total {total:7.3f}  self {own:7.3f}  calls {calls}")
 
 
 def _report(times: dict, data: dict, args) -> None:
@@ -146,6 +168,7 @@ def main() -> None:
     ap.add_argument("--minis", type=int, default=2, help="mini-batches (optimizer steps) per update")
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds after one warm-up round")
     ap.add_argument("--ranks", type=int, default=2, choices=(1, 2), help="1: one process with 2 threads")
+    ap.add_argument("--profile", type=int, default=0, help="then profile the first variant: print this many rows")
     ap.add_argument("--variants", default="trimmed,shared", help=f"comma-separated, of {list(VARIANTS)}")
     args = ap.parse_args()
     print(describe_cpu(2 // args.ranks), f"(per rank; {args.ranks} rank(s) x {2 // args.ranks} thread(s))", flush=True)
