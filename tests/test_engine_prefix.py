@@ -94,8 +94,8 @@ def test_sharing_is_chosen_by_estimated_flops():
     ids = torch.randint(0, 100, (16, 170))
     unique = {keys.INPUT_IDS: ids, keys.ATTENTION_MASK: torch.ones_like(ids), keys.RESPONSES: ids[:, 150:]}
     assert not sharing_pays(unique, smollm2, dense_attention=True)
-    # attention over the visible pairs only: the same tokens, 16 x (150^2 + 20 x 170) pairs < 16 x 170^2
-    assert sharing_pays(unique, smollm2)
+    # no prompt is shared: the trimmed rows stay, although a packed row would cost less here (packing's choice)
+    assert not sharing_pays(unique, smollm2)
     # 32 prompts x 4 samples of 64 + 32 tokens: dense over its 6144 tokens (37.7M pairs) the row costs more
     # than the 128 rows of 96 (12288 tokens, 1.2M pairs); over its 0.5M visible pairs it costs less
     groups = make_group_batch(32, 4, 64, 32, seed=8)

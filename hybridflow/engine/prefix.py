@@ -36,13 +36,12 @@ def _group_rows(micro: Mapping[str, torch.Tensor], prompt_len: int) -> list[list
     return list(groups.values())
 
 
-def _shared_row_cost(micro: Mapping[str, torch.Tensor], dense: bool) -> tuple[int, int]:
-    """(tokens, attention pairs) of the shared-prompt row: N^2 pairs under the dense mask, else what
-    prefix_attention computes (each prompt group padded to the longest prompt, each response to the
-    longest response)."""
+def _shared_row_cost(micro: Mapping[str, torch.Tensor], groups: list[list[int]], dense: bool) -> tuple[int, int]:
+    """(tokens, attention pairs) of the shared-prompt row of `groups`: N^2 pairs under the dense mask, else what
+    prefix_attention computes (each prompt group padded to the longest prompt, each response to the longest
+    response)."""
     mask = micro[keys.ATTENTION_MASK].bool()
     prompt_len = mask.shape[1] - micro[keys.RESPONSES].shape[1]
-    groups = _group_rows(micro, prompt_len)
     prompts = [int(mask[g[0], :prompt_len].sum()) for g in groups]
     responses = mask[:, prompt_len:].sum(dim=1)
     n = sum(prompts) + int(responses.sum())
@@ -53,22 +52,26 @@ def _shared_row_cost(micro: Mapping[str, torch.Tensor], dense: bool) -> tuple[in
 
 
 def sharing_pays(micro: Mapping[str, torch.Tensor], model_config, dense_attention: bool = False) -> bool:
-    """Whether the shared-prompt row costs fewer FLOPs than the trimmed padded rows.
+    """Whether some rows share a prompt and the shared-prompt row costs fewer FLOPs than the trimmed padded rows.
 
     Per token the linear layers cost 2 * L * (2h^2 + 2h*kv + 3h*I) (attention projections with
     grouped KV, gated MLP); per (query, key) pair attention costs 4 * L * h. The trimmed layout
     runs rows x width tokens and rows x width^2 pairs; the shared row N tokens and the pairs its
-    attention computes (`dense_attention`: all N^2 of them).
+    attention computes (`dense_attention`: all N^2 of them). Rows that all have different prompts
+    keep the trimmed layout: packing them is `EngineConfig.packing`'s choice, not this one's.
     """
+    mask = micro[keys.ATTENTION_MASK].bool()
+    groups = _group_rows(micro, mask.shape[1] - micro[keys.RESPONSES].shape[1])
+    if all(len(g) == 1 for g in groups):
+        return False
     c = model_config
     h, layers, inter = c.hidden_size, c.num_hidden_layers, c.intermediate_size
     kv = c.num_key_value_heads * (getattr(c, "head_dim", None) or h // c.num_attention_heads)
     per_token = 2 * layers * (2 * h * h + 2 * h * kv + 3 * h * inter)
     per_pair = 4 * layers * h
-    mask = micro[keys.ATTENTION_MASK].bool()
     rows, cols = mask.shape[0], mask.any(dim=0).nonzero().flatten()
     width = int(cols[-1] - cols[0] + 1) if cols.numel() else 0
-    n, pairs = _shared_row_cost(micro, dense_attention)
+    n, pairs = _shared_row_cost(micro, groups, dense_attention)
     return n * per_token + pairs * per_pair < rows * width * per_token + rows * width * width * per_pair
 
 
