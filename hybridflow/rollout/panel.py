@@ -34,8 +34,8 @@ FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 _SYMBOLS = {torch.float32: "hf_panel_linear", torch.bfloat16: "hf_panel_linear_bf16"}
 """What the panels can hold, and each one's kernel; the math is fp32 either way."""
 _REPACK = "hf_to_panels"
-"""The fp32 layout change as a transpose of 8 x 8 tiles: SmolLM2's 578 MB of weights in 52-56 ms where torch's
-strided copy took 87-97 ms (AVX2 cap, 2 threads, BENCHMARKS.md)."""
+"""The fp32 layout change as a transpose of 8 x 8 tiles: SmolLM2's 538 MB of weights in 68-71 ms where torch's
+strided copy took 92-99 ms (`bench/decode_weights.py --repack`, AVX2 cap, 2 threads, BENCHMARKS.md)."""
 
 _UNSET = object()
 _kernels: object = _UNSET
