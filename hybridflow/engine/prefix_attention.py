@@ -3,7 +3,8 @@
 The shared-prompt row (engine/prefix.py) lays out [prompt A][A1][A2]...[prompt B][B1]...; its mask lets
 a prompt token see its prompt causally and a response token see its prompt and, causally, itself. A
 dense masked product over the row computes N^2 pairs of which few are visible: at 32 completions of
-~32 tokens on 8 prompts of ~64 (N = 1536) the dense product is 2.4M pairs, the visible ones ~130K.
+32 tokens on 8 prompts of 64 (N = 1536) the dense product is 2.4M pairs, the visible ones ~0.1M, and
+the two calls below compute 0.13M.
 Here each prompt runs as one causal block, and each response as its queries against [its prompt ;
 itself] (prompts and responses padded to the longest, the padding masked out or discarded): two
 batched SDPA calls per layer whatever the number of groups, on gathered copies of q/k/v.
