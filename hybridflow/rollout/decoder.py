@@ -35,6 +35,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import DynamicCache
 
+from hybridflow.rollout import panel
+from hybridflow.rollout.fused_step import FusedStep
 from hybridflow.rollout.kernels import EAGER, DecoderKernels
 from hybridflow.rollout.linear import Linear
 from hybridflow.rollout.sharding import own_part
@@ -44,6 +46,8 @@ _FAST_MODEL_TYPES = ("llama", "qwen2")
 # long: matmul copies a strided slice of the cache, which costs more than the masked columns (SmolLM2,
 # batch 64: 0.21-1.06 ms per layer at 128-512 slots, vs 0.40-1.37 ms on average for SDPA on the slice).
 FULL_CACHE_DECODE_MAX_LEN = 512
+FUSED_DECODE = True
+"""Whether decoders run decode steps through decode_step.c where it covers them (`fused=None`)."""
 
 
 def supports_static_path(model: nn.Module) -> bool:
@@ -81,15 +85,16 @@ def _cat_bias(*mods: nn.Linear, rank: int = 0, tp: int = 1) -> Tensor | None:
 
 
 def _layer_weights(
-    layer: nn.Module, rank: int = 0, tp: int = 1, weight_dtype: torch.dtype | None = None
+    layer: nn.Module, rank: int = 0, tp: int = 1, weight_dtype: torch.dtype | None = None, path: str | None = None
 ) -> _LayerWeights:
     """The layer's fused weights; with tp > 1 this rank's share (heads are contiguous blocks of rows,
     so chunking rows by tp keeps whole heads), taken from the full weights or, when the native rollout
-    holds only its shard (rollout/sharding.py), used as they are. The o/down bias is added once, by tp rank 0."""
+    holds only its shard (rollout/sharding.py), used as they are. The o/down bias is added once, by tp rank 0.
+    `path`: the products' layout (rollout/linear.py), None for `Linear`'s timed choice."""
     a, m = layer.self_attn, layer.mlp
     rows = lambda *mods: [own_part(mod.weight, 0, rank, tp, mod.out_features) for mod in mods]  # noqa: E731
     cols = lambda mod: own_part(mod.weight, 1, rank, tp, mod.in_features)  # noqa: E731
-    wd = {"weight_dtype": weight_dtype}
+    wd = {"weight_dtype": weight_dtype, "path": path}
     return _LayerWeights(
         ln1=layer.input_layernorm.weight,
         ln2=layer.post_attention_layernorm.weight,
@@ -148,7 +153,9 @@ class StaticLlamaDecoder:
     Fused weights are built from the module at construction, so build a new
     decoder after the module's weights change (the native rollout builds one per call).
     `kernels`: the element-wise ops, eager or compiled (rollout/kernels.py). `weight_dtype`: bf16 to hold fp32
-    products' weights in bf16 panels (rollout.weight_dtype; rollout/linear.py).
+    products' weights in bf16 panels (rollout.weight_dtype; rollout/linear.py). `fused`: run decode steps through
+    decode_step.c where it covers the model (rollout/fused_step.py; None: `FUSED_DECODE`); the layer products are
+    then laid out in the panels it multiplies with.
     """
 
     def __init__(
@@ -157,6 +164,7 @@ class StaticLlamaDecoder:
         kernels: DecoderKernels = EAGER,
         tp_group: dist.ProcessGroup | None = None,
         weight_dtype: torch.dtype | None = None,
+        fused: bool | None = None,
     ) -> None:
         cfg = model.config
         self.model = model
@@ -169,13 +177,16 @@ class StaticLlamaDecoder:
                 f"rollout.tensor_model_parallel_size={tp} must divide num_attention_heads "
                 f"({cfg.num_attention_heads}) and num_key_value_heads ({cfg.num_key_value_heads})"
             )
-        self.layers = [_layer_weights(layer, rank, tp, weight_dtype) for layer in model.model.layers]
+        fused = FUSED_DECODE if fused is None else fused
+        path = _fused_path(model, weight_dtype) if fused and self.tp_group is None else None
+        self.layers = [_layer_weights(layer, rank, tp, weight_dtype, path) for layer in model.model.layers]
         self._vocab_weights(model, rank, tp, weight_dtype)
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.heads, self.kv_heads = cfg.num_attention_heads // tp, cfg.num_key_value_heads // tp
         self.scaling = model.model.layers[0].self_attn.scaling
         self.eps = cfg.rms_norm_eps
         self.dtype = model.model.embed_tokens.weight.dtype
+        self.fused = FusedStep.build(self) if path is not None else None
 
     def _vocab_weights(self, model: nn.Module, rank: int, tp: int, weight_dtype: torch.dtype | None) -> None:
         """Embedding and LM head: whole, or with tp > 1 (when tp divides the vocabulary) this rank's rows."""
@@ -241,6 +252,10 @@ class StaticLlamaDecoder:
     def step(self, tokens: Tensor, positions: Tensor) -> Tensor:
         """Append one token per row (`tokens` [B] at rotary `positions` [B]); next-token logits [B, V]."""
         self.key_mask[:, self.length] = True
+        if self.fused is not None:
+            x = self.fused(self, self._embed(tokens), positions)
+            self.length += 1
+            return self._logits(x)
         width = self.k_cache.shape[3] if self.full_cache_decode else self.length + 1
         mask = self.key_mask[:, None, None, :width]
         return self._forward(tokens[:, None], positions[:, None], mask, self.length)
@@ -260,7 +275,7 @@ class StaticLlamaDecoder:
         pos = torch.arange(max_pos)[None]
         cos, sin = self.model.model.rotary_emb(self.k_cache[0, :1, 0], pos)
         half = sin.shape[-1] // 2
-        self.cos, self.sin = cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
+        self.cos, self.sin = cos[0].contiguous(), torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
 
     def _forward(self, ids: Tensor, positions: Tensor, mask: Tensor, start: int) -> Tensor:
         k, eps = self.kernels, self.eps
@@ -327,6 +342,21 @@ class StaticLlamaDecoder:
         if self.tp_group is not None:
             dist.all_reduce(partial, group=self.tp_group)
         return partial
+
+
+def _fused_path(model: nn.Module, weight_dtype: torch.dtype | None) -> str | None:
+    """The panel layout the fused decode step multiplies with, where every layer product fits it; else None."""
+    if model.model.embed_tokens.weight.dtype != torch.float32 or panel.kernel(panel.DECODE_STEP) is None:
+        return None
+    layer = model.model.layers[0]
+    if any(m.out_features % panel.PANEL for m in (*_projections(layer), layer.mlp.down_proj)):
+        return None
+    return "bf16_panels" if weight_dtype == torch.bfloat16 else "panels"
+
+
+def _projections(layer: nn.Module) -> tuple[nn.Linear, ...]:
+    a, m = layer.self_attn, layer.mlp
+    return a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj
 
 
 def _decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:

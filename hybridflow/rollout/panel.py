@@ -1,5 +1,5 @@
 """fp32 products on weights laid out in 16-column panels (fp32, or bf16 widened as loaded), by a small AVX2 kernel
-(panel.c) built on first use.
+(panel.c, built on first use with the decode step that runs them, decode_step.c).
 
 At a decode step's few rows a product's cost is mostly reading its weights, and with AVX2 kernels oneDNN's
 product on its blocked layout read them at 13-15 GB/s where a plain read of the same weights ran at 26-41 GB/s
@@ -28,7 +28,8 @@ log = logging.getLogger(__name__)
 
 PANEL = 16
 """Output columns per panel: the kernel's two 8-float vectors."""
-SOURCE = Path(__file__).with_name("panel.c")
+SOURCES = [Path(__file__).with_name(name) for name in ("panel.c", "decode_step.c")]
+"""Compiled together into one library: the products, and the decode step that runs them (rollout/fused_step.py)."""
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 
 _SYMBOLS = {torch.float32: "hf_panel_linear", torch.bfloat16: "hf_panel_linear_bf16"}
@@ -37,12 +38,15 @@ _REPACK = "hf_to_panels"
 """The fp32 layout change as a transpose of 8 x 8 tiles: SmolLM2's 538 MB of weights in 68-71 ms where torch's
 strided copy took 92-99 ms (`bench/decode_weights.py --repack`, AVX2 cap, 2 threads, BENCHMARKS.md)."""
 
+DECODE_STEP = "hf_decode_step"
+"""A whole decode step through the layers (decode_step.c)."""
+
 _UNSET = object()
 _kernels: object = _UNSET
 
 
 def kernel(dtype: torch.dtype | str = torch.float32) -> ctypes._CFuncPtr | None:
-    """The built kernel for panels of `dtype` (or `_REPACK`), or None where it cannot run here; built once per
+    """The built kernel for panels of `dtype` (or `_REPACK`, `DECODE_STEP`), or None where it cannot run here; built once per
     process."""
     global _kernels
     if _kernels is _UNSET:
@@ -68,11 +72,12 @@ def _load() -> dict[torch.dtype | str, ctypes._CFuncPtr] | None:
     except (OSError, subprocess.SubprocessError) as err:
         log.warning("the panel kernel is not available (%s); the rollout uses torch's products", err)
         return None
-    p, n = ctypes.c_void_p, ctypes.c_long
+    p, n, i, f = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
     kernels: dict[torch.dtype | str, ctypes._CFuncPtr] = {}
     for key, symbol, args in [
-        *((dtype, symbol, [p, n, p, p, n, n, p, ctypes.c_int]) for dtype, symbol in _SYMBOLS.items()),
-        (_REPACK, _REPACK, [p, n, n, n, p, ctypes.c_int]),
+        *((dtype, symbol, [p, n, p, p, n, n, p, i]) for dtype, symbol in _SYMBOLS.items()),
+        (_REPACK, _REPACK, [p, n, n, n, p, i]),
+        (DECODE_STEP, DECODE_STEP, [p, n, i, p, p, n, n, n, n, n, n, p, p, n, p, n, p, p, p, p, f, f, p, i]),
     ]:
         fn = getattr(lib, symbol)
         fn.argtypes, fn.restype = args, None
@@ -87,14 +92,15 @@ def _build() -> Path:
     compiler = os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
         raise OSError(f"no C compiler {compiler!r} on PATH (set CC)")
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
+    sources = b"".join(path.read_bytes() for path in SOURCES)
+    digest = hashlib.sha256(sources + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
     out = cache_root() / "kernels" / f"panel-{digest}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         built = Path(tmp) / out.name
-        proc = subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE)], capture_output=True, text=True)
+        proc = subprocess.run([compiler, *FLAGS, "-o", str(built), *map(str, SOURCES)], capture_output=True, text=True)
         if proc.returncode != 0:
             raise OSError(f"{compiler} failed: {proc.stderr.strip()[-500:]}")
         os.replace(built, out)

@@ -1,0 +1,98 @@
+"""A `StaticLlamaDecoder` decode step through all its layers in one C call (decode_step.c).
+
+Eager torch runs ~25 small ops a layer around a decode step's four products, each paying a dispatch: at 8 rows of
+SmolLM2 in fp32 that was ~28% of the step (`bench/decode_profile.py`). `decode_step.c` runs the norms, rotary,
+cache write, attention, SiLU gate and residuals in fp32 between the panel kernel's products, with no Python
+between layers. It runs where the decoder's layer products are all panels of one dtype (fp32, or bf16 with
+rollout.weight_dtype=bf16), on one rank (no tensor-parallel group), with the hidden size, head size and MLP width
+multiples of 8; elsewhere `FusedStep.build` returns None and the decoder keeps its torch path. Prefill always runs
+the torch path. The logits agree with the torch path's to fp32 rounding (tests/test_rollout_fused_step.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from hybridflow.rollout import panel
+
+if TYPE_CHECKING:
+    from hybridflow.rollout.decoder import StaticLlamaDecoder
+
+_BF16 = {"panels": 0, "bf16_panels": 1}
+"""The layer products' path -> decode_step.c's `bf16` flag."""
+
+
+class FusedStep:
+    """The decode step of one decoder's weights; call with the new tokens' embeddings [B, H] (overwritten with the
+    residual stream) and their rotary positions [B]; returns the final norm of the last layer's output [B, H]."""
+
+    def __init__(self, dec: StaticLlamaDecoder) -> None:
+        self.fn = panel.kernel(panel.DECODE_STEP)
+        cfg = dec.model.config
+        self.bf16 = _BF16[dec.layers[0].qkv.path]
+        self.hidden, self.inter = cfg.hidden_size, cfg.intermediate_size
+        self.final_norm = dec.model.model.norm.weight.detach().contiguous()
+        self.keep: list[Tensor] = [self.final_norm]  # every tensor the table points into stays alive with it
+        table: list[int | None] = []
+        for w in dec.layers:
+            for part in (w.ln1, w.qkv, w.o, w.ln2, w.gate_up, w.down):
+                if isinstance(part, Tensor):
+                    table.append(self._hold(part.detach().contiguous()))
+                else:
+                    table += [self._hold(part.panels), self._hold(None if part.bias is None else part.bias.detach())]
+        self.table = (ctypes.c_void_p * len(table))(*table)
+
+    def _hold(self, t: Tensor | None) -> int | None:
+        if t is not None:
+            self.keep.append(t.contiguous())
+            return self.keep[-1].data_ptr()
+        return None
+
+    @staticmethod
+    def build(dec: StaticLlamaDecoder) -> FusedStep | None:
+        """The fused step for `dec`, or None where decode_step.c does not cover it (see module docstring)."""
+        cfg = dec.model.config
+        paths = {lin.path for w in dec.layers for lin in (w.qkv, w.o, w.gate_up, w.down)}
+        if dec.tp_group is not None or dec.dtype != torch.float32 or len(paths) != 1 or paths.pop() not in _BF16:
+            return None
+        if any(n % 8 for n in (cfg.hidden_size, dec.head_dim, cfg.intermediate_size)):
+            return None
+        return FusedStep(dec) if panel.kernel(panel.DECODE_STEP) is not None else None
+
+    def __call__(self, dec: StaticLlamaDecoder, h: Tensor, positions: Tensor) -> Tensor:
+        b = h.shape[0]
+        d, hq, hkv = dec.head_dim, dec.heads, dec.kv_heads
+        x = torch.empty_like(h)
+        scratch = torch.empty(b * ((hq + 2 * hkv) * d + hq * d + self.hidden + 3 * self.inter))
+        pos = positions.to(torch.int64).contiguous()
+        self.fn(
+            self.table,
+            len(dec.layers),
+            self.bf16,
+            h.data_ptr(),
+            x.data_ptr(),
+            b,
+            self.hidden,
+            hq,
+            hkv,
+            d,
+            self.inter,
+            dec.k_cache.data_ptr(),
+            dec.v_cache.data_ptr(),
+            dec.k_cache.shape[3],
+            dec.key_mask.data_ptr(),
+            dec.length,
+            dec.cos.data_ptr(),
+            dec.sin.data_ptr(),
+            pos.data_ptr(),
+            self.final_norm.data_ptr(),
+            dec.eps,
+            dec.scaling,
+            scratch.data_ptr(),
+            torch.get_num_threads(),
+        )
+        return x
