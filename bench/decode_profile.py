@@ -2,12 +2,15 @@
 
 Run: .venv/bin/python bench/decode_profile.py [--rows 8 32 64] [--dtype fp32] [--context 128] [--steps 16]
 
-For each row count the static decoder prefills `rows` prompts of `context` tokens, then times:
+For each row count the static decoder on its torch path (`fused=False`) prefills `rows` prompts of `context` tokens,
+then times:
 - `step`: one whole `StaticLlamaDecoder.step` (what the rollout calls per token);
 - `lm_head`: the LM head's product on [rows, hidden] as the decoder holds it;
 - `projections`: every layer's fused q/k/v, o, gate/up and down products on [rows, 1, hidden];
 - `attention`: every layer's attention of one query per row over the cache;
 - `rest`: step minus the three above (norms, rotary, SiLU, cache writes, embedding, Python and dispatch).
+Then the same step through the fused decode step (rollout/fused_step.py, what the rollout runs where it can),
+on a decoder built the same way, and its ratio to the torch path's step.
 Each is the median of `steps` timed calls, measured in the same process one after another. With
 `--compare`, the LM head and projections are also timed as plain `F.linear` (unpacked fp32), as
 oneDNN-packed fp32 and as int8 dynamic quantization (`Int8Linear` below), so
@@ -61,16 +64,24 @@ def median_ms(fn: Callable[[], object], steps: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def profile_rows(dec: StaticLlamaDecoder, rows: int, context: int, steps: int, hidden: int) -> dict[str, float]:
-    """The step's parts in ms (module docstring) for `rows` rows after a `context`-token prefill."""
-    ids = torch.randint(0, 1000, (rows, context))
+def step_ms(dec: StaticLlamaDecoder, rows: int, context: int, steps: int) -> float:
+    """Median ms of one decode step of `rows` rows after a `context`-token prefill."""
+    ids = torch.randint(0, 1000, (rows, context), generator=torch.Generator().manual_seed(rows))
     pos = torch.arange(context).expand(rows, -1)
     dec.prefill(ids, torch.ones_like(ids), pos, steps + 2)
-    tok, at = torch.randint(0, 1000, (rows,)), torch.full((rows,), context)
+    tok, at = ids[:, 0], torch.full((rows,), context)
 
     def one_step() -> None:
         dec.length = context  # every timed step writes the same cache slot: same width, same work
         dec.step(tok, at)
+
+    with torch.no_grad():
+        return median_ms(one_step, steps)
+
+
+def profile_rows(dec: StaticLlamaDecoder, rows: int, context: int, steps: int, hidden: int) -> dict[str, float]:
+    """The step's parts in ms (module docstring) for `rows` rows after a `context`-token prefill."""
+    step = step_ms(dec, rows, context, steps)
 
     x2, x3 = torch.randn(rows, hidden, dtype=dec.dtype), torch.randn(rows, 1, hidden, dtype=dec.dtype)
     mid = torch.randn(rows, 1, dec.model.config.intermediate_size, dtype=dec.dtype)
@@ -88,7 +99,7 @@ def profile_rows(dec: StaticLlamaDecoder, rows: int, context: int, steps: int, h
 
     with torch.no_grad():
         out = {
-            "step": median_ms(one_step, steps),
+            "step": step,
             "lm_head": median_ms(lambda: dec.lm_head(x2), steps),
             "projections": median_ms(projections, steps),
             "attention": median_ms(attention, steps),
@@ -135,8 +146,9 @@ def bf16_weights(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
 
 
 def int8_decoder(model, parts: tuple[str, ...], make: Callable = Int8Linear) -> StaticLlamaDecoder:
-    """The fp32 static decoder with the products named in `parts` swapped for `make(weight, bias)`."""
-    dec = StaticLlamaDecoder(model)
+    """The fp32 static decoder (torch path: the fused step multiplies its own panels) with the products named in
+    `parts` swapped for `make(weight, bias)`."""
+    dec = StaticLlamaDecoder(model, fused=False)
     for w, layer in zip(dec.layers, model.model.layers):
         a, m = layer.self_attn, layer.mlp
         full = {
@@ -173,7 +185,7 @@ def int8_gap(model, rows: int = 16, new_tokens: int = 64, make: Callable = Int8L
     cfg = RolloutConfig(name="native", dtype="fp32", response_length=new_tokens, ignore_eos=True, seed=1)
     responses = build_rollout(cfg, model, tokenizer).generate_sequences(prompts).batch[RESPONSES]
     with torch.no_grad():
-        ref = teacher_forced_log_probs(StaticLlamaDecoder(model), prompts, responses)
+        ref = teacher_forced_log_probs(StaticLlamaDecoder(model, fused=False), prompts, responses)
         for parts in [(p,) for p in PARTS] + [PARTS]:
             gap = (teacher_forced_log_probs(int8_decoder(model, parts, make), prompts, responses) - ref).abs()
             print(
@@ -201,10 +213,17 @@ def main() -> None:
     hidden = model.config.hidden_size
     for rows in args.rows:
         with torch.no_grad():
-            dec = StaticLlamaDecoder(model)
+            dec, fused = StaticLlamaDecoder(model, fused=False), StaticLlamaDecoder(model, fused=True)
         parts = profile_rows(dec, rows, args.context, args.steps, hidden)
         share = "  ".join(f"{k} {v:6.1f} ms ({v / parts['step']:4.0%})" for k, v in parts.items() if k != "step")
         print(f"{args.dtype} {rows:>3} rows: step {parts['step']:6.1f} ms = {share}", flush=True)
+        if fused.fused is None:
+            print(f"{args.dtype} {rows:>3} rows: the fused decode step does not run here", flush=True)
+        else:
+            ms = step_ms(fused, rows, args.context, args.steps)
+            print(
+                f"{args.dtype} {rows:>3} rows: fused step {ms:6.1f} ms ({parts['step'] / ms:.2f}x faster)", flush=True
+            )
         if args.compare:
             compare_gemms(model, rows, args.steps)
     if args.int8_gap:

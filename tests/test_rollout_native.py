@@ -181,6 +181,7 @@ def test_decode_over_whole_cache_equals_decode_over_filled_slice(monkeypatch):
 
     model, tok = tiny("llama")
     add_eos_bias(model, tok.eos_token_id, 10.0)
+    monkeypatch.setattr(decoder, "FUSED_DECODE", False)  # the torch path's attention (the fused step's: its own test)
     runs = []
     for limit in (decoder.FULL_CACHE_DECODE_MAX_LEN, 0):
         monkeypatch.setattr(decoder, "FULL_CACHE_DECODE_MAX_LEN", limit)
@@ -216,6 +217,7 @@ def test_fp32_decode_with_laid_out_weights_matches_plain(monkeypatch, path):
     import hybridflow.rollout.linear as linear
 
     model, tok = tiny("llama")
+    monkeypatch.setattr(decoder, "FUSED_DECODE", False)  # else the layers take panels whatever `_choose` says
     monkeypatch.setattr(linear, "_choose", lambda *args: path)
     if path not in linear._usable_paths(model.lm_head.weight):
         pytest.skip(f"no {path} path here (no oneDNN linear, or no AVX2 / C compiler for the panel kernel)")
