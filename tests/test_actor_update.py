@@ -103,11 +103,43 @@ def test_update_without_old_log_probs_is_refused_unless_the_plan_says_so():
         (["actor.ppo_epochs=2"], True),
         (["actor.ppo_mini_batch_size=4"], True),  # two mini-batches of the 8 prompts
         (["algorithm.use_kl_in_reward=true"], True),
+        (["actor.ppo_mini_batch_size=4", "actor.old_log_prob=rollout"], False),  # the rollout's log-probs
     ],
 )
 def test_old_log_prob_pass_is_skipped_only_for_one_step_updates(overrides, needed):
     cfg = load_config(RunConfig, None, ["data.train_batch_size=8", "actor.ppo_mini_batch_size=8", *overrides])
     assert resolve_here(cfg, steps_per_epoch=4).recompute_old_log_prob is needed
+
+
+def test_old_log_probs_from_the_rollout_give_the_recomputed_update_and_check_the_first_step():
+    """actor.old_log_prob=rollout over two optimizer steps: with rollout log-probs equal to the trainer's the
+    update is the recomputed one; the parity numbers come from the first step's forward only."""
+    recomputed, from_rollout = _actor(ppo_mini_batch_size=2), _actor(ppo_mini_batch_size=2, old_log_prob="rollout")
+    batch = _rollout_batch()
+    old = recomputed.compute_log_prob(batch, temperature=T).batch[K.OLD_LOG_PROBS]
+    recomputed.update_actor(
+        _rollout_batch().union(DataProto.from_dict({K.OLD_LOG_PROBS: old})), temperature=T, own_old_log_prob=False
+    )
+    skew = torch.tensor([0.0, 0.0, 0.5, 0.5])[:, None] * batch.batch[K.RESPONSE_MASK]  # rows of the 2nd step only
+    rows = _rollout_batch().union(DataProto.from_dict({K.ROLLOUT_LOG_PROBS: old + skew, K.OLD_LOG_PROBS: old}))
+    metrics = from_rollout.update_actor(rows, temperature=T, own_old_log_prob=False, parity_ratio=0.2)
+    metrics = metrics.meta_info["metrics"]
+    assert len(metrics["actor/pg_loss"]) == 2 and len(metrics["actor/parity_gap_max"]) == 1  # one micro-batch
+    assert metrics["actor/parity_gap_max"][0] < 1e-5  # the first step's rows: no skew
+    w_re, w_ro = _weights(recomputed), _weights(from_rollout)
+    for k in w_re:
+        torch.testing.assert_close(w_ro[k], w_re[k], atol=1e-6, rtol=1e-5)
+
+
+def test_old_log_probs_from_the_rollout_need_its_log_probs_and_nothing_to_correct():
+    base = ["actor.old_log_prob=rollout"]
+    with pytest.raises(ValueError, match="rollout.calculate_log_probs=false; set it to true"):
+        load_config(RunConfig, None, [*base, "rollout.calculate_log_probs=false"])
+    for key in ("algorithm.rollout_is_threshold=2.0", "actor.policy_loss.tis_imp_ratio_cap=2.0"):
+        with pytest.raises(ValueError, match="there is nothing to correct"):
+            load_config(RunConfig, None, [*base, key])
+    resolved = resolve_here(load_config(RunConfig, None, [*base, "trainer.parity=off"]), steps_per_epoch=4)
+    assert resolved.config.rollout.calculate_log_probs is True
 
 
 def test_unknown_old_log_prob_mode_is_rejected():

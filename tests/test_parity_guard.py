@@ -258,6 +258,13 @@ def test_the_updates_own_forward_measures_the_gaps_of_its_micro_batch():
     assert metrics["parity_gap_max"] == pytest.approx(0.3, abs=1e-6) and metrics["parity_frac_beyond"] == 0.25
     unasked = actor_loss_builder(ActorConfig(ppo_mini_batch_size=2), own_old_log_prob=True)(global_norm(mask))
     assert "parity_gap_mean" not in unasked(outputs, micro)[1]
+    # actor.old_log_prob=rollout: the rows' old log-probs are the rollout's; the first optimizer step's forward
+    # (on the weights that generated) is measured, the later ones are not
+    micro[K.OLD_LOG_PROBS] = rollout
+    from_rollout = actor_loss_builder(ActorConfig(ppo_mini_batch_size=2, old_log_prob="rollout"), parity_ratio=0.2)
+    first, second = from_rollout(global_norm(mask)), from_rollout(global_norm(mask))
+    assert first(outputs, micro)[1]["parity_gap_max"] == pytest.approx(0.3, abs=1e-6)
+    assert "parity_gap_mean" not in second(outputs, micro)[1]
 
 
 @pytest.mark.parametrize("backend", ["native", "hf"])

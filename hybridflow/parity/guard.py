@@ -8,8 +8,9 @@ update's outputs. Three checks (docs/parity.md):
   is 1) against the hash of the ids the sampler drew (keys.SAMPLED_IDS_HASH, parity/tokens.py); a batch without
   that key (a plugin backend's) reports parity/token_checked_rows = 0;
 - log-probs: rollout_log_probs against old_log_probs (parity/logprob.py) before the update. Where the step plan
-  skips old log-probs (one optimizer step), the update's own forward computes the same numbers on its workers
-  (`actor/parity_*`, workers/losses.py): the check then runs in `after_update`, after that one optimizer step
+  skips old log-probs (one optimizer step, or actor.old_log_prob=rollout: they are the rollout's), the update's
+  own forward on the weights that generated (its first optimizer step) computes the same numbers on its workers
+  (`actor/parity_*`, workers/losses.py): the check then runs in `after_update`, after that update
   (the run still stops at this step, before its checkpoint); there gap_mean and frac_beyond are means over
   micro-batches and ranks of each micro-batch's value, gap_max the largest. Without rollout log-probs
   (rollout.calculate_log_probs=false) the check is skipped, with parity/logprob_checked = 0 and one warning.

@@ -46,6 +46,16 @@ def _take_metrics(data: DataProto, sink: list[DataProto]) -> DataProto:
     return data
 
 
+def _rollout_log_probs(batch: DataProto, backend: str) -> Any:
+    """The rollout's log-probs of the sampled tokens, as actor.old_log_prob=rollout takes them for old log-probs."""
+    if K.ROLLOUT_LOG_PROBS not in batch.batch.keys():
+        raise ValueError(
+            f"actor.old_log_prob=rollout takes the rollout's log-probs as old log-probs, but rollout.name={backend} "
+            "returned none; set actor.old_log_prob=auto, or use a rollout that returns them"
+        )
+    return batch.batch[K.ROLLOUT_LOG_PROBS]
+
+
 class PPOTrainer:
     """Runs the training loop over already-built worker groups."""
 
@@ -136,6 +146,8 @@ class PPOTrainer:
             #    a breach raises ParityError (trainer.parity=error) or warns (hybridflow/parity/guard.py)
             with timer("parity", timing):
                 parity = self.guard.before_update(batch, self.global_step)
+            if cfg.actor.old_log_prob == "rollout":  # after the guard: the update's first step checks them instead
+                batch.batch[K.OLD_LOG_PROBS] = _rollout_log_probs(batch, cfg.rollout.name)
             # 5. rewards (KL penalty if in reward), advantages by the configured estimator, and the
             #    rollout-vs-trainer importance weights (algorithm.rollout_is_threshold)
             with timer("adv", timing):
@@ -169,7 +181,8 @@ class PPOTrainer:
         if plan.update_critic:
             pending.append(self.roles.critic.update_critic(batch))
         if plan.update_actor:
-            temp, own, ratio = self.cfg.rollout.temperature, not plan.old_log_prob, self.guard.ratio
+            own = not plan.old_log_prob and self.cfg.actor.old_log_prob != "rollout"
+            temp, ratio = self.cfg.rollout.temperature, self.guard.ratio
             pending.append(
                 self.roles.actor_rollout.update_actor(batch, temperature=temp, own_old_log_prob=own, parity_ratio=ratio)
             )

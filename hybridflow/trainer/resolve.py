@@ -173,7 +173,8 @@ def resolve(cfg: RunConfig, steps_per_epoch: int, measured: Measurements) -> Res
 
 
 def _needs_rollout_log_probs(cfg: RunConfig) -> bool:
-    return cfg.algorithm.rollout_is_threshold is not None or cfg.actor.policy_loss.tis_imp_ratio_cap is not None
+    corrects = cfg.algorithm.rollout_is_threshold is not None or cfg.actor.policy_loss.tis_imp_ratio_cap is not None
+    return corrects or cfg.actor.old_log_prob == "rollout"
 
 
 def worker_sets(cfg: RunConfig) -> tuple[WorkerSet, ...]:

@@ -180,6 +180,8 @@ class RunConfig(Section):
                 "but rollout.calculate_log_probs=false; set it to true or drop the cap"
             )
         threshold = self.algorithm.rollout_is_threshold
+        if self.actor.old_log_prob == "rollout":
+            self._check_old_from_rollout(cap, threshold)
         if threshold is not None and self.rollout.calculate_log_probs is False:
             if self.algorithm.rollout_is:
                 raise ValueError(
@@ -191,6 +193,19 @@ class RunConfig(Section):
                 "algorithm.rollout_is_threshold=%s with rollout.calculate_log_probs=false: no mismatch/* metrics "
                 "(they compare the rollout's own log-probs, which are not computed), as in verl",
                 threshold,
+            )
+
+    def _check_old_from_rollout(self, cap: float | None, threshold: float | None) -> None:
+        if self.rollout.calculate_log_probs is False:
+            raise ValueError(
+                "actor.old_log_prob=rollout takes the rollout's own log-probs as old log-probs, but "
+                "rollout.calculate_log_probs=false; set it to true or actor.old_log_prob=auto"
+            )
+        if cap is not None or threshold is not None:
+            key = "actor.policy_loss.tis_imp_ratio_cap" if cap is not None else "algorithm.rollout_is_threshold"
+            raise ValueError(
+                f"{key} corrects old log-probs towards the rollout's, but actor.old_log_prob=rollout makes them the "
+                f"rollout's: there is nothing to correct; drop {key} or set actor.old_log_prob=auto"
             )
 
     def _check_placement(self) -> None:

@@ -262,8 +262,9 @@ class ActorRolloutRefWorker(Worker):
         """PPO epochs over mini-batches over micro-batches, log-probs at `temperature`; rows need advantages
         (+ ref_log_prob) and old_log_probs. With `own_old_log_prob` (the trainer's step plan, see
         ActorConfig.old_log_prob) the update must be one optimizer step, and takes the old log-probs
-        from its own forward instead; then `parity_ratio` (not None) asks for the log-prob parity numbers of
-        that forward against rows' rollout_log_probs (`actor/parity_*`, workers/losses.py).
+        from its own forward instead. `parity_ratio` (not None) asks for the log-prob parity numbers of the
+        forward on the weights that generated (that one step, or with actor.old_log_prob=rollout the first
+        optimizer step) against rows' rollout_log_probs (`actor/parity_*`, workers/losses.py).
 
         Returns no rows, only meta_info["metrics"] (lists with one value per optimizer step).
         """

@@ -18,7 +18,7 @@ from hybridflow.engine.config import EngineConfig, LoraConfig, OptimConfig
 from hybridflow.utils.dtypes import check_dtype
 from hybridflow.utils.registry import Registry, UnknownNameError
 
-OLD_LOG_PROB_MODES = ("auto", "recompute")
+OLD_LOG_PROB_MODES = ("auto", "recompute", "rollout")
 """Values of actor.old_log_prob."""
 
 
@@ -86,7 +86,12 @@ class ActorConfig(Section):
     mini-batch) and nothing before it needs them (no KL in the reward), old log-probs are
     the detached log-probs of the update's own forward, which runs on the same weights,
     saving one forward pass over the batch (TRL does the same with num_iterations=1);
-    actor/entropy then comes from that forward. "recompute": always a separate pass."""
+    actor/entropy then comes from that forward. "recompute": always a separate pass.
+    "rollout": no pass; old log-probs are the rollout's own log-probs of the sampled tokens (verl's
+    rollout-correction bypass mode), which the parity guard checks against the update's first optimizer
+    step, run on the weights that generated (the step fails on a breach, as with "auto"). Needs
+    rollout.calculate_log_probs and no rollout-vs-trainer correction (rollout_is_threshold,
+    tis_imp_ratio_cap): the two log-probs are the same numbers there."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6))
     """AdamW and LR schedule."""
     engine: EngineConfig = field(default_factory=EngineConfig)

@@ -26,13 +26,19 @@ def actor_loss_builder(
     `own_old_log_prob`: the update is one optimizer step on the weights that generated
     (ActorConfig.old_log_prob), so the old log-probs are this forward's own, detached, and
     the entropy of the forward is logged as `entropy`. Else rows carry old_log_probs.
-    `parity_ratio` (with `own_old_log_prob` and rollout log-probs): also log the log-prob parity
-    numbers of this forward (parity/logprob.py) as `parity_gap_mean`, `parity_gap_max`, `parity_frac_beyond`.
+    With cfg.old_log_prob "rollout" the rows' old log-probs are the rollout's, and the first optimizer step
+    (the first `build` call: still the weights that generated) is the on-policy forward instead.
+    `parity_ratio` (with rollout log-probs): also log the log-prob parity numbers of the on-policy forward
+    (parity/logprob.py) as `parity_gap_mean`, `parity_gap_max`, `parity_frac_beyond`.
     """
     policy_loss = get_policy_loss_fn(cfg.policy_loss_mode)
     mode = cfg.loss_agg_mode
+    builds = [0]
 
     def build(gn: GlobalNorm) -> LossFn:
+        on_policy = own_old_log_prob or (cfg.old_log_prob == "rollout" and builds[0] == 0)
+        builds[0] += 1
+
         def loss_fn(outputs: dict, micro: MicroBatch) -> tuple:
             mask = micro[K.RESPONSE_MASK]
             log_prob = outputs["log_probs"]
@@ -54,9 +60,9 @@ def actor_loss_builder(
             if rollout_log_prob is not None:  # sampler vs trainer on the same tokens and weights (verl's name)
                 gap = (old_log_prob.exp() - rollout_log_prob.exp()).abs()
                 metrics["rollout_probs_diff_mean"] = float(masked_mean(gap, mask))
-            if own_old_log_prob and parity_ratio is not None and rollout_log_prob is not None:
-                metrics.update(_parity_stats(old_log_prob, rollout_log_prob, mask, parity_ratio))
-            if own_old_log_prob:
+            if on_policy and parity_ratio is not None and rollout_log_prob is not None:
+                metrics.update(_parity_stats(log_prob.detach(), rollout_log_prob, mask, parity_ratio))
+            if on_policy and outputs.get("entropy") is not None:  # computed with own old log-probs or entropy_coeff
                 metrics["entropy"] = float(masked_mean(outputs["entropy"].detach(), mask))
             loss = pg_loss
             if cfg.entropy_coeff != 0:
