@@ -33,9 +33,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def tree_rss_mb(proc: psutil.Process) -> float:
-    """Resident memory of a process and all its descendants, in MiB."""
+    """Resident memory of a process and all its descendants, in MiB (0 for a tree that ended while listed)."""
     total = 0
-    for p in [proc, *proc.children(recursive=True)]:
+    try:
+        tree = [proc, *proc.children(recursive=True)]
+    except psutil.Error:  # a child exited between listing and inspecting it
+        return 0.0
+    for p in tree:
         try:
             total += p.memory_info().rss
         except psutil.Error:

@@ -140,6 +140,10 @@ def test_old_log_probs_from_the_rollout_need_its_log_probs_and_nothing_to_correc
             load_config(RunConfig, None, [*base, key])
     resolved = resolve_here(load_config(RunConfig, None, [*base, "trainer.parity=off"]), steps_per_epoch=4)
     assert resolved.config.rollout.calculate_log_probs is True
+    from hybridflow.trainer.ppo_trainer import _rollout_log_probs
+
+    with pytest.raises(ValueError, match="rollout.name=mine returned none; set actor.old_log_prob=auto"):
+        _rollout_log_probs(_rollout_batch(), "mine")  # a plugin backend without log-probs
 
 
 def test_unknown_old_log_prob_mode_is_rejected():

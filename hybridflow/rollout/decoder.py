@@ -11,7 +11,9 @@ Both return fp32 logits of the last position only.
   against the HF module's own weights, with a preallocated cache and fused
   q/k/v and gate/up projections. A decode step runs ~25 tensor ops per layer,
   where the HF module stack adds per-call bookkeeping (mask building, cache
-  objects, output dataclasses) that dominates small models on CPU.
+  objects, output dataclasses) that dominates small models on CPU; where
+  rollout/fused_step.py covers the model (fp32 on the AVX2 panel kernel, one
+  rank), the whole decode step is one C call instead.
 - `HFDecoder`: any HF causal LM through its own forward and a DynamicCache
   (the fallback for architectures the static path does not cover).
 
@@ -35,8 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import DynamicCache
 
-from hybridflow.rollout import panel
-from hybridflow.rollout.fused_step import FusedStep
+from hybridflow.rollout.fused_step import FusedStep, fused_path
 from hybridflow.rollout.kernels import EAGER, DecoderKernels
 from hybridflow.rollout.linear import Linear
 from hybridflow.rollout.sharding import own_part
@@ -178,7 +179,7 @@ class StaticLlamaDecoder:
                 f"({cfg.num_attention_heads}) and num_key_value_heads ({cfg.num_key_value_heads})"
             )
         fused = FUSED_DECODE if fused is None else fused
-        path = _fused_path(model, weight_dtype) if fused and self.tp_group is None else None
+        path = fused_path(model, weight_dtype) if fused and self.tp_group is None else None
         self.layers = [_layer_weights(layer, rank, tp, weight_dtype, path) for layer in model.model.layers]
         self._vocab_weights(model, rank, tp, weight_dtype)
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -342,21 +343,6 @@ class StaticLlamaDecoder:
         if self.tp_group is not None:
             dist.all_reduce(partial, group=self.tp_group)
         return partial
-
-
-def _fused_path(model: nn.Module, weight_dtype: torch.dtype | None) -> str | None:
-    """The panel layout the fused decode step multiplies with, where every layer product fits it; else None."""
-    if model.model.embed_tokens.weight.dtype != torch.float32 or panel.kernel(panel.DECODE_STEP) is None:
-        return None
-    layer = model.model.layers[0]
-    if any(m.out_features % panel.PANEL for m in (*_projections(layer), layer.mlp.down_proj)):
-        return None
-    return "bf16_panels" if weight_dtype == torch.bfloat16 else "panels"
-
-
-def _projections(layer: nn.Module) -> tuple[nn.Linear, ...]:
-    a, m = layer.self_attn, layer.mlp
-    return a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj
 
 
 def _decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:

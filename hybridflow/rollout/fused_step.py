@@ -15,7 +15,7 @@ import ctypes
 from typing import TYPE_CHECKING
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from hybridflow.rollout import panel
 
@@ -24,6 +24,17 @@ if TYPE_CHECKING:
 
 _BF16 = {"panels": 0, "bf16_panels": 1}
 """The layer products' path -> decode_step.c's `bf16` flag."""
+
+
+def fused_path(model: nn.Module, weight_dtype: torch.dtype | None) -> str | None:
+    """The panel layout (rollout/linear.py) the fused step multiplies with, where the model is fp32, the step's C
+    code is built here and every layer product is whole panels; else None (the decoder's own choice)."""
+    if model.model.embed_tokens.weight.dtype != torch.float32 or panel.kernel(panel.DECODE_STEP) is None:
+        return None
+    a, m = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    if any(p.out_features % panel.PANEL for p in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj)):
+        return None
+    return "bf16_panels" if weight_dtype == torch.bfloat16 else "panels"
 
 
 class FusedStep:
