@@ -263,8 +263,10 @@ def test_the_updates_own_forward_measures_the_gaps_of_its_micro_batch():
     micro[K.OLD_LOG_PROBS] = rollout
     from_rollout = actor_loss_builder(ActorConfig(ppo_mini_batch_size=2, old_log_prob="rollout"), parity_ratio=0.2)
     first, second = from_rollout(global_norm(mask)), from_rollout(global_norm(mask))
-    assert first(outputs, micro)[1]["parity_gap_max"] == pytest.approx(0.3, abs=1e-6)
-    assert "parity_gap_mean" not in second(outputs, micro)[1]
+    measured, unmeasured = first(outputs, micro)[1], second(outputs, micro)[1]
+    assert measured["parity_gap_max"] == pytest.approx(0.3, abs=1e-6)
+    assert measured["rollout_probs_diff_mean"] > 0  # the forward's probabilities, not the rollout's against themselves
+    assert "parity_gap_mean" not in unmeasured and "rollout_probs_diff_mean" not in unmeasured
 
 
 @pytest.mark.parametrize("backend", ["native", "hf"])

@@ -33,10 +33,10 @@ def actor_loss_builder(
     """
     policy_loss = get_policy_loss_fn(cfg.policy_loss_mode)
     mode = cfg.loss_agg_mode
-    builds = [0]
+    builds, from_rollout = [0], cfg.old_log_prob == "rollout"
 
     def build(gn: GlobalNorm) -> LossFn:
-        on_policy = own_old_log_prob or (cfg.old_log_prob == "rollout" and builds[0] == 0)
+        on_policy = own_old_log_prob or (from_rollout and builds[0] == 0)
         builds[0] += 1
 
         def loss_fn(outputs: dict, micro: MicroBatch) -> tuple:
@@ -57,8 +57,11 @@ def actor_loss_builder(
             )
             scale = local_mean_factor(gn, mask, mode)
             metrics = {"pg_loss": float(pg_loss.detach()) * scale, **{k: float(v) for k, v in stats.items()}}
-            if rollout_log_prob is not None:  # sampler vs trainer on the same tokens and weights (verl's name)
-                gap = (old_log_prob.exp() - rollout_log_prob.exp()).abs()
+            # sampler vs trainer on the same tokens and weights (verl's name); old log-probs that are the rollout's
+            # are compared through the first step's forward
+            trainer_log_prob = log_prob.detach() if from_rollout else old_log_prob
+            if rollout_log_prob is not None and (on_policy or not from_rollout):
+                gap = (trainer_log_prob.exp() - rollout_log_prob.exp()).abs()
                 metrics["rollout_probs_diff_mean"] = float(masked_mean(gap, mask))
             if on_policy and parity_ratio is not None and rollout_log_prob is not None:
                 metrics.update(_parity_stats(log_prob.detach(), rollout_log_prob, mask, parity_ratio))
