@@ -187,7 +187,7 @@ class StaticLlamaDecoder:
         self.scaling = model.model.layers[0].self_attn.scaling
         self.eps = cfg.rms_norm_eps
         self.dtype = model.model.embed_tokens.weight.dtype
-        self.fused = FusedStep.build(self) if path is not None else None
+        self.fused = FusedStep(self) if path is not None else None
 
     def _vocab_weights(self, model: nn.Module, rank: int, tp: int, weight_dtype: torch.dtype | None) -> None:
         """Embedding and LM head: whole, or with tp > 1 (when tp divides the vocabulary) this rank's rows."""

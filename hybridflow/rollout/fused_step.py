@@ -5,7 +5,7 @@ SmolLM2 in fp32 that was ~28% of the step (`bench/decode_profile.py`). `decode_s
 cache write, attention, SiLU gate and residuals in fp32 between the panel kernel's products, with no Python
 between layers. It runs where the decoder's layer products are all panels of one dtype (fp32, or bf16 with
 rollout.weight_dtype=bf16), on one rank (no tensor-parallel group), with the hidden size, head size and MLP width
-multiples of 8; elsewhere `FusedStep.build` returns None and the decoder keeps its torch path. Prefill always runs
+multiples of 8 (`fused_path`); elsewhere the decoder keeps its torch path. Prefill always runs
 the torch path. The logits agree with the torch path's to fp32 rounding (tests/test_rollout_fused_step.py).
 """
 
@@ -27,19 +27,25 @@ _BF16 = {"panels": 0, "bf16_panels": 1}
 
 
 def fused_path(model: nn.Module, weight_dtype: torch.dtype | None) -> str | None:
-    """The panel layout (rollout/linear.py) the fused step multiplies with, where the model is fp32, the step's C
-    code is built here and every layer product is whole panels; else None (the decoder's own choice)."""
+    """The panel layout (rollout/linear.py) the fused step multiplies with, where it covers a one-rank decoder of
+    `model`: fp32, the step's C code built here, every layer product whole panels, the hidden size, head size and
+    MLP width multiples of 8. Else None: no fused step, the decoder's own choice of layouts."""
+    cfg = model.config
     if model.model.embed_tokens.weight.dtype != torch.float32 or panel.kernel(panel.DECODE_STEP) is None:
         return None
     a, m = model.model.layers[0].self_attn, model.model.layers[0].mlp
     if any(p.out_features % panel.PANEL for p in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj)):
         return None
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if any(n % 8 for n in (cfg.hidden_size, head_dim, cfg.intermediate_size)):
+        return None
     return "bf16_panels" if weight_dtype == torch.bfloat16 else "panels"
 
 
 class FusedStep:
-    """The decode step of one decoder's weights; call with the new tokens' embeddings [B, H] (overwritten with the
-    residual stream) and their rotary positions [B]; returns the final norm of the last layer's output [B, H]."""
+    """The decode step of one decoder's weights, laid out in `fused_path`'s panels; call with the new tokens'
+    embeddings [B, H] (overwritten with the residual stream) and their rotary positions [B]; returns the final norm
+    of the last layer's output [B, H]."""
 
     def __init__(self, dec: StaticLlamaDecoder) -> None:
         self.fn = panel.kernel(panel.DECODE_STEP)
@@ -52,7 +58,7 @@ class FusedStep:
         for w in dec.layers:
             for part in (w.ln1, w.qkv, w.o, w.ln2, w.gate_up, w.down):
                 if isinstance(part, Tensor):
-                    table.append(self._hold(part.detach().contiguous()))
+                    table.append(self._hold(part.detach()))
                 else:
                     table += [self._hold(part.panels), self._hold(None if part.bias is None else part.bias.detach())]
         self.table = (ctypes.c_void_p * len(table))(*table)
@@ -62,17 +68,6 @@ class FusedStep:
             self.keep.append(t.contiguous())
             return self.keep[-1].data_ptr()
         return None
-
-    @staticmethod
-    def build(dec: StaticLlamaDecoder) -> FusedStep | None:
-        """The fused step for `dec`, or None where decode_step.c does not cover it (see module docstring)."""
-        cfg = dec.model.config
-        paths = {lin.path for w in dec.layers for lin in (w.qkv, w.o, w.gate_up, w.down)}
-        if dec.tp_group is not None or dec.dtype != torch.float32 or len(paths) != 1 or paths.pop() not in _BF16:
-            return None
-        if any(n % 8 for n in (cfg.hidden_size, dec.head_dim, cfg.intermediate_size)):
-            return None
-        return FusedStep(dec) if panel.kernel(panel.DECODE_STEP) is not None else None
 
     def __call__(self, dec: StaticLlamaDecoder, h: Tensor, positions: Tensor) -> Tensor:
         b = h.shape[0]

@@ -46,8 +46,8 @@ _kernels: object = _UNSET
 
 
 def kernel(dtype: torch.dtype | str = torch.float32) -> ctypes._CFuncPtr | None:
-    """The built kernel for panels of `dtype` (or `_REPACK`, `DECODE_STEP`), or None where it cannot run here; built once per
-    process."""
+    """The built kernel for panels of `dtype` (or `_REPACK`, `DECODE_STEP`), or None where it cannot run here;
+    built once per process."""
     global _kernels
     if _kernels is _UNSET:
         _kernels = _load()
