@@ -107,16 +107,54 @@ def test_update_without_old_log_probs_is_refused_unless_the_plan_says_so():
     ],
 )
 def test_old_log_prob_pass_is_skipped_only_for_one_step_updates(overrides, needed):
-    cfg = load_config(RunConfig, None, ["data.train_batch_size=8", "actor.ppo_mini_batch_size=8", *overrides])
+    # bf16 actor: auto never takes the rollout's log-probs there (see the next tests), on any CPU
+    base = ["data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "actor.engine.param_dtype=bf16"]
+    cfg = load_config(RunConfig, None, [*base, *overrides])
     assert resolve_here(cfg, steps_per_epoch=4).recompute_old_log_prob is needed
+
+
+FP32 = ["actor.engine.param_dtype=fp32", "rollout.dtype=fp32"]
+TWO_STEPS = ["data.train_batch_size=8", "actor.ppo_mini_batch_size=4"]
+
+
+def test_auto_takes_the_rollouts_log_probs_where_they_are_the_trainers_numbers():
+    """fp32 native rollout beside an fp32 actor, two optimizer steps: auto resolves to rollout (no pass; the
+    parity guard checks them at the update's first step), the rollout computes its log-probs, and the log says so."""
+    run = resolve_here(load_config(RunConfig, None, [*TWO_STEPS, *FP32]), steps_per_epoch=4)
+    assert run.config.actor.old_log_prob == "rollout" and run.recompute_old_log_prob is False
+    assert run.config.rollout.calculate_log_probs is True
+    assert any("actor.old_log_prob=auto -> rollout" in note for note in run.notes)
+
+
+@pytest.mark.parametrize(
+    "overrides, mode",
+    [
+        (["actor.ppo_mini_batch_size=8"], "auto"),  # one optimizer step: the update's own forward, exact
+        (["actor.engine.param_dtype=bf16"], "auto"),
+        (["rollout.dtype=bf16"], "auto"),
+        (["rollout.weight_dtype=bf16"], "auto"),
+        (["rollout.name=hf"], "auto"),
+        (["trainer.parity=off"], "auto"),  # nothing would check them
+        (["rollout.calculate_log_probs=false"], "auto"),
+        (["algorithm.use_kl_in_reward=true"], "auto"),
+        (["actor.lora.rank=4"], "auto"),
+        (["actor.engine.pipeline_model_parallel_size=2"], "auto"),
+        (["actor.old_log_prob=recompute"], "recompute"),  # a user value is never overwritten
+    ],
+)
+def test_auto_keeps_the_pass_anywhere_else(overrides, mode):
+    run = resolve_here(load_config(RunConfig, None, [*TWO_STEPS, *FP32, *overrides]), steps_per_epoch=4)
+    assert run.config.actor.old_log_prob == mode
+    assert run.recompute_old_log_prob is (overrides != ["actor.ppo_mini_batch_size=8"])
 
 
 def test_old_log_probs_from_the_rollout_give_the_recomputed_update_and_check_the_first_step():
     """actor.old_log_prob=rollout over two optimizer steps: with rollout log-probs equal to the trainer's the
-    update is the recomputed one; the parity numbers come from the first step's forward only."""
+    update is the recomputed one; the parity numbers and the entropy come from the first step's forward only."""
     recomputed, from_rollout = _actor(ppo_mini_batch_size=2), _actor(ppo_mini_batch_size=2, old_log_prob="rollout")
     batch = _rollout_batch()
-    old = recomputed.compute_log_prob(batch, temperature=T).batch[K.OLD_LOG_PROBS]
+    computed = recomputed.compute_log_prob(batch, temperature=T).batch
+    old, entropy = computed[K.OLD_LOG_PROBS], computed[K.ENTROPYS]
     recomputed.update_actor(
         _rollout_batch().union(DataProto.from_dict({K.OLD_LOG_PROBS: old})), temperature=T, own_old_log_prob=False
     )
@@ -126,6 +164,8 @@ def test_old_log_probs_from_the_rollout_give_the_recomputed_update_and_check_the
     metrics = metrics.meta_info["metrics"]
     assert len(metrics["actor/pg_loss"]) == 2 and len(metrics["actor/parity_gap_max"]) == 1  # one micro-batch
     assert metrics["actor/parity_gap_max"][0] < 1e-5  # the first step's rows: no skew
+    mask = batch.batch[K.RESPONSE_MASK][:2]  # actor/entropy: the first step's forward, on its rows
+    assert metrics["actor/entropy"] == [pytest.approx(float((entropy[:2] * mask).sum() / mask.sum()), abs=1e-5)]
     w_re, w_ro = _weights(recomputed), _weights(from_rollout)
     for k in w_re:
         torch.testing.assert_close(w_ro[k], w_re[k], atol=1e-6, rtol=1e-5)

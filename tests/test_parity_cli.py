@@ -33,9 +33,12 @@ def test_a_token_edit_stops_the_run_at_its_step(tmp_path: Path):
 @pytest.mark.parametrize(
     "extra, source",
     [
-        (["trainer.val_before_train=false"], "old_log_probs"),
+        # two optimizer steps: old log-probs recomputed (on an fp32 CPU auto would take the rollout's)
+        (["trainer.val_before_train=false", "actor.old_log_prob=recompute"], "old_log_probs"),
         # one optimizer step per training step: no old log-probs, the update's own forward is compared
         ([*LOCAL, "actor.ppo_mini_batch_size=4", "critic.ppo_mini_batch_size=4"], "the update's own forward"),
+        # fp32 on both sides, two optimizer steps: auto takes the rollout's log-probs, the first step checks them
+        ([*LOCAL, "actor.engine.param_dtype=fp32", "rollout.dtype=fp32"], "the update's own forward"),
     ],
 )
 def test_a_logprob_skew_stops_the_run_and_is_not_retried(tmp_path: Path, extra: list[str], source: str):

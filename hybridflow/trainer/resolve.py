@@ -23,6 +23,9 @@ Derived here and nowhere else, always from the final merged values:
 - every compute dtype left "auto" (actor/critic engine.param_dtype, rollout.dtype, ref and reward
   model param_dtype): bf16 or fp32 as a matmul probe on trainer.cpus_per_worker threads measured
   (`Measurements.auto_dtypes`), bf16 on CUDA;
+- actor.old_log_prob=auto -> rollout where the auto rule would recompute old log-probs only because the
+  update takes several optimizer steps and the rollout's log-probs are the trainer's numbers
+  (`old_log_prob_mode`);
 - the worker sets (which roles live on which pool, how many ranks) and whether old log-probs
   are recomputed before the update.
 A user value is never overwritten: where it contradicts a derived one, `ConfigError` names both keys.
@@ -131,6 +134,12 @@ def resolve(cfg: RunConfig, steps_per_epoch: int, measured: Measurements) -> Res
     total = trainer.total_training_steps
     device = trainer.device
     threads = trainer.cpus_per_worker
+    actor_dp = cfg.actor.engine.dp_size(sets[0].world_size)
+    actor_dtype = measured.dtype(cfg.actor.engine.param_dtype, threads)
+    old = old_log_prob_mode(cfg, actor_dtype, measured.dtype(cfg.rollout.dtype, threads), actor_dp)
+    if old != cfg.actor.old_log_prob:
+        cfg = replace(cfg, actor=replace(cfg.actor, old_log_prob=old))
+        notes = (*notes, f"actor.old_log_prob=auto -> {old}: fp32 native rollout and actor, several optimizer steps")
     critic = cfg.critic
     if cfg.use_critic:
         critic_world = next(s.world_size for s in sets if "critic" in s.roles)
@@ -156,20 +165,32 @@ def resolve(cfg: RunConfig, steps_per_epoch: int, measured: Measurements) -> Res
         actor=replace(
             cfg.actor,
             optim=resolve_schedule(cfg.actor.optim, total, "actor."),
-            engine=resolve_engine(
-                cfg.actor.engine,
-                device,
-                sets[0].world_size,
-                "actor.",
-                measured.dtype(cfg.actor.engine.param_dtype, threads),
-            ),
+            engine=resolve_engine(cfg.actor.engine, device, sets[0].world_size, "actor.", actor_dtype),
         ),
         critic=critic if cfg.use_critic else replace(critic, enable=False),
         ref=replace(cfg.ref, param_dtype=measured.dtype(cfg.ref.param_dtype, threads)),
         reward_model=replace(cfg.reward_model, param_dtype=measured.dtype(cfg.reward_model.param_dtype, threads)),
     )
-    actor_dp = cfg.actor.engine.dp_size(sets[0].world_size)
     return ResolvedRun(freeze(resolved), steps_per_epoch, sets, recompute_old_log_prob(cfg, actor_dp), notes)
+
+
+def old_log_prob_mode(cfg: RunConfig, actor_dtype: str, rollout_dtype: str, actor_dp: int) -> str:
+    """actor.old_log_prob with "auto" decided: "rollout" where the auto rule would recompute old log-probs only
+    because the update takes several optimizer steps, and the rollout computes the trainer's numbers: the native
+    rollout with fp32 weights and math beside an fp32 actor (gap_mean ~1e-5 on the main job, BENCHMARKS.md), in
+    a synchronous run without adapters, tools or pipeline stages, with the parity guard on to check them at the
+    update's first step. Anything else keeps the value it had."""
+    a, r, alg = cfg.actor, cfg.rollout, cfg.algorithm
+    if a.old_log_prob != "auto" or not recompute_old_log_prob(cfg, actor_dp):
+        return a.old_log_prob
+    needs_old = alg.use_kl_in_reward or alg.rollout_is_threshold is not None
+    same_numbers = r.name == "native" and r.weight_dtype is None and actor_dtype == rollout_dtype == "fp32"
+    checked = cfg.trainer.parity != "off" and r.calculate_log_probs is not False
+    plain = cfg.trainer.mode == "sync" and not (
+        a.lora.enabled or r.multi_turn.enable or a.engine.pipeline_model_parallel_size > 1
+    )
+    corrected = a.policy_loss.tis_imp_ratio_cap is not None
+    return "rollout" if same_numbers and checked and plain and not (needs_old or corrected) else "auto"
 
 
 def _needs_rollout_log_probs(cfg: RunConfig) -> bool:

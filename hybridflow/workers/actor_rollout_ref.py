@@ -284,7 +284,7 @@ class ActorRolloutRefWorker(Worker):
                 shuffle=cfg.shuffle,
                 seed=self._update_calls,
                 temperature=temperature,
-                calc_entropy=cfg.entropy_coeff != 0 or own,
+                calc_entropy=cfg.entropy_coeff != 0 or own or cfg.old_log_prob == "rollout",  # actor/entropy
             )
         self._update_calls += 1
         lr = self.actor.lr_scheduler_step()

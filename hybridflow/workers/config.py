@@ -86,7 +86,11 @@ class ActorConfig(Section):
     mini-batch) and nothing before it needs them (no KL in the reward), old log-probs are
     the detached log-probs of the update's own forward, which runs on the same weights,
     saving one forward pass over the batch (TRL does the same with num_iterations=1);
-    actor/entropy then comes from that forward. "recompute": always a separate pass.
+    actor/entropy then comes from that forward. With several optimizer steps, auto resolves
+    to "rollout" where the rollout's log-probs are the trainer's numbers (native rollout with
+    fp32 weights and math, fp32 actor, parity guard on, sync, no adapters, tools, pipeline stages,
+    KL in the reward or rollout correction; `--print-config` shows it), else recomputes. "recompute":
+    always a separate pass.
     "rollout": no pass; old log-probs are the rollout's own log-probs of the sampled tokens (verl's
     rollout-correction bypass mode), which the parity guard checks against the update's first optimizer
     step, run on the weights that generated (the step fails on a breach, as with "auto"). Needs

@@ -27,7 +27,8 @@ def actor_loss_builder(
     (ActorConfig.old_log_prob), so the old log-probs are this forward's own, detached, and
     the entropy of the forward is logged as `entropy`. Else rows carry old_log_probs.
     With cfg.old_log_prob "rollout" the rows' old log-probs are the rollout's, and the first optimizer step
-    (the first `build` call: still the weights that generated) is the on-policy forward instead.
+    (the first `build` call: still the weights that generated) is the on-policy forward instead; its entropy
+    is logged as `entropy`.
     `parity_ratio` (with rollout log-probs): also log the log-prob parity numbers of the on-policy forward
     (parity/logprob.py) as `parity_gap_mean`, `parity_gap_max`, `parity_frac_beyond`.
     """
