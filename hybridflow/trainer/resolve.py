@@ -134,12 +134,6 @@ def resolve(cfg: RunConfig, steps_per_epoch: int, measured: Measurements) -> Res
     total = trainer.total_training_steps
     device = trainer.device
     threads = trainer.cpus_per_worker
-    actor_dp = cfg.actor.engine.dp_size(sets[0].world_size)
-    actor_dtype = measured.dtype(cfg.actor.engine.param_dtype, threads)
-    old = old_log_prob_mode(cfg, actor_dtype, measured.dtype(cfg.rollout.dtype, threads), actor_dp)
-    if old != cfg.actor.old_log_prob:
-        cfg = replace(cfg, actor=replace(cfg.actor, old_log_prob=old))
-        notes = (*notes, f"actor.old_log_prob=auto -> {old}: fp32 native rollout and actor, several optimizer steps")
     critic = cfg.critic
     if cfg.use_critic:
         critic_world = next(s.world_size for s in sets if "critic" in s.roles)
@@ -165,17 +159,28 @@ def resolve(cfg: RunConfig, steps_per_epoch: int, measured: Measurements) -> Res
         actor=replace(
             cfg.actor,
             optim=resolve_schedule(cfg.actor.optim, total, "actor."),
-            engine=resolve_engine(cfg.actor.engine, device, sets[0].world_size, "actor.", actor_dtype),
+            engine=resolve_engine(
+                cfg.actor.engine,
+                device,
+                sets[0].world_size,
+                "actor.",
+                measured.dtype(cfg.actor.engine.param_dtype, threads),
+            ),
         ),
         critic=critic if cfg.use_critic else replace(critic, enable=False),
         ref=replace(cfg.ref, param_dtype=measured.dtype(cfg.ref.param_dtype, threads)),
         reward_model=replace(cfg.reward_model, param_dtype=measured.dtype(cfg.reward_model.param_dtype, threads)),
     )
-    return ResolvedRun(freeze(resolved), steps_per_epoch, sets, recompute_old_log_prob(cfg, actor_dp), notes)
+    actor_dp = cfg.actor.engine.dp_size(sets[0].world_size)
+    old = old_log_prob_mode(resolved, actor_dp)
+    if old != cfg.actor.old_log_prob:
+        resolved = replace(resolved, actor=replace(resolved.actor, old_log_prob=old))
+        notes = (*notes, f"actor.old_log_prob=auto -> {old}: fp32 native rollout and actor, several optimizer steps")
+    return ResolvedRun(freeze(resolved), steps_per_epoch, sets, recompute_old_log_prob(resolved, actor_dp), notes)
 
 
-def old_log_prob_mode(cfg: RunConfig, actor_dtype: str, rollout_dtype: str, actor_dp: int) -> str:
-    """actor.old_log_prob with "auto" decided: "rollout" where the auto rule would recompute old log-probs only
+def old_log_prob_mode(cfg: RunConfig, actor_dp: int) -> str:
+    """actor.old_log_prob of a config with its dtypes resolved, "auto" decided: "rollout" where the auto rule would recompute old log-probs only
     because the update takes several optimizer steps, and the rollout computes the trainer's numbers: the native
     rollout with fp32 weights and math beside an fp32 actor (gap_mean ~1e-5 on the main job, BENCHMARKS.md), in
     a synchronous run without adapters, tools or pipeline stages, with the parity guard on to check them at the
@@ -184,7 +189,7 @@ def old_log_prob_mode(cfg: RunConfig, actor_dtype: str, rollout_dtype: str, acto
     if a.old_log_prob != "auto" or not recompute_old_log_prob(cfg, actor_dp):
         return a.old_log_prob
     needs_old = alg.use_kl_in_reward or alg.rollout_is_threshold is not None
-    same_numbers = r.name == "native" and r.weight_dtype is None and actor_dtype == rollout_dtype == "fp32"
+    same_numbers = r.name == "native" and r.weight_dtype is None and a.engine.param_dtype == r.dtype == "fp32"
     checked = cfg.trainer.parity != "off" and r.calculate_log_probs is not False
     plain = cfg.trainer.mode == "sync" and not (
         a.lora.enabled or r.multi_turn.enable or a.engine.pipeline_model_parallel_size > 1
