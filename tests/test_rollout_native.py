@@ -236,10 +236,13 @@ def test_the_fp32_layout_is_timed_once_per_shape(monkeypatch):
 
     monkeypatch.setattr(linear, "_FASTEST", {})
     w = torch.randn(48, 32)
-    first = linear._choose(w, 8)
-    assert first in linear._usable_paths(w) and linear._FASTEST == {(48, 32, 8): first}
-    linear._FASTEST[(48, 32, 8)] = "elsewhere"  # a cached answer is not re-measured
+    first, usable = linear._choose(w, 8), linear._usable_paths(w)
+    key = (48, 32, 8, *usable)
+    assert first in usable and linear._FASTEST == {key: first}
+    linear._FASTEST[key] = "elsewhere"  # a cached answer is not re-measured
     assert linear._choose(w, 8) == "elsewhere"
+    monkeypatch.setattr(linear.panel, "kernel", lambda *args: None)  # ... unless a path it chose cannot run now
+    assert linear._choose(w, 8) != "panels"
 
 
 @pytest.mark.slow  # inductor compiles C++ on first use: 25-50 s on 2 cores for an opt-in path that does not pay yet

@@ -58,8 +58,8 @@ class Linear:
         return F.linear(x, self.weight, self.bias)
 
 
-_FASTEST: dict[tuple[int, int, int], str] = {}
-"""(out, in, rows) -> the fp32 path that was fastest when this process timed it."""
+_FASTEST: dict[tuple[int | str, ...], str] = {}
+"""(out, in, rows, *usable paths) -> the fp32 path that was fastest when this process timed it."""
 
 
 def _choose(weight: Tensor, rows: int, weight_dtype: torch.dtype | None = None) -> str:
@@ -72,7 +72,7 @@ def _choose(weight: Tensor, rows: int, weight_dtype: torch.dtype | None = None) 
         return "bf16_panels"
     if weight.dtype != torch.float32 or len(usable) == 1:
         return usable[-1]
-    key = (*weight.shape, rows)
+    key = (*weight.shape, rows, *usable)  # a path that cannot run now (no kernel) is never the cached answer
     if key not in _FASTEST:
         _FASTEST[key] = _time_paths(weight, rows, usable)
     return _FASTEST[key]
