@@ -21,6 +21,9 @@ COMMON = [
     "actor.optim.lr=1e-3",
     "trainer.cpus_per_worker=1",
     "rollout.calculate_log_probs=true",
+    # old log-probs in their own pass in every mode: on a CPU whose probe picks fp32, a sync run's auto would take
+    # the rollout's (an off-policy one's cannot), and the sync-vs-async comparisons would compare two methods
+    "actor.old_log_prob=recompute",
 ]
 OFF_POLICY = ["trainer.placement=split", "trainer.n_workers_per_node=2"]
 

@@ -180,11 +180,11 @@ def resolve(cfg: RunConfig, steps_per_epoch: int, measured: Measurements) -> Res
 
 
 def old_log_prob_mode(cfg: RunConfig, actor_dp: int) -> str:
-    """actor.old_log_prob of a config with its dtypes resolved, "auto" decided: "rollout" where the auto rule would recompute old log-probs only
-    because the update takes several optimizer steps, and the rollout computes the trainer's numbers: the native
-    rollout with fp32 weights and math beside an fp32 actor (gap_mean ~1e-5 on the main job, BENCHMARKS.md), in
-    a synchronous run without adapters, tools or pipeline stages, with the parity guard on to check them at the
-    update's first step. Anything else keeps the value it had."""
+    """actor.old_log_prob of a config whose dtypes are resolved, with "auto" decided: "rollout" where the auto
+    rule would recompute old log-probs only because the update takes several optimizer steps, and the rollout
+    computes the trainer's numbers: the native rollout with fp32 weights and math beside an fp32 actor (gap_mean
+    ~1e-5 on the main job, BENCHMARKS.md), in a synchronous run without adapters, tools or pipeline stages, with
+    the parity guard on to check them at the update's first step. Anything else keeps the value it had."""
     a, r, alg = cfg.actor, cfg.rollout, cfg.algorithm
     if a.old_log_prob != "auto" or not recompute_old_log_prob(cfg, actor_dp):
         return a.old_log_prob
