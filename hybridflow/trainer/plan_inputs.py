@@ -1,6 +1,7 @@
 """The run as the planner sees it: a RunConfig -> planner/inputs.py `RunShape` (the planner never reads configs).
 
-Also the one rule both sides need: whether old log-probs take their own pass (`recompute_old_log_prob`).
+Also the rules both sides need: whether old log-probs take their own pass (`recompute_old_log_prob`), and
+what actor.old_log_prob=auto resolves to (`old_log_prob_mode`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,25 @@ def recompute_old_log_prob(cfg: RunConfig, actor_world: int) -> bool:
     one_step = a.ppo_epochs == 1 and a.ppo_mini_batch_size >= cfg.data.train_batch_size and rows % actor_world == 0
     needs_old = cfg.algorithm.use_kl_in_reward or cfg.algorithm.rollout_is_threshold is not None
     return a.old_log_prob == "recompute" or not one_step or needs_old
+
+
+def old_log_prob_mode(cfg: RunConfig, actor_dp: int) -> str:
+    """actor.old_log_prob of a config whose dtypes are resolved, with "auto" decided: "rollout" where the auto
+    rule would recompute old log-probs only because the update takes several optimizer steps, and the rollout
+    computes the trainer's numbers: the native rollout with fp32 weights and math beside an fp32 actor (gap_mean
+    ~1e-5 on the main job, BENCHMARKS.md), in a synchronous run without adapters, tools or pipeline stages, with
+    the parity guard on to check them at the update's first step. Anything else keeps the value it had."""
+    a, r, alg = cfg.actor, cfg.rollout, cfg.algorithm
+    if a.old_log_prob != "auto" or not recompute_old_log_prob(cfg, actor_dp):
+        return a.old_log_prob
+    needs_old = alg.use_kl_in_reward or alg.rollout_is_threshold is not None
+    same_numbers = r.name == "native" and r.weight_dtype is None and a.engine.param_dtype == r.dtype == "fp32"
+    checked = cfg.trainer.parity != "off" and r.calculate_log_probs is not False
+    plain = cfg.trainer.mode == "sync" and not (
+        a.lora.enabled or r.multi_turn.enable or a.engine.pipeline_model_parallel_size > 1
+    )
+    corrected = a.policy_loss.tis_imp_ratio_cap is not None
+    return "rollout" if same_numbers and checked and plain and not (needs_old or corrected) else "auto"
 
 
 def run_roles(cfg: RunConfig) -> tuple[str, ...]:

@@ -25,7 +25,7 @@ Derived here and nowhere else, always from the final merged values:
   (`Measurements.auto_dtypes`), bf16 on CUDA;
 - actor.old_log_prob=auto -> rollout where the auto rule would recompute old log-probs only because the
   update takes several optimizer steps and the rollout's log-probs are the trainer's numbers
-  (`old_log_prob_mode`);
+  (trainer/plan_inputs.py `old_log_prob_mode`);
 - the worker sets (which roles live on which pool, how many ranks) and whether old log-probs
   are recomputed before the update.
 A user value is never overwritten: where it contradicts a derived one, `ConfigError` names both keys.
@@ -50,7 +50,7 @@ from hybridflow.parity.config import parity_rollout_fields
 from hybridflow.trainer.config import MODE_STALENESS, TrainerConfig
 from hybridflow.trainer.layout import choose_layout
 from hybridflow.trainer.measure import Measurements
-from hybridflow.trainer.plan_inputs import recompute_old_log_prob
+from hybridflow.trainer.plan_inputs import old_log_prob_mode, recompute_old_log_prob
 from hybridflow.trainer.run_config import RunConfig
 
 POLICY_ROLES = ("actor", "rollout", "ref")
@@ -177,25 +177,6 @@ def resolve(cfg: RunConfig, steps_per_epoch: int, measured: Measurements) -> Res
         resolved = replace(resolved, actor=replace(resolved.actor, old_log_prob=old))
         notes = (*notes, f"actor.old_log_prob=auto -> {old}: fp32 native rollout and actor, several optimizer steps")
     return ResolvedRun(freeze(resolved), steps_per_epoch, sets, recompute_old_log_prob(resolved, actor_dp), notes)
-
-
-def old_log_prob_mode(cfg: RunConfig, actor_dp: int) -> str:
-    """actor.old_log_prob of a config whose dtypes are resolved, with "auto" decided: "rollout" where the auto
-    rule would recompute old log-probs only because the update takes several optimizer steps, and the rollout
-    computes the trainer's numbers: the native rollout with fp32 weights and math beside an fp32 actor (gap_mean
-    ~1e-5 on the main job, BENCHMARKS.md), in a synchronous run without adapters, tools or pipeline stages, with
-    the parity guard on to check them at the update's first step. Anything else keeps the value it had."""
-    a, r, alg = cfg.actor, cfg.rollout, cfg.algorithm
-    if a.old_log_prob != "auto" or not recompute_old_log_prob(cfg, actor_dp):
-        return a.old_log_prob
-    needs_old = alg.use_kl_in_reward or alg.rollout_is_threshold is not None
-    same_numbers = r.name == "native" and r.weight_dtype is None and a.engine.param_dtype == r.dtype == "fp32"
-    checked = cfg.trainer.parity != "off" and r.calculate_log_probs is not False
-    plain = cfg.trainer.mode == "sync" and not (
-        a.lora.enabled or r.multi_turn.enable or a.engine.pipeline_model_parallel_size > 1
-    )
-    corrected = a.policy_loss.tis_imp_ratio_cap is not None
-    return "rollout" if same_numbers and checked and plain and not (needs_old or corrected) else "auto"
 
 
 def _needs_rollout_log_probs(cfg: RunConfig) -> bool:
