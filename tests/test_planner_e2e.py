@@ -58,6 +58,7 @@ def test_the_written_plan_trains_end_to_end(tmp_path, capsys):
         "trainer.backend=ray",
         "trainer.n_workers_per_node=2",
         "trainer.test_freq=-1",
+        "actor.old_log_prob=recompute",  # every operator runs, the old-log-prob pass too (auto skips it in fp32)
     ]
     assert (
         main(

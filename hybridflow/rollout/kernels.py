@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -62,6 +62,8 @@ class DecoderKernels:
     silu_mul: Callable[[Tensor], Tensor]
     compiled: bool
     """Whether these are the torch.compile versions."""
+    fallback: str = ""
+    """Why these are eager although compiled ones were asked for (the build failed, or its results differed)."""
 
 
 EAGER = DecoderKernels(rms_norm, add_rms_norm, rotary, silu_mul, compiled=False)
@@ -90,28 +92,43 @@ def _build_compiled() -> DecoderKernels:
     try:
         _warm_up(compiled)
     except Exception as err:  # inductor needs a working C++ toolchain; any failure means: run eagerly
-        log.warning(
-            "torch.compile of the decoder kernels failed (%s: %s); decoding eagerly",
-            type(err).__name__,
-            str(err).splitlines()[0] if str(err) else "",
-        )
-        return EAGER
+        reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        log.warning("torch.compile of the decoder kernels failed (%s); decoding eagerly", reason)
+        return replace(EAGER, fallback=reason)
     log.info("compiled the decoder kernels in %.1f s", time.perf_counter() - start)
     return compiled
 
 
-def _warm_up(k: DecoderKernels) -> None:
-    """Compile every kernel for bf16 and fp32 now, so that a failure shows here and not mid-generation.
+class MiscompiledError(RuntimeError):
+    """A compiled kernel's result differs from the eager one's."""
 
-    Two batch sizes each, so the first trace is already the dynamic one (no later recompile per shape)."""
+
+def _warm_up(k: DecoderKernels) -> None:
+    """Compile every kernel for bf16 and fp32 now, so that a failure shows here and not mid-generation, and
+    check each result against the eager kernel's (inductor with the ISA capped by ATEN_CPU_CAPABILITY=avx2 on an
+    AVX-512 CPU returned NaNs and wrong norms for [rows, 1, 64] inputs: tests/test_rollout_native.py).
+
+    Prefill and decode shapes at two batch sizes each, so the first trace is already the dynamic one (no later
+    recompile per shape); 64 columns, so the vectorised loops run."""
+    gen = torch.Generator().manual_seed(0)
     for dtype in (torch.bfloat16, torch.float32):
-        for rows in (2, 3):
-            x, w = torch.randn(rows, 1, 8, dtype=dtype), torch.ones(8, dtype=dtype)
-            k.rms_norm(x, w, 1e-6)
-            k.add_rms_norm(x, x, w, 1e-6)
-            k.rotary(
-                torch.randn(rows, 1, 3, 4, dtype=dtype),
-                torch.ones(rows, 1, 1, 4, dtype=dtype),
-                torch.ones(rows, 1, 1, 4, dtype=dtype),
-            )
-            k.silu_mul(x)
+        for rows, seq in ((2, 1), (3, 1), (3, 5)):
+            x, d = (torch.randn(rows, seq, 64, generator=gen).to(dtype) for _ in range(2))
+            w = torch.randn(64, generator=gen).to(dtype)
+            qk = torch.randn(rows, seq, 3, 16, generator=gen).to(dtype)
+            cos, sin = (torch.randn(rows, seq, 1, 16, generator=gen).to(dtype) for _ in range(2))
+            for name, args in (
+                ("rms_norm", (x, w, 1e-6)),
+                ("add_rms_norm", (x, d, w, 1e-6)),
+                ("rotary", (qk, cos, sin)),
+                ("silu_mul", (x,)),
+            ):
+                _check(name, getattr(k, name)(*args), getattr(EAGER, name)(*args), dtype)
+
+
+def _check(name: str, got: Tensor | tuple, want: Tensor | tuple, dtype: torch.dtype) -> None:
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+        err = (g.float() - w.float()).abs().max().item()
+        if not err <= tol * max(1.0, w.float().abs().max().item()):  # NaN fails too
+            raise MiscompiledError(f"compiled {name} differs from eager by {err:.3g} ({dtype}, shape {list(w.shape)})")
