@@ -6,7 +6,8 @@ four projections: RMSNorm alone is 4-5 ops with fp32 up- and down-casts. Compile
 below becomes one fused C++ loop. The projections and attention stay on oneDNN / SDPA either way.
 
 `decoder_kernels(compile=True)` returns the compiled set, which falls back to the eager one (with a
-warning, once per process) if inductor cannot build (no C++ compiler, an unsupported platform). The
+warning, once per process) if inductor cannot build (no C++ compiler, an unsupported platform) or a
+compiled kernel's results differ from the eager one's at the shapes it is warmed up on. The
 shapes are marked dynamic, so prefill, decode and every batch size share one compilation; inductor
 caches the built code on disk, so later processes start faster than the first.
 """
