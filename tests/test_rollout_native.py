@@ -250,20 +250,16 @@ def test_the_fp32_layout_is_timed_once_per_shape(monkeypatch):
 def test_compiled_kernels_decode_like_eager(arch):
     """rollout.enforce_eager=False: torch.compile'd RMSNorm / rotary / SwiGLU. Greedy output equals
     transformers' in fp32; sampled log-probs match the full forward. Skipped only where there is no C++
-    compiler for inductor; with one, a compile failure (the rollout's silent eager fallback) fails the test,
-    unless the compiled kernels ran and gave other results than eager (inductor under an ISA cap did): then
-    the rollout must have fallen back and still decode right."""
+    compiler for inductor; with one, a compile failure (the rollout's silent eager fallback) fails the test."""
     from hybridflow.rollout.kernels import decoder_kernels
 
     if shutil.which(os.environ.get("CXX", "g++")) is None:
         pytest.skip("no C++ compiler for inductor on this machine (the rollout falls back to eager)")
-    kernels = decoder_kernels(compile=True)
-    miscompiled = kernels.fallback.startswith("MiscompiledError")
-    assert kernels.compiled or miscompiled, f"torch.compile failed with a C++ compiler present: {kernels.fallback}"
+    assert decoder_kernels(compile=True).compiled, "torch.compile failed with a C++ compiler present: see the log"
     model, tok = tiny(arch)
     batch = prompt_batch(tok)
     greedy = native(model, tok, do_sample=False, enforce_eager=False)
-    assert greedy.kernels.compiled is not miscompiled
+    assert greedy.kernels.compiled
     assert torch.equal(greedy.generate_sequences(batch).batch[RESPONSES], hf_greedy(model, tok, batch))
     sampled = native(model, tok, n=2, calculate_log_probs=True, enforce_eager=False).generate_sequences(batch)
     torch.testing.assert_close(

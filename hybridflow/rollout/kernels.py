@@ -6,8 +6,7 @@ four projections: RMSNorm alone is 4-5 ops with fp32 up- and down-casts. Compile
 below becomes one fused C++ loop. The projections and attention stay on oneDNN / SDPA either way.
 
 `decoder_kernels(compile=True)` returns the compiled set, which falls back to the eager one (with a
-warning, once per process) if inductor cannot build (no C++ compiler, an unsupported platform) or a
-compiled kernel's results differ from the eager one's at the shapes it is warmed up on. The
+warning, once per process) if inductor cannot build (no C++ compiler, an unsupported platform). The
 shapes are marked dynamic, so prefill, decode and every batch size share one compilation; inductor
 caches the built code on disk, so later processes start faster than the first.
 """
@@ -17,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -63,8 +62,6 @@ class DecoderKernels:
     silu_mul: Callable[[Tensor], Tensor]
     compiled: bool
     """Whether these are the torch.compile versions."""
-    fallback: str = ""
-    """Why these are eager although compiled ones were asked for (the build failed, or its results differed)."""
 
 
 EAGER = DecoderKernels(rms_norm, add_rms_norm, rotary, silu_mul, compiled=False)
@@ -93,43 +90,28 @@ def _build_compiled() -> DecoderKernels:
     try:
         _warm_up(compiled)
     except Exception as err:  # inductor needs a working C++ toolchain; any failure means: run eagerly
-        reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-        log.warning("torch.compile of the decoder kernels failed (%s); decoding eagerly", reason)
-        return replace(EAGER, fallback=reason)
+        log.warning(
+            "torch.compile of the decoder kernels failed (%s: %s); decoding eagerly",
+            type(err).__name__,
+            str(err).splitlines()[0] if str(err) else "",
+        )
+        return EAGER
     log.info("compiled the decoder kernels in %.1f s", time.perf_counter() - start)
     return compiled
 
 
-class MiscompiledError(RuntimeError):
-    """A compiled kernel's result differs from the eager one's."""
-
-
 def _warm_up(k: DecoderKernels) -> None:
-    """Compile every kernel for bf16 and fp32 now, so that a failure shows here and not mid-generation, and
-    check each result against the eager kernel's (inductor with the ISA capped by ATEN_CPU_CAPABILITY=avx2 on an
-    AVX-512 CPU returned NaNs and wrong norms for [rows, 1, 64] inputs: tests/test_rollout_native.py).
+    """Compile every kernel for bf16 and fp32 now, so that a failure shows here and not mid-generation.
 
-    Prefill and decode shapes at two batch sizes each, so the first trace is already the dynamic one (no later
-    recompile per shape); 64 columns, so the vectorised loops run."""
-    gen = torch.Generator().manual_seed(0)
+    Two batch sizes each, so the first trace is already the dynamic one (no later recompile per shape)."""
     for dtype in (torch.bfloat16, torch.float32):
-        for rows, seq in ((2, 1), (3, 1), (3, 5)):
-            x, d = (torch.randn(rows, seq, 64, generator=gen).to(dtype) for _ in range(2))
-            w = torch.randn(64, generator=gen).to(dtype)
-            qk = torch.randn(rows, seq, 3, 16, generator=gen).to(dtype)
-            cos, sin = (torch.randn(rows, seq, 1, 16, generator=gen).to(dtype) for _ in range(2))
-            for name, args in (
-                ("rms_norm", (x, w, 1e-6)),
-                ("add_rms_norm", (x, d, w, 1e-6)),
-                ("rotary", (qk, cos, sin)),
-                ("silu_mul", (x,)),
-            ):
-                _check(name, getattr(k, name)(*args), getattr(EAGER, name)(*args), dtype)
-
-
-def _check(name: str, got: Tensor | tuple, want: Tensor | tuple, dtype: torch.dtype) -> None:
-    tol = 1e-4 if dtype == torch.float32 else 5e-2
-    for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
-        err = (g.float() - w.float()).abs().max().item()
-        if not err <= tol * max(1.0, w.float().abs().max().item()):  # NaN fails too
-            raise MiscompiledError(f"compiled {name} differs from eager by {err:.3g} ({dtype}, shape {list(w.shape)})")
+        for rows in (2, 3):
+            x, w = torch.randn(rows, 1, 8, dtype=dtype), torch.ones(8, dtype=dtype)
+            k.rms_norm(x, w, 1e-6)
+            k.add_rms_norm(x, x, w, 1e-6)
+            k.rotary(
+                torch.randn(rows, 1, 3, 4, dtype=dtype),
+                torch.ones(rows, 1, 1, 4, dtype=dtype),
+                torch.ones(rows, 1, 1, 4, dtype=dtype),
+            )
+            k.silu_mul(x)
