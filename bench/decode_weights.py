@@ -7,7 +7,9 @@ weight comes from memory once per step (SmolLM2-135M: 30 layers, 424 MB in fp32,
 SmolLM2's shapes and random weights, one sweep over the 30 layers' products is timed (median of `repeats`) as:
 - `fp32 F.linear`: torch's fp32 product (MKL);
 - `fp32 oneDNN packed`: the product on weights reordered once (rollout/linear.py's "packed");
-- `fp32 panels`: hybridflow's AVX2 kernel on 16-column panels (rollout/panel.py; rollout/linear.py's "panels");
+- `fp32 panels`: hybridflow's kernel on 16-column panels (rollout/panel.py; rollout/linear.py's "panels"), the
+  AVX-512 build where torch runs AVX-512, else the AVX2 one;
+- `fp32 panels, AVX2 build`: where the line above is the AVX-512 build, the AVX2 build on the same panels;
 - `bf16 panels, fp32 math`: the same kernel on the weights rounded to bf16 (rollout.weight_dtype=bf16);
 - `int8 weight-only, fp32 in` / `bf16 in`: `aten._weight_int8pack_mm` (one scale per output row);
 - `int4 weight-only, fp32 in`: `aten._weight_int4pack_mm_for_cpu` (groups of 64);
@@ -68,6 +70,7 @@ def sweeps(rows: int) -> dict[str, tuple[Callable[[], None], int]]:
     bf16_panels = [{n: panel.to_panels(w, dtype=torch.bfloat16) for n, w in layer.items()} for layer in weights]
     bf16 = [{n: w.bfloat16() for n, w in layer.items()} for layer in weights]
     xs16 = {n: x.bfloat16() for n, x in xs.items()}
+    avx2 = panel._load(panel.FLAGS)[torch.float32] if panel.flags() != panel.FLAGS else None
 
     def run(per_product: Callable[[str, object], object], held: list[dict]) -> Callable[[], None]:
         return lambda: [per_product(n, w) for layer in held for n, w in layer.items()]
@@ -79,6 +82,16 @@ def sweeps(rows: int) -> dict[str, tuple[Callable[[], None], int]]:
             fp32_bytes,
         ),
         "fp32 panels": (run(lambda n, pw: panel.panel_linear(xs[n], pw, None), panels), fp32_bytes),
+        **(
+            {
+                "fp32 panels, AVX2 build": (
+                    run(lambda n, pw: panel.panel_linear(xs[n], pw, None, avx2), panels),
+                    fp32_bytes,
+                )
+            }
+            if avx2 is not None
+            else {}
+        ),
         "bf16 panels, fp32 math": (
             run(lambda n, pw: panel.panel_linear(xs[n], pw, None), bf16_panels),
             fp32_bytes // 2,

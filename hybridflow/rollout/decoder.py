@@ -12,7 +12,7 @@ Both return fp32 logits of the last position only.
   q/k/v and gate/up projections. A decode step runs ~25 tensor ops per layer,
   where the HF module stack adds per-call bookkeeping (mask building, cache
   objects, output dataclasses) that dominates small models on CPU; where
-  rollout/fused_step.py covers the model (fp32 on the AVX2 panel kernel, one
+  rollout/fused_step.py covers the model (fp32 on the panel kernel, one
   rank), the whole decode step is one C call instead.
 - `HFDecoder`: any HF causal LM through its own forward and a DynamicCache
   (the fallback for architectures the static path does not cover).

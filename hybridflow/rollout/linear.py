@@ -6,7 +6,7 @@ avx2-only EPYC MKL's fp32 product is itself slow at these shapes (bench/decode_p
 lays its weight out once per generate call (the decoder is built per call) in one of these ways:
 - "plain": the module's own tensor, through `F.linear`;
 - "packed": reordered once into oneDNN's blocked layout;
-- "panels": fp32 in 16-column panels for hybridflow's AVX2 kernel (rollout/panel.py);
+- "panels": fp32 in 16-column panels for hybridflow's AVX2 / AVX-512 kernel (rollout/panel.py);
 - "bf16_panels": an fp32 weight rounded to bf16 in those panels, fp32 math (rollout.weight_dtype=bf16).
 bf16 is packed wherever oneDNN has bf16; fp32 takes whichever a timing of the shape in this process finds
 fastest (once per shape and process), unless bf16 panels are asked for.

@@ -13,7 +13,7 @@ few steps; until compaction their samples are discarded.)
 Llama-style models (Llama, Qwen2) run on `StaticLlamaDecoder`; other architectures
 fall back to `HFDecoder` (the model's own forward with a DynamicCache). With
 rollout.enforce_eager=False the static decoder's element-wise ops are compiled (rollout/kernels.py);
-in fp32 on the AVX2 panel kernel its decode steps are one C call each (rollout/fused_step.py).
+in fp32 on the panel kernel its decode steps are one C call each (rollout/fused_step.py).
 With a tensor-parallel group (rollout.tensor_model_parallel_size > 1) the module keeps only this rank's
 shard of the split weights (rollout/sharding.py); the weight sync reshards the actor into them.
 """

@@ -1,10 +1,10 @@
 /* y[M, N] = x[M, K] W^T (+ b) in fp32 with W laid out in panels of 16 output columns: wp[N / 16][K][16], in
  * fp32 (hf_panel_linear) or bf16 (hf_panel_linear_bf16: widened to fp32 as loaded, half the bytes to read).
  *
- * Built and loaded by hybridflow/rollout/panel.py (gcc -O3 -mavx2 -mfma -fopenmp). Each thread takes a run of
- * whole panels, so it reads the weights front to back; a block of up to 6 rows of x is multiplied against a
- * panel with 12 accumulators held in registers (6 rows x 2 vectors of 8 columns), and the panel's next KiB is
- * prefetched. At decode sizes (8-64 rows) the product is bound by how fast the weights stream from memory,
+ * Built and loaded by hybridflow/rollout/panel.py (gcc -O3 -mavx2 -mfma -fopenmp; -mavx512f adds the AVX-512
+ * products below). Each thread takes a run of whole panels, so it reads the weights front to back; a block of up
+ * to 6 rows of x is multiplied against a panel with 12 accumulators held in registers (6 rows x 2 vectors of 8
+ * columns), and the panel's next KiB is prefetched. At decode sizes (8-64 rows) the product is bound by how fast the weights stream from memory,
  * which is where oneDNN's blocked product falls short on an AVX2 CPU (bench/decode_weights.py). */
 #include <immintrin.h>
 
@@ -67,8 +67,61 @@ static inline __m256 load_bf16(const uint16_t* w) {
         } \
     }
 
+#ifdef __AVX512F__
+/* With AVX-512 (panel.py builds with -mavx512f where torch's CPU capability is AVX512) a panel's 16 columns are
+ * one vector: a block takes up to 12 rows, one accumulator each, so each weight load feeds 12 FMAs of twice the
+ * width. The rows are split into equal blocks (32 rows: 11 + 11 + 10), so no block is left with a few rows. */
+static inline __m512 load16_f32(const float* w) { return _mm512_loadu_ps(w); }
+static inline __m512 load16_bf16(const uint16_t* w) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)w)), 16));
+}
+#define ROW16(r) \
+    if (R > r) a##r = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k]), w, a##r);
+#define OUT16(r) \
+    if (R > r) _mm512_storeu_ps(y + r * ldy, a##r);
+#define BLOCK16(R_, T, LOAD) \
+    static void block16_##R_##LOAD(const float* x, long ldx, const T* wp, long K, const float* bias, float* y, \
+                                   long ldy) { \
+        enum { R = R_ }; \
+        __m512 a0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps(); \
+        __m512 a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, a8 = a0, a9 = a0, a10 = a0, a11 = a0; \
+        for (long k = 0; k < K; ++k) { \
+            _mm_prefetch((const char*)(wp + k * 16) + PREFETCH_BYTES, _MM_HINT_T0); \
+            __m512 w = LOAD(wp + k * 16); \
+            ROW16(0) ROW16(1) ROW16(2) ROW16(3) ROW16(4) ROW16(5) ROW16(6) ROW16(7) ROW16(8) ROW16(9) ROW16(10) \
+            ROW16(11) \
+        } \
+        OUT16(0) OUT16(1) OUT16(2) OUT16(3) OUT16(4) OUT16(5) OUT16(6) OUT16(7) OUT16(8) OUT16(9) OUT16(10) OUT16(11) \
+    }
+#define KERNEL16(NAME, T, LOAD) \
+    BLOCK16(1, T, LOAD) BLOCK16(2, T, LOAD) BLOCK16(3, T, LOAD) BLOCK16(4, T, LOAD) BLOCK16(5, T, LOAD) \
+    BLOCK16(6, T, LOAD) BLOCK16(7, T, LOAD) BLOCK16(8, T, LOAD) BLOCK16(9, T, LOAD) BLOCK16(10, T, LOAD) \
+    BLOCK16(11, T, LOAD) BLOCK16(12, T, LOAD) \
+    void NAME(const float* x, long M, const T* wp, const float* bias, long N, long K, float* y, int threads) { \
+        void (*const blocks[13])(const float*, long, const T*, long, const float*, float*, long) = { \
+            0, block16_1##LOAD, block16_2##LOAD, block16_3##LOAD, block16_4##LOAD, block16_5##LOAD, \
+            block16_6##LOAD, block16_7##LOAD, block16_8##LOAD, block16_9##LOAD, block16_10##LOAD, \
+            block16_11##LOAD, block16_12##LOAD}; \
+        long panels = N / 16, nblocks = (M + 11) / 12; \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)") \
+        for (long p = 0; p < panels; ++p) { \
+            const T* w = wp + p * K * 16; \
+            const float* b = bias ? bias + p * 16 : 0; \
+            float* yp = y + p * 16; \
+            for (long i = 0, m = 0; i < nblocks; ++i) { \
+                long r = M / nblocks + (i < M % nblocks); \
+                blocks[r](x + m * K, K, w, K, b, yp + m * N, N); \
+                m += r; \
+            } \
+        } \
+    }
+
+KERNEL16(hf_panel_linear, float, load16_f32)
+KERNEL16(hf_panel_linear_bf16, uint16_t, load16_bf16)
+#else
 KERNEL(hf_panel_linear, float, load_f32)
 KERNEL(hf_panel_linear_bf16, uint16_t, load_bf16)
+#endif
 
 /* wp[N / 16][K][16] = w[N][K] (row stride ldw) laid out in panels. Each thread takes whole panels; a panel is
  * written front to back from 8 x 8 tiles of its 16 rows transposed in registers, so the 16 source rows are read

@@ -1,12 +1,15 @@
-"""fp32 products on weights laid out in 16-column panels (fp32, or bf16 widened as loaded), by a small AVX2 kernel
-(panel.c, built on first use with the decode step that runs them, decode_step.c).
+"""fp32 products on weights laid out in 16-column panels (fp32, or bf16 widened as loaded), by a small AVX2 or
+AVX-512 kernel (panel.c, built on first use with the decode step that runs them, decode_step.c).
 
 At a decode step's few rows a product's cost is mostly reading its weights, and with AVX2 kernels oneDNN's
 product on its blocked layout read them at 13-15 GB/s where a plain read of the same weights ran at 26-41 GB/s
 (bench/decode_weights.py, AMD EPYC). `panel.c` reads each thread's run of panels front to back with a prefetch.
 The kernel is compiled once per machine with the C compiler (`$CC`, else `cc`) into hybridflow's cache
 (`$HYBRIDFLOW_CACHE/kernels`) and loaded with ctypes; where there is no compiler, no AVX2 and FMA, or the build
-fails, `kernel()` is None (with one warning) and the decoder keeps torch's products.
+fails, `kernel()` is None (with one warning) and the decoder keeps torch's products. Where torch's CPU capability is
+AVX512 (`torch.backends.cpu.get_cpu_capability()`, which `ATEN_CPU_CAPABILITY=avx2` caps) the products are built
+with AVX-512, one 16-float vector per panel: a sweep over SmolLM2's 30 layers ran 1.2x / 1.45x / 1.46x faster than
+the AVX2 build at 8 / 32 / 64 rows on an Intel Xeon (`bench/decode_weights.py`, BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ PANEL = 16
 SOURCES = [Path(__file__).with_name(name) for name in ("panel.c", "decode_step.c")]
 """Compiled together into one library: the products, and the decode step that runs them (rollout/fused_step.py)."""
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+AVX512_FLAGS = ["-mavx512f"]
+"""Added where torch runs its own kernels with AVX-512: panel.c then compiles its AVX-512 products."""
 
 _SYMBOLS = {torch.float32: "hf_panel_linear", torch.bfloat16: "hf_panel_linear_bf16"}
 """What the panels can hold, and each one's kernel; the math is fp32 either way."""
@@ -64,11 +69,12 @@ def _cpu_has_avx2_fma() -> bool:
     return {"avx2", "fma"} <= set(flags.split())
 
 
-def _load() -> dict[torch.dtype | str, ctypes._CFuncPtr] | None:
+def _load(build_flags: list[str] | None = None) -> dict[torch.dtype | str, ctypes._CFuncPtr] | None:
+    """The library's functions, built with `build_flags` (default: `flags()`), or None where it cannot run here."""
     if not _cpu_has_avx2_fma():
         return None
     try:
-        lib = ctypes.CDLL(str(_build()))
+        lib = ctypes.CDLL(str(_build(flags() if build_flags is None else build_flags)))
     except (OSError, subprocess.SubprocessError) as err:
         log.warning("the panel kernel is not available (%s); the rollout uses torch's products", err)
         return None
@@ -85,7 +91,12 @@ def _load() -> dict[torch.dtype | str, ctypes._CFuncPtr] | None:
     return kernels
 
 
-def _build() -> Path:
+def flags() -> list[str]:
+    """The compiler flags for this CPU: AVX2 + FMA, and AVX-512 where torch's CPU capability is AVX512."""
+    return FLAGS + AVX512_FLAGS * (torch.backends.cpu.get_cpu_capability() == "AVX512")
+
+
+def _build(build_flags: list[str]) -> Path:
     """The shared library for this source and these flags: from the cache, else compiled into it atomically."""
     from hybridflow.models.default import cache_root  # noqa: PLC0415  (lazy: models imports transformers)
 
@@ -93,14 +104,16 @@ def _build() -> Path:
     if shutil.which(compiler) is None:
         raise OSError(f"no C compiler {compiler!r} on PATH (set CC)")
     sources = b"".join(path.read_bytes() for path in SOURCES)
-    digest = hashlib.sha256(sources + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(sources + " ".join([compiler, *build_flags]).encode()).hexdigest()[:16]
     out = cache_root() / "kernels" / f"panel-{digest}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         built = Path(tmp) / out.name
-        proc = subprocess.run([compiler, *FLAGS, "-o", str(built), *map(str, SOURCES)], capture_output=True, text=True)
+        proc = subprocess.run(
+            [compiler, *build_flags, "-o", str(built), *map(str, SOURCES)], capture_output=True, text=True
+        )
         if proc.returncode != 0:
             raise OSError(f"{compiler} failed: {proc.stderr.strip()[-500:]}")
         os.replace(built, out)
@@ -140,9 +153,10 @@ def _write_panels(weight: Tensor, out: Tensor) -> None:
     repack(weight.data_ptr(), weight.shape[0], k, weight.stride(0), out.data_ptr(), torch.get_num_threads())
 
 
-def panel_linear(x: Tensor, panels: Tensor, bias: Tensor | None) -> Tensor:
-    """x [..., in] (fp32) W^T + b in fp32 with W given as `to_panels(W)` (fp32 or bf16 panels)."""
-    fn = kernel(panels.dtype)
+def panel_linear(x: Tensor, panels: Tensor, bias: Tensor | None, fn: ctypes._CFuncPtr | None = None) -> Tensor:
+    """x [..., in] (fp32) W^T + b in fp32 with W given as `to_panels(W)` (fp32 or bf16 panels); `fn`: another
+    build's kernel for these panels (`_load(FLAGS)[dtype]`: the AVX2 one), by default this CPU's."""
+    fn = fn or kernel(panels.dtype)
     if x.dtype != torch.float32:
         raise TypeError(f"the panel kernel multiplies fp32 inputs, got {x.dtype}")
     if fn is None:
