@@ -4,8 +4,9 @@
  * Built and loaded by hybridflow/rollout/panel.py (gcc -O3 -mavx2 -mfma -fopenmp; -mavx512f adds the AVX-512
  * products below). Each thread takes a run of whole panels, so it reads the weights front to back; a block of up
  * to 6 rows of x is multiplied against a panel with 12 accumulators held in registers (6 rows x 2 vectors of 8
- * columns), and the panel's next KiB is prefetched. At decode sizes (8-64 rows) the product is bound by how fast the weights stream from memory,
- * which is where oneDNN's blocked product falls short on an AVX2 CPU (bench/decode_weights.py). */
+ * columns), and the panel's next KiB is prefetched. At decode sizes (8-64 rows) the product is bound by how fast
+ * the weights stream from memory, which is where oneDNN's blocked product falls short on an AVX2 CPU
+ * (bench/decode_weights.py). */
 #include <immintrin.h>
 
 #include <stdint.h>
