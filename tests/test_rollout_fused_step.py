@@ -80,3 +80,40 @@ def test_the_torch_path_runs_where_the_fused_step_does_not_cover_the_decoder(mon
     monkeypatch.setattr(panel, "kernel", lambda *args: None)  # no AVX2 / no compiler
     dec = decoder.StaticLlamaDecoder(model)
     assert dec.fused is None and dec.layers[0].qkv.path != "panels"
+
+
+@needs_kernel
+def test_a_bf16_model_on_bf16_panels_decodes_as_its_fp32_copy_does():
+    """A bf16 model's own weights in bf16 panels, fp32 math: the same logits, bit for bit, as the fp32 model holding
+    the same (bf16-representable) weights with rollout.weight_dtype=bf16, through prefill and fused steps."""
+    bf16_model, tok = tiny("qwen2", dtype=torch.bfloat16)  # qwen2: q/k/v biases, widened to fp32 for the kernel
+    fp32_model, _ = tiny("qwen2", dtype=torch.bfloat16)
+    fp32_model.float()
+    on_bf16, on_fp32 = (_prefilled(m, tok, True, torch.bfloat16) for m in (bf16_model, fp32_model))
+    assert on_bf16.fused is not None and on_bf16.dtype == on_bf16.k_cache.dtype == torch.float32
+    pos = prompt_batch(tok).batch[POSITION_IDS][:, -1] + 1
+    tokens = torch.tensor([5, 17, 300])
+    for t in range(4):
+        a, b = on_bf16.step(tokens, pos + t), on_fp32.step(tokens, pos + t)
+        assert a.dtype == torch.float32 and torch.equal(a, b)
+        tokens = a.argmax(-1)
+
+
+@needs_kernel
+def test_a_bf16_rollout_takes_bf16_panels_at_a_few_rows_only(monkeypatch):
+    """Up to BF16_PANEL_MAX_ROWS rows (prompts x n) a bf16 rollout samples on the fused fp32 step over its bf16
+    weights, the same tokens as an fp32 copy with rollout.weight_dtype=bf16; more rows keep oneDNN's bf16 path."""
+    import hybridflow.rollout.native as native
+
+    bf16_model, tok = tiny("llama", dtype=torch.bfloat16)
+    rollout = NativeRollout(replace(CFG, dtype="bf16", n=2), bf16_model, tok)
+    small, large = rollout._decoder(native.BF16_PANEL_MAX_ROWS), rollout._decoder(native.BF16_PANEL_MAX_ROWS + 1)
+    assert small.fused is not None and small.dtype == torch.float32
+    assert large.fused is None and large.dtype == torch.bfloat16 and large.layers[0].qkv.path != "bf16_panels"
+    fp32_model, _ = tiny("llama", dtype=torch.bfloat16)
+    reference = NativeRollout(replace(CFG, n=2, weight_dtype="bf16"), fp32_model.float(), tok)
+    out, ref = rollout.generate_sequences(prompt_batch(tok)), reference.generate_sequences(prompt_batch(tok))
+    assert torch.equal(out.batch[RESPONSES], ref.batch[RESPONSES])
+    assert torch.equal(out.batch[ROLLOUT_LOG_PROBS], ref.batch[ROLLOUT_LOG_PROBS])
+    monkeypatch.setattr(decoder, "FUSED_DECODE", False)  # without the fused step the bf16 products stay faster
+    assert rollout._decoder(2).dtype == torch.bfloat16

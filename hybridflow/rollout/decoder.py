@@ -39,7 +39,7 @@ from transformers import DynamicCache
 
 from hybridflow.rollout.fused_step import FusedStep, fused_path
 from hybridflow.rollout.kernels import EAGER, DecoderKernels
-from hybridflow.rollout.linear import Linear
+from hybridflow.rollout.linear import Linear, compute_dtype
 from hybridflow.rollout.sharding import own_part
 
 _FAST_MODEL_TYPES = ("llama", "qwen2")
@@ -86,19 +86,24 @@ def _cat_bias(*mods: nn.Linear, rank: int = 0, tp: int = 1) -> Tensor | None:
 
 
 def _layer_weights(
-    layer: nn.Module, rank: int = 0, tp: int = 1, weight_dtype: torch.dtype | None = None, path: str | None = None
+    layer: nn.Module,
+    dtype: torch.dtype,
+    rank: int = 0,
+    tp: int = 1,
+    weight_dtype: torch.dtype | None = None,
+    path: str | None = None,
 ) -> _LayerWeights:
-    """The layer's fused weights; with tp > 1 this rank's share (heads are contiguous blocks of rows,
-    so chunking rows by tp keeps whole heads), taken from the full weights or, when the native rollout
-    holds only its shard (rollout/sharding.py), used as they are. The o/down bias is added once, by tp rank 0.
-    `path`: the products' layout (rollout/linear.py), None for `Linear`'s timed choice."""
+    """The layer's fused weights, norms in the decoder's compute `dtype`; with tp > 1 this rank's share (heads are
+    contiguous blocks of rows, so chunking rows by tp keeps whole heads), taken from the full weights or, when the
+    native rollout holds only its shard (rollout/sharding.py), used as they are. The o/down bias is added once, by
+    tp rank 0. `path`: the products' layout (rollout/linear.py), None for `Linear`'s timed choice."""
     a, m = layer.self_attn, layer.mlp
     rows = lambda *mods: [own_part(mod.weight, 0, rank, tp, mod.out_features) for mod in mods]  # noqa: E731
     cols = lambda mod: own_part(mod.weight, 1, rank, tp, mod.in_features)  # noqa: E731
     wd = {"weight_dtype": weight_dtype, "path": path}
     return _LayerWeights(
-        ln1=layer.input_layernorm.weight,
-        ln2=layer.post_attention_layernorm.weight,
+        ln1=layer.input_layernorm.weight.to(dtype),
+        ln2=layer.post_attention_layernorm.weight.to(dtype),
         qkv=Linear(rows(a.q_proj, a.k_proj, a.v_proj), _cat_bias(a.q_proj, a.k_proj, a.v_proj, rank=rank, tp=tp), **wd),
         o=Linear(cols(a.o_proj), a.o_proj.bias if rank == 0 else None, **wd),
         gate_up=Linear(rows(m.gate_proj, m.up_proj), _cat_bias(m.gate_proj, m.up_proj, rank=rank, tp=tp), **wd),
@@ -153,10 +158,11 @@ class StaticLlamaDecoder:
 
     Fused weights are built from the module at construction, so build a new
     decoder after the module's weights change (the native rollout builds one per call).
-    `kernels`: the element-wise ops, eager or compiled (rollout/kernels.py). `weight_dtype`: bf16 to hold fp32
-    products' weights in bf16 panels (rollout.weight_dtype; rollout/linear.py). `fused`: run decode steps through
-    decode_step.c where it covers the model (rollout/fused_step.py; None: `FUSED_DECODE`); the layer products are
-    then laid out in the panels it multiplies with.
+    `kernels`: the element-wise ops, eager or compiled (rollout/kernels.py). `weight_dtype`: bf16 to hold the
+    products' weights in bf16 panels and compute in fp32 where the panel kernel runs (rollout/linear.py): an fp32
+    model's weights rounded (rollout.weight_dtype), or a bf16 model's own (its activations and KV cache then fp32).
+    `fused`: run decode steps through decode_step.c where it covers the model (rollout/fused_step.py; None:
+    `FUSED_DECODE`); the layer products are then laid out in the panels it multiplies with.
     """
 
     def __init__(
@@ -180,13 +186,14 @@ class StaticLlamaDecoder:
             )
         fused = FUSED_DECODE if fused is None else fused
         path = fused_path(model, weight_dtype) if fused and self.tp_group is None else None
-        self.layers = [_layer_weights(layer, rank, tp, weight_dtype, path) for layer in model.model.layers]
+        self.dtype = compute_dtype(model.model.embed_tokens.weight.dtype, weight_dtype)  # activations, norms, cache
+        self.layers = [_layer_weights(layer, self.dtype, rank, tp, weight_dtype, path) for layer in model.model.layers]
+        self.final_norm = model.model.norm.weight.to(self.dtype)
         self._vocab_weights(model, rank, tp, weight_dtype)
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.heads, self.kv_heads = cfg.num_attention_heads // tp, cfg.num_key_value_heads // tp
         self.scaling = model.model.layers[0].self_attn.scaling
         self.eps = cfg.rms_norm_eps
-        self.dtype = model.model.embed_tokens.weight.dtype
         self.fused = FusedStep(self) if path is not None else None
 
     def _vocab_weights(self, model: nn.Module, rank: int, tp: int, weight_dtype: torch.dtype | None) -> None:
@@ -284,7 +291,7 @@ class StaticLlamaDecoder:
         cos, sin = self.cos[positions][:, :, None], self.sin[positions][:, :, None]
         # each residual add is fused with the norm that follows it (the next layer's; the final one last)
         after_attn = [w.ln2 for w in self.layers]
-        after_mlp = [w.ln1 for w in self.layers[1:]] + [self.model.model.norm.weight]
+        after_mlp = [w.ln1 for w in self.layers[1:]] + [self.final_norm]
         x = k.rms_norm(h, self.layers[0].ln1, eps)
         for i, w in enumerate(self.layers):
             h, x = k.add_rms_norm(h, self._attention(i, w, x, cos, sin, mask, start), after_attn[i], eps)
@@ -296,10 +303,10 @@ class StaticLlamaDecoder:
         """Token embeddings; with the vocabulary split, each rank looks up its own ids (zeros elsewhere)
         and an all-reduce sums them (adding zeros: exact)."""
         if not self.vocab_split:
-            return F.embedding(ids, self.embed)
+            return F.embedding(ids, self.embed).to(self.dtype)
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.embed.shape[0])
-        h = F.embedding(local.masked_fill(outside, 0), self.embed).masked_fill_(outside[..., None], 0)
+        h = F.embedding(local.masked_fill(outside, 0), self.embed).to(self.dtype).masked_fill_(outside[..., None], 0)
         dist.all_reduce(h, group=self.tp_group)
         return h
 

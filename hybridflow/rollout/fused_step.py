@@ -3,8 +3,8 @@
 Eager torch runs ~25 small ops a layer around a decode step's four products, each paying a dispatch: at 8 rows of
 SmolLM2 in fp32 that was ~28% of the step (`bench/decode_profile.py`). `decode_step.c` runs the norms, rotary,
 cache write, attention, SiLU gate and residuals in fp32 between the panel kernel's products, with no Python
-between layers. It runs where the decoder's layer products are all panels of one dtype (fp32, or bf16 with
-rollout.weight_dtype=bf16), on one rank (no tensor-parallel group), with the hidden size, head size and MLP width
+between layers. It runs where the decoder's layer products are all panels of one dtype (fp32, or bf16: rollout.weight_dtype=bf16,
+or a bf16 model's own weights at a few rows, rollout/native.py), on one rank (no tensor-parallel group), with the hidden size, head size and MLP width
 multiples of 8 (`fused_path`); elsewhere the decoder keeps its torch path. Prefill always runs
 the torch path. The logits agree with the torch path's to fp32 rounding (tests/test_rollout_fused_step.py).
 """
@@ -28,10 +28,14 @@ _BF16 = {"panels": 0, "bf16_panels": 1}
 
 def fused_path(model: nn.Module, weight_dtype: torch.dtype | None) -> str | None:
     """The panel layout (rollout/linear.py) the fused step multiplies with, where it covers a one-rank decoder of
-    `model`: fp32, the step's C code built here, every layer product whole panels, the hidden size, head size and
-    MLP width multiples of 8. Else None: no fused step, the decoder's own choice of layouts."""
+    `model`: fp32, or bf16 held in bf16 panels (`weight_dtype` bf16), the step's C code built here, every layer
+    product whole panels, the hidden size, head size and MLP width multiples of 8. Else None: no fused step, the
+    decoder's own choice of layouts."""
     cfg = model.config
-    if model.model.embed_tokens.weight.dtype != torch.float32 or panel.kernel(panel.DECODE_STEP) is None:
+    dtype = model.model.embed_tokens.weight.dtype
+    if not (dtype == torch.float32 or dtype == weight_dtype == torch.bfloat16):
+        return None
+    if panel.kernel(panel.DECODE_STEP) is None:
         return None
     a, m = model.model.layers[0].self_attn, model.model.layers[0].mlp
     if any(p.out_features % panel.PANEL for p in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj)):
@@ -52,7 +56,7 @@ class FusedStep:
         cfg = dec.model.config
         self.bf16 = _BF16[dec.layers[0].qkv.path]
         self.hidden, self.inter = cfg.hidden_size, cfg.intermediate_size
-        self.final_norm = dec.model.model.norm.weight.detach().contiguous()
+        self.final_norm = dec.final_norm.detach().contiguous()
         self.keep: list[Tensor] = [self.final_norm]  # every tensor the table points into stays alive with it
         table: list[int | None] = []
         for w in dec.layers:

@@ -7,9 +7,10 @@ lays its weight out once per generate call (the decoder is built per call) in on
 - "plain": the module's own tensor, through `F.linear`;
 - "packed": reordered once into oneDNN's blocked layout;
 - "panels": fp32 in 16-column panels for hybridflow's AVX2 / AVX-512 kernel (rollout/panel.py);
-- "bf16_panels": an fp32 weight rounded to bf16 in those panels, fp32 math (rollout.weight_dtype=bf16).
-bf16 is packed wherever oneDNN has bf16; fp32 takes whichever a timing of the shape in this process finds
-fastest (once per shape and process), unless bf16 panels are asked for.
+- "bf16_panels": the weight in bf16 in those panels, fp32 math: an fp32 weight rounded (rollout.weight_dtype=bf16)
+  or a bf16 model's own weight (a few rows of a bf16 rollout, rollout/native.py).
+Where bf16 panels are asked for and the kernel runs they are used; otherwise bf16 is packed wherever oneDNN has
+bf16, and fp32 takes whichever a timing of the shape in this process finds fastest (once per shape and process).
 """
 
 from __future__ import annotations
@@ -42,9 +43,10 @@ class Linear:
         blocks = weight if isinstance(weight, list) else [weight]
         first = blocks[0]
         shape = (sum(b.shape[0] for b in blocks), first.shape[1])
-        self.bias = bias
         self.path = path or _choose(first if len(blocks) == 1 else first.new_empty(shape), rows_hint, weight_dtype)
         dtype = _PANEL_DTYPE.get(self.path)
+        # the panel kernel adds an fp32 bias (a bf16 model's bias is widened: exact)
+        self.bias = bias.detach().float() if dtype is not None and bias is not None else bias
         self.panels = None if dtype is None else panel.to_panels(*blocks, dtype=dtype)
         stack = None if dtype is not None else first if len(blocks) == 1 else torch.cat(blocks)
         self.packed = _reorder(stack, rows_hint) if self.path == "packed" else None
@@ -53,9 +55,18 @@ class Linear:
     def __call__(self, x: Tensor) -> Tensor:
         if self.panels is not None:
             return panel.panel_linear(x, self.panels, self.bias)
+        # fp32 activations of a bf16 model on panels elsewhere (e.g. a vocabulary not in whole panels)
+        w = self.packed if self.packed is not None else self.weight
+        x = x.to(w.dtype)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+def compute_dtype(dtype: torch.dtype, weight_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a decoder of weights in `dtype` computes in: fp32 where its products run on bf16 panels
+    (`weight_dtype` bf16 and the panel kernel built here), else `dtype`."""
+    return torch.float32 if weight_dtype == torch.bfloat16 and panel.kernel() is not None else dtype
 
 
 _FASTEST: dict[tuple[int | str, ...], str] = {}
@@ -63,13 +74,13 @@ _FASTEST: dict[tuple[int | str, ...], str] = {}
 
 
 def _choose(weight: Tensor, rows: int, weight_dtype: torch.dtype | None = None) -> str:
-    """bf16: "packed" where oneDNN has bf16 (SmolLM2, 64 rows: 1.3-1.8x F.linear, bit-identical). fp32 with
-    `weight_dtype` bf16: "bf16_panels" where the panel kernel runs. fp32 otherwise: the fastest available path
+    """`weight_dtype` bf16: "bf16_panels" where the panel kernel runs. bf16 otherwise: "packed" where oneDNN has
+    bf16 (SmolLM2, 64 rows: 1.3-1.8x F.linear, bit-identical). fp32 otherwise: the fastest available path
     on `rows` random rows (on the avx2-only EPYC, MKL's fp32 product at 8 rows took 3.7x oneDNN's on the LM
     head; bench/decode_weights.py compares them)."""
-    usable = _usable_paths(weight)
-    if weight_dtype == torch.bfloat16 and "panels" in usable:
+    if weight_dtype == torch.bfloat16 and panel.fits(weight, torch.bfloat16) and panel.kernel() is not None:
         return "bf16_panels"
+    usable = _usable_paths(weight)
     if weight.dtype != torch.float32 or len(usable) == 1:
         return usable[-1]
     key = (*weight.shape, rows, *usable)  # a path that cannot run now (no kernel) is never the cached answer

@@ -13,7 +13,8 @@ few steps; until compaction their samples are discarded.)
 Llama-style models (Llama, Qwen2) run on `StaticLlamaDecoder`; other architectures
 fall back to `HFDecoder` (the model's own forward with a DynamicCache). With
 rollout.enforce_eager=False the static decoder's element-wise ops are compiled (rollout/kernels.py);
-in fp32 on the panel kernel its decode steps are one C call each (rollout/fused_step.py).
+in fp32 on the panel kernel its decode steps are one C call each (rollout/fused_step.py). A bf16 model
+decoding at most `BF16_PANEL_MAX_ROWS` rows runs that way too: its own weights in bf16 panels, fp32 math.
 With a tensor-parallel group (rollout.tensor_model_parallel_size > 1) the module keeps only this rank's
 shard of the split weights (rollout/sharding.py); the weight sync reshards the actor into them.
 """
@@ -28,10 +29,11 @@ from torch import Tensor, nn
 
 from hybridflow.engine.reshard import GenerationLayout
 from hybridflow.parity import tokens as parity_tokens
-from hybridflow.rollout import panel
+from hybridflow.rollout import decoder, panel
 from hybridflow.rollout.base import ModuleRollout
 from hybridflow.rollout.config import RolloutConfig, SamplingParams
 from hybridflow.rollout.decoder import HFDecoder, StaticLlamaDecoder, supports_static_path
+from hybridflow.rollout.fused_step import fused_path
 from hybridflow.rollout.kernels import decoder_kernels
 from hybridflow.rollout.sampling import sample_next
 from hybridflow.rollout.sharding import own_part, shard_module_, split_dims
@@ -41,6 +43,12 @@ log = logging.getLogger(__name__)
 
 COMPACT_FRACTION = 0.125
 """Compact the batch once this fraction of the held rows has finished."""
+
+BF16_PANEL_MAX_ROWS = 16
+"""A bf16 model decoding at most this many rows (prompts x n) runs its decode steps in one C call on its own weights
+in bf16 panels, fp32 math (rollout/fused_step.py), where that covers it; more rows run oneDNN's bf16 products. On
+an AMD EPYC with avx512_bf16 the first gave 1.56x / 1.12x the second's tokens/s at 8 / 16 rows and 0.82x / 0.76x at
+32 / 64 (`bench/rollout.py --weight-dtype bf16`, BENCHMARKS.md)."""
 
 
 class NativeRollout(ModuleRollout):
@@ -102,18 +110,25 @@ class NativeRollout(ModuleRollout):
         whole), for a reshard that writes straight into them."""
         return self.held_weights()
 
-    def _decoder(self) -> StaticLlamaDecoder | HFDecoder:
+    def _decoder(self, rows: int = 0) -> StaticLlamaDecoder | HFDecoder:
+        """The decoder of one generate call of `rows` rows (prompts x n; 0: unknown)."""
         # built per call: the static decoder's fused weights must follow in-place weight updates
         if self.use_static:
-            weight_dtype = torch.bfloat16 if self.config.weight_dtype == "bf16" else None
-            return StaticLlamaDecoder(self.model, self.kernels, self.tp_group, weight_dtype)
+            bf16_panels = self.config.weight_dtype == "bf16" or self._bf16_on_panels(rows)
+            return StaticLlamaDecoder(self.model, self.kernels, self.tp_group, torch.bfloat16 if bf16_panels else None)
         return HFDecoder(self.model)
+
+    def _bf16_on_panels(self, rows: int) -> bool:
+        """Whether a bf16 model decodes `rows` rows in the fused step on its weights in bf16 panels."""
+        if not 0 < rows <= BF16_PANEL_MAX_ROWS or self.tp_size > 1 or not decoder.FUSED_DECODE:
+            return False
+        return self.model.dtype == torch.bfloat16 and fused_path(self.model, torch.bfloat16) is not None
 
     def _generate(
         self, ids: Tensor, mask: Tensor, pos: Tensor, params: SamplingParams
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         width = self.config.response_length
-        dec = self._decoder()
+        dec = self._decoder(len(ids) * params.n)
         logits = dec.prefill(ids, mask, pos, width)
         if params.n > 1:
             expand = torch.arange(len(ids)).repeat_interleave(params.n)

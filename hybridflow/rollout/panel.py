@@ -120,9 +120,11 @@ def _build(build_flags: list[str]) -> Path:
     return out
 
 
-def fits(weight: Tensor) -> bool:
-    """Whether a weight [out, in] can use the kernel: fp32 on the CPU, `out` a multiple of PANEL."""
-    return weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.shape[0] % PANEL == 0
+def fits(weight: Tensor, panel_dtype: torch.dtype = torch.float32) -> bool:
+    """Whether a weight [out, in] can go into panels of `panel_dtype` for the kernel: on the CPU, `out` a multiple
+    of PANEL, and fp32 (either panels) or bf16 (bf16 panels: the same numbers)."""
+    sources = (torch.float32, torch.bfloat16) if panel_dtype == torch.bfloat16 else (torch.float32,)
+    return weight.dtype in sources and weight.device.type == "cpu" and weight.shape[0] % PANEL == 0
 
 
 def to_panels(*parts: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
