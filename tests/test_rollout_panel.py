@@ -59,10 +59,12 @@ def test_each_build_multiplies_like_f_linear_and_like_the_other(build: list[str]
             assert torch.equal(y, panel.panel_linear(x, panels, b, fn=avx2[dtype]))
 
 
-def test_only_fp32_cpu_weights_with_whole_panels_fit():
+def test_only_cpu_weights_with_whole_panels_fit_and_bf16_ones_only_bf16_panels():
     assert panel.fits(torch.zeros(32, 8))
     assert not panel.fits(torch.zeros(40, 8))  # 40 output columns: not whole panels of 16
     assert not panel.fits(torch.zeros(32, 8, dtype=torch.bfloat16))
+    assert panel.fits(torch.zeros(32, 8, dtype=torch.bfloat16), torch.bfloat16)
+    assert not panel.fits(torch.zeros(32, 8, dtype=torch.float16), torch.bfloat16)
 
 
 @needs_kernel
@@ -106,6 +108,21 @@ def test_bf16_panels_compute_in_fp32_on_the_rounded_weights():
     lin = linear.Linear(w, b, weight_dtype=torch.bfloat16)
     assert lin.path == "bf16_panels" and lin.panels.dtype == torch.bfloat16
     torch.testing.assert_close(lin(x), F.linear(x, w.bfloat16().float(), b), atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_a_bf16_weight_takes_bf16_panels_or_casts_fp32_inputs_where_it_cannot():
+    """A bf16 model's weight with bf16 panels asked for: the same numbers as the fp32 copy's bf16 panels (bias
+    widened); where its rows are not whole panels (40) it keeps a bf16 path and casts fp32 inputs to bf16."""
+    import hybridflow.rollout.linear as linear
+
+    w, b, x = torch.randn(48, 40).bfloat16(), torch.randn(48).bfloat16(), torch.randn(7, 40)
+    lin = linear.Linear(w, b, weight_dtype=torch.bfloat16)
+    assert lin.path == "bf16_panels" and lin.bias.dtype == torch.float32
+    assert torch.equal(lin(x), linear.Linear(w.float(), b.float(), weight_dtype=torch.bfloat16)(x))
+    odd = linear.Linear(w[:40], b[:40], weight_dtype=torch.bfloat16)
+    assert odd.path in ("plain", "packed")
+    torch.testing.assert_close(odd(x).float(), F.linear(x.bfloat16(), w[:40], b[:40]).float())
 
 
 @needs_kernel
