@@ -6,7 +6,8 @@ cache write, attention, SiLU gate and residuals in fp32 between the panel kernel
 between layers. It runs where the decoder's layer products are all panels of one dtype (fp32, or bf16: an fp32
 model's weights with rollout.weight_dtype=bf16, or a bf16 model's own weights at a few rows, rollout/native.py), on
 one rank (no tensor-parallel group), with the hidden size, head size and MLP width multiples of 8 (`fused_path`);
-elsewhere the decoder keeps its torch path. Prefill always runs the torch path. The logits agree with the torch path's to fp32 rounding (tests/test_rollout_fused_step.py).
+elsewhere the decoder keeps its torch path. Prefill always runs the torch path. The logits agree with the torch
+path's to fp32 rounding (tests/test_rollout_fused_step.py).
 """
 
 from __future__ import annotations
