@@ -55,12 +55,10 @@ class Linear:
     def __call__(self, x: Tensor) -> Tensor:
         if self.panels is not None:
             return panel.panel_linear(x, self.panels, self.bias)
-        # fp32 activations of a bf16 model on panels elsewhere (e.g. a vocabulary not in whole panels)
-        w = self.packed if self.packed is not None else self.weight
-        x = x.to(w.dtype)
+        # x.to: fp32 activations of a bf16 model on panels elsewhere (e.g. a vocabulary not in whole panels)
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+            return torch.ops.mkldnn._linear_pointwise(x.to(self.packed.dtype), self.packed, self.bias, "none", [], "")
+        return F.linear(x.to(self.weight.dtype), self.weight, self.bias)
 
 
 def compute_dtype(dtype: torch.dtype, weight_dtype: torch.dtype | None) -> torch.dtype:
