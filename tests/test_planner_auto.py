@@ -1,6 +1,8 @@
 """trainer.placement=auto / n_workers_per_node=null: measured (trainer/measure.py), then chosen by resolve from the
 planner's predictions (planner/auto.py, trainer/layout.py)."""
 
+from dataclasses import replace
+
 import pytest
 
 from hybridflow.config_utils import load_config
@@ -35,10 +37,22 @@ def device(tmp_path):
 
 def test_predictions_of_the_runnable_placements(device):
     cfg = load_config(RunConfig, None, PPO)
-    # 8 samples: 96 tokens, 32 response tokens; colocate on 2 workers: gen 0.05*32/2, forward (old log-probs and
-    # values) 2 * 0.01*96/2, updates 2 * 0.03*96/2; split 1+1: everything on 1 worker, the roles overlapping
+    # 8 samples: 96 tokens, 32 response tokens; colocate on 2 workers: gen 0.05*32/2, forward (values; the old
+    # log-probs are the rollout's, actor.old_log_prob=auto) 0.01*96/2, updates 2 * 0.03*96/2; split 1+1:
+    # everything on 1 worker, the roles overlapping
+    assert not run_shape(cfg).recompute_old_log_prob
     got = predicted_placements(run_shape(cfg), 1, DeviceProfile.load(device), params=0.0)
-    assert got == pytest.approx({"colocate": 0.8 + 0.96 + 2.88, "split": 1.6 + 0.96 + 2.88})
+    assert got == pytest.approx({"colocate": 0.8 + 0.48 + 2.88, "split": 1.6 + 0.96 + 2.88})
+
+
+def test_predictions_leave_out_old_log_probs_the_rollout_gives(device):
+    shape = run_shape(load_config(RunConfig, None, PPO))
+    profile = DeviceProfile.load(device)
+    recompute = predicted_placements(replace(shape, recompute_old_log_prob=True), 1, profile, params=0.0)
+    rollout = predicted_placements(replace(shape, recompute_old_log_prob=False), 1, profile, params=0.0)
+    # colocate: the old log-prob pass is 0.01 x 96 tokens / 2 workers; split: the critic's values pass overlaps it
+    assert recompute["colocate"] - rollout["colocate"] == pytest.approx(0.48)
+    assert recompute["split"] == pytest.approx(rollout["split"])
 
 
 def test_auto_resolves_to_a_runnable_placement(device):

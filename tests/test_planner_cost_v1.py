@@ -8,6 +8,7 @@ from hybridflow.planner.cost import (
     costs_from_profile,
     dp_sync_seconds,
     micro_batches,
+    optimizer_seconds,
     predict_one_step_off_v1,
     predict_step_time_v1,
     sp_collective_seconds,
@@ -115,6 +116,24 @@ def test_fsdp_traffic_over_dp_is_charged_and_can_be_taken_out_of_a_measured_run(
     whole = Workers(device=DEVICE, params=1e6, optimizer_steps=2, grad_bytes=4, sharded=False)
     assert dp_sync_seconds("update_actor", 2, whole) == pytest.approx(2 * (0.001 + 4e6 * 1e-9))
     assert dp_sync_seconds("old_log_prob", 2, whole) == 0
+
+
+def test_the_optimizer_step_is_paid_per_step_in_full_by_every_worker_holding_the_whole_model():
+    costs = OperatorCosts(COSTS.seconds_per_token, {"controller": 1.0, "optimizer_step": 0.5})
+    whole, sharded = Workers(optimizer_steps=2, sharded=False), Workers(optimizer_steps=2, sharded=True)
+    assert optimizer_seconds("update_actor", costs, 2, whole) == 1.0  # 2 steps x 0.5 s on each of the 2 workers
+    assert optimizer_seconds("update_actor", costs, 2, sharded) == 0.5  # each steps its half of the model
+    assert (
+        optimizer_seconds("old_log_prob", costs, 2, whole) == 0
+        and optimizer_seconds("update_actor", COSTS, 2, whole) == 0
+    )
+    # in a step: 1 worker pays what 2 workers holding the model whole each pay, beside half the tokens each
+    one = predict_step_time_v1(plan((ROLES, 1)), costs, 1000, 400, whole)
+    two = predict_step_time_v1(plan((ROLES, 2)), costs, 1000, 400, whole)
+    assert one - predict_step_time_v1(plan((ROLES, 1)), COSTS, 1000, 400, whole) == pytest.approx(
+        2 * 1.0
+    )  # actor, critic
+    assert two - predict_step_time_v1(plan((ROLES, 2)), COSTS, 1000, 400, whole) == pytest.approx(2 * 1.0)
 
 
 def test_costs_from_profile_subtracts_weight_sync_and_keeps_the_controller_share():

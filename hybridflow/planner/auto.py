@@ -53,7 +53,8 @@ def device_costs(device: DeviceProfile, threads: int, shape: RunShape) -> Operat
             "rm_score": fwd,
             "update_actor": train * shape.actor_epochs,
             "update_critic": train * shape.critic_epochs,
-        }
+        },
+        {"optimizer_step": min(p.optimizer_s for p in at)},
     )
 
 
@@ -62,22 +63,33 @@ PROFILE_SHAPE = (8, 64)
 every weight once), so a few rows, not one; small enough to measure SmolLM2 in well under a minute."""
 
 
-PROFILE_VERSION = "engine-ops-1"
-"""In the cache key: profiles measured another way (raw HF passes before this) are measured again."""
+PROFILE_VERSION = "engine-ops-2"
+"""In the cache key: profiles measured another way (raw HF passes; one worker alone, the optimizer step
+inside the per-token update cost, before this) are measured again."""
 
 
-def cached_device_profile(model: Path, threads: int, dtype: torch.dtype, rows_per_thread: int) -> DeviceProfile:
+def cached_device_profile(
+    model: Path, threads: int, dtype: torch.dtype, rows_per_thread: int, workers: int = 1, collectives: bool = True
+) -> DeviceProfile:
     """The device profile of the model directory `model` at `threads` threads in `dtype`, decoding
-    `rows_per_thread` rows per thread (decode's cost per token falls with the rows per step): read from
-    the cache, else measured once (a minute or more) and cached per CPU (`cpu_signature`). The one function
-    here that measures."""
+    `rows_per_thread` rows per thread (decode's cost per token falls with the rows per step), as one of
+    `workers` workers running at once on this node, with gloo's collectives priced where `collectives` (a
+    run of more than one worker): read from the cache, else measured once (a minute or more) and cached
+    per CPU (`cpu_signature`). The one function here that measures."""
 
-    key = f"{model.resolve()}:{threads}:{dtype}:{rows_per_thread}:{PROFILE_VERSION}:{cpu_signature()}"
+    key = f"{model.resolve()}:{threads}:{dtype}:{rows_per_thread}:{workers}:{collectives}:{PROFILE_VERSION}"
+    key += f":{cpu_signature()}"
     path = cache_root() / "device_profiles" / f"{hashlib.sha1(key.encode()).hexdigest()[:12]}.json"
     if path.exists():
         return DeviceProfile.load(path)
     prof = profile_device(
-        str(model), (threads,), [PROFILE_SHAPE], dtype=dtype, collectives=True, decode_rows_per_thread=rows_per_thread
+        str(model),
+        (threads,),
+        [PROFILE_SHAPE],
+        dtype=dtype,
+        collectives=collectives,
+        decode_rows_per_thread=rows_per_thread,
+        workers=workers,
     )
     path.parent.mkdir(parents=True, exist_ok=True)
     prof.save(path)
@@ -116,4 +128,5 @@ def predicted_placements(shape: RunShape, threads: int, device: DeviceProfile, p
     tokens, response = batch * (shape.prompt_length + shape.response_length), batch * shape.response_length
     costs = device_costs(device, threads, shape)
     w = run_workers(shape, device, threads, threads, params if has_collectives(device) else 0.0)
-    return {p: predict_step_time_v1(placement_plan(shape, p), costs, tokens, response, w) for p in candidates}
+    skip = frozenset() if shape.recompute_old_log_prob else frozenset({"old_log_prob"})
+    return {p: predict_step_time_v1(placement_plan(shape, p), costs, tokens, response, w, skip) for p in candidates}

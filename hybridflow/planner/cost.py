@@ -235,6 +235,15 @@ def without_dp_sync(costs: OperatorCosts, ranks: int, tokens: float, w: Workers)
     return OperatorCosts(out, costs.fixed_s)
 
 
+def optimizer_seconds(op: str, costs: OperatorCosts, ranks: int, w: Workers) -> float:
+    """Seconds of an update's optimizer steps on each of its `ranks` workers: the profiled step over the
+    whole model (OperatorCosts.fixed_s["optimizer_step"], 0 where not measured apart), once per optimizer
+    step, on a 1 / ranks shard where FSDP shards the model, else in full on every worker."""
+    if not op.startswith("update"):
+        return 0.0
+    return w.optimizer_steps * costs.fixed_s.get("optimizer_step", 0.0) / (ranks if w.sharded else 1)
+
+
 def operator_seconds_v1(
     op: str, costs: OperatorCosts, par: RoleParallel, tokens: float, response_tokens: float, w: Workers
 ) -> float:
@@ -256,6 +265,7 @@ def operator_seconds_v1(
         return 0.0
     return (
         compute
+        + optimizer_seconds(op, costs, split, w) / speed
         + tp_collective_seconds(op, par.tp, par.dp, tokens, response_tokens, w)
         + sp_collective_seconds(op, par.sp, par.dp, tokens, w)
         + dp_sync_seconds(op, par.dp * par.sp, w)

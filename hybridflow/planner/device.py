@@ -17,8 +17,9 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,13 +42,17 @@ class DevicePoint:
     forward_s_per_token: float
     """Forward pass without grad (log-probs, values)."""
     train_s_per_token: float
-    """One update of one micro-batch: forward, backward and the optimizer step."""
+    """Forward and backward of one update micro-batch (with `optimizer_s` 0: the optimizer step too)."""
     decode_s_per_token: float
     """One KV-cached decode step / its rows (decode_batch)."""
     decode_batch: int = 0
     """Rows of the decode steps; 0: `batch`. Decode's cost per token falls with the rows per step (each step
     reads every weight once), so it is measured at the rows a worker of this many threads decodes in the
     layouts compared: with a fixed batch, a worker of 2 threads gets twice the rows of a 1-thread one."""
+    optimizer_s: float = 0.0
+    """Seconds of one optimizer step (gradient norm, AdamW, zero-grad) over the whole model: a cost per
+    optimizer step, not per token, that every worker holding the model whole pays in full. 0: not measured
+    apart (profiles before it count it in train_s_per_token)."""
 
 
 @dataclass
@@ -95,10 +100,14 @@ class DeviceProfile:
         return DeviceProfile(**{**raw, "points": [DevicePoint(**p) for p in raw["points"]]})
 
 
-def _best_of(fn: Callable[[], None], repeats: int) -> float:
+def _best_of(fn: Callable[[], None], repeats: int, sync: Callable[[], None] = lambda: None) -> float:
+    """The fastest of `repeats` calls of `fn` after a warm-up; `sync` runs before each call (a barrier with
+    the node's other workers, so that every call runs beside theirs)."""
+    sync()
     fn()  # warm-up (allocator, oneDNN kernels)
     times = []
     for _ in range(repeats):
+        sync()
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
@@ -113,20 +122,26 @@ def measure_point(
     repeats: int = 2,
     decode_steps: int = 16,
     decode_batch: int = 0,
+    sync: Callable[[], None] = lambda: None,
 ) -> DevicePoint:
     """Time the run's log-prob pass, update and decode step (planner/operators.py) at one thread count and
-    shape. Decode per token: a generate call of decode_steps + 1 new tokens minus one of 1 new token (the
-    prefill), over decode_steps x rows."""
+    shape. Update: the fastest call, less its optimizer step (timed inside the call, the fastest step kept
+    apart). Decode per token: a generate call of decode_steps + 1 new tokens minus one of 1 new token (the
+    prefill), over decode_steps x rows. `sync`: see `_best_of`."""
     torch.set_num_threads(threads)
     data = ops.batch(batch, length)
     tokens = batch * length
-    fwd, trn = _best_of(ops.log_probs(data), repeats) / tokens, _best_of(ops.update(data), repeats) / tokens
+    fwd = _best_of(ops.log_probs(data), repeats, sync) / tokens
+    ops.optimizer_s.clear()
+    update = _best_of(ops.update(data), repeats, sync)
+    optimizer = min(ops.optimizer_s)
     rows = decode_batch or batch
     long, short = ops.generate(rows, length, decode_steps + 1), ops.generate(rows, length, 1)
-    long_s, short_s = _best_of(long, repeats), _best_of(short, repeats)
+    long_s, short_s = _best_of(long, repeats, sync), _best_of(short, repeats, sync)
     # floor: the long call's even share per token, where noise beats the difference (tiny models, loaded machine)
     decode = max(long_s - short_s, long_s / (decode_steps + 1)) / (decode_steps * rows)
-    return DevicePoint(threads, batch, length, fwd, trn, decode, decode_batch)
+    train = max(update - optimizer, 0.0) / tokens  # the two minima may come from different calls
+    return DevicePoint(threads, batch, length, fwd, train, decode, decode_batch, optimizer)
 
 
 def interleaved_points(
@@ -135,6 +150,7 @@ def interleaved_points(
     shapes: Sequence[tuple[int, int]],
     rounds: int,
     decode_rows_per_thread: int = 0,
+    sync: Callable[[], None] = lambda: None,
 ) -> list[DevicePoint]:
     """Every (threads, shape) point measured once per round, the rounds one after another, each operator's
     best over the rounds kept. The thread speedups are ratios of points, so their points are measured
@@ -145,7 +161,7 @@ def interleaved_points(
     for _ in range(max(1, rounds)):
         for t in threads:
             for b, n in shapes:
-                p = measure_point(ops, t, b, n, repeats=1, decode_batch=decode_rows_per_thread * t)
+                p = measure_point(ops, t, b, n, repeats=1, decode_batch=decode_rows_per_thread * t, sync=sync)
                 old = best.get((t, b, n), p)
                 best[(t, b, n)] = DevicePoint(
                     t,
@@ -155,6 +171,7 @@ def interleaved_points(
                     min(p.train_s_per_token, old.train_s_per_token),
                     min(p.decode_s_per_token, old.decode_s_per_token),
                     p.decode_batch,
+                    min(p.optimizer_s, old.optimizer_s),
                 )
     return list(best.values())
 
@@ -223,25 +240,79 @@ def profile_device(
     repeats: int = 2,
     collectives: bool = True,
     decode_rows_per_thread: int = 0,
+    workers: int = 1,
 ) -> DeviceProfile:
     """Measure every (threads, shape) point (`repeats` interleaved rounds), the weight sync and (collectives)
-    the all-reduce for `model_path`."""
+    the all-reduce for `model_path`; with `workers` > 1, as one of that many workers running at once
+    (`concurrent_points`)."""
 
+    if workers > 1:
+        points, weight_sync = concurrent_points(
+            model_path, threads, shapes, dtype, repeats, decode_rows_per_thread, workers
+        )
+    else:
+        points, weight_sync = _points_here(model_path, threads, shapes, dtype, repeats, decode_rows_per_thread)
+    latency, per_byte, gather, scatter = measure_allreduce() if collectives else (0.0, 0.0, 0.0, 0.0)
+    return DeviceProfile(
+        model_path, str(dtype).removeprefix("torch."), points, weight_sync, latency, per_byte, gather, scatter
+    )
+
+
+def _points_here(
+    model_path: str,
+    threads: Sequence[int],
+    shapes: Sequence[tuple[int, int]],
+    dtype: torch.dtype,
+    rounds: int,
+    decode_rows_per_thread: int,
+    sync: Callable[[], None] = lambda: None,
+) -> tuple[list[DevicePoint], float]:
+    """The points and the weight sync's seconds per byte, measured in this process."""
     had_group = dist.is_initialized()
     ops = EngineOperators(model_path, dtype)  # opens a world-size-1 process group when none is open
     saved_threads = torch.get_num_threads()
     try:
-        points = interleaved_points(ops, threads, shapes, rounds=repeats, decode_rows_per_thread=decode_rows_per_thread)
-        weight_sync = measure_weight_sync(ops.rollout_model)
+        points = interleaved_points(ops, threads, shapes, rounds, decode_rows_per_thread, sync)
+        return points, measure_weight_sync(ops.rollout_model)
     finally:
         torch.set_num_threads(saved_threads)
         del ops
         if not had_group and dist.is_initialized():  # e.g. the controller profiling for placement=auto
             dist.destroy_process_group()
-    latency, per_byte, gather, scatter = measure_allreduce() if collectives else (0.0, 0.0, 0.0, 0.0)
-    return DeviceProfile(
-        model_path, str(dtype).removeprefix("torch."), points, weight_sync, latency, per_byte, gather, scatter
-    )
+
+
+def _concurrent_worker(rank: int, args: tuple, barrier: Any, out_dir: str) -> None:
+    points, weight_sync = _points_here(*args, sync=barrier.wait)
+    Path(out_dir, f"{rank}.json").write_text(json.dumps([weight_sync, [asdict(p) for p in points]]))
+
+
+def concurrent_points(
+    model_path: str,
+    threads: Sequence[int],
+    shapes: Sequence[tuple[int, int]],
+    dtype: torch.dtype,
+    rounds: int,
+    decode_rows_per_thread: int,
+    workers: int,
+) -> tuple[list[DevicePoint], float]:
+    """The points of one worker among `workers` running at once on this node: measured in `workers`
+    processes in lock step (a barrier before every timed call), each cost the slowest process's, since a
+    step waits for its slowest worker. Workers that share a node's cores share its memory bandwidth and
+    caches too: a 1-thread process alone runs faster than each of two side by side."""
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(workers)
+    args = (model_path, threads, shapes, dtype, rounds, decode_rows_per_thread)
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_concurrent_worker, (args, barrier, tmp), nprocs=workers, start_method="spawn")
+        results = [json.loads(Path(tmp, f"{r}.json").read_text()) for r in range(workers)]
+    per_worker = [[DevicePoint(**p) for p in points] for _, points in results]
+    return slowest(per_worker), max(w for w, _ in results)
+
+
+def slowest(per_worker: Sequence[Sequence[DevicePoint]]) -> list[DevicePoint]:
+    """Each point (the same order in every worker's list) with every cost the largest any worker measured."""
+    costs = ("forward_s_per_token", "train_s_per_token", "decode_s_per_token", "optimizer_s")
+    return [replace(same[0], **{c: max(getattr(p, c) for p in same) for c in costs}) for same in zip(*per_worker)]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -255,6 +326,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--shapes", default="4x64,8x128", help="comma-separated BATCHxLENGTH points")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--repeats", type=int, default=2, help="interleaved rounds (each point: best over them)")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="measure as one of this many workers running at once (the slowest's costs)",
+    )
     parser.add_argument(
         "--decode-rows-per-thread",
         type=int,
@@ -280,12 +357,14 @@ def main(argv: Sequence[str]) -> int:
         getattr(torch, args.dtype),
         args.repeats,
         decode_rows_per_thread=args.decode_rows_per_thread,
+        workers=args.workers,
     )
     prof.save(Path(args.out))
     for p in prof.points:
         print(
             f"threads {p.threads} {p.batch}x{p.length}: forward {p.forward_s_per_token * 1e3:.3f} ms/token, "
-            f"train {p.train_s_per_token * 1e3:.3f}, decode {p.decode_s_per_token * 1e3:.3f}"
+            f"train {p.train_s_per_token * 1e3:.3f} + optimizer step {p.optimizer_s:.3f} s, "
+            f"decode {p.decode_s_per_token * 1e3:.3f}"
         )
     print(
         f"weight sync {prof.weight_sync_s_per_byte * 1e9:.3f} s/GB; all-reduce {prof.allreduce_latency_s * 1e6:.0f} us "

@@ -10,6 +10,7 @@ FSDPEngine (world size 1) log-probs and update, and the native rollout's decode 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -35,6 +36,17 @@ class EngineOperators:
         self.rollout_config = RolloutConfig(name="native", dtype=name, ignore_eos=True)
         self._rollout_model: torch.nn.Module | None = None
         self.model_path = model_path
+        self.optimizer_s: list[float] = []
+        """Seconds of each optimizer step the updates took (gradient norm, AdamW step, zero-grad), timed inside."""
+        step = self.engine._optimizer_step
+
+        def timed_step() -> dict[str, float]:
+            start = time.perf_counter()
+            out = step()
+            self.optimizer_s.append(time.perf_counter() - start)
+            return out
+
+        self.engine._optimizer_step = timed_step  # this instance only: the profile times the step apart
 
     def batch(self, rows: int, length: int) -> dict[str, torch.Tensor]:
         """`rows` unpadded rows of `length` random tokens, the last half of them the response."""
@@ -52,7 +64,8 @@ class EngineOperators:
         return lambda: self.engine.compute_log_probs(data, len(data[keys.INPUT_IDS]))
 
     def update(self, data: dict[str, torch.Tensor]) -> Callable[[], None]:
-        """One update (forward, backward, optimizer step) on `data` as one micro-batch, loss -mean log p."""
+        """One update (forward, backward, optimizer step: its seconds appended to `optimizer_s`) on `data` as
+        one micro-batch, loss -mean log p."""
 
         def loss_fn(out: dict[str, torch.Tensor], micro: dict) -> tuple[torch.Tensor, dict]:
             return -out["log_probs"].mean(), {}

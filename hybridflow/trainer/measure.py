@@ -164,14 +164,18 @@ def no_layout_message(cores: int) -> str:
 
 def device_profile(cfg: RunConfig, threads: int, auto_dtypes: Mapping[int, str]) -> DeviceProfile:
     """trainer.device_profile, else the cached profile of the run's model at `threads` threads in the actor's
-    compute dtype, decoding the rows one of `cfg`'s workers generates per thread (measured once)."""
-    if cfg.trainer.device_profile:
-        return DeviceProfile.load(Path(cfg.trainer.device_profile))
+    compute dtype, decoding the rows one of `cfg`'s workers generates per thread, measured once as one of
+    the node's CPU workers running at once (a CUDA worker has its own device: measured alone)."""
+    t = cfg.trainer
+    if t.device_profile:
+        return DeviceProfile.load(Path(t.device_profile))
 
     name = cfg.actor.engine.param_dtype
     dtype = DTYPES[auto_dtypes[threads] if name == AUTO else name]
     per_thread = max(1, cfg.data.train_batch_size * cfg.rollout.n // max(1, cfg.world_size * threads))
-    return cached_device_profile(resolve_model_path(cfg.model.path), threads, dtype, per_thread)
+    workers = 1 if t.device == "cuda" else t.n_workers_per_node or 1
+    model = resolve_model_path(cfg.model.path)
+    return cached_device_profile(model, threads, dtype, per_thread, workers, collectives=cfg.world_size > 1)
 
 
 def profile_dtype(cfg: RunConfig, threads: int) -> torch.dtype:
