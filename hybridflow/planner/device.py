@@ -298,7 +298,7 @@ def concurrent_points(
     """The points of one worker among `workers` running at once on this node: measured in `workers`
     processes in lock step (a barrier before every timed call), each cost the slowest process's, since a
     step waits for its slowest worker. Workers that share a node's cores share its memory bandwidth and
-    caches too: a 1-thread process alone runs faster than each of two side by side."""
+    caches too, which a process timed alone does not see."""
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(workers)
     args = (model_path, threads, shapes, dtype, rounds, decode_rows_per_thread)
