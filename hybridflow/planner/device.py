@@ -282,6 +282,8 @@ def _points_here(
 
 
 def _concurrent_worker(rank: int, args: tuple, barrier: Any, out_dir: str) -> None:
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):  # inherited from a parent that is a rank (local backend)
+        os.environ.pop(name, None)  # each process measures as its own world of one
     points, weight_sync = _points_here(*args, sync=barrier.wait)
     Path(out_dir, f"{rank}.json").write_text(json.dumps([weight_sync, [asdict(p) for p in points]]))
 
