@@ -97,7 +97,7 @@ def test_device_profile_rounds_interleave_thread_counts_and_keep_each_best(monke
     monkeypatch.setattr(
         device,
         "measure_point",
-        lambda ops, t, b, n, repeats, decode_batch, sync: (
+        lambda ops, t, b, n, repeats, decode_batch, sync, warm: (
             calls.append(t),
             device.DevicePoint(t, b, n, next(times), 10.0 - len(calls), 1.0, decode_batch),
         )[1],

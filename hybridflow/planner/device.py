@@ -27,6 +27,7 @@ import torch.multiprocessing as mp
 
 from hybridflow.models import default_model_dir
 from hybridflow.planner.operators import EngineOperators
+from hybridflow.utils.atomic import atomic_file
 
 
 @dataclass
@@ -38,7 +39,8 @@ class DevicePoint:
     batch: int
     """Sequences per call."""
     length: int
-    """Tokens per sequence (forward / update); decode steps run after a prompt of this length."""
+    """Tokens per sequence (forward / update); decode steps run after a prompt of this length (or
+    `decode_prompt`)."""
     forward_s_per_token: float
     """Forward pass without grad (log-probs, values)."""
     train_s_per_token: float
@@ -53,6 +55,8 @@ class DevicePoint:
     """Seconds of one optimizer step (gradient norm, AdamW, zero-grad) over the whole model: a cost per
     optimizer step, not per token, that every worker holding the model whole pays in full. 0: not measured
     apart (profiles before it count it in train_s_per_token)."""
+    decode_prompt: int = 0
+    """Tokens of prompt before the decode steps; 0: `length`."""
 
 
 @dataclass
@@ -92,7 +96,9 @@ class DeviceProfile:
         return statistics.median(ratios) if ratios else 1.0
 
     def save(self, path: Path) -> None:
-        path.write_text(json.dumps(asdict(self), indent=1) + "\n")
+        """Write to `path` atomically (a cached profile is never read half-written)."""
+        with atomic_file(path) as f:
+            f.write(json.dumps(asdict(self), indent=1) + "\n")
 
     @staticmethod
     def load(path: Path) -> DeviceProfile:
@@ -100,11 +106,12 @@ class DeviceProfile:
         return DeviceProfile(**{**raw, "points": [DevicePoint(**p) for p in raw["points"]]})
 
 
-def _best_of(fn: Callable[[], None], repeats: int, sync: Callable[[], None] = lambda: None) -> float:
-    """The fastest of `repeats` calls of `fn` after a warm-up; `sync` runs before each call (a barrier with
-    the node's other workers, so that every call runs beside theirs)."""
-    sync()
-    fn()  # warm-up (allocator, oneDNN kernels)
+def _best_of(fn: Callable[[], None], repeats: int, sync: Callable[[], None] = lambda: None, warm: bool = True) -> float:
+    """The fastest of `repeats` calls of `fn` after a warm-up call (`warm`: `fn` has not run yet); `sync` runs
+    before each call (a barrier with the node's other workers, so that every call runs beside theirs)."""
+    if warm:
+        sync()
+        fn()  # warm-up (allocator, oneDNN kernels, the rollout's cache)
     times = []
     for _ in range(repeats):
         sync()
@@ -123,25 +130,29 @@ def measure_point(
     decode_steps: int = 16,
     decode_batch: int = 0,
     sync: Callable[[], None] = lambda: None,
+    warm: bool = True,
+    decode_prompt: int = 0,
 ) -> DevicePoint:
     """Time the run's log-prob pass, update and decode step (planner/operators.py) at one thread count and
     shape. Update: the fastest call, less its optimizer step (timed inside the call, the fastest step kept
     apart). Decode per token: a generate call of decode_steps + 1 new tokens minus one of 1 new token (the
-    prefill), over decode_steps x rows. `sync`: see `_best_of`."""
+    prefill), over decode_steps x rows, after a prompt of `decode_prompt` tokens (0: `length`). `sync`, `warm`
+    (each operator first warmed up): see `_best_of`."""
     torch.set_num_threads(threads)
     data = ops.batch(batch, length)
     tokens = batch * length
-    fwd = _best_of(ops.log_probs(data), repeats, sync) / tokens
+    fwd = _best_of(ops.log_probs(data), repeats, sync, warm) / tokens
     ops.optimizer_s.clear()
-    update = _best_of(ops.update(data), repeats, sync)
+    update = _best_of(ops.update(data), repeats, sync, warm)
     optimizer = min(ops.optimizer_s)
     rows = decode_batch or batch
-    long, short = ops.generate(rows, length, decode_steps + 1), ops.generate(rows, length, 1)
-    long_s, short_s = _best_of(long, repeats, sync), _best_of(short, repeats, sync)
+    prompt = decode_prompt or length
+    long, short = ops.generate(rows, prompt, decode_steps + 1), ops.generate(rows, prompt, 1)
+    long_s, short_s = _best_of(long, repeats, sync, warm), _best_of(short, repeats, sync, warm)
     # floor: the long call's even share per token, where noise beats the difference (tiny models, loaded machine)
     decode = max(long_s - short_s, long_s / (decode_steps + 1)) / (decode_steps * rows)
     train = max(update - optimizer, 0.0) / tokens  # the two minima may come from different calls
-    return DevicePoint(threads, batch, length, fwd, train, decode, decode_batch, optimizer)
+    return DevicePoint(threads, batch, length, fwd, train, decode, decode_batch, optimizer, decode_prompt)
 
 
 def interleaved_points(
@@ -156,24 +167,25 @@ def interleaved_points(
     best over the rounds kept. The thread speedups are ratios of points, so their points are measured
     side by side: a slow spell of the machine lands on every thread count of one round alike, where
     measuring all of one thread count before the other put it on one side of the ratio (2-thread speedups
-    of two back-to-back sequential profiles differed by up to 25%)."""
+    of two back-to-back sequential profiles differed by up to 25%). Each operator is warmed up in the first
+    round only."""
     best: dict[tuple[int, int, int], DevicePoint] = {}
-    for _ in range(max(1, rounds)):
+    for r in range(max(1, rounds)):
         for t in threads:
             for b, n in shapes:
-                p = measure_point(ops, t, b, n, repeats=1, decode_batch=decode_rows_per_thread * t, sync=sync)
-                old = best.get((t, b, n), p)
-                best[(t, b, n)] = DevicePoint(
-                    t,
-                    b,
-                    n,
-                    min(p.forward_s_per_token, old.forward_s_per_token),
-                    min(p.train_s_per_token, old.train_s_per_token),
-                    min(p.decode_s_per_token, old.decode_s_per_token),
-                    p.decode_batch,
-                    min(p.optimizer_s, old.optimizer_s),
-                )
+                rows = decode_rows_per_thread * t
+                p = measure_point(ops, t, b, n, repeats=1, decode_batch=rows, sync=sync, warm=r == 0)
+                best[(t, b, n)] = fastest(best.get((t, b, n), p), p)
     return list(best.values())
+
+
+COSTS = ("forward_s_per_token", "train_s_per_token", "decode_s_per_token", "optimizer_s")
+"""The measured fields of a DevicePoint."""
+
+
+def fastest(a: DevicePoint, b: DevicePoint) -> DevicePoint:
+    """Two measurements of one point as one: each cost the smaller."""
+    return replace(a, **{c: min(getattr(a, c), getattr(b, c)) for c in COSTS})
 
 
 def measure_weight_sync(model: torch.nn.Module) -> float:
@@ -185,7 +197,9 @@ def measure_weight_sync(model: torch.nn.Module) -> float:
     return _best_of(lambda: target.load_state_dict(state), 2) / nbytes
 
 
-def _allreduce_worker(rank: int, store_dir: str, out: str) -> None:
+def time_collectives(rank: int, store_dir: str, out: str) -> None:
+    """Rank `rank` of 2 processes timing gloo collectives (rendezvous in `store_dir`); rank 0 writes
+    [latency, all-reduce, all-gather, reduce-scatter s per byte] to `out`."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_dir}/store", rank=rank, world_size=2)
     small, large = torch.zeros(256), torch.zeros(1 << 20)
@@ -228,7 +242,7 @@ def measure_allreduce() -> tuple[float, float, float, float]:
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        mp.spawn(_allreduce_worker, args=(tmp, out), nprocs=2, join=True)
+        mp.spawn(time_collectives, args=(tmp, out), nprocs=2, join=True)
         return tuple(json.loads(Path(out).read_text()))
 
 
@@ -313,8 +327,7 @@ def concurrent_points(
 
 def slowest(per_worker: Sequence[Sequence[DevicePoint]]) -> list[DevicePoint]:
     """Each point (the same order in every worker's list) with every cost the largest any worker measured."""
-    costs = ("forward_s_per_token", "train_s_per_token", "decode_s_per_token", "optimizer_s")
-    return [replace(same[0], **{c: max(getattr(p, c) for p in same) for c in costs}) for same in zip(*per_worker)]
+    return [replace(same[0], **{c: max(getattr(p, c) for p in same) for c in COSTS}) for same in zip(*per_worker)]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -36,6 +36,7 @@ class EngineOperators:
         self.rollout_config = RolloutConfig(name="native", dtype=name, ignore_eos=True)
         self._rollout_model: torch.nn.Module | None = None
         self.model_path = model_path
+        self._generate_calls: dict[tuple[int, int, int], Callable[[], None]] = {}
         self.optimizer_s: list[float] = []
         """Seconds of each optimizer step the updates took (gradient norm, AdamW step, zero-grad), timed inside."""
         step = self.engine._optimizer_step
@@ -73,13 +74,17 @@ class EngineOperators:
         return lambda: self.engine.train_step([data], loss_fn)
 
     def generate(self, rows: int, length: int, new_tokens: int) -> Callable[[], None]:
-        """One native-rollout generate call: `rows` prompts of `length` tokens, `new_tokens` each."""
-
+        """One native-rollout generate call: `rows` prompts of `length` tokens, `new_tokens` each (the same call
+        for the same arguments, so that its rollout's buffers, allocated on its first run, are reused)."""
+        key = (rows, length, new_tokens)
+        if key in self._generate_calls:
+            return self._generate_calls[key]
         cfg = replace(self.rollout_config, response_length=new_tokens, prompt_length=length, max_batch_size=rows)
         rollout = build_rollout(cfg, self.rollout_model, self.tokenizer)
         data = self.batch(rows, length)
         prompts = DataProto.from_dict({k: data[k] for k in (keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS)})
-        return lambda: rollout.generate_sequences(prompts)
+        self._generate_calls[key] = lambda: rollout.generate_sequences(prompts)
+        return self._generate_calls[key]
 
     @property
     def rollout_model(self) -> torch.nn.Module:
