@@ -4,7 +4,7 @@ Runnable today: colocate, and split when the run has a second role for the other
 ref). The operators' per-token costs come from a device profile (planner/device.py: forward, forward
 + backward and decode per token at the worker's thread count); tokens per step from the data sizes
 (every prompt and response at its maximum length: an upper bound, the same for every plan so the
-ranking does not depend on it). Every function here is pure except `cached_device_profile`, which
+ranking does not depend on it). Every function here is pure except `cached_device_profiles`, which
 measures the machine once and caches the result; the trainer calls it before resolving a run
 (trainer/measure.py) and picks the layout from the predictions (trainer/layout.py).
 """
@@ -12,14 +12,17 @@ measures the machine once and caches the result; the trainer calls it before res
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from hybridflow.models.default import cache_root
 from hybridflow.planner.cost import OperatorCosts, Workers, predict_step_time_v1
-from hybridflow.planner.device import DeviceProfile, profile_device
+from hybridflow.planner.device import DeviceProfile
 from hybridflow.planner.inputs import RunShape
+from hybridflow.planner.layouts import Layout, profile_layouts
 from hybridflow.planner.plans import PlacementSet, Plan, RoleParallel
 from hybridflow.utils.hardware import cpu_signature
 
@@ -63,37 +66,44 @@ PROFILE_SHAPE = (8, 64)
 every weight once), so a few rows, not one; small enough to measure SmolLM2 in well under a minute."""
 
 
-PROFILE_VERSION = "engine-ops-2"
-"""In the cache key: profiles measured another way (raw HF passes; one worker alone, the optimizer step
-inside the per-token update cost, before this) are measured again."""
+PROFILE_VERSION = "layouts-3"
+"""In the cache key: profiles measured another way (raw HF passes; one worker alone; the optimizer step
+inside the per-token update cost; each layout in its own set of processes, before this) are measured again."""
 
 
-def cached_device_profile(
-    model: Path, threads: int, dtype: torch.dtype, rows_per_thread: int, workers: int = 1, collectives: bool = True
-) -> DeviceProfile:
-    """The device profile of the model directory `model` at `threads` threads in `dtype`, decoding
-    `rows_per_thread` rows per thread (decode's cost per token falls with the rows per step), as one of
-    `workers` workers running at once on this node, with gloo's collectives priced where `collectives` (a
-    run of more than one worker): read from the cache, else measured once (a minute or more) and cached
+@dataclass(frozen=True)
+class ProfileSpec:
+    """What one cached device profile measures (its cache key, with the model and this CPU)."""
+
+    threads: int
+    """torch threads per worker."""
+    dtype: torch.dtype
+    """The actor's compute dtype."""
+    rows_per_thread: int
+    """Rows decoded per thread (decode's cost per token falls with the rows per step)."""
+    workers: int = 1
+    """Workers running at once on the node, each `threads` threads."""
+    collectives: bool = True
+    """Price gloo's collectives (a run of more than one worker)."""
+
+    def path(self, model: Path) -> Path:
+        key = f"{model.resolve()}:{self.threads}:{self.dtype}:{self.rows_per_thread}:{self.workers}"
+        key += f":{self.collectives}:{PROFILE_VERSION}:{cpu_signature()}"
+        return cache_root() / "device_profiles" / f"{hashlib.sha1(key.encode()).hexdigest()[:12]}.json"
+
+
+def cached_device_profiles(model: Path, specs: Sequence[ProfileSpec]) -> list[DeviceProfile]:
+    """The device profile of the model directory `model` for each of `specs` (same order): read from the cache,
+    else measured (a minute or more; the missing ones of one dtype together, planner/layouts.py) and cached
     per CPU (`cpu_signature`). The one function here that measures."""
-
-    key = f"{model.resolve()}:{threads}:{dtype}:{rows_per_thread}:{workers}:{collectives}:{PROFILE_VERSION}"
-    key += f":{cpu_signature()}"
-    path = cache_root() / "device_profiles" / f"{hashlib.sha1(key.encode()).hexdigest()[:12]}.json"
-    if path.exists():
-        return DeviceProfile.load(path)
-    prof = profile_device(
-        str(model),
-        (threads,),
-        [PROFILE_SHAPE],
-        dtype=dtype,
-        collectives=collectives,
-        decode_rows_per_thread=rows_per_thread,
-        workers=workers,
-    )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    prof.save(path)
-    return prof
+    paths = [spec.path(model) for spec in specs]
+    missing = [(spec, path) for spec, path in zip(specs, paths) if not path.exists()]
+    for dtype in {spec.dtype for spec, _ in missing}:
+        todo = [(spec, path) for spec, path in missing if spec.dtype == dtype]
+        layouts = [Layout(s.workers, s.threads, s.rows_per_thread * s.threads, s.collectives) for s, _ in todo]
+        for (_, path), prof in zip(todo, profile_layouts(str(model), layouts, PROFILE_SHAPE, dtype)):
+            prof.save(path)
+    return [DeviceProfile.load(path) for path in paths]
 
 
 def has_collectives(device: DeviceProfile) -> bool:

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from hybridflow.models import resolve_model_path
-from hybridflow.planner.auto import cached_device_profile, has_collectives
+from hybridflow.planner.auto import ProfileSpec, cached_device_profiles, has_collectives
 from hybridflow.planner.device import DeviceProfile
 from hybridflow.planner.search import model_params
 from hybridflow.trainer.config import TrainerConfig
@@ -71,7 +71,7 @@ def measure(cfg: RunConfig, cpu_count: int | None = None) -> Measurements:
     dtypes = probe_auto_dtypes(t.device, threads.values()) if AUTO in compute_dtypes(cfg) else {}
     if not needs_device_profile(cfg, cores):
         return Measurements(cores, cuda, dtypes)
-    profiles = {threads[w]: device_profile(c, threads[w], dtypes) for w, c in layouts.items()}
+    profiles = device_profiles(cfg, {threads[w]: c for w, c in layouts.items()}, dtypes)
     collectives = any(has_collectives(p) for p in profiles.values())
     params = model_params(cfg.model.path) if collectives else 0.0
     return Measurements(cores, cuda, dtypes, profiles, params)
@@ -162,20 +162,29 @@ def no_layout_message(cores: int) -> str:
     )
 
 
-def device_profile(cfg: RunConfig, threads: int, auto_dtypes: Mapping[int, str]) -> DeviceProfile:
-    """trainer.device_profile, else the cached profile of the run's model at `threads` threads in the actor's
-    compute dtype, decoding the rows one of `cfg`'s workers generates per thread, measured once as one of
-    the node's CPU workers running at once (a CUDA worker has its own device: measured alone)."""
-    t = cfg.trainer
-    if t.device_profile:
-        return DeviceProfile.load(Path(t.device_profile))
+def device_profiles(
+    cfg: RunConfig, layouts: Mapping[int, RunConfig], auto_dtypes: Mapping[int, str]
+) -> dict[int, DeviceProfile]:
+    """Threads per worker -> the device profile of that layout (`layouts`: threads per worker -> `cfg` with its
+    workers per node): trainer.device_profile for every layout, else the cached profiles of the run's model,
+    missing ones measured together (planner/auto.py)."""
+    if cfg.trainer.device_profile:
+        loaded = DeviceProfile.load(Path(cfg.trainer.device_profile))
+        return {threads: loaded for threads in layouts}
+    model = resolve_model_path(cfg.model.path)
+    specs = {threads: profile_spec(c, threads, auto_dtypes) for threads, c in layouts.items()}
+    return dict(zip(specs, cached_device_profiles(model, list(specs.values()))))
 
+
+def profile_spec(cfg: RunConfig, threads: int, auto_dtypes: Mapping[int, str]) -> ProfileSpec:
+    """What `cfg`'s layout of `threads` threads per worker is profiled as: the actor's compute dtype, the rows one
+    worker generates per thread, and one of the node's CPU workers running at once (a CUDA worker has its own
+    device: measured alone)."""
     name = cfg.actor.engine.param_dtype
     dtype = DTYPES[auto_dtypes[threads] if name == AUTO else name]
     per_thread = max(1, cfg.data.train_batch_size * cfg.rollout.n // max(1, cfg.world_size * threads))
-    workers = 1 if t.device == "cuda" else t.n_workers_per_node or 1
-    model = resolve_model_path(cfg.model.path)
-    return cached_device_profile(model, threads, dtype, per_thread, workers, collectives=cfg.world_size > 1)
+    workers = 1 if cfg.trainer.device == "cuda" else cfg.trainer.n_workers_per_node or 1
+    return ProfileSpec(threads, dtype, per_thread, workers, collectives=cfg.world_size > 1)
 
 
 def profile_dtype(cfg: RunConfig, threads: int) -> torch.dtype:
