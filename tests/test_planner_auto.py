@@ -89,6 +89,23 @@ def test_null_workers_picks_the_layout_the_cost_model_prefers(tmp_path, capsys, 
     assert capsys.readouterr().out == ""  # resolve prints nothing: the CLI logs the notes on stderr
 
 
+@pytest.mark.parametrize("one_worker_s, chosen", [(9.5, 2), (9.0, 1), (11.0, 2)])
+def test_null_workers_keeps_the_default_layout_inside_the_noise(tmp_path, monkeypatch, one_worker_s, chosen):
+    """Predicted 10.0 s a step for the default 2 x 1: 1 x 2 is chosen only where predicted over 10% faster."""
+    from hybridflow.trainer import layout
+
+    monkeypatch.setattr(
+        layout, "predicted_placements", lambda shape, threads, *_: {"colocate": one_worker_s if threads == 2 else 10.0}
+    )
+    path = tmp_path / "device.json"
+    DeviceProfile("m", "float32", [DevicePoint(1, 8, 64, 0.01, 0.03, 0.05)]).save(path)
+    overrides = [o for o in PPO if not o.startswith("trainer.n_workers") and not o.startswith("trainer.cpus")]
+    args = [*overrides, "trainer.n_workers_per_node=null", f"trainer.device_profile={path}"]
+    run = resolve_here(load_config(RunConfig, None, args), 10, cpu_count=2)
+    assert run.config.trainer.n_workers_per_node == chosen
+    assert ("the default, 1 not predicted over 10% faster" in run.notes[0]) == (one_worker_s == 9.5)
+
+
 def test_resolve_is_pure_given_measurements(capsys):
     """Profiles and the machine's size come in as values: resolve reads no file and prints nothing."""
     fast_split = DeviceProfile("m", "float32", [DevicePoint(1, 8, 64, 0.01, 0.03, 0.05)])

@@ -36,6 +36,11 @@ def _positive(**values: Any) -> None:
             raise ValueError(f"{key} must be >= 1, got {value}")
 
 
+DEFAULT_WORKERS_PER_NODE = 2
+"""trainer.n_workers_per_node's default, and the layout search's choice where the others are predicted no
+faster than its noise."""
+
+
 @dataclass
 class TaskFilesConfig(Section):
     """Where a run's examples come from: parquet files, or a task generated once into a cache."""
@@ -241,11 +246,12 @@ class TrainerConfig(ParityFields):
     total_training_steps: int | None = None
     """Stop after this many steps; None: total_epochs * steps per epoch. With both set, the
     steps must fit in the epochs."""
-    n_workers_per_node: int | None = 2
+    n_workers_per_node: int | None = DEFAULT_WORKERS_PER_NODE
     """Worker processes per node (verl: n_gpus_per_node); one per device on GPU machines. null: chosen at
     load (the RL trainer only): on CPU the split of this node's cores into workers x threads that the cost
-    model predicts fastest from a device profile measured once (trainer/measure.py, planner/auto.py; logged
-    and cached), on CUDA one worker per visible GPU."""
+    model predicts fastest from device profiles measured once (trainer/measure.py, planner/auto.py; logged
+    and cached), the default 2 kept unless another is predicted clearly faster (trainer/layout.py
+    SEARCH_TIE); on CUDA one worker per visible GPU."""
     nnodes: int = 1
     """Nodes in the Ray cluster."""
     cpus_per_worker: int | None = None
