@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from hybridflow.config_utils import ConfigError, load_config, to_yaml
-from hybridflow.trainer.config import AlgorithmConfig, DataConfig, RewardConfig, TrainerConfig
+from hybridflow.trainer.config import AlgorithmConfig, TrainerConfig
+from hybridflow.trainer.data_config import DataConfig, RewardConfig
 
 
 @dataclass

@@ -210,7 +210,7 @@ def test_loader_over_dataset_yields_dataproto(tmp_path, tokenizer):
 
 def test_task_files_generate_once_atomically_into_the_cache(tmp_path, monkeypatch):
     from hybridflow.trainer import data_setup
-    from hybridflow.trainer.config import DataConfig
+    from hybridflow.trainer.data_config import DataConfig
     from hybridflow.trainer.data_setup import task_files
 
     cfg = DataConfig(task="arithmetic", task_dir=str(tmp_path), gen_train_size=6, gen_val_size=3)

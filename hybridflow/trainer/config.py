@@ -1,4 +1,4 @@
-"""Config sections owned by the trainer: data, reward, algorithm, trainer.
+"""Config sections owned by the trainer: algorithm, trainer (data and reward: trainer/data_config.py).
 
 Each section is a dataclass with a default and a docstring per field; bad
 values and bad combinations fail in `__post_init__` with a message naming
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -18,131 +17,14 @@ from hybridflow.algos.advantages import ADV_ESTIMATORS
 from hybridflow.algos.kl import KL_CONTROLLERS, KL_ESTIMATORS
 from hybridflow.algos.rollout_is import ROLLOUT_IS_LEVELS, ROLLOUT_IS_MODES
 from hybridflow.config_utils import Section
-from hybridflow.data.dataset import TRUNCATIONS
-from hybridflow.data.tasks import get_task, make_difficulty
 from hybridflow.parity.config import ParityFields
+from hybridflow.trainer.data_config import one_of, positive
 from hybridflow.utils.plugins import is_path
 from hybridflow.utils.tracking import BACKENDS
-
-
-def _one_of(key: str, value: Any, allowed: tuple) -> None:
-    if value not in allowed:
-        raise ValueError(f"{key} must be one of {list(allowed)}, got {value!r}")
-
-
-def _positive(**values: Any) -> None:
-    for key, value in values.items():
-        if value is not None and value < 1:
-            raise ValueError(f"{key} must be >= 1, got {value}")
-
 
 DEFAULT_WORKERS_PER_NODE = 2
 """trainer.n_workers_per_node's default, and the layout search's choice where the others are predicted no
 faster than its noise."""
-
-
-@dataclass
-class TaskFilesConfig(Section):
-    """Where a run's examples come from: parquet files, or a task generated once into a cache."""
-
-    train_files: Any = field(default_factory=list)
-    """Training parquet file(s): one path or a list. Empty: generate `task`."""
-    val_files: Any = field(default_factory=list)
-    """Validation parquet file(s). Empty: the generated `task`'s test split, or train_files when those are given."""
-    task: str | None = "arithmetic"
-    """Task builder (hybridflow.data.TASKS) used to generate files when train_files is empty."""
-    task_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Difficulty settings passed to the task builder, e.g. {max_digits: 1}."""
-    task_dir: str = "~/.cache/hybridflow/data"
-    """Directory the generated task files are written to."""
-    gen_train_size: int = 2048
-    """Number of training problems to generate."""
-    gen_val_size: int = 256
-    """Number of validation problems to generate."""
-
-    def __post_init__(self) -> None:
-        self.train_files = _as_list(self.train_files, "data.train_files")
-        self.val_files = _as_list(self.val_files, "data.val_files")
-        if not self.train_files and not self.task:
-            raise ValueError("set data.train_files to parquet file(s) or data.task to a task builder name")
-        if self.task and not self.train_files:
-            get_task(self.task)
-            make_difficulty(self.task, **self.task_kwargs)
-        _positive(**{"data.gen_train_size": self.gen_train_size, "data.gen_val_size": self.gen_val_size})
-
-
-@dataclass
-class DataConfig(TaskFilesConfig):
-    """Where prompts come from (verl-format parquet) and how long prompts and responses may be."""
-
-    train_batch_size: int = 32
-    """Prompts per training step, for the whole run (each is sampled rollout.n times)."""
-    val_batch_size: int | None = None
-    """Prompts per validation generate call; None runs the whole validation set at once."""
-    max_prompt_length: int = 128
-    """Prompt tokens after the chat template; prompts are left-padded to this length."""
-    max_response_length: int = 64
-    """Most tokens generated per response; responses are right-padded to this length."""
-    filter_overlong_prompts: bool = True
-    """Drop prompts longer than max_prompt_length (the count is logged) instead of applying `truncation`."""
-    truncation: str = "error"
-    """For overlong prompts when not filtering: "error", "left" (keep the end) or "right" (keep the start)."""
-    shuffle: bool = True
-    """Shuffle the training prompts every epoch (order derived from seed and epoch)."""
-    seed: int = 0
-    """Seed of the epoch shuffles and of task generation."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _positive(
-            **{
-                "data.train_batch_size": self.train_batch_size,
-                "data.val_batch_size": self.val_batch_size,
-                "data.max_prompt_length": self.max_prompt_length,
-                "data.max_response_length": self.max_response_length,
-            }
-        )
-        _one_of("data.truncation", self.truncation, TRUNCATIONS)
-
-
-def _as_list(value: Any, key: str) -> list[str]:
-    if value is None:
-        return []
-    if isinstance(value, (str, os.PathLike)):
-        return [str(value)]
-    if isinstance(value, (list, tuple)) and all(isinstance(v, (str, os.PathLike)) for v in value):
-        return [str(v) for v in value]
-    raise ValueError(f"{key} must be a path or a list of paths, got {value!r}")
-
-
-@dataclass
-class CustomRewardFunctionConfig(Section):
-    """A reward function loaded from a user's Python file."""
-
-    path: str | None = None
-    """Python file defining the function; None uses the built-in rule scorers."""
-    name: str = "compute_score"
-    """Function in that file: (data_source, solution_str, ground_truth, extra_info=None) -> float."""
-
-    def __post_init__(self) -> None:
-        if self.path is not None and not os.path.isfile(os.path.expanduser(self.path)):
-            raise ValueError(f"custom_reward_function.path {self.path!r} does not exist")
-        if not self.name.isidentifier():
-            raise ValueError(f"custom_reward_function.name must be a Python identifier, got {self.name!r}")
-
-
-@dataclass
-class RewardConfig(Section):
-    """How responses are scored."""
-
-    custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
-    """User reward function; unset means the rule scorer chosen by each row's data_source."""
-    num_workers: int = 0
-    """Processes for rule scoring (0: score in the controller process; worth it only for slow scorers)."""
-
-    def __post_init__(self) -> None:
-        if self.num_workers < 0:
-            raise ValueError(f"reward.num_workers must be >= 0, got {self.num_workers}")
 
 
 @dataclass
@@ -159,7 +41,7 @@ class KLControlConfig(Section):
     """Adaptive controller horizon, in samples."""
 
     def __post_init__(self) -> None:
-        _one_of("algorithm.kl_ctrl.type", self.type, tuple(KL_CONTROLLERS.names()))
+        one_of("algorithm.kl_ctrl.type", self.type, tuple(KL_CONTROLLERS.names()))
         if self.kl_coef < 0:
             raise ValueError(f"algorithm.kl_ctrl.kl_coef must be >= 0, got {self.kl_coef}")
         if self.type == "adaptive" and (self.target_kl <= 0 or self.horizon < 1):
@@ -209,7 +91,7 @@ class AlgorithmConfig(Section):
         if is_path(kl_name):
             KL_ESTIMATORS.get(kl_name)  # imports a module:function path; a bad one fails naming the key
         else:
-            _one_of("algorithm.kl_penalty", kl_name, tuple(KL_ESTIMATORS.names()))
+            one_of("algorithm.kl_penalty", kl_name, tuple(KL_ESTIMATORS.names()))
         self._check_rollout_is()
 
     def _check_rollout_is(self) -> None:
@@ -341,7 +223,7 @@ class TrainerConfig(ParityFields):
                 raise ValueError(
                     f"{key} names a directory level, so it must be a non-empty name without '/', got {name!r}"
                 )
-        _positive(
+        positive(
             **{
                 "trainer.total_epochs": self.total_epochs,
                 "trainer.cpus_per_worker": self.cpus_per_worker,
@@ -354,7 +236,7 @@ class TrainerConfig(ParityFields):
         for key, freq in (("trainer.test_freq", self.test_freq), ("trainer.save_freq", self.save_freq)):
             if freq == 0 or freq < -1:
                 raise ValueError(f"{key} must be -1 (off) or >= 1, got {freq}")
-        _one_of("trainer.resume_mode", self.resume_mode, ("auto", "disable", "resume_path"))
+        one_of("trainer.resume_mode", self.resume_mode, ("auto", "disable", "resume_path"))
         if self.resume_mode == "resume_path" and not self.resume_from_path:
             raise ValueError("trainer.resume_mode=resume_path needs trainer.resume_from_path")
         for name in self.logger:
@@ -377,9 +259,9 @@ class TrainerConfig(ParityFields):
                 "worker runs inside the controller, so nothing survives to restart it; set "
                 "trainer.max_restarts=0 or null"
             )
-        _one_of("trainer.device", self.device, ("cpu", "cuda"))
-        _one_of("trainer.backend", self.backend, ("ray", "local"))
-        _one_of("trainer.placement", self.placement, ("colocate", "split", "auto"))
+        one_of("trainer.device", self.device, ("cpu", "cuda"))
+        one_of("trainer.backend", self.backend, ("ray", "local"))
+        one_of("trainer.placement", self.placement, ("colocate", "split", "auto"))
         self._check_mode()
         if self.device == "cuda" and not _cuda_available():
             raise ValueError("trainer.device=cuda but torch sees no CUDA device here; use trainer.device=cpu")
@@ -397,7 +279,7 @@ class TrainerConfig(ParityFields):
             )
 
     def _check_mode(self) -> None:
-        _one_of("trainer.mode", self.mode, TRAINER_MODES)
+        one_of("trainer.mode", self.mode, TRAINER_MODES)
         s = self.max_staleness
         if s is not None and s < 0:
             raise ValueError(f"trainer.max_staleness must be >= 0 or null, got {s}")

@@ -11,7 +11,7 @@ from hybridflow.data.dataset import RLDataset, collate
 from hybridflow.data.loader import StatefulDataLoader
 from hybridflow.data.sft import build_sft_task
 from hybridflow.data.tasks import build_task
-from hybridflow.trainer.config import DataConfig, TaskFilesConfig
+from hybridflow.trainer.data_config import DataConfig, TaskFilesConfig
 from hybridflow.utils.atomic import atomic_dir
 
 

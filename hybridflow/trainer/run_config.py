@@ -19,7 +19,8 @@ from hybridflow.config_utils import Section
 from hybridflow.engine.config import OptimConfig
 from hybridflow.rollout.backends import ROLLOUT_BACKENDS
 from hybridflow.rollout.config import RolloutConfig
-from hybridflow.trainer.config import AlgorithmConfig, DataConfig, RewardConfig, TrainerConfig
+from hybridflow.trainer.config import AlgorithmConfig, TrainerConfig
+from hybridflow.trainer.data_config import DataConfig, RewardConfig
 from hybridflow.trainer.verl_dialect import VERL, VerlDialect
 from hybridflow.workers.config import (
     ActorConfig,

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field, replace
 from hybridflow.config_utils import ConfigError, Section, freeze, to_yaml
 from hybridflow.data.sft import check_sft_task
 from hybridflow.engine.config import EngineConfig, LoraConfig, OptimConfig
-from hybridflow.trainer.config import TaskFilesConfig, TrainerConfig, _one_of, _positive
+from hybridflow.trainer.config import TrainerConfig
+from hybridflow.trainer.data_config import TaskFilesConfig, one_of, positive
 from hybridflow.trainer.measure import Measurements
 from hybridflow.trainer.resolve import resolve_engine, resolve_schedule, resolve_trainer
 from hybridflow.workers.config import ModelConfig
@@ -70,14 +71,14 @@ class SFTDataConfig(TaskFilesConfig):
         super().__post_init__()
         if self.task and not self.train_files:
             check_sft_task(self.task, self.messages_key)
-        _positive(
+        positive(
             **{
                 "data.train_batch_size": self.train_batch_size,
                 "data.max_length": self.max_length,
                 "data.micro_batch_size_per_device": self.micro_batch_size_per_device,
             }
         )
-        _one_of("data.truncation", self.truncation, SFT_TRUNCATIONS)
+        one_of("data.truncation", self.truncation, SFT_TRUNCATIONS)
         for key, value in (
             ("data.prompt_key", self.prompt_key),
             ("data.response_key", self.response_key),
