@@ -37,9 +37,9 @@ from hybridflow.planner.device import (
 from hybridflow.planner.operators import EngineOperators
 
 DECODE_PROMPT = 16
-"""Prompt tokens before the timed decode steps. A decode step's cost is reading the weights, not the short
-cache: SmolLM2 in bf16, 32 rows, 1 thread on the slow-bf16 EPYC decoded at 2.17-2.89 ms a token after 16
-prompt tokens and 2.25-2.43 after 64, and the 16-token prefill the measurement subtracts costs a quarter."""
+"""Prompt tokens before the timed decode steps. A decode step's cost is reading the weights more than the short
+cache: SmolLM2 in bf16, 32 rows, 1 thread on the slow-bf16 EPYC decoded at 2.13-2.24 ms a token after 16 prompt
+tokens and 2.31-2.36 after 64, and the two generate calls took 2.6 s against 6.4 (bench/decode_prompt.py)."""
 
 
 @dataclass(frozen=True)
