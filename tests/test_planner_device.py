@@ -1,11 +1,12 @@
-"""The device profile's measurements (planner/device.py): the update split into micro-batches and the optimizer
-step, and a node's workers measured side by side, each cost the slowest worker's."""
+"""The device profile's measurements (planner/device.py, planner/profile_cli.py): the update split into
+micro-batches and the optimizer step, and a node's workers measured side by side, each cost the slowest
+worker's."""
 
 import pytest
 import torch
 
 from hybridflow.planner import device
-from hybridflow.planner.device import DevicePoint, concurrent_points, measure_point, slowest
+from hybridflow.planner.device import DevicePoint, measure_point, slowest
 
 
 class FakeClock:
@@ -65,14 +66,18 @@ def test_slowest_takes_every_cost_from_the_slowest_worker():
     ]
 
 
-@pytest.mark.slow  # ~15 s: two processes load a tiny model and time its operators in lock step
-def test_concurrent_points_measure_every_worker_of_the_node_at_once():
+@pytest.mark.slow  # ~15 s: two processes load a tiny model and time its operators in lock step, per shape
+def test_profile_as_one_of_two_workers_measures_both_at_once():
     from hybridflow.models import tiny_model_dir
+    from hybridflow.planner.profile_cli import profile_device
 
-    points, weight_sync = concurrent_points(
-        str(tiny_model_dir("llama")), (1,), [(2, 8)], torch.float32, 1, 2, workers=2
+    prof = profile_device(
+        str(tiny_model_dir("llama")), (1,), [(2, 8), (2, 4)], torch.float32, 1, collectives=True, workers=2
     )
-    (p,) = points
-    assert (p.threads, p.batch, p.length, p.decode_batch) == (1, 2, 8, 2)
-    assert min(p.forward_s_per_token, p.train_s_per_token, p.decode_s_per_token) > 0 and p.optimizer_s >= 0
-    assert weight_sync > 0
+    assert [(p.threads, p.batch, p.length, p.decode_batch, p.decode_prompt) for p in prof.points] == [
+        (1, 2, 8, 0, 0),
+        (1, 2, 4, 0, 0),
+    ]  # decode rows: each shape's batch; decode after each shape's length
+    for p in prof.points:
+        assert min(p.forward_s_per_token, p.train_s_per_token, p.decode_s_per_token) > 0 and p.optimizer_s >= 0
+    assert prof.weight_sync_s_per_byte > 0 and prof.allreduce_latency_s > 0

@@ -97,7 +97,7 @@ def test_device_profile_rounds_interleave_thread_counts_and_keep_each_best(monke
     monkeypatch.setattr(
         device,
         "measure_point",
-        lambda ops, t, b, n, repeats, decode_batch, sync, warm: (
+        lambda ops, t, b, n, repeats, decode_batch, warm: (
             calls.append(t),
             device.DevicePoint(t, b, n, next(times), 10.0 - len(calls), 1.0, decode_batch),
         )[1],
@@ -121,7 +121,7 @@ def test_profile_leaves_no_process_group_behind():
 
     code = (
         "import torch.distributed as dist\n"
-        "from hybridflow.planner.device import profile_device\n"
+        "from hybridflow.planner.profile_cli import profile_device\n"
         f"prof = profile_device({str(tiny_model_dir('llama'))!r}, (1,), [(2, 8)], repeats=1, collectives=False)\n"
         "assert prof.points[0].train_s_per_token > 0\n"
         "print('open after profile:', dist.is_initialized())\n"

@@ -1,15 +1,15 @@
-"""`hybridflow profile --model M [--out device_profile.json]`: per-token costs of the operators on this machine.
+"""A device profile: what the planner's cost model knows of a machine, and how each figure is measured.
 
-Measures, in this process, the run's own operators (planner/operators.py: the engine's log-prob pass and
-update, the native rollout's decode step) at each thread count of --threads and each (batch, length) point,
-the cost of copying the weights into a second copy (weight sync), and gloo collectives' latency and
-bandwidth between two processes. The cost model (planner/cost.py) reads the result: how much a worker
-speeds up with more threads, and what tensor / sequence parallel and FSDP collectives cost.
+`DeviceProfile` holds per-token seconds of the run's own operators (planner/operators.py: the engine's log-prob
+pass and update, the native rollout's decode step) at thread counts and (batch, length) points, the optimizer
+step's seconds, the weight-sync copy's cost per byte and gloo collectives' latency and bandwidth between two
+processes. `measure_point` and the functions beside it time them; `hybridflow profile` (planner/profile_cli.py)
+and the layout search (planner/layouts.py) call them. The cost model (planner/cost.py) reads the result: how
+much a worker speeds up with more threads, and what tensor / sequence parallel and FSDP collectives cost.
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import os
@@ -19,13 +19,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hybridflow.models import default_model_dir
 from hybridflow.planner.operators import EngineOperators
 from hybridflow.utils.atomic import atomic_file
 
@@ -161,7 +159,6 @@ def interleaved_points(
     shapes: Sequence[tuple[int, int]],
     rounds: int,
     decode_rows_per_thread: int = 0,
-    sync: Callable[[], None] = lambda: None,
 ) -> list[DevicePoint]:
     """Every (threads, shape) point measured once per round, the rounds one after another, each operator's
     best over the rounds kept. The thread speedups are ratios of points, so their points are measured
@@ -174,7 +171,7 @@ def interleaved_points(
         for t in threads:
             for b, n in shapes:
                 rows = decode_rows_per_thread * t
-                p = measure_point(ops, t, b, n, repeats=1, decode_batch=rows, sync=sync, warm=r == 0)
+                p = measure_point(ops, t, b, n, repeats=1, decode_batch=rows, warm=r == 0)
                 best[(t, b, n)] = fastest(best.get((t, b, n), p), p)
     return list(best.values())
 
@@ -246,143 +243,6 @@ def measure_allreduce() -> tuple[float, float, float, float]:
         return tuple(json.loads(Path(out).read_text()))
 
 
-def profile_device(
-    model_path: str,
-    threads: Sequence[int],
-    shapes: Sequence[tuple[int, int]],
-    dtype: torch.dtype = torch.float32,
-    repeats: int = 2,
-    collectives: bool = True,
-    decode_rows_per_thread: int = 0,
-    workers: int = 1,
-) -> DeviceProfile:
-    """Measure every (threads, shape) point (`repeats` interleaved rounds), the weight sync and (collectives)
-    the all-reduce for `model_path`; with `workers` > 1, as one of that many workers running at once
-    (`concurrent_points`)."""
-
-    if workers > 1:
-        points, weight_sync = concurrent_points(
-            model_path, threads, shapes, dtype, repeats, decode_rows_per_thread, workers
-        )
-    else:
-        points, weight_sync = _points_here(model_path, threads, shapes, dtype, repeats, decode_rows_per_thread)
-    latency, per_byte, gather, scatter = measure_allreduce() if collectives else (0.0, 0.0, 0.0, 0.0)
-    return DeviceProfile(
-        model_path, str(dtype).removeprefix("torch."), points, weight_sync, latency, per_byte, gather, scatter
-    )
-
-
-def _points_here(
-    model_path: str,
-    threads: Sequence[int],
-    shapes: Sequence[tuple[int, int]],
-    dtype: torch.dtype,
-    rounds: int,
-    decode_rows_per_thread: int,
-    sync: Callable[[], None] = lambda: None,
-) -> tuple[list[DevicePoint], float]:
-    """The points and the weight sync's seconds per byte, measured in this process."""
-    had_group = dist.is_initialized()
-    ops = EngineOperators(model_path, dtype)  # opens a world-size-1 process group when none is open
-    saved_threads = torch.get_num_threads()
-    try:
-        points = interleaved_points(ops, threads, shapes, rounds, decode_rows_per_thread, sync)
-        return points, measure_weight_sync(ops.rollout_model)
-    finally:
-        torch.set_num_threads(saved_threads)
-        del ops
-        if not had_group and dist.is_initialized():  # e.g. the controller profiling for placement=auto
-            dist.destroy_process_group()
-
-
-def _concurrent_worker(rank: int, args: tuple, barrier: Any, out_dir: str) -> None:
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):  # inherited from a parent that is a rank (local backend)
-        os.environ.pop(name, None)  # each process measures as its own world of one
-    points, weight_sync = _points_here(*args, sync=barrier.wait)
-    Path(out_dir, f"{rank}.json").write_text(json.dumps([weight_sync, [asdict(p) for p in points]]))
-
-
-def concurrent_points(
-    model_path: str,
-    threads: Sequence[int],
-    shapes: Sequence[tuple[int, int]],
-    dtype: torch.dtype,
-    rounds: int,
-    decode_rows_per_thread: int,
-    workers: int,
-) -> tuple[list[DevicePoint], float]:
-    """The points of one worker among `workers` running at once on this node: measured in `workers`
-    processes in lock step (a barrier before every timed call), each cost the slowest process's, since a
-    step waits for its slowest worker. Workers that share a node's cores share its memory bandwidth and
-    caches too, which a process timed alone does not see."""
-    ctx = mp.get_context("spawn")
-    barrier = ctx.Barrier(workers)
-    args = (model_path, threads, shapes, dtype, rounds, decode_rows_per_thread)
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_concurrent_worker, (args, barrier, tmp), nprocs=workers, start_method="spawn")
-        results = [json.loads(Path(tmp, f"{r}.json").read_text()) for r in range(workers)]
-    per_worker = [[DevicePoint(**p) for p in points] for _, points in results]
-    return slowest(per_worker), max(w for w, _ in results)
-
-
 def slowest(per_worker: Sequence[Sequence[DevicePoint]]) -> list[DevicePoint]:
     """Each point (the same order in every worker's list) with every cost the largest any worker measured."""
     return [replace(same[0], **{c: max(getattr(p, c) for p in same) for c in COSTS}) for same in zip(*per_worker)]
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of `hybridflow profile`."""
-    parser = argparse.ArgumentParser(
-        prog="hybridflow profile", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--model", required=True, help="HF model directory (or 'default' for SmolLM2)")
-    parser.add_argument("--out", default="device_profile.json")
-    parser.add_argument("--threads", default=f"1,{os.cpu_count() or 1}", help="comma-separated thread counts")
-    parser.add_argument("--shapes", default="4x64,8x128", help="comma-separated BATCHxLENGTH points")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    parser.add_argument("--repeats", type=int, default=2, help="interleaved rounds (each point: best over them)")
-    parser.add_argument(
-        "--workers",
-        type=int,
-        default=1,
-        help="measure as one of this many workers running at once (the slowest's costs)",
-    )
-    parser.add_argument(
-        "--decode-rows-per-thread",
-        type=int,
-        default=0,
-        help="decode a batch of this x threads rows (default: each shape's BATCH); a run's rows "
-        "per worker over its threads per worker",
-    )
-    return parser
-
-
-def main(argv: Sequence[str]) -> int:
-    """CLI of `hybridflow profile`; returns the exit code."""
-    args = build_parser().parse_args(argv)
-    threads = sorted({int(t) for t in args.threads.split(",")})
-    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
-    model = args.model
-    if model == "default":
-        model = str(default_model_dir())
-    prof = profile_device(
-        model,
-        threads,
-        shapes,
-        getattr(torch, args.dtype),
-        args.repeats,
-        decode_rows_per_thread=args.decode_rows_per_thread,
-        workers=args.workers,
-    )
-    prof.save(Path(args.out))
-    for p in prof.points:
-        print(
-            f"threads {p.threads} {p.batch}x{p.length}: forward {p.forward_s_per_token * 1e3:.3f} ms/token, "
-            f"train {p.train_s_per_token * 1e3:.3f} + optimizer step {p.optimizer_s:.3f} s, "
-            f"decode {p.decode_s_per_token * 1e3:.3f}"
-        )
-    print(
-        f"weight sync {prof.weight_sync_s_per_byte * 1e9:.3f} s/GB; all-reduce {prof.allreduce_latency_s * 1e6:.0f} us "
-        f"+ {prof.allreduce_s_per_byte * 1e9:.2f} s/GB; wrote {args.out}"
-    )
-    return 0

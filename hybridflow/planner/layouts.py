@@ -62,16 +62,18 @@ def profile_layouts(
     shape: tuple[int, int],
     dtype: torch.dtype,
     rounds: int = 3,
+    decode_prompt: int = DECODE_PROMPT,
 ) -> list[DeviceProfile]:
     """The profile of each of `layouts` (same order) at one (batch, length) `shape`: each cost the best over
-    `rounds` of the slowest worker's; gloo's collectives, timed between two of the processes (or two more
-    where the layouts have one worker each), priced in the profiles of the layouts that ask for them."""
+    `rounds` of the slowest worker's, the decode steps after `decode_prompt` tokens (0: `shape`'s length); gloo's
+    collectives, timed between two of the processes (or two more where the layouts have one worker each),
+    priced in the profiles of the layouts that ask for them."""
     procs = max(layout.workers for layout in layouts)
     ctx = mp.get_context("spawn")
     barriers = {w: ctx.Barrier(w) for w in {layout.workers for layout in layouts}}
     everyone = ctx.Barrier(procs)
     wanted = any(layout.collectives for layout in layouts)
-    args = (model_path, tuple(layouts), shape, dtype, rounds, barriers, everyone, wanted and procs >= 2)
+    args = (model_path, tuple(layouts), shape, dtype, rounds, decode_prompt, barriers, everyone, wanted and procs >= 2)
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(_layout_worker, (args, tmp), nprocs=procs, start_method="spawn")
         results = [json.loads(Path(tmp, f"{rank}.json").read_text()) for rank in range(procs)]
@@ -88,7 +90,7 @@ def profile_layouts(
 
 
 def _layout_worker(rank: int, args: tuple, out_dir: str) -> None:
-    model_path, layouts, shape, dtype, rounds, barriers, everyone, collectives = args
+    model_path, layouts, shape, dtype, rounds, decode_prompt, barriers, everyone, collectives = args
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):  # inherited from a parent that is a rank (local backend)
         os.environ.pop(name, None)  # each process measures as its own world of one
     ops = EngineOperators(model_path, dtype)  # opens a world-size-1 process group
@@ -96,7 +98,7 @@ def _layout_worker(rank: int, args: tuple, out_dir: str) -> None:
     for r in range(rounds):
         for i, layout in enumerate(layouts):
             if rank < layout.workers:
-                timing = {"decode_batch": layout.decode_rows, "decode_prompt": DECODE_PROMPT, "warm": r == 0}
+                timing = {"decode_batch": layout.decode_rows, "decode_prompt": decode_prompt, "warm": r == 0}
                 p = measure_point(ops, layout.threads, *shape, 1, sync=barriers[layout.workers].wait, **timing)
                 best[i] = fastest(best.get(i, p), p)
             everyone.wait()  # the idle processes wait: the next layout starts with every process free
