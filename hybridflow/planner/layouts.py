@@ -6,8 +6,8 @@ against 2 x 1). A layout's profile is the costs of one of its workers while all 
 every layout, round after round, each layout once per round on its first `workers` processes while the
 rest wait: the ranking compares layouts, so a slow spell of the machine lands on every layout of a round
 alike; each process loads the model once, warms each operator up once, and times the collectives in the
-same processes. Profiled one layout at a time (a set per layout, two warm-ups per point), the search took
-2m02s-2m24s on the slow-bf16 EPYC and its two layouts' predictions moved 10-25% between runs.
+same processes. On the slow-bf16 EPYC the search took 1m23s-1m29s this way, 2m02s-2m24s with a set of
+processes per layout and two warm-ups per point.
 """
 
 from __future__ import annotations
