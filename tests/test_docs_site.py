@@ -22,7 +22,7 @@ import yaml
 from hybridflow import keys as K
 from hybridflow.config_utils import load_config
 from hybridflow.planner.device import DevicePoint, DeviceProfile
-from hybridflow.planner.device import build_parser as profile_parser
+from hybridflow.planner.profile_cli import build_parser as profile_parser
 from hybridflow.trainer.args import parse_args
 from hybridflow.trainer.cli import build_parser
 from hybridflow.trainer.config_doc import missing_docs, render
