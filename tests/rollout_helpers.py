@@ -54,3 +54,11 @@ def add_eos_bias(model: nn.Module, eos_id: int, value: float) -> None:
     bias = torch.zeros(model.lm_head.out_features, dtype=model.lm_head.weight.dtype)
     bias[eos_id] = value
     model.lm_head.bias = nn.Parameter(bias)
+
+
+def without_bf16_products(monkeypatch) -> None:
+    """Run the panel kernel without its bf16 products (`panel.DOT`), as a CPU without avx512_bf16 does."""
+    from hybridflow.rollout import panel  # noqa: PLC0415
+
+    if panel.kernel() is not None:
+        monkeypatch.delitem(panel._kernels, panel.DOT, raising=False)

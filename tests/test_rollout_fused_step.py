@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from rollout_helpers import add_eos_bias, prompt_batch, recomputed_log_probs, tiny
+from rollout_helpers import add_eos_bias, prompt_batch, recomputed_log_probs, tiny, without_bf16_products
 
 import hybridflow.rollout.decoder as decoder
 from hybridflow.keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, RESPONSE_MASK, RESPONSES, ROLLOUT_LOG_PROBS
@@ -16,6 +16,7 @@ from hybridflow.rollout.native import NativeRollout
 needs_kernel = pytest.mark.skipif(
     panel.kernel(panel.DECODE_STEP) is None, reason="no AVX2 + FMA CPU or no C compiler here"
 )
+needs_dot = pytest.mark.skipif(panel.kernel(panel.DOT) is None, reason="no avx512_bf16 CPU (or compiler) here")
 CFG = RolloutConfig(name="native", dtype="fp32", response_length=12, calculate_log_probs=True)
 
 
@@ -52,13 +53,22 @@ def _prefilled(model, tok, fused: bool, weight_dtype: torch.dtype | None = None)
 
 
 @needs_kernel
-@pytest.mark.parametrize("weight_dtype", [None, torch.bfloat16])
-def test_each_fused_step_gives_the_torch_steps_logits(weight_dtype):
-    """Step by step, through a reordering with repeats (`select`), in fp32 panels and in bf16 panels."""
-    model, tok = tiny("llama")
+@pytest.mark.parametrize(
+    "weight_dtype, model_dtype",
+    [(None, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16)],
+    ids=["panels", "bf16_panels", "bf16_dot"],
+)
+def test_each_fused_step_gives_the_torch_steps_logits(weight_dtype, model_dtype):
+    """Step by step, through a reordering with repeats (`select`), in fp32 panels, in bf16 panels and (a bf16
+    model where the CPU has bf16 products) in bf16 panels of column pairs."""
+    model, tok = tiny("llama", dtype=model_dtype)
     fused, eager = _prefilled(model, tok, True, weight_dtype), _prefilled(model, tok, False, weight_dtype)
     assert fused.fused is not None and eager.fused is None
     path = "bf16_panels" if weight_dtype else "panels"
+    if model_dtype == torch.bfloat16:
+        if panel.kernel(panel.DOT) is None:
+            pytest.skip("no avx512_bf16 CPU (or compiler) here")
+        path = "bf16_dot"
     assert {lin.path for w in fused.layers for lin in (w.qkv, w.o, w.gate_up, w.down)} == {path}
     pos = prompt_batch(tok).batch[POSITION_IDS][:, -1] + 1
     tokens = torch.tensor([5, 17, 300])
@@ -83,9 +93,11 @@ def test_the_torch_path_runs_where_the_fused_step_does_not_cover_the_decoder(mon
 
 
 @needs_kernel
-def test_a_bf16_model_on_bf16_panels_decodes_as_its_fp32_copy_does():
-    """A bf16 model's own weights in bf16 panels, fp32 math: the same logits, bit for bit, as the fp32 model holding
-    the same (bf16-representable) weights with rollout.weight_dtype=bf16, through prefill and fused steps."""
+def test_a_bf16_model_on_bf16_panels_decodes_as_its_fp32_copy_does(monkeypatch):
+    """A bf16 model's own weights in bf16 panels, fp32 math (a CPU without bf16 products): the same logits, bit for
+    bit, as the fp32 model holding the same (bf16-representable) weights with rollout.weight_dtype=bf16, through
+    prefill and fused steps."""
+    without_bf16_products(monkeypatch)
     bf16_model, tok = tiny("qwen2", dtype=torch.bfloat16)  # qwen2: q/k/v biases, widened to fp32 for the kernel
     fp32_model, _ = tiny("qwen2", dtype=torch.bfloat16)
     fp32_model.float()
@@ -101,10 +113,12 @@ def test_a_bf16_model_on_bf16_panels_decodes_as_its_fp32_copy_does():
 
 @needs_kernel
 def test_a_bf16_rollout_takes_bf16_panels_at_a_few_rows_only(monkeypatch):
-    """Up to BF16_PANEL_MAX_ROWS rows (prompts x n) a bf16 rollout samples on the fused fp32 step over its bf16
-    weights, the same tokens as an fp32 copy with rollout.weight_dtype=bf16; more rows keep oneDNN's bf16 path."""
+    """Without bf16 products, up to BF16_PANEL_MAX_ROWS rows (prompts x n) a bf16 rollout samples on the fused fp32
+    step over its bf16 weights, the same tokens as an fp32 copy with rollout.weight_dtype=bf16; more rows keep
+    oneDNN's bf16 path."""
     import hybridflow.rollout.native as native
 
+    without_bf16_products(monkeypatch)
     bf16_model, tok = tiny("llama", dtype=torch.bfloat16)
     rollout = NativeRollout(replace(CFG, dtype="bf16", n=2), bf16_model, tok)
     small, large = rollout._decoder(native.BF16_PANEL_MAX_ROWS), rollout._decoder(native.BF16_PANEL_MAX_ROWS + 1)
@@ -117,3 +131,23 @@ def test_a_bf16_rollout_takes_bf16_panels_at_a_few_rows_only(monkeypatch):
     assert torch.equal(out.batch[ROLLOUT_LOG_PROBS], ref.batch[ROLLOUT_LOG_PROBS])
     monkeypatch.setattr(decoder, "FUSED_DECODE", False)  # without the fused step the bf16 products stay faster
     assert rollout._decoder(2).dtype == torch.bfloat16
+
+
+@needs_dot
+def test_a_bf16_rollout_runs_bf16_products_at_any_rows(monkeypatch):
+    """Where the CPU has bf16 products a bf16 rollout decodes in the fused step on them at any number of rows; its
+    log-probs are the bf16 model's own forward's to bf16 precision, and nearer the fp32 copy's than that forward."""
+    import hybridflow.rollout.native as native
+
+    model, tok = tiny("llama", dtype=torch.bfloat16)
+    add_eos_bias(model, tok.eos_token_id, 6.0)
+    rollout = NativeRollout(replace(CFG, dtype="bf16", n=4), model, tok)
+    for rows in (1, native.BF16_PANEL_MAX_ROWS + 1, 256):
+        dec = rollout._decoder(rows)
+        assert dec.fused is not None and dec.fused.kind == 2 and dec.dtype == torch.float32
+    out = rollout.generate_sequences(prompt_batch(tok))
+    assert out.batch[RESPONSE_MASK].sum() > 12
+    mine, bf16_forward = out.batch[ROLLOUT_LOG_PROBS], recomputed_log_probs(model, out)
+    fp32_forward = recomputed_log_probs(model.float(), out)
+    torch.testing.assert_close(mine, bf16_forward, atol=0.01, rtol=0)
+    assert (mine - fp32_forward).abs().mean() < (bf16_forward - fp32_forward).abs().mean()

@@ -8,10 +8,12 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
+from rollout_helpers import without_bf16_products
 
 from hybridflow.rollout import panel
 
 needs_kernel = pytest.mark.skipif(panel.kernel() is None, reason="no AVX2 + FMA CPU or no C compiler here")
+needs_dot = pytest.mark.skipif(panel.kernel(panel.DOT) is None, reason="no avx512_bf16 CPU (or compiler) here")
 
 
 @needs_kernel
@@ -33,9 +35,14 @@ def test_panel_products_keep_leading_dims_and_take_strided_inputs():
 
 
 def test_avx512_is_built_where_torch_runs_avx512(monkeypatch):
-    for capability, avx512 in (("AVX512", True), ("AVX2", False), ("DEFAULT", False)):
-        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
-        assert ("-mavx512f" in panel.flags()) == avx512 and set(panel.FLAGS) <= set(panel.flags())
+    """AVX-512 where torch's capability is AVX512; its bf16 products only there and where the CPU lists them."""
+    for cpu_bf16 in (True, False):
+        listed = {"avx2", "fma", "avx512f", *["avx512_bf16"] * cpu_bf16}
+        monkeypatch.setattr(panel, "_cpu_flags", lambda listed=listed: listed)
+        for capability, avx512 in (("AVX512", True), ("AVX2", False), ("DEFAULT", False)):
+            monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
+            assert ("-mavx512f" in panel.flags()) == avx512 and set(panel.FLAGS) <= set(panel.flags())
+            assert ("-mavx512bf16" in panel.flags()) == (avx512 and cpu_bf16)
 
 
 BUILDS = [panel.FLAGS] + [panel.FLAGS + panel.AVX512_FLAGS] * (torch.backends.cpu.get_cpu_capability() == "AVX512")
@@ -111,11 +118,12 @@ def test_bf16_panels_compute_in_fp32_on_the_rounded_weights():
 
 
 @needs_kernel
-def test_a_bf16_weight_takes_bf16_panels_or_casts_fp32_inputs_where_it_cannot():
+def test_a_bf16_weight_takes_bf16_panels_or_casts_fp32_inputs_where_it_cannot(monkeypatch):
     """A bf16 model's weight with bf16 panels asked for: the same numbers as the fp32 copy's bf16 panels (bias
     widened); where its rows are not whole panels (40) it keeps a bf16 path and casts fp32 inputs to bf16."""
     import hybridflow.rollout.linear as linear
 
+    without_bf16_products(monkeypatch)
     w, b, x = torch.randn(48, 40).bfloat16(), torch.randn(48).bfloat16(), torch.randn(7, 40)
     lin = linear.Linear(w, b, weight_dtype=torch.bfloat16)
     assert lin.path == "bf16_panels" and lin.bias.dtype == torch.float32
@@ -187,3 +195,53 @@ def test_the_tiled_repack_writes_the_panel_layout(k: int, monkeypatch):
         want = weight.reshape(3, 16, k).transpose(1, 2)
         assert torch.equal(panel.to_panels(weight), want)
     assert asked.count(panel._REPACK) == 2
+
+
+@needs_dot
+@pytest.mark.parametrize("rows", [1, 5, 12, 13, 25, 64])
+def test_dot_products_are_bf16_products_with_fp32_sums(rows: int):
+    """`panel.DOT` on panels of column pairs: x rounded to bf16 (nearest even; 34 inputs: a rounding tail past
+    the 16-wide conversion), products of bf16 values summed in fp32, the bias added in fp32."""
+    torch.manual_seed(rows)
+    for n, k in ((48, 34), (64, 576)):
+        w, b, x = torch.randn(n, k).bfloat16(), torch.randn(n), torch.randn(rows, k)
+        panels = panel.to_panels(w, dtype=torch.bfloat16, pairs=True)
+        laid = panels.view(n // panel.PANEL, k // 2, panel.PANEL, 2)
+        assert torch.equal(laid[1, 3, 5], w[panel.PANEL + 5, 6:8])  # panel 1, column 5, inputs 6 and 7
+        y = panel.panel_linear(x, panels, b, panel.kernel(panel.DOT))
+        want = (x.bfloat16().double() @ w.double().T + b.double()).float()
+        torch.testing.assert_close(y, want, atol=1e-5 * k**0.5, rtol=1e-5)
+        assert not torch.allclose(y, F.linear(x, w.float(), b), atol=1e-4, rtol=0)  # x was rounded
+
+
+@needs_dot
+def test_a_bf16_weight_takes_the_bf16_products_where_they_run():
+    """A bf16 model's own weight with bf16 panels asked for: "bf16_dot"; an fp32 weight rounded to bf16
+    (rollout.weight_dtype=bf16) keeps fp32 math; an odd number of inputs cannot pair."""
+    import hybridflow.rollout.linear as linear
+
+    w, b, x = torch.randn(48, 40).bfloat16(), torch.randn(48).bfloat16(), torch.randn(7, 40)
+    lin = linear.Linear(w, b, weight_dtype=torch.bfloat16)
+    assert lin.path == "bf16_dot" and lin.bias.dtype == torch.float32
+    torch.testing.assert_close(lin(x), F.linear(x.bfloat16().float(), w.float(), b.float()), atol=1e-5, rtol=1e-5)
+    assert linear.Linear(w.float(), b.float(), weight_dtype=torch.bfloat16).path == "bf16_panels"
+    assert linear.Linear(w[:, :39], b, weight_dtype=torch.bfloat16).path == "bf16_panels"
+    assert not panel.fits(w.float(), pairs=True)
+
+
+def test_a_compiler_without_avx512_bf16_still_builds_the_rest(monkeypatch, caplog):
+    """The build with -mavx512bf16 fails: the library is built without it, `panel.DOT` absent, the rest there."""
+    if not panel._cpu_has_avx2_fma():
+        pytest.skip("no AVX2 + FMA CPU here")
+    real = panel._build
+
+    def build(flags):
+        if set(panel.BF16_FLAGS) <= set(flags):
+            raise OSError("cc: error: unrecognized command-line option '-mavx512bf16'")
+        return real(flags)
+
+    monkeypatch.setattr(panel, "_build", build)
+    with caplog.at_level(logging.WARNING):
+        kernels = panel._load([*panel.FLAGS, *panel.BF16_FLAGS])
+    assert kernels is not None and panel.DOT not in kernels and torch.float32 in kernels
+    assert "bf16 products did not build" in caplog.text

@@ -13,13 +13,24 @@
 void hf_panel_linear(const float* x, long M, const float* wp, const float* bias, long N, long K, float* y, int threads);
 void hf_panel_linear_bf16(const float* x, long M, const uint16_t* wp, const float* bias, long N, long K, float* y,
                           int threads);
+void hf_panel_linear_dot(const float* x, long M, const uint16_t* wp, const float* bias, long N, long K, float* y,
+                         int threads);
 
 /* per layer, in this order, in the pointer table the caller passes */
 enum { LN1, QKV, QKV_BIAS, O, O_BIAS, LN2, GATE_UP, GATE_UP_BIAS, DOWN, DOWN_BIAS, PER_LAYER };
 
-static void linear(int bf16, const float* x, long M, const void* wp, const void* bias, long N, long K, float* y,
+/* the panels' kind, as fused_step.py passes it */
+enum { FP32_PANELS, BF16_PANELS, BF16_DOT_PANELS };
+
+static void linear(int kind, const float* x, long M, const void* wp, const void* bias, long N, long K, float* y,
                    int threads) {
-    if (bf16)
+#ifdef __AVX512BF16__
+    if (kind == BF16_DOT_PANELS) {
+        hf_panel_linear_dot(x, M, (const uint16_t*)wp, (const float*)bias, N, K, y, threads);
+        return;
+    }
+#endif
+    if (kind == BF16_PANELS)
         hf_panel_linear_bf16(x, M, (const uint16_t*)wp, (const float*)bias, N, K, y, threads);
     else
         hf_panel_linear(x, M, (const float*)wp, (const float*)bias, N, K, y, threads);
@@ -131,7 +142,7 @@ static void silu_mul(const float* gu, float* act, long B, long I) {
 /* h [B][H]: the new tokens' embeddings in, the last layer's residual stream out; x [B][H]: the final norm of it.
  * Caches [layers][B][Hkv][T][D]; key_mask [B][T] (slot `length` already set); cos/sin tables [positions][D];
  * pos [B]: each row's rotary position. scratch: B * ((Hq + 2 Hkv) D + Hq D + H + 3 I) floats. */
-void hf_decode_step(const void* const* w, long layers, int bf16, float* h, float* x, long B, long H, long Hq,
+void hf_decode_step(const void* const* w, long layers, int kind, float* h, float* x, long B, long H, long Hq,
                     long Hkv, long D, long I, float* k_cache, float* v_cache, long T, const uint8_t* key_mask,
                     long length, const float* cos, const float* sin, const long* pos, const float* final_norm,
                     float eps, float scale, float* scratch, int threads) {
@@ -140,7 +151,7 @@ void hf_decode_step(const void* const* w, long layers, int bf16, float* h, float
     add_rms_norm(h, 0, (const float*)w[LN1], x, B, H, eps);
     for (long i = 0; i < layers; ++i) {
         const void* const* lw = w + i * PER_LAYER;
-        linear(bf16, x, B, lw[QKV], lw[QKV_BIAS], QKV_N, H, qkv, threads);
+        linear(kind, x, B, lw[QKV], lw[QKV_BIAS], QKV_N, H, qkv, threads);
         float *kc = k_cache + i * B * Hkv * T * D, *vc = v_cache + i * B * Hkv * T * D;
         _Pragma("omp parallel for collapse(2) schedule(static) num_threads(threads)")
         for (long b = 0; b < B; ++b)
@@ -158,11 +169,11 @@ void hf_decode_step(const void* const* w, long layers, int bf16, float* h, float
                 attend(row + kv * G * D, G, kslot, vslot, key_mask + b * T, length + 1, D, scale,
                        attn + b * Hq * D + kv * G * D);
             }
-        linear(bf16, attn, B, lw[O], lw[O_BIAS], H, Hq * D, delta, threads);
+        linear(kind, attn, B, lw[O], lw[O_BIAS], H, Hq * D, delta, threads);
         add_rms_norm(h, delta, (const float*)lw[LN2], x, B, H, eps);
-        linear(bf16, x, B, lw[GATE_UP], lw[GATE_UP_BIAS], 2 * I, H, gu, threads);
+        linear(kind, x, B, lw[GATE_UP], lw[GATE_UP_BIAS], 2 * I, H, gu, threads);
         silu_mul(gu, act, B, I);
-        linear(bf16, act, B, lw[DOWN], lw[DOWN_BIAS], H, I, delta, threads);
+        linear(kind, act, B, lw[DOWN], lw[DOWN_BIAS], H, I, delta, threads);
         const float* next = i + 1 < layers ? (const float*)w[(i + 1) * PER_LAYER + LN1] : final_norm;
         add_rms_norm(h, delta, next, x, B, H, eps);
     }

@@ -23,13 +23,14 @@ from hybridflow.rollout import panel
 if TYPE_CHECKING:
     from hybridflow.rollout.decoder import StaticLlamaDecoder
 
-_BF16 = {"panels": 0, "bf16_panels": 1}
-"""The layer products' path -> decode_step.c's `bf16` flag."""
+_KIND = {"panels": 0, "bf16_panels": 1, "bf16_dot": 2}
+"""The layer products' path -> decode_step.c's `kind` of panels."""
 
 
 def fused_path(model: nn.Module, weight_dtype: torch.dtype | None) -> str | None:
     """The panel layout (rollout/linear.py) the fused step multiplies with, where it covers a one-rank decoder of
-    `model`: fp32, or bf16 held in bf16 panels (`weight_dtype` bf16), the step's C code built here, every layer
+    `model`: fp32, or bf16 held in bf16 panels (`weight_dtype` bf16; a bf16 model's own weights in `panel.DOT`'s
+    panels of column pairs where that kernel was built), the step's C code built here, every layer
     product whole panels, the hidden size, head size and MLP width multiples of 8. Else None: no fused step, the
     decoder's own choice of layouts."""
     cfg = model.config
@@ -44,6 +45,8 @@ def fused_path(model: nn.Module, weight_dtype: torch.dtype | None) -> str | None
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     if any(n % 8 for n in (cfg.hidden_size, head_dim, cfg.intermediate_size)):
         return None
+    if dtype == torch.bfloat16 and panel.kernel(panel.DOT) is not None:
+        return "bf16_dot"
     return "bf16_panels" if weight_dtype == torch.bfloat16 else "panels"
 
 
@@ -55,7 +58,7 @@ class FusedStep:
     def __init__(self, dec: StaticLlamaDecoder) -> None:
         self.fn = panel.kernel(panel.DECODE_STEP)
         cfg = dec.model.config
-        self.bf16 = _BF16[dec.layers[0].qkv.path]
+        self.kind = _KIND[dec.layers[0].qkv.path]
         self.hidden, self.inter = cfg.hidden_size, cfg.intermediate_size
         self.final_norm = dec.final_norm.detach().contiguous()
         self.keep: list[Tensor] = [self.final_norm]  # every tensor the table points into stays alive with it
@@ -83,7 +86,7 @@ class FusedStep:
         self.fn(
             self.table,
             len(dec.layers),
-            self.bf16,
+            self.kind,
             h.data_ptr(),
             x.data_ptr(),
             b,

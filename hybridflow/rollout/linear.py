@@ -8,9 +8,11 @@ lays its weight out once per generate call (the decoder is built per call) in on
 - "packed": reordered once into oneDNN's blocked layout;
 - "panels": fp32 in 16-column panels for hybridflow's AVX2 / AVX-512 kernel (rollout/panel.py);
 - "bf16_panels": the weight in bf16 in those panels, fp32 math: an fp32 weight rounded (rollout.weight_dtype=bf16)
-  or a bf16 model's own weight (a few rows of a bf16 rollout, rollout/native.py).
-Where bf16 panels are asked for and the kernel runs they are used; otherwise bf16 is packed wherever oneDNN has
-bf16, and fp32 takes whichever a timing of the shape in this process finds fastest (once per shape and process).
+  or a bf16 model's own weight (a few rows of a bf16 rollout, rollout/native.py);
+- "bf16_dot": a bf16 model's own weight in panels of column pairs, bf16 products with fp32 sums (AVX512-BF16 CPUs).
+Where bf16 panels are asked for and the kernel runs they are used (a bf16 weight's "bf16_dot" where its kernel was
+built); otherwise bf16 is packed wherever oneDNN has bf16, and fp32 takes whichever a timing of the shape in this
+process finds fastest (once per shape and process).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from torch import Tensor
 
 from hybridflow.rollout import panel
 
-_PANEL_DTYPE = {"panels": torch.float32, "bf16_panels": torch.bfloat16}
+_PANEL_DTYPE = {"panels": torch.float32, "bf16_panels": torch.bfloat16, "bf16_dot": torch.bfloat16}
 
 
 class Linear:
@@ -47,14 +49,16 @@ class Linear:
         dtype = _PANEL_DTYPE.get(self.path)
         # the panel kernel adds an fp32 bias (a bf16 model's bias is widened: exact)
         self.bias = bias.detach().float() if dtype is not None and bias is not None else bias
-        self.panels = None if dtype is None else panel.to_panels(*blocks, dtype=dtype)
+        dot = self.path == "bf16_dot"
+        self.panels = None if dtype is None else panel.to_panels(*blocks, dtype=dtype, pairs=dot)
+        self.kernel = panel.kernel(panel.DOT) if dot else None  # None: the panels' dtype's kernel
         stack = None if dtype is not None else first if len(blocks) == 1 else torch.cat(blocks)
         self.packed = _reorder(stack, rows_hint) if self.path == "packed" else None
         self.weight = stack if self.path == "plain" else None  # a packed or panel copy replaces it
 
     def __call__(self, x: Tensor) -> Tensor:
         if self.panels is not None:
-            return panel.panel_linear(x, self.panels, self.bias)
+            return panel.panel_linear(x, self.panels, self.bias, self.kernel)
         # x.to: fp32 activations of a bf16 model on panels elsewhere (e.g. a vocabulary not in whole panels)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x.to(self.packed.dtype), self.packed, self.bias, "none", [], "")
@@ -72,10 +76,13 @@ _FASTEST: dict[tuple[int | str, ...], str] = {}
 
 
 def _choose(weight: Tensor, rows: int, weight_dtype: torch.dtype | None = None) -> str:
-    """`weight_dtype` bf16: "bf16_panels" where the panel kernel runs. bf16 otherwise: "packed" where oneDNN has
+    """`weight_dtype` bf16: "bf16_dot" for a bf16 weight where that kernel was built, else "bf16_panels" where
+    the panel kernel runs. bf16 otherwise: "packed" where oneDNN has
     bf16 (SmolLM2, 64 rows: 1.3-1.8x F.linear, bit-identical). fp32 otherwise: the fastest available path
     on `rows` random rows (on the avx2-only EPYC, MKL's fp32 product at 8 rows took 3.7x oneDNN's on the LM
     head; bench/decode_weights.py compares them)."""
+    if weight_dtype == torch.bfloat16 and panel.fits(weight, pairs=True) and panel.kernel(panel.DOT) is not None:
+        return "bf16_dot"
     if weight_dtype == torch.bfloat16 and panel.fits(weight, torch.bfloat16) and panel.kernel() is not None:
         return "bf16_panels"
     usable = _usable_paths(weight)

@@ -119,10 +119,12 @@ class NativeRollout(ModuleRollout):
         return HFDecoder(self.model)
 
     def _bf16_on_panels(self, rows: int) -> bool:
-        """Whether a bf16 model decodes `rows` rows in the fused step on its weights in bf16 panels."""
-        if not 0 < rows <= BF16_PANEL_MAX_ROWS or self.tp_size > 1 or not decoder.FUSED_DECODE:
+        """Whether a bf16 model decodes `rows` rows in the fused step on its weights in bf16 panels: at any
+        number of rows with bf16 products (`panel.DOT`), at most `BF16_PANEL_MAX_ROWS` with fp32 math."""
+        if self.tp_size > 1 or not decoder.FUSED_DECODE or self.model.dtype != torch.bfloat16:
             return False
-        return self.model.dtype == torch.bfloat16 and fused_path(self.model, torch.bfloat16) is not None
+        path = fused_path(self.model, torch.bfloat16)
+        return path == "bf16_dot" or (path is not None and 0 < rows <= BF16_PANEL_MAX_ROWS)
 
     def _generate(
         self, ids: Tensor, mask: Tensor, pos: Tensor, params: SamplingParams

@@ -1,5 +1,6 @@
 /* y[M, N] = x[M, K] W^T (+ b) in fp32 with W laid out in panels of 16 output columns: wp[N / 16][K][16], in
- * fp32 (hf_panel_linear) or bf16 (hf_panel_linear_bf16: widened to fp32 as loaded, half the bytes to read).
+ * fp32 (hf_panel_linear) or bf16 (hf_panel_linear_bf16: widened to fp32 as loaded, half the bytes to read); with
+ * AVX512-BF16, bf16 products on bf16 panels of column pairs (hf_panel_linear_dot, below).
  *
  * Built and loaded by hybridflow/rollout/panel.py (gcc -O3 -mavx2 -mfma -fopenmp; -mavx512f adds the AVX-512
  * products below). Each thread takes a run of whole panels, so it reads the weights front to back; a block of up
@@ -10,6 +11,7 @@
 #include <immintrin.h>
 
 #include <stdint.h>
+#include <stdlib.h>
 
 #define PREFETCH_BYTES 1024
 
@@ -119,6 +121,66 @@ static inline __m512 load16_bf16(const uint16_t* w) {
 
 KERNEL16(hf_panel_linear, float, load16_f32)
 KERNEL16(hf_panel_linear_bf16, uint16_t, load16_bf16)
+
+#ifdef __AVX512BF16__
+/* bf16 products with fp32 sums (panel.py adds -mavx512bf16 where the CPU has avx512_bf16): the panels hold bf16
+ * weights with each column's k and k + 1 side by side, wp[N / 16][K / 2][16][2], and x is rounded to bf16 pairs
+ * once per call, so one vdpbf16ps adds two k-steps of 16 columns to a row's accumulator: half the instructions of
+ * widening bf16 weights to fp32 FMAs, the same rounding as a bf16 model's own products (oneDNN's bf16 kernels run
+ * this instruction). */
+#define ROWDP(r) \
+    if (R > r) a##r = _mm512_dpbf16_ps(a##r, (__m512bh)_mm512_set1_epi32((int)x[r * ldx + k]), w);
+#define BLOCKDP(R_) \
+    static void blockdp_##R_(const uint32_t* x, long ldx, const uint16_t* wp, long K2, const float* bias, float* y, \
+                             long ldy) { \
+        enum { R = R_ }; \
+        __m512 a0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps(); \
+        __m512 a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, a8 = a0, a9 = a0, a10 = a0, a11 = a0; \
+        for (long k = 0; k < K2; ++k) { \
+            _mm_prefetch((const char*)(wp + k * 32) + PREFETCH_BYTES, _MM_HINT_T0); \
+            __m512bh w = (__m512bh)_mm512_loadu_si512(wp + k * 32); \
+            ROWDP(0) ROWDP(1) ROWDP(2) ROWDP(3) ROWDP(4) ROWDP(5) ROWDP(6) ROWDP(7) ROWDP(8) ROWDP(9) ROWDP(10) \
+            ROWDP(11) \
+        } \
+        OUT16(0) OUT16(1) OUT16(2) OUT16(3) OUT16(4) OUT16(5) OUT16(6) OUT16(7) OUT16(8) OUT16(9) OUT16(10) OUT16(11) \
+    }
+BLOCKDP(1) BLOCKDP(2) BLOCKDP(3) BLOCKDP(4) BLOCKDP(5) BLOCKDP(6) BLOCKDP(7) BLOCKDP(8) BLOCKDP(9) BLOCKDP(10)
+BLOCKDP(11) BLOCKDP(12)
+
+/* x[M][K] fp32 -> xp[M][K] bf16, rounded to nearest even (K even, so row r's pairs start at xp + r * K) */
+static void to_bf16(const float* x, long n, uint16_t* xp) {
+    long i = 0;
+    for (; i + 16 <= n; i += 16)
+        _mm256_storeu_si256((__m256i*)(xp + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+    for (; i < n; ++i) {
+        union { float f; uint32_t u; } v = {x[i]};
+        xp[i] = (uint16_t)(v.f != v.f ? (v.u >> 16) | 0x40 : (v.u + 0x7FFF + ((v.u >> 16) & 1)) >> 16);
+    }
+}
+
+void hf_panel_linear_dot(const float* x, long M, const uint16_t* wp, const float* bias, long N, long K, float* y,
+                         int threads) {
+    void (*const blocks[13])(const uint32_t*, long, const uint16_t*, long, const float*, float*, long) = {
+        0, blockdp_1, blockdp_2, blockdp_3, blockdp_4, blockdp_5, blockdp_6, blockdp_7, blockdp_8, blockdp_9,
+        blockdp_10, blockdp_11, blockdp_12};
+    uint16_t* xp = malloc(M * K * sizeof(uint16_t));
+    to_bf16(x, M * K, xp);
+    const uint32_t* x2 = (const uint32_t*)xp;
+    long K2 = K / 2, panels = N / 16, nblocks = (M + 11) / 12;
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")
+    for (long p = 0; p < panels; ++p) {
+        const uint16_t* w = wp + p * K * 16;
+        const float* b = bias ? bias + p * 16 : 0;
+        float* yp = y + p * 16;
+        for (long i = 0, m = 0; i < nblocks; ++i) {
+            long r = M / nblocks + (i < M % nblocks);
+            blocks[r](x2 + m * K2, K2, w, K2, b, yp + m * N, N);
+            m += r;
+        }
+    }
+    free(xp);
+}
+#endif
 #else
 KERNEL(hf_panel_linear, float, load_f32)
 KERNEL(hf_panel_linear_bf16, uint16_t, load_bf16)
