@@ -212,6 +212,10 @@ def test_dot_products_are_bf16_products_with_fp32_sums(rows: int):
         want = (x.bfloat16().double() @ w.double().T + b.double()).float()
         torch.testing.assert_close(y, want, atol=1e-5 * k**0.5, rtol=1e-5)
         assert not torch.allclose(y, F.linear(x, w.float(), b), atol=1e-4, rtol=0)  # x was rounded
+    big = torch.randn(32, 80).bfloat16()
+    for chunk in (big[:, 16:48], big[:, 2:36]):  # strided rows (a tp column chunk): by the tiled transpose, by torch
+        want = panel.to_panels(chunk.contiguous(), dtype=torch.bfloat16, pairs=True)
+        assert torch.equal(panel.to_panels(chunk, dtype=torch.bfloat16, pairs=True), want)
 
 
 @needs_dot

@@ -160,7 +160,8 @@ class StaticLlamaDecoder:
     decoder after the module's weights change (the native rollout builds one per call).
     `kernels`: the element-wise ops, eager or compiled (rollout/kernels.py). `weight_dtype`: bf16 to hold the
     products' weights in bf16 panels and compute in fp32 where the panel kernel runs (rollout/linear.py): an fp32
-    model's weights rounded (rollout.weight_dtype), or a bf16 model's own (its activations and KV cache then fp32).
+    model's weights rounded (rollout.weight_dtype), or a bf16 model's own (its activations and KV cache then fp32;
+    its products in bf16 with fp32 sums where the CPU has avx512_bf16, `panel.DOT`).
     `fused`: run decode steps through decode_step.c where it covers the model (rollout/fused_step.py; None:
     `FUSED_DECODE`); the layer products are then laid out in the panels it multiplies with.
     """

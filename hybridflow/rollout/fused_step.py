@@ -3,11 +3,12 @@
 Eager torch runs ~25 small ops a layer around a decode step's four products, each paying a dispatch: at 8 rows of
 SmolLM2 in fp32 that was ~28% of the step (`bench/decode_profile.py`). `decode_step.c` runs the norms, rotary,
 cache write, attention, SiLU gate and residuals in fp32 between the panel kernel's products, with no Python
-between layers. It runs where the decoder's layer products are all panels of one dtype (fp32, or bf16: an fp32
-model's weights with rollout.weight_dtype=bf16, or a bf16 model's own weights at a few rows, rollout/native.py), on
+between layers. It runs where the decoder's layer products are all panels of one kind (fp32; bf16 with fp32 math:
+an fp32 model's weights with rollout.weight_dtype=bf16, or a bf16 model's own at a few rows; a bf16 model's own in
+panels of column pairs with bf16 products where the CPU has avx512_bf16: rollout/native.py), on
 one rank (no tensor-parallel group), with the hidden size, head size and MLP width multiples of 8 (`fused_path`);
 elsewhere the decoder keeps its torch path. Prefill always runs the torch path. The logits agree with the torch
-path's to fp32 rounding (tests/test_rollout_fused_step.py).
+path's on the same panels to fp32 rounding (tests/test_rollout_fused_step.py).
 """
 
 from __future__ import annotations

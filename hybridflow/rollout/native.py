@@ -13,8 +13,9 @@ few steps; until compaction their samples are discarded.)
 Llama-style models (Llama, Qwen2) run on `StaticLlamaDecoder`; other architectures
 fall back to `HFDecoder` (the model's own forward with a DynamicCache). With
 rollout.enforce_eager=False the static decoder's element-wise ops are compiled (rollout/kernels.py);
-in fp32 on the panel kernel its decode steps are one C call each (rollout/fused_step.py). A bf16 model
-decoding at most `BF16_PANEL_MAX_ROWS` rows runs that way too: its own weights in bf16 panels, fp32 math.
+in fp32 on the panel kernel its decode steps are one C call each (rollout/fused_step.py). A bf16 model runs
+that way too, on its own weights in bf16 panels: with bf16 products and fp32 sums where the CPU has avx512_bf16
+(`panel.DOT`), else with fp32 math at most `BF16_PANEL_MAX_ROWS` rows.
 With a tensor-parallel group (rollout.tensor_model_parallel_size > 1) the module keeps only this rank's
 shard of the split weights (rollout/sharding.py); the weight sync reshards the actor into them.
 """
@@ -45,9 +46,10 @@ COMPACT_FRACTION = 0.125
 """Compact the batch once this fraction of the held rows has finished."""
 
 BF16_PANEL_MAX_ROWS = 16
-"""A bf16 model decoding at most this many rows (prompts x n) runs its decode steps in one C call on its own weights
-in bf16 panels, fp32 math (rollout/fused_step.py), where that covers it; more rows run oneDNN's bf16 products. On
-an AMD EPYC with avx512_bf16 the first gave 1.56x / 1.12x the second's tokens/s at 8 / 16 rows and 0.82x / 0.76x at
+"""On a CPU without bf16 products (`panel.DOT`), a bf16 model decoding at most this many rows (prompts x n) runs its
+decode steps in one C call on its own weights in bf16 panels, fp32 math (rollout/fused_step.py), where that covers
+it; more rows run oneDNN's bf16 products. Measured with fp32 math on an AMD EPYC with avx512_bf16 (before the bf16
+products): the first gave 1.56x / 1.12x the second's tokens/s at 8 / 16 rows and 0.82x / 0.76x at
 32 / 64 (`bench/rollout.py --weight-dtype bf16`, BENCHMARKS.md)."""
 
 

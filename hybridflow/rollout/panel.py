@@ -45,7 +45,8 @@ _SYMBOLS = {torch.float32: "hf_panel_linear", torch.bfloat16: "hf_panel_linear_b
 """What the panels can hold, and each one's kernel; the math is fp32 either way."""
 _REPACK = "hf_to_panels"
 """The fp32 layout change as a transpose of 8 x 8 tiles: SmolLM2's 538 MB of weights in 68-71 ms where torch's
-strided copy took 92-99 ms (`bench/decode_weights.py --repack`, AVX2 cap, 2 threads, BENCHMARKS.md)."""
+strided copy took 92-99 ms (`bench/decode_weights.py --repack`, AVX2 cap, 2 threads, BENCHMARKS.md). It moves 32-bit
+words, so it lays out bf16 panels of column pairs too (a pair is one word)."""
 
 DECODE_STEP = "hf_decode_step"
 """A whole decode step through the layers (decode_step.c)."""
@@ -170,18 +171,22 @@ def to_panels(*parts: Tensor, dtype: torch.dtype = torch.float32, pairs: bool = 
 
 def _write_panels(weight: Tensor, out: Tensor, pairs: bool = False) -> None:
     """out [n, in, PANEL] = weight [n * PANEL, in] in panels (of column pairs: `to_panels`): by the kernel's tiled
-    transpose where it runs on this weight (fp32, rows contiguous, in a multiple of 8), else by torch's strided
-    copy."""
+    transpose of 32-bit words where it runs on this weight (fp32, or bf16 pairs of columns: one word each; rows
+    contiguous, a multiple of 8 words), else by torch's strided copy."""
     n, k = out.shape[0], weight.shape[1]
-    if pairs:
-        out.view(n, k // 2, PANEL, 2).copy_(weight.reshape(n, PANEL, k // 2, 2).transpose(1, 2))
-        return
-    repack = kernel(_REPACK) if out.dtype == weight.dtype == torch.float32 else None
+    if pairs and not out.dtype == weight.dtype == torch.bfloat16:
+        raise TypeError(f"panels of column pairs hold a bf16 weight, got {weight.dtype} into {out.dtype}")
+    per_word = 2 if pairs else 1
+    repack = kernel(_REPACK) if pairs or out.dtype == weight.dtype == torch.float32 else None
     # rows may be strided (a tp column chunk of the weight), columns must be contiguous
-    if repack is None or weight.stride(1) != 1 or k % 8:
-        out.copy_(weight.reshape(n, PANEL, k).transpose(1, 2))
+    if repack is None or weight.stride(1) != 1 or (k // per_word) % 8 or weight.stride(0) % per_word:
+        if pairs:
+            out.view(n, k // 2, PANEL, 2).copy_(weight.reshape(n, PANEL, k // 2, 2).transpose(1, 2))
+        else:
+            out.copy_(weight.reshape(n, PANEL, k).transpose(1, 2))
         return
-    repack(weight.data_ptr(), weight.shape[0], k, weight.stride(0), out.data_ptr(), torch.get_num_threads())
+    words, stride = k // per_word, weight.stride(0) // per_word
+    repack(weight.data_ptr(), weight.shape[0], words, stride, out.data_ptr(), torch.get_num_threads())
 
 
 def panel_linear(x: Tensor, panels: Tensor, bias: Tensor | None, fn: ctypes._CFuncPtr | None = None) -> Tensor:
