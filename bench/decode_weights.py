@@ -1,6 +1,6 @@
 """How fast a decode step's products read their weights, and what torch's weight-only low-precision kernels give.
 
-Run: .venv/bin/python bench/decode_weights.py [--rows 8 32] [--repeats 5]
+Run: .venv/bin/python bench/decode_weights.py [--rows 8 32] [--repeats 5] [--repack [--pairs]]
 
 A decode step runs every layer's four products (fused q/k/v, o, fused gate/up, down) on a few rows, so each
 weight comes from memory once per step (SmolLM2-135M: 30 layers, 424 MB in fp32, more than any cache). For
@@ -11,6 +11,9 @@ SmolLM2's shapes and random weights, one sweep over the 30 layers' products is t
   AVX-512 build where torch runs AVX-512, else the AVX2 one;
 - `fp32 panels, AVX2 build`: where the line above is the AVX-512 build, the AVX2 build on the same panels;
 - `bf16 panels, fp32 math`: the same kernel on the weights rounded to bf16 (rollout.weight_dtype=bf16);
+- `bf16 oneDNN packed`: oneDNN's bf16 product on bf16 inputs, weights reordered once (a bf16 model's "packed");
+- `bf16 pair panels, bf16 products`: `panel.DOT` (AVX512-BF16 CPUs only): bf16 products with fp32 sums on panels
+  of column pairs, fp32 inputs rounded to bf16 (a bf16 model's "bf16_dot");
 - `int8 weight-only, fp32 in` / `bf16 in`: `aten._weight_int8pack_mm` (one scale per output row);
 - `int4 weight-only, fp32 in`: `aten._weight_int4pack_mm_for_cpu` (groups of 64);
 - `stream read fp32` / `stream read bf16`: a sum over the same weights, no product: how fast this CPU streams
@@ -19,7 +22,8 @@ Each line gives the sweep's time and the weight bytes it read per second.
 
 `--repack`: the layout change the decoder makes per generate call, for the 30 layers and the LM head
 (49152 x 576): torch's strided copy into panels against panel.c's tiled transpose (`panel.to_panels`), every
-panel kept until the sweep ends (as the decoder holds them), with a worker's malloc settings (utils/memory.py).
+panel kept until the sweep ends (as the decoder holds them), with a worker's malloc settings (utils/memory.py);
+with `--pairs`, bf16 weights into panels of column pairs.
 """
 
 from __future__ import annotations
@@ -70,6 +74,9 @@ def sweeps(rows: int) -> dict[str, tuple[Callable[[], None], int]]:
     bf16_panels = [{n: panel.to_panels(w, dtype=torch.bfloat16) for n, w in layer.items()} for layer in weights]
     bf16 = [{n: w.bfloat16() for n, w in layer.items()} for layer in weights]
     xs16 = {n: x.bfloat16() for n, x in xs.items()}
+    packed16 = [{n: torch.ops.mkldnn._reorder_linear_weight(w, rows) for n, w in layer.items()} for layer in bf16]
+    dot = panel.kernel(panel.DOT)
+    pairs = [{n: panel.to_panels(w, dtype=torch.bfloat16, pairs=True) for n, w in layer.items()} for layer in bf16]
     avx2 = panel._load(panel.FLAGS)[torch.float32] if panel.flags() != panel.FLAGS else None
 
     def run(per_product: Callable[[str, object], object], held: list[dict]) -> Callable[[], None]:
@@ -96,6 +103,20 @@ def sweeps(rows: int) -> dict[str, tuple[Callable[[], None], int]]:
             run(lambda n, pw: panel.panel_linear(xs[n], pw, None), bf16_panels),
             fp32_bytes // 2,
         ),
+        "bf16 oneDNN packed": (
+            run(lambda n, p: torch.ops.mkldnn._linear_pointwise(xs16[n], p, None, "none", [], ""), packed16),
+            fp32_bytes // 2,
+        ),
+        **(
+            {
+                "bf16 pair panels, bf16 products": (
+                    run(lambda n, pw: panel.panel_linear(xs[n], pw, None, dot), pairs),
+                    fp32_bytes // 2,
+                )
+            }
+            if dot is not None
+            else {}
+        ),
         "int8 weight-only, fp32 in": (
             run(lambda n, qs: torch.ops.aten._weight_int8pack_mm(xs[n], *qs), int8),
             fp32_bytes // 4,
@@ -113,17 +134,29 @@ def sweeps(rows: int) -> dict[str, tuple[Callable[[], None], int]]:
     }
 
 
-def repacks() -> tuple[dict[str, Callable[[], None]], int]:
-    """name -> one layout change of every layer's weights and the LM head into panels; the bytes they hold."""
-    weights = [torch.randn(shape) for _ in range(LAYERS) for shape in SHAPES.values()] + [torch.randn(49152, 576)]
+def repacks(pairs: bool = False) -> tuple[dict[str, Callable[[], None]], int]:
+    """name -> one layout change of every layer's weights and the LM head into panels; the bytes they hold.
+    `pairs`: bf16 weights into panels of column pairs (a bf16 model's "bf16_dot")."""
+    dtype = torch.bfloat16 if pairs else torch.float32
+    shapes = [shape for _ in range(LAYERS) for shape in SHAPES.values()] + [(49152, 576)]
+    weights = [torch.randn(shape, dtype=dtype) for shape in shapes]
 
     def strided_copy(w: torch.Tensor) -> torch.Tensor:
         n, k = w.shape[0] // panel.PANEL, w.shape[1]
-        return torch.empty(n, k, panel.PANEL).copy_(w.reshape(n, panel.PANEL, k).transpose(1, 2))
+        out = torch.empty(n, k, panel.PANEL, dtype=dtype)
+        if pairs:
+            out.view(n, k // 2, panel.PANEL, 2).copy_(w.reshape(n, panel.PANEL, k // 2, 2).transpose(1, 2))
+        else:
+            out.copy_(w.reshape(n, panel.PANEL, k).transpose(1, 2))
+        return out
 
-    assert torch.equal(panel.to_panels(weights[-1]), strided_copy(weights[-1]))
-    runs = {"torch strided copy": strided_copy, "panel.c tiled transpose": panel.to_panels}
-    return {name: lambda f=f: [f(w) for w in weights] for name, f in runs.items()}, sum(w.numel() * 4 for w in weights)
+    def tiled(w: torch.Tensor) -> torch.Tensor:
+        return panel.to_panels(w, dtype=dtype, pairs=pairs)
+
+    assert torch.equal(tiled(weights[-1]), strided_copy(weights[-1]))
+    runs = {"torch strided copy": strided_copy, "panel.c tiled transpose": tiled}
+    nbytes = sum(w.numel() * w.element_size() for w in weights)
+    return {name: lambda f=f: [f(w) for w in weights] for name, f in runs.items()}, nbytes
 
 
 def main() -> None:
@@ -131,11 +164,12 @@ def main() -> None:
     p.add_argument("--rows", type=int, nargs="+", default=[8, 32])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--repack", action="store_true", help="time the layout change into panels instead")
+    p.add_argument("--pairs", action="store_true", help="with --repack: bf16 weights into panels of column pairs")
     args = p.parse_args()
     print(describe_cpu(), flush=True)
     if args.repack:
         keep_freed_memory()  # the malloc settings of a CPU worker, whose decoder repacks into reused heap memory
-        runs, nbytes = repacks()
+        runs, nbytes = repacks(args.pairs)
         for _ in range(2):  # the two in turn, twice: the machine's load drifts
             for name, run in runs.items():
                 ms = median_ms(run, args.repeats)
@@ -148,7 +182,7 @@ def main() -> None:
             for name, (sweep, nbytes) in sweeps(rows).items():
                 ms = median_ms(sweep, args.repeats)
                 print(
-                    f"{rows:>3} rows  {name:<27} {ms:8.1f} ms per sweep of {LAYERS} layers  "
+                    f"{rows:>3} rows  {name:<32} {ms:8.1f} ms per sweep of {LAYERS} layers  "
                     f"{nbytes / ms / 1e6:6.1f} GB/s of weights",
                     flush=True,
                 )

@@ -66,9 +66,10 @@ PROFILE_SHAPE = (8, 64)
 every weight once), so a few rows, not one; small enough to measure SmolLM2 in well under a minute."""
 
 
-PROFILE_VERSION = "layouts-3"
+PROFILE_VERSION = "layouts-4"
 """In the cache key: profiles measured another way (raw HF passes; one worker alone; the optimizer step
-inside the per-token update cost; each layout in its own set of processes, before this) are measured again."""
+inside the per-token update cost; each layout in its own set of processes; bf16 decode before the bf16 products of
+rollout/panel.py, before this) are measured again."""
 
 
 @dataclass(frozen=True)
