@@ -18,7 +18,6 @@ from __future__ import annotations
 import copy
 import os
 import pickle
-import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +33,7 @@ from hybridflow.protocol_utils import (
     numpy_to_tensor,
     object_array,
     same_value,
+    summarize,
     tensor_to_numpy,
 )
 from hybridflow.protocol_verl import DataProtoConfig, DataProtoVerlMixin
@@ -329,25 +329,7 @@ class DataProto(DataProtoVerlMixin):
     # --- display ------------------------------------------------------------------
     def summary(self) -> str:
         """Multi-line description: every key with its shape, dtype and size."""
-        lines = [f"DataProto: {len(self)} rows"]
-        total = 0
-        for key, t in self.batch.items(include_nested=True, leaves_only=True):
-            nbytes = t.numel() * t.element_size()
-            total += nbytes
-            lines.append(
-                f"  batch[{key!r}]: {str(t.dtype).removeprefix('torch.')} {list(t.shape)} {nbytes / 2**20:.2f} MiB"
-            )
-        for key, v in self.non_tensor_batch.items():
-            nbytes = v.nbytes + sum(sys.getsizeof(x) for x in v.flat)
-            total += nbytes
-            kinds = sorted({type(x).__name__ for x in v.flat[:64]})
-            lines.append(
-                f"  non_tensor_batch[{key!r}]: object {list(v.shape)} of {'/'.join(kinds) or '-'} "
-                f"~{nbytes / 2**20:.2f} MiB"
-            )
-        lines.append(f"  meta_info keys: {list(self.meta_info)}")
-        lines.append(f"  total ~{total / 2**20:.2f} MiB")
-        return "\n".join(lines)
+        return summarize(len(self), self.batch, self.non_tensor_batch, self.meta_info)
 
     def print_size(self) -> str:
         """Print `summary()` and return it."""

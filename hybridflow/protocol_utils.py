@@ -4,7 +4,8 @@ module has no import cycle with `hybridflow.protocol`."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import sys
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -121,3 +122,26 @@ def check_keys(kind: str, wanted: list[str], present: Iterable[str]) -> None:
     missing = [k for k in wanted if k not in present]
     if missing:
         raise KeyError(f"{kind} has no key(s) {missing}; present keys: {present}")
+
+
+def summarize(rows: int, batch: Any, non_tensor_batch: Mapping[str, np.ndarray], meta_info: Mapping[str, Any]) -> str:
+    """`DataProto.summary`: every key of a DataProto's parts (its TensorDict `batch`, object arrays, meta keys)
+    with its shape, dtype and size."""
+    lines = [f"DataProto: {rows} rows"]
+    total = 0
+    for key, t in batch.items(include_nested=True, leaves_only=True):
+        nbytes = t.numel() * t.element_size()
+        total += nbytes
+        lines.append(
+            f"  batch[{key!r}]: {str(t.dtype).removeprefix('torch.')} {list(t.shape)} {nbytes / 2**20:.2f} MiB"
+        )
+    for key, v in non_tensor_batch.items():
+        nbytes = v.nbytes + sum(sys.getsizeof(x) for x in v.flat)
+        total += nbytes
+        kinds = sorted({type(x).__name__ for x in v.flat[:64]})
+        lines.append(
+            f"  non_tensor_batch[{key!r}]: object {list(v.shape)} of {'/'.join(kinds) or '-'} ~{nbytes / 2**20:.2f} MiB"
+        )
+    lines.append(f"  meta_info keys: {list(meta_info)}")
+    lines.append(f"  total ~{total / 2**20:.2f} MiB")
+    return "\n".join(lines)

@@ -36,11 +36,11 @@ from hybridflow.algos.kl import (
 from hybridflow.algos.logits import entropy_from_logits, logprobs_from_logits
 from hybridflow.algos.losses import (
     PolicyLossConfig,
-    compute_value_loss,
     get_policy_loss_fn,
     list_policy_losses,
     register_policy_loss,
 )
+from hybridflow.algos.value_loss import compute_value_loss
 
 __all__ = [
     "LOSS_AGG_MODES",

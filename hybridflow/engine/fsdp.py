@@ -45,7 +45,7 @@ from hybridflow.engine.checkpoint import load_checkpoint, save_checkpoint
 from hybridflow.engine.config import EngineConfig, LoraConfig, OptimConfig
 from hybridflow.engine.gather import gather_named, tied_aliases
 from hybridflow.engine.optim import build_lr_scheduler, build_optimizer
-from hybridflow.engine.parallel_dims import ParallelDims
+from hybridflow.engine.parallel_dims import OnParallelDims, ParallelDims
 from hybridflow.engine.parallelize import decoder_layers, parallelize  # noqa: F401  (decoder_layers: re-exported)
 from hybridflow.engine.pipeline import Pipeline, gather_stages
 from hybridflow.engine.pipeline_stage import HeadSpec, split_stage
@@ -67,7 +67,7 @@ def _refuse_value_lora(value_model: bool, lora: LoraConfig | None) -> None:
         )
 
 
-class FSDPEngine(Engine):
+class FSDPEngine(OnParallelDims, Engine):
     """A causal LM or a `ValueModel`, parallelised over the current world as its `EngineConfig` lays it out
     (`ParallelDims`: FSDP2 over dp, and tensor / Ulysses sequence parallel; engine/parallelize.py).
 
@@ -132,47 +132,6 @@ class FSDPEngine(Engine):
         if self.dims.pp > 1:
             self.pipeline = Pipeline(model, built.pp_group, self.device, dtype_of(self.config.param_dtype))
         return model
-
-    # --- layout ---------------------------------------------------------------
-    @property
-    def dp_size(self) -> int:
-        """Number of dp groups (distinct shards of the batch)."""
-        return self.dims.dp
-
-    @property
-    def dp_rank(self) -> int:
-        """Which shard of the batch this rank holds."""
-        return self.dims.coords(self.rank).dp
-
-    @property
-    def tp_size(self) -> int:
-        """Ranks each decoder layer is split over."""
-        return self.dims.tp
-
-    @property
-    def tp_rank(self) -> int:
-        """This rank's place in its tp group."""
-        return self.dims.coords(self.rank).tp
-
-    @property
-    def sp_size(self) -> int:
-        """Ranks each micro-batch's tokens are split over."""
-        return self.dims.sp
-
-    @property
-    def sp_rank(self) -> int:
-        """This rank's place in its sp group (which slice of the tokens it runs)."""
-        return self.dims.coords(self.rank).sp
-
-    @property
-    def pipeline_stages(self) -> int:
-        """Stages the decoder layers are split over (1: no pipeline parallel)."""
-        return self.dims.pp
-
-    @property
-    def pp_rank(self) -> int:
-        """The pipeline stage this rank holds (0: the embedding's, pp - 1: the head's)."""
-        return self.dims.coords(self.rank).pp
 
     # --- properties -----------------------------------------------------------
     @property

@@ -11,7 +11,8 @@ from __future__ import annotations
 from hybridflow import keys as K
 from hybridflow.algos.core import GlobalNorm, agg_loss, masked_mean
 from hybridflow.algos.kl import kl_loss
-from hybridflow.algos.losses import compute_value_loss, get_policy_loss_fn
+from hybridflow.algos.losses import get_policy_loss_fn
+from hybridflow.algos.value_loss import compute_value_loss
 from hybridflow.engine.base import LossFn, MicroBatch
 from hybridflow.parity.logprob import logprob_gaps
 from hybridflow.workers.config import ActorConfig, CriticConfig
