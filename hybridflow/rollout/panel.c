@@ -96,6 +96,19 @@ static inline __m512 load16_bf16(const uint16_t* w) {
         } \
         OUT16(0) OUT16(1) OUT16(2) OUT16(3) OUT16(4) OUT16(5) OUT16(6) OUT16(7) OUT16(8) OUT16(9) OUT16(10) OUT16(11) \
     }
+/* each thread takes a run of whole panels (wp: K * 16 weights each) and multiplies it with the M rows of x (L
+ * elements apart, a block looping over L of them) in near-equal blocks of at most 12 rows */
+#define SPLIT16(blocks, x, L, wp, K, bias, N, M, y, threads) \
+    long panels = N / 16, nblocks = (M + 11) / 12; \
+    _Pragma("omp parallel for schedule(static) num_threads(threads)") \
+    for (long p = 0; p < panels; ++p) { \
+        const float* b = bias ? bias + p * 16 : 0; \
+        for (long i = 0, m = 0; i < nblocks; ++i) { \
+            long r = M / nblocks + (i < M % nblocks); \
+            blocks[r](x + m * L, L, wp + p * K * 16, L, b, y + m * N + p * 16, N); \
+            m += r; \
+        } \
+    }
 #define KERNEL16(NAME, T, LOAD) \
     BLOCK16(1, T, LOAD) BLOCK16(2, T, LOAD) BLOCK16(3, T, LOAD) BLOCK16(4, T, LOAD) BLOCK16(5, T, LOAD) \
     BLOCK16(6, T, LOAD) BLOCK16(7, T, LOAD) BLOCK16(8, T, LOAD) BLOCK16(9, T, LOAD) BLOCK16(10, T, LOAD) \
@@ -105,18 +118,7 @@ static inline __m512 load16_bf16(const uint16_t* w) {
             0, block16_1##LOAD, block16_2##LOAD, block16_3##LOAD, block16_4##LOAD, block16_5##LOAD, \
             block16_6##LOAD, block16_7##LOAD, block16_8##LOAD, block16_9##LOAD, block16_10##LOAD, \
             block16_11##LOAD, block16_12##LOAD}; \
-        long panels = N / 16, nblocks = (M + 11) / 12; \
-        _Pragma("omp parallel for schedule(static) num_threads(threads)") \
-        for (long p = 0; p < panels; ++p) { \
-            const T* w = wp + p * K * 16; \
-            const float* b = bias ? bias + p * 16 : 0; \
-            float* yp = y + p * 16; \
-            for (long i = 0, m = 0; i < nblocks; ++i) { \
-                long r = M / nblocks + (i < M % nblocks); \
-                blocks[r](x + m * K, K, w, K, b, yp + m * N, N); \
-                m += r; \
-            } \
-        } \
+        SPLIT16(blocks, x, K, wp, K, bias, N, M, y, threads) \
     }
 
 KERNEL16(hf_panel_linear, float, load16_f32)
@@ -166,18 +168,8 @@ void hf_panel_linear_dot(const float* x, long M, const uint16_t* wp, const float
     uint16_t* xp = malloc(M * K * sizeof(uint16_t));
     to_bf16(x, M * K, xp);
     const uint32_t* x2 = (const uint32_t*)xp;
-    long K2 = K / 2, panels = N / 16, nblocks = (M + 11) / 12;
-    _Pragma("omp parallel for schedule(static) num_threads(threads)")
-    for (long p = 0; p < panels; ++p) {
-        const uint16_t* w = wp + p * K * 16;
-        const float* b = bias ? bias + p * 16 : 0;
-        float* yp = y + p * 16;
-        for (long i = 0, m = 0; i < nblocks; ++i) {
-            long r = M / nblocks + (i < M % nblocks);
-            blocks[r](x2 + m * K2, K2, w, K2, b, yp + m * N, N);
-            m += r;
-        }
-    }
+    long K2 = K / 2;
+    SPLIT16(blocks, x2, K2, wp, K, bias, N, M, y, threads)
     free(xp);
 }
 #endif
