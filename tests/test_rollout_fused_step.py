@@ -134,12 +134,13 @@ def test_a_bf16_rollout_takes_bf16_panels_at_a_few_rows_only(monkeypatch):
 
 
 @needs_dot
-def test_a_bf16_rollout_runs_bf16_products_at_any_rows(monkeypatch):
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases
+def test_a_bf16_rollout_runs_bf16_products_at_any_rows(arch):
     """Where the CPU has bf16 products a bf16 rollout decodes in the fused step on them at any number of rows; its
     log-probs are the bf16 model's own forward's to bf16 precision, and nearer the fp32 copy's than that forward."""
     import hybridflow.rollout.native as native
 
-    model, tok = tiny("llama", dtype=torch.bfloat16)
+    model, tok = tiny(arch, dtype=torch.bfloat16)
     add_eos_bias(model, tok.eos_token_id, 6.0)
     rollout = NativeRollout(replace(CFG, dtype="bf16", n=4), model, tok)
     for rows in (1, native.BF16_PANEL_MAX_ROWS + 1, 256):
