@@ -82,12 +82,15 @@ static inline __m512 load16_bf16(const uint16_t* w) {
     if (R > r) a##r = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k]), w, a##r);
 #define OUT16(r) \
     if (R > r) _mm512_storeu_ps(y + r * ldy, a##r);
+/* twelve row accumulators of one panel, each starting at the panel's bias (or 0) */
+#define ACC16_FROM(bias) \
+    __m512 a0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps(); \
+    __m512 a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, a8 = a0, a9 = a0, a10 = a0, a11 = a0;
 #define BLOCK16(R_, T, LOAD) \
     static void block16_##R_##LOAD(const float* x, long ldx, const T* wp, long K, const float* bias, float* y, \
                                    long ldy) { \
         enum { R = R_ }; \
-        __m512 a0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps(); \
-        __m512 a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, a8 = a0, a9 = a0, a10 = a0, a11 = a0; \
+        ACC16_FROM(bias) \
         for (long k = 0; k < K; ++k) { \
             _mm_prefetch((const char*)(wp + k * 16) + PREFETCH_BYTES, _MM_HINT_T0); \
             __m512 w = LOAD(wp + k * 16); \
@@ -136,8 +139,7 @@ KERNEL16(hf_panel_linear_bf16, uint16_t, load16_bf16)
     static void blockdp_##R_(const uint32_t* x, long ldx, const uint16_t* wp, long K2, const float* bias, float* y, \
                              long ldy) { \
         enum { R = R_ }; \
-        __m512 a0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps(); \
-        __m512 a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, a8 = a0, a9 = a0, a10 = a0, a11 = a0; \
+        ACC16_FROM(bias) \
         for (long k = 0; k < K2; ++k) { \
             _mm_prefetch((const char*)(wp + k * 32) + PREFETCH_BYTES, _MM_HINT_T0); \
             __m512bh w = (__m512bh)_mm512_loadu_si512(wp + k * 32); \
