@@ -73,7 +73,7 @@ def run_mode(args: argparse.Namespace, root: Path, mode: str) -> list[dict]:
     out = root / mode
     out.mkdir(parents=True)
     env = {**os.environ, "HYBRIDFLOW_NO_PROGRESS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "hybridflow.trainer.main", *run_args(args, out, mode)]
+    cmd = [sys.executable, "-m", "hybridflow.cli.train", *run_args(args, out, mode)]
     with (out / "console.log").open("w") as log:
         proc = subprocess.run(cmd, cwd=out, env=env, stdout=log, stderr=subprocess.STDOUT)
     if proc.returncode:

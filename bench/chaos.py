@@ -81,7 +81,7 @@ def start(args: argparse.Namespace, out: Path) -> tuple[subprocess.Popen, Path]:
     out.mkdir(parents=True)
     log = out / "console.log"
     env = {**os.environ, "HYBRIDFLOW_NO_PROGRESS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "hybridflow.trainer.main", *run_args(args, out)]
+    cmd = [sys.executable, "-m", "hybridflow.cli.train", *run_args(args, out)]
     return subprocess.Popen(cmd, cwd=out, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT), log
 
 

@@ -9,7 +9,7 @@ then times:
 - `projections`: every layer's fused q/k/v, o, gate/up and down products on [rows, 1, hidden];
 - `attention`: every layer's attention of one query per row over the cache;
 - `rest`: step minus the three above (norms, rotary, SiLU, cache writes, embedding, Python and dispatch).
-Then the same step through the fused decode step (rollout/fused_step.py, what the rollout runs where it can),
+Then the same step through the fused decode step (rollout/native/fused_step.py, what the rollout runs where it can),
 on a decoder built the same way, and its ratio to the torch path's step.
 Each is the median of `steps` timed calls, measured in the same process one after another. With
 `--compare`, the LM head and projections are also timed as plain `F.linear` (unpacked fp32), as
@@ -31,11 +31,11 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from hybridflow.keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, RESPONSES
 from hybridflow.models import default_model_dir, load_causal_lm, load_tokenizer
+from hybridflow.protocol.keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, RESPONSES
 from hybridflow.rollout import RolloutConfig, build_rollout
-from hybridflow.rollout.decoder import StaticLlamaDecoder, _decode_attention
-from hybridflow.rollout.linear import Linear
+from hybridflow.rollout.native.decoder import StaticLlamaDecoder, _decode_attention
+from hybridflow.rollout.native.linear import Linear
 from hybridflow.utils.hardware import describe_cpu
 
 

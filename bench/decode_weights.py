@@ -6,8 +6,8 @@ A decode step runs every layer's four products (fused q/k/v, o, fused gate/up, d
 weight comes from memory once per step (SmolLM2-135M: 30 layers, 424 MB in fp32, more than any cache). For
 SmolLM2's shapes and random weights, one sweep over the 30 layers' products is timed (median of `repeats`) as:
 - `fp32 F.linear`: torch's fp32 product (MKL);
-- `fp32 oneDNN packed`: the product on weights reordered once (rollout/linear.py's "packed");
-- `fp32 panels`: hybridflow's kernel on 16-column panels (rollout/panel.py; rollout/linear.py's "panels"), the
+- `fp32 oneDNN packed`: the product on weights reordered once (rollout/native/linear.py's "packed");
+- `fp32 panels`: hybridflow's kernel on 16-column panels (rollout/native/panel.py; rollout/native/linear.py's "panels"), the
   AVX-512 build where torch runs AVX-512, else the AVX2 one;
 - `fp32 panels, AVX2 build`: where the line above is the AVX-512 build, the AVX2 build on the same panels;
 - `bf16 panels, fp32 math`: the same kernel on the weights rounded to bf16 (rollout.weight_dtype=bf16);
@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from decode_profile import median_ms  # bench/decode_profile.py, beside this file
 
-from hybridflow.rollout import panel
+from hybridflow.rollout.native import panel
 from hybridflow.utils.hardware import describe_cpu
 from hybridflow.utils.memory import keep_freed_memory
 

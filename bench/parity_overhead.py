@@ -38,7 +38,7 @@ def train(out: Path, steps: int, extra: list[str]) -> list[dict]:
     ]
     start = time.perf_counter()
     with open(out.with_suffix(".log"), "w") as log:
-        proc = subprocess.run([sys.executable, "-m", "hybridflow.trainer.main", *args], stdout=log, stderr=log)
+        proc = subprocess.run([sys.executable, "-m", "hybridflow.cli.train", *args], stdout=log, stderr=log)
     if proc.returncode:
         sys.exit(f"{out.name}: hybridflow train exited {proc.returncode}; see {out.with_suffix('.log')}")
     print(f"{out.name}: {steps} steps in {time.perf_counter() - start:.0f} s", flush=True)

@@ -8,7 +8,7 @@ check (both sides' fingerprints) and, as a yardstick that a busy machine slows a
     PYTHONPATH=. .venv/bin/python bench/parity_weights.py --rounds 5 --threads 2
 
 `--rollout vllm` (in .venv-vllm; one dtype per process, `--dtypes fp32`): the same into an in-process vllm
-engine, whose side vllm's worker fingerprints (rollout/vllm_weights.py); the copy is of the engine's weights.
+engine, whose side vllm's worker fingerprints (rollout/vllm/weights.py); the copy is of the engine's weights.
 """
 
 from __future__ import annotations

@@ -144,7 +144,7 @@ def train(name: str, overrides: list[str], out: Path, replay: bool = False) -> l
     cmd = [
         sys.executable,
         "-m",
-        "hybridflow.trainer.main",
+        "hybridflow.cli.train",
         *overrides,
         f"trainer.log_dir={logs}",
         f"trainer.default_local_dir={out / 'ckpt'}",
@@ -197,13 +197,13 @@ def predict(name: str, cfg, calib: list[dict], device, threads: int) -> float:
     """Cost model v1's step time of plan `name` from the calibration run's steps (after the warm-up)."""
     from dataclasses import asdict, replace
 
+    from hybridflow.config.plan_inputs import fsdp_sharded, run_roles, run_shape
     from hybridflow.models.loading import load_config as load_model_config
     from hybridflow.planner.auto import run_workers
     from hybridflow.planner.cost import costs_from_profile, predict_step_time_v1, without_dp_sync
     from hybridflow.planner.inputs import forward_ops
     from hybridflow.planner.profile import build_profile
     from hybridflow.planner.search import model_params
-    from hybridflow.trainer.plan_inputs import fsdp_sharded, run_roles, run_shape
 
     rows = [asdict(p) for p in build_profile(calib)]
     by = {r["metric"]: r for r in rows}
@@ -238,8 +238,8 @@ def bench_job(args: argparse.Namespace, job: str, tmp: Path, device) -> list[tup
     each plan's timed steps are pooled: the machine's speed drifts by more than the plans differ over the
     minutes a round takes (sp2 measured 17% slower than colocate_2x1 in one bench, 3% faster in the next),
     and alternating orders cancel a steady drift."""
-    from hybridflow.config_utils import load_config
-    from hybridflow.trainer.run_config import RunConfig
+    from hybridflow.config.loader import load_config
+    from hybridflow.config.run import RunConfig
 
     base = job_args(args, job, tmp)
     cfgs = {}
@@ -331,12 +331,12 @@ def main() -> None:
         if args.device_profile or args.replay:
             device = DeviceProfile.load(Path(args.device_profile or saved))
         else:
-            from hybridflow.config_utils import load_config
-            from hybridflow.trainer.run_config import RunConfig
+            from hybridflow.config.loader import load_config
+            from hybridflow.config.run import RunConfig
 
             cfg = load_config(RunConfig, None, job_args(args, "grpo", tmp))
+            from hybridflow.config.measure import profile_dtype
             from hybridflow.models import resolve_model_path
-            from hybridflow.trainer.measure import profile_dtype
 
             # one update micro-batch of the runs: its rows of a response plus the task's prompt (the arithmetic
             # prompts are 44-46 tokens: metrics prompt_length/mean); thread speedups grow with the rows

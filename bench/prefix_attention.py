@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from decode_profile import median_ms  # bench/decode_profile.py, beside this file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from hybridflow import keys  # noqa: E402
 from hybridflow.engine.prefix import pack_shared_prompts  # noqa: E402
 from hybridflow.engine.prefix_attention import LAYOUT_KWARG, prefix_attention  # noqa: E402
+from hybridflow.protocol import keys  # noqa: E402
 from hybridflow.utils.hardware import describe_cpu  # noqa: E402
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM = 30, 9, 3, 64

@@ -38,9 +38,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from hybridflow import keys  # noqa: E402
 from hybridflow.engine import EngineConfig, FSDPEngine, OptimConfig  # noqa: E402
 from hybridflow.models import default_model_dir, load_causal_lm  # noqa: E402
+from hybridflow.protocol import keys  # noqa: E402
 
 VARIANTS = {
     "trimmed": {"share_prompts": False},

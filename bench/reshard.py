@@ -71,8 +71,8 @@ def _status(key: str) -> float:
 
 def _build(pp: int, train_tp: int, gen_tp: int, aligned: bool):
     from hybridflow.engine import EngineConfig, FSDPEngine
+    from hybridflow.engine.parallel.tensor_parallel import TensorParallelEngine
     from hybridflow.engine.reshard import aligned_stride
-    from hybridflow.engine.tensor_parallel import TensorParallelEngine
     from hybridflow.models import default_model_dir, load_tokenizer
     from hybridflow.rollout import RolloutConfig, build_rollout
 

@@ -30,9 +30,9 @@ from dataclasses import replace
 
 import torch
 
-from hybridflow.keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, RESPONSES
 from hybridflow.models import default_model_dir, load_causal_lm, load_tokenizer
 from hybridflow.protocol import DataProto
+from hybridflow.protocol.keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, RESPONSES
 from hybridflow.rollout import RolloutConfig, build_rollout
 from hybridflow.utils.hardware import describe_cpu
 

@@ -41,9 +41,9 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from hybridflow import keys
 from hybridflow.engine import EngineConfig, FSDPEngine, LoraConfig, OptimConfig
 from hybridflow.models import default_model_dir
+from hybridflow.protocol import keys
 from hybridflow.utils.hardware import describe_cpu, matmul_gflops
 from hybridflow.utils.peak_memory import operator_peak
 

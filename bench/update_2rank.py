@@ -35,9 +35,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import DeviceMesh
 
-from hybridflow import keys
 from hybridflow.engine import EngineConfig, FSDPEngine, OptimConfig
 from hybridflow.models import default_model_dir, load_causal_lm
+from hybridflow.protocol import keys
 from hybridflow.utils.hardware import describe_cpu
 
 VARIANTS = ("before", "after", "1-rank")

@@ -28,8 +28,8 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vllm's INFO lines woul
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from rollout import hf_generate, make_prompts  # noqa: E402  (bench/rollout.py: the same prompts and generate call)
 
-from hybridflow.keys import RESPONSES  # noqa: E402
 from hybridflow.models import default_model_dir, load_causal_lm, load_tokenizer  # noqa: E402
+from hybridflow.protocol.keys import RESPONSES  # noqa: E402
 from hybridflow.rollout import RolloutConfig, build_rollout  # noqa: E402
 from hybridflow.utils.hardware import describe_cpu  # noqa: E402
 

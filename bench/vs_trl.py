@@ -143,7 +143,7 @@ def hybridflow_side(args, parquet: str, prompts: int, work: Path, layout: str) -
         *args.overrides,
     ]
     env = {**os.environ, "HYBRIDFLOW_NO_PROGRESS": "1"}
-    peak, _ = run_measured([sys.executable, "-m", "hybridflow.trainer.main", *overrides], env, work)
+    peak, _ = run_measured([sys.executable, "-m", "hybridflow.cli.train", *overrides], env, work)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     rows = [r for r in rows if "timing_s/step" in r]
     completions = prompts * 4

@@ -24,10 +24,10 @@ import time
 
 import torch
 
-from hybridflow import keys as K
 from hybridflow.engine.config import EngineConfig, OptimConfig
 from hybridflow.models import load_tokenizer, resolve_model_path
 from hybridflow.protocol import DataProto
+from hybridflow.protocol import keys as K
 from hybridflow.rollout import build_rollout
 from hybridflow.rollout.config import RolloutConfig
 from hybridflow.rollout.sync import share_engine_weights

@@ -35,7 +35,7 @@ def main(out: Path, overrides: list[str]) -> dict:
     env = {**os.environ, "HYBRIDFLOW_NO_PROGRESS": "1", "TOKENIZERS_PARALLELISM": "false"}
     start = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, "-m", "hybridflow.trainer.main", *args], env=env, capture_output=True, text=True
+        [sys.executable, "-m", "hybridflow.cli.train", *args], env=env, capture_output=True, text=True
     )
     if proc.returncode != 0:
         raise SystemExit(proc.stderr[-3000:])

@@ -48,7 +48,7 @@ def tiny_generate(model: Any, stop_id: int, pad_id: int, seed: int, record: list
     2-6 tokens so several turns fit); appends each call's outputs to `record`."""
     from transformers import LogitsProcessorList
 
-    from hybridflow.agent.loop import TurnOutput
+    from hybridflow.agent.loop.runner import TurnOutput
 
     rng = torch.Generator().manual_seed(seed)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from hybridflow import keys
+from hybridflow.protocol import keys
 
 VOCAB = 49152
 

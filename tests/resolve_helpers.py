@@ -1,8 +1,8 @@
 """measure + resolve in one call, as `hybridflow train` does, for tests about the resolved values."""
 
-from hybridflow.trainer.measure import measure
-from hybridflow.trainer.resolve import ResolvedRun, resolve
-from hybridflow.trainer.run_config import RunConfig
+from hybridflow.config.measure import measure
+from hybridflow.config.resolve import ResolvedRun, resolve
+from hybridflow.config.run import RunConfig
 
 
 def resolve_here(cfg: RunConfig, steps_per_epoch: int, cpu_count: int | None = None) -> ResolvedRun:

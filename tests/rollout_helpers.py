@@ -6,9 +6,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from hybridflow.keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, RESPONSE_MASK, RESPONSES
 from hybridflow.models import load_causal_lm, load_tokenizer, tiny_model_dir
 from hybridflow.protocol import DataProto
+from hybridflow.protocol.keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, RESPONSE_MASK, RESPONSES
 
 PROMPTS = ["Hello there", "What is 12 plus 7? Answer with a number.", "The capital of France is"]
 
@@ -58,7 +58,7 @@ def add_eos_bias(model: nn.Module, eos_id: int, value: float) -> None:
 
 def without_bf16_products(monkeypatch) -> None:
     """Run the panel kernel without its bf16 products (`panel.DOT`), as a CPU without avx512_bf16 does."""
-    from hybridflow.rollout import panel  # noqa: PLC0415
+    from hybridflow.rollout.native import panel  # noqa: PLC0415
 
     if panel.kernel() is not None:
         monkeypatch.delitem(panel._kernels, panel.DOT, raising=False)

@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridflow import keys as K
-from hybridflow.config_utils import load_config
+from hybridflow.config.loader import load_config
+from hybridflow.config.run import RunConfig
 from hybridflow.controller.local import LocalWorkerGroup
 from hybridflow.controller.resource_pool import ClassWithInitArgs
 from hybridflow.engine import EngineConfig, OptimConfig
 from hybridflow.models import tiny_model_dir
 from hybridflow.protocol import DataProto
+from hybridflow.protocol import keys as K
 from hybridflow.rollout import RolloutConfig
-from hybridflow.trainer.run_config import RunConfig
 from hybridflow.workers import ActorConfig, ActorRolloutRefWorker, ModelConfig, RefConfig
 from tests.engine_helpers import make_batch
 from tests.resolve_helpers import resolve_here
@@ -180,7 +180,7 @@ def test_old_log_probs_from_the_rollout_need_its_log_probs_and_nothing_to_correc
             load_config(RunConfig, None, [*base, key])
     resolved = resolve_here(load_config(RunConfig, None, [*base, "trainer.parity=off"]), steps_per_epoch=4)
     assert resolved.config.rollout.calculate_log_probs is True
-    from hybridflow.trainer.ppo_trainer import _rollout_log_probs
+    from hybridflow.train.ppo_trainer import _rollout_log_probs
 
     with pytest.raises(ValueError, match="rollout.name=mine returned none; set actor.old_log_prob=auto"):
         _rollout_log_probs(_rollout_batch(), "mine")  # a plugin backend without log-probs

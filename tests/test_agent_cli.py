@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridflow import keys as K
-from hybridflow.agent.tokens import observation_ids
+from hybridflow.agent.loop.tokens import observation_ids
 from hybridflow.models import load_tokenizer
 from hybridflow.protocol import DataProto
+from hybridflow.protocol import keys as K
 from tests.test_agent_rollout import runs, stopping_model
 from tests.test_trainer_cli import base_overrides, read_metrics, run_cli
 
@@ -23,7 +23,7 @@ import json
 import os
 from pathlib import Path
 
-from hybridflow.agent.env import Environment, ResetResult, StepResult
+from hybridflow.agent.loop.env import Environment, ResetResult, StepResult
 
 
 class Echo(Environment):
@@ -67,7 +67,7 @@ def multi_turn_args(tmp_path: Path, env: str, workers: int = 1, source: Path | N
 
 
 def test_a_custom_environment_from_a_file_trains_on_ray_workers(tmp_path: Path):
-    proc = run_cli(["train", *multi_turn_args(tmp_path, "Echo")], tmp_path, module="hybridflow.trainer.cli")
+    proc = run_cli(["train", *multi_turn_args(tmp_path, "Echo")], tmp_path, module="hybridflow.cli.main")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     records = read_metrics(tmp_path)
     steps = [r for r in records if "actor/pg_loss" in r]
@@ -83,7 +83,7 @@ def test_a_custom_environment_from_a_file_trains_on_ray_workers(tmp_path: Path):
 
 def test_an_environment_that_raises_fails_the_run_naming_it_and_the_row(tmp_path: Path):
     args = [*multi_turn_args(tmp_path, "Broken"), "trainer.backend=local"]  # the Ray path: the test above
-    proc = run_cli(["train", *args], tmp_path, module="hybridflow.trainer.cli")
+    proc = run_cli(["train", *args], tmp_path, module="hybridflow.cli.main")
     assert proc.returncode != 0
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "failed in step() on dataset row" in line]
     assert lines and "environment '" in lines[-1] and "my_env.py:Broken'" in lines[-1], proc.stderr[-3000:]
@@ -103,7 +103,7 @@ def test_the_tool_task_trains_with_the_builtin_tool_environment(tmp_path: Path):
         "trainer.n_workers_per_node=1",
         "trainer.val_before_train=false",
     ]
-    proc = run_cli(["train", *args], tmp_path, module="hybridflow.trainer.cli")
+    proc = run_cli(["train", *args], tmp_path, module="hybridflow.cli.main")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     records = read_metrics(tmp_path)
     steps = [r for r in records if "actor/pg_loss" in r]
@@ -133,7 +133,7 @@ def test_multi_turn_trains_off_policy_on_its_own_rollout_workers(tmp_path: Path,
         "algorithm.rollout_is_threshold=2.0",
         "algorithm.rollout_is=true",
     ]
-    proc = run_cli(["train", *args], tmp_path, module="hybridflow.trainer.cli")
+    proc = run_cli(["train", *args], tmp_path, module="hybridflow.cli.main")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     records = read_metrics(tmp_path)
     steps = [r for r in records if "actor/pg_loss" in r]

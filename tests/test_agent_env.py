@@ -7,12 +7,12 @@ import json
 import pandas as pd
 import pytest
 
-from hybridflow.agent.env import ENVIRONMENTS, Environment, ResetResult, StepResult, make_env, row_tool_names
-from hybridflow.agent.tool_calls import format_tool_call, parse_tool_calls
+from hybridflow.agent.loop.env import ENVIRONMENTS, Environment, ResetResult, StepResult, make_env, row_tool_names
+from hybridflow.agent.loop.tool_calls import format_tool_call, parse_tool_calls
+from hybridflow.cli.main import main as cli_main
 from hybridflow.data import build_task
 from hybridflow.data.sft import SFTDataset, build_sft_task
 from hybridflow.rewards import default_compute_score
-from hybridflow.trainer.cli import main as cli_main
 from hybridflow.utils.registry import UnknownNameError
 
 
@@ -131,7 +131,7 @@ def test_sft_dataset_trains_each_assistant_turn_once(tmp_path):
 
 
 def test_sft_config_asks_for_the_messages_column_of_a_multi_turn_task():
-    from hybridflow.trainer.sft_config import SFTDataConfig
+    from hybridflow.config.sft import SFTDataConfig
 
     with pytest.raises(ValueError, match="data.messages_key=messages"):
         SFTDataConfig(task="tool_arithmetic")

@@ -13,16 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridflow import keys as K
-from hybridflow.agent.harness import run_calls
+from hybridflow.agent.server.harness import run_calls
 from hybridflow.controller.local import LocalWorkerGroup
 from hybridflow.controller.resource_pool import ClassWithInitArgs
 from hybridflow.engine import EngineConfig
 from hybridflow.models import load_tokenizer, tiny_model_dir
 from hybridflow.parity.tokens import mismatched_rows
+from hybridflow.protocol import keys as K
 from hybridflow.rollout import RolloutConfig
 from hybridflow.rollout.config import AgentConfig
-from hybridflow.trainer.metrics import agent_metrics
+from hybridflow.train.metrics import agent_metrics
 from hybridflow.workers import ActorConfig, ActorRolloutRefWorker, ModelConfig, RefConfig
 from tests.test_agent_rollout import prompts, runs, stopping_model
 from tests.test_agent_server import Scripted, serving
@@ -181,8 +181,8 @@ def test_run_calls_bounds_concurrency_and_times_calls_out_from_their_start():
 
 
 def test_the_calculator_example_runs_the_tool_calls_the_model_makes():
-    from hybridflow.agent.examples.calculator import run
-    from hybridflow.agent.tool_calls import format_tool_call
+    from hybridflow.agent.loop.tool_calls import format_tool_call
+    from hybridflow.agent.server.examples.calculator import run
 
     tokenizer = load_tokenizer(tiny_model_dir("llama"))
 
@@ -218,8 +218,8 @@ HARNESS_FILE = "def run(client, row):\n    return 1.0\n\n\ndef wrong(client):\n 
     ],
 )
 def test_bad_harness_configs_are_refused_at_load(tmp_path, monkeypatch, overrides, message):
-    from hybridflow.config_utils import load_config
-    from hybridflow.trainer.run_config import RunConfig
+    from hybridflow.config.loader import load_config
+    from hybridflow.config.run import RunConfig
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "h.py").write_text(HARNESS_FILE)
@@ -232,11 +232,11 @@ def test_the_calculator_harness_trains_on_ray_workers(tmp_path: Path):
         *base_overrides(str(tiny_model_dir("llama")), tmp_path),
         "data.task=tool_arithmetic",
         "data.max_prompt_length=256",
-        "rollout.agent.function=hybridflow.agent.examples.calculator:run",
+        "rollout.agent.function=hybridflow.agent.server.examples.calculator:run",
         "trainer.n_workers_per_node=1",
         "trainer.val_before_train=false",
     ]
-    proc = run_cli(["train", *args], tmp_path, module="hybridflow.trainer.cli")
+    proc = run_cli(["train", *args], tmp_path, module="hybridflow.cli.main")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     records = read_metrics(tmp_path)
     steps = [r for r in records if "actor/pg_loss" in r]

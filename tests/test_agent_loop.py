@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridflow.agent.env import Environment, ResetResult, StepResult, make_env
-from hybridflow.agent.loop import AgentLoopConfig, Trajectory, TurnOutput, run_agent_loop
-from hybridflow.agent.tokens import TemplateDeltaError, encode, observation_ids
-from hybridflow.agent.tool_calls import format_tool_call, render_messages
+from hybridflow.agent.loop.env import Environment, ResetResult, StepResult, make_env
+from hybridflow.agent.loop.runner import AgentLoopConfig, Trajectory, TurnOutput, run_agent_loop
+from hybridflow.agent.loop.tokens import TemplateDeltaError, encode, observation_ids
+from hybridflow.agent.loop.tool_calls import format_tool_call, render_messages
 from hybridflow.data.tasks import make_difficulty, make_rows
 from tests.agent_helpers import QWEN2_STYLE_TEMPLATE, tiny_generate, with_template
 
@@ -118,7 +118,7 @@ def test_tool_episode_scores_the_answer_and_masks_the_tool_result(tok, tool_rows
         ["I think it is 7.", "unused"],
     ]
     generate, prompts = _scripted(tok, script)
-    from hybridflow.agent.tokens import prompt_ids
+    from hybridflow.agent.loop.tokens import prompt_ids
 
     for row in tool_rows:
         start = make_env("tool").reset(row)
@@ -174,8 +174,8 @@ def test_a_template_without_the_stop_token_is_refused(tok):
 
 
 def test_trajectories_become_a_batch_in_the_rollout_layout(tok):
-    from hybridflow import keys
-    from hybridflow.agent.batch import trajectories_to_batch
+    from hybridflow.agent.loop.batch import trajectories_to_batch
+    from hybridflow.protocol import keys
 
     texts = iter(["first", "second", "third", "fourth"])
 
@@ -208,7 +208,7 @@ def test_trajectories_become_a_batch_in_the_rollout_layout(tok):
 def test_loop_times_split_generate_from_waiting_on_environments(tok):
     import time
 
-    from hybridflow.agent.loop import LoopTimes
+    from hybridflow.agent.loop.runner import LoopTimes
 
     class Slow(Chatty):
         def step(self, assistant_text):

@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from hybridflow import keys as K
-from hybridflow.agent.env import Environment, ResetResult, StepResult
-from hybridflow.agent.tokens import observation_ids
+from hybridflow.agent.loop.env import Environment, ResetResult, StepResult
+from hybridflow.agent.loop.tokens import observation_ids
 from hybridflow.controller.local import LocalWorkerGroup
 from hybridflow.controller.resource_pool import ClassWithInitArgs
 from hybridflow.engine import EngineConfig
 from hybridflow.models import load_tokenizer, tiny_model_dir
 from hybridflow.parity.tokens import mismatched_rows
 from hybridflow.protocol import DataProto
+from hybridflow.protocol import keys as K
 from hybridflow.rollout import RolloutConfig
 from hybridflow.rollout.config import MultiTurnConfig
 from hybridflow.workers import ActorConfig, ActorRolloutRefWorker, ModelConfig, RefConfig
@@ -206,8 +206,8 @@ def test_bad_multi_turn_configs_are_refused_at_load(overrides, message):
 
 def test_multi_turn_with_an_off_policy_trainer_mode_loads():
     """The loop runs on the rollout's own workers (tests/test_agent_cli.py trains that way)."""
-    from hybridflow.config_utils import load_config
-    from hybridflow.trainer.run_config import RunConfig
+    from hybridflow.config.loader import load_config
+    from hybridflow.config.run import RunConfig
 
     overrides = ["rollout.multi_turn.enable=true", "trainer.mode=one_step_off", "trainer.placement=split"]
     run = load_config(RunConfig, None, overrides)

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from hybridflow.agent.tools import TOOLS, run_tool
-from hybridflow.agent.tools import sandbox as sb
-from hybridflow.agent.tools.sandbox import SandboxConfig, SandboxUnavailableError, run_python
+from hybridflow.agent.loop.tools import TOOLS, run_tool
+from hybridflow.agent.loop.tools import sandbox as sb
+from hybridflow.agent.loop.tools.sandbox import SandboxConfig, SandboxUnavailableError, run_python
 
 
 def _available() -> bool:

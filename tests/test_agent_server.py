@@ -1,4 +1,4 @@
-"""The OpenAI-compatible server (hybridflow/agent/server.py) driven by the real `openai` client over
+"""The OpenAI-compatible server (hybridflow/agent/server/app.py) driven by the real `openai` client over
 loopback HTTP: a tiny random Llama where sampled tokens matter, a scripted backend where the point is
 the HTTP / session logic."""
 
@@ -17,11 +17,11 @@ from pathlib import Path
 import openai
 import pytest
 
-from hybridflow.agent.backend import GenerationRequest, Sample
-from hybridflow.agent.batch import trajectories_to_batch
-from hybridflow.agent.rollout_backend import load_rollout_backend
-from hybridflow.agent.server import AgentServer, RunningServer, ServerConfig, start_server
-from hybridflow.agent.tokens import encode
+from hybridflow.agent.loop.batch import trajectories_to_batch
+from hybridflow.agent.loop.tokens import encode
+from hybridflow.agent.server.app import AgentServer, RunningServer, ServerConfig, start_server
+from hybridflow.agent.server.backend import GenerationRequest, Sample
+from hybridflow.agent.server.rollout_backend import load_rollout_backend
 from hybridflow.models import load_tokenizer, tiny_model_dir
 
 CALC = {
@@ -250,7 +250,7 @@ def test_api_key_is_required_when_set(tokenizer):
 
 
 def test_non_loopback_bind_without_a_key_is_refused(tokenizer, capsys):
-    from hybridflow.trainer.cli import main
+    from hybridflow.cli.main import main
 
     server = AgentServer(Scripted(tokenizer, lambda req, k: "x"), tokenizer)
     try:
@@ -294,7 +294,7 @@ def test_a_failing_backend_call_is_a_500_and_the_server_serves_on(tokenizer):
 @pytest.mark.slow  # a model-loading subprocess (16 s alone); the in-process server tests above cover the endpoint
 def test_serve_cli_prints_its_url_answers_and_stops_on_ctrl_c():
     repo = Path(__file__).resolve().parents[1]
-    command = [sys.executable, "-m", "hybridflow.trainer.cli", "serve", "--model", str(tiny_model_dir("llama"))]
+    command = [sys.executable, "-m", "hybridflow.cli.main", "serve", "--model", str(tiny_model_dir("llama"))]
     proc = subprocess.Popen(command + ["--port", "0", "--max-tokens", "4"], cwd=repo, stdout=subprocess.PIPE, text=True)
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
@@ -324,7 +324,7 @@ def test_rollout_backend_stops_at_extra_stop_ids_and_max_tokens(tiny_backend):
 
 
 def test_two_requests_extending_one_branch_at_once_keep_both_trajectories(tokenizer):
-    from hybridflow.agent.sessions import SessionStore
+    from hybridflow.agent.server.sessions import SessionStore
 
     store, eos = SessionStore(tokenizer, [tokenizer.eos_token_id]), tokenizer.eos_token_id
     reply = {"role": "assistant", "content": "a"}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybridflow.agent.tool_calls import (
+from hybridflow.agent.loop.tool_calls import (
     ToolCall,
     format_tool_call,
     parse_tool_calls,
@@ -12,8 +12,8 @@ from hybridflow.agent.tool_calls import (
     template_renders_tool_role,
     template_renders_tools,
 )
-from hybridflow.agent.tools import TOOLS, Tool, ToolResult, run_tool
-from hybridflow.agent.tools.calculator import CalculatorError, evaluate
+from hybridflow.agent.loop.tools import TOOLS, Tool, ToolResult, run_tool
+from hybridflow.agent.loop.tools.calculator import CalculatorError, evaluate
 from tests.agent_helpers import QWEN2_STYLE_TEMPLATE
 
 STRICT = (
@@ -137,7 +137,7 @@ def test_a_raising_tool_costs_only_its_call():
 
 
 def test_tools_system_prompt_lists_every_tool_and_a_call_that_parses():
-    from hybridflow.agent.tool_calls import tools_system_prompt
+    from hybridflow.agent.loop.tool_calls import tools_system_prompt
 
     schemas = [TOOLS.get("calculator").schema, TOOLS.get("python").schema]
     prompt = tools_system_prompt(schemas)

@@ -13,9 +13,9 @@ import pytest
 import torch
 from vllm_required import require_vllm
 
-from hybridflow import keys as K
-from hybridflow.agent.rollout_loop import generate_multi_turn
+from hybridflow.agent.loop.worker import generate_multi_turn
 from hybridflow.models import load_causal_lm, load_tokenizer, tiny_model_dir
+from hybridflow.protocol import keys as K
 from hybridflow.rollout import RolloutConfig, build_rollout
 from hybridflow.rollout.config import MultiTurnConfig
 from tests.rollout_helpers import recomputed_log_probs
@@ -72,7 +72,7 @@ def test_vllm_multi_turn_trains_through_the_cli(tmp_path: Path):
         "rollout.calculate_log_probs=true",
         "trainer.backend=local",
     ]
-    proc = run_cli(["train", *args], tmp_path, module="hybridflow.trainer.cli")
+    proc = run_cli(["train", *args], tmp_path, module="hybridflow.cli.main")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     records = read_metrics(tmp_path)
     steps = [r for r in records if "actor/pg_loss" in r]

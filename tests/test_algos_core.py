@@ -170,7 +170,7 @@ def test_import_algos_pulls_in_no_runtime():
         "import hybridflow.algos\n"
         "new = set(sys.modules) - before\n"
         "bad = [m for m in new if m.split('.')[0] == 'ray' or m.startswith(('torch.distributed', "
-        "'hybridflow.workers', 'hybridflow.controller', 'hybridflow.trainer', 'hybridflow.protocol'))]\n"
+        "'hybridflow.workers', 'hybridflow.controller', 'hybridflow.train', 'hybridflow.cli', 'hybridflow.protocol'))]\n"
         "assert 'ray' not in sys.modules, 'ray imported'\n"
         "assert not bad, bad\n"
         "print('ok', sorted(m for m in new if m.startswith('hybridflow')))\n"
@@ -186,7 +186,14 @@ def test_algos_sources_import_no_distributed_or_runtime_module():
 
     import hybridflow.algos as algos
 
-    banned = ("torch.distributed", "ray", "hybridflow.workers", "hybridflow.controller", "hybridflow.trainer")
+    banned = (
+        "torch.distributed",
+        "ray",
+        "hybridflow.workers",
+        "hybridflow.controller",
+        "hybridflow.train",
+        "hybridflow.cli",
+    )
     for path in pathlib.Path(algos.__file__).parent.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else []

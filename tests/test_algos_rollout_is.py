@@ -8,14 +8,14 @@ import math
 import pytest
 import torch
 
-from hybridflow import keys as K
 from hybridflow.algos.losses import compute_policy_loss_vanilla
 from hybridflow.algos.rollout_is import mismatch_metrics, rollout_importance_weights
-from hybridflow.config_utils import load_config
+from hybridflow.config.loader import load_config
+from hybridflow.config.run import RunConfig
+from hybridflow.config.trainer import AlgorithmConfig
 from hybridflow.protocol import DataProto
-from hybridflow.trainer.config import AlgorithmConfig
-from hybridflow.trainer.core_steps import apply_rollout_is
-from hybridflow.trainer.run_config import RunConfig
+from hybridflow.protocol import keys as K
+from hybridflow.train.core_steps import apply_rollout_is
 
 E = math.exp(0.5)  # 1.6487...
 

@@ -10,15 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridflow import keys as K
-from hybridflow.config_utils import load_config
+from hybridflow.config.loader import load_config
+from hybridflow.config.resolve import resolve_trainer, worker_sets
+from hybridflow.config.run import RunConfig
+from hybridflow.config.trainer import TrainerConfig
 from hybridflow.protocol import DataProto
+from hybridflow.protocol import keys as K
 from hybridflow.rollout.bridge import WeightBridge, manifest_of, open_store
-from hybridflow.trainer import async_pipeline
-from hybridflow.trainer.async_pipeline import AsyncRollout, RolloutSource, SyncRollout, staleness_metrics
-from hybridflow.trainer.config import TrainerConfig
-from hybridflow.trainer.resolve import resolve_trainer, worker_sets
-from hybridflow.trainer.run_config import RunConfig
+from hybridflow.train import async_pipeline
+from hybridflow.train.async_pipeline import AsyncRollout, RolloutSource, SyncRollout, staleness_metrics
 
 SPLIT = ["trainer.placement=split"]
 

@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 import torch
 
-from hybridflow import keys as K
 from hybridflow.engine.batch import TokenBudget, split_micro_batches, token_bounds
 from hybridflow.protocol import DataProto
-from hybridflow.trainer.balance import balance_batch, balanced_order
+from hybridflow.protocol import keys as K
+from hybridflow.train.balance import balance_batch, balanced_order
 
 
 def _batch(lengths: list[int], uids: list[str]) -> DataProto:

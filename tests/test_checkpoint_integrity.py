@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from hybridflow.config_utils import load_config
-from hybridflow.trainer.checkpointing import check_writable, resume_path
-from hybridflow.trainer.run_config import RunConfig
+from hybridflow.config.loader import load_config
+from hybridflow.config.run import RunConfig
+from hybridflow.train.checkpointing import check_writable, resume_path
 from hybridflow.utils import checkpoint_dirs as C
 from hybridflow.utils.manifest import MANIFEST
 from tests.resolve_helpers import resolve_here

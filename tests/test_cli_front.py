@@ -1,7 +1,7 @@
 """The command line's front door (issue 33): `--list-keys`, errors (one line for a user's, one line and a traceback
 file for a bug's, `--debug`), and every sampling flag of `hybridflow generate` reaching the sampler.
 
-In-process calls of `hybridflow.trainer.cli.main`; one subprocess checks the exit code and stderr of a bug."""
+In-process calls of `hybridflow.cli.main.main`; one subprocess checks the exit code and stderr of a bug."""
 
 from __future__ import annotations
 
@@ -15,12 +15,13 @@ from pathlib import Path
 import pytest
 from omegaconf import DictConfig, OmegaConf
 
-from hybridflow.config_utils import Section
-from hybridflow.trainer import cli, config_keys
-from hybridflow.trainer.cli import main
-from hybridflow.trainer.generate import sampling_settings
-from hybridflow.trainer.run_config import RunConfig
-from hybridflow.trainer.sft_config import SFTConfig
+from hybridflow.cli import main as cli
+from hybridflow.cli.generate import sampling_settings
+from hybridflow.cli.main import main
+from hybridflow.config import key_listing as config_keys
+from hybridflow.config.loader import Section
+from hybridflow.config.run import RunConfig
+from hybridflow.config.sft import SFTConfig
 
 LINE = re.compile(r"^(?P<key>[\w.]+): (?P<type>.+?) = (?P<default>.*?)(  +# (?P<doc>.*))?$")
 
@@ -78,12 +79,12 @@ def test_list_keys_of_an_unknown_prefix_is_one_line(capsys) -> None:
 
 
 def test_the_key_table_is_generated_from_the_config() -> None:
-    assert config_keys.TABLE.read_text() == config_keys.table_text(), "run: python -m hybridflow.trainer.config_keys"
+    assert config_keys.TABLE.read_text() == config_keys.table_text(), "run: python -m hybridflow.config.key_listing"
 
 
 def test_a_stale_table_reads_the_config_itself(tmp_path: Path, monkeypatch, capsys) -> None:
     table = json.loads(config_keys.TABLE.read_text())
-    table["train"]["sources"]["trainer/config.py"]["sha1"] = "0" * 40  # as if a section there had changed since
+    table["train"]["sources"]["config/trainer.py"]["sha1"] = "0" * 40  # as if a section there had changed since
     table["train"]["keys"] = []
     monkeypatch.setattr(config_keys, "TABLE", tmp_path / "config_keys.json")
     config_keys.TABLE.write_text(json.dumps(table))
@@ -145,7 +146,7 @@ def test_user_errors_stay_one_line_and_debug_shows_their_traceback(tmp_path: Pat
 def test_a_bug_in_a_subprocess_exits_1_naming_the_traceback_file(tmp_path: Path) -> None:
     code = (
         "import sys\n"
-        "from hybridflow.trainer import cli\n"
+        "from hybridflow.cli import main as cli\n"
         "def buggy(args): raise KeyError('missing')\n"
         "cli.cmd_data = buggy\n"
         f"sys.exit(cli.main(['data', 'arithmetic', '--out', {str(tmp_path)!r}]))\n"
@@ -191,7 +192,7 @@ def model_and_data(tmp_path_factory) -> tuple[str, str]:
 
 def generate(model_and_data, tmp_path: Path, monkeypatch, *flags: str) -> tuple[object, list[int], list[str]]:
     """`hybridflow generate` in-process: the RolloutConfig it built, the batch sizes it generated, the responses."""
-    from hybridflow.trainer import generate as gen
+    from hybridflow.cli import generate as gen
 
     seen, batches, real = [], [], gen.build_rollout
 

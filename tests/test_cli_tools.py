@@ -13,10 +13,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from hybridflow.cli.args import ROLLOUT_NAMES as CLI_ROLLOUT_NAMES
 from hybridflow.engine import EngineConfig, FSDPEngine, OptimConfig
 from hybridflow.models import tiny_model_dir
 from hybridflow.rollout.config import ROLLOUT_NAMES
-from hybridflow.trainer.args import ROLLOUT_NAMES as CLI_ROLLOUT_NAMES
 from tests.engine_helpers import make_batch
 
 SCRIPT = Path(sys.executable).parent / "hybridflow"
@@ -145,11 +145,11 @@ def test_generate_scores_every_prompt_of_an_exported_checkpoint(tmp_path: Path, 
     [["--help"], ["train", "--help"], ["sft", "--help"], ["generate", "--help"], ["train", "--list-keys", "actor"]],
 )
 def test_help_imports_no_torch_transformers_or_ray(args: list[str]):
-    """The dispatcher and the train/sft parsers are light (trainer/args.py); each subcommand imports its
-    implementation only when it runs; --list-keys reads the generated key table (trainer/config_keys.py)."""
+    """The dispatcher and the train/sft parsers are light (cli/args.py); each subcommand imports its
+    implementation only when it runs; --list-keys reads the generated key table (config/key_listing.py)."""
     code = (
         "import contextlib, io, sys\n"
-        "from hybridflow.trainer.cli import main\n"
+        "from hybridflow.cli.main import main\n"
         "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
         f"    main({args!r})\n"
         "print(sorted({'torch', 'transformers', 'ray'} & set(sys.modules)))\n"

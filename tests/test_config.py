@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from hybridflow.config_utils import ConfigError, load_config, to_yaml
-from hybridflow.trainer.config import AlgorithmConfig, TrainerConfig
-from hybridflow.trainer.data_config import DataConfig, RewardConfig
+from hybridflow.config.data import DataConfig, RewardConfig
+from hybridflow.config.loader import ConfigError, load_config, to_yaml
+from hybridflow.config.trainer import AlgorithmConfig, TrainerConfig
 
 
 @dataclass

@@ -175,7 +175,7 @@ import sys
 from controller_workers import Probe, rows
 from hybridflow import ClassWithInitArgs
 from hybridflow.controller.local import LocalResourcePool, LocalWorkerGroup
-from hybridflow.trainer.recovery import is_worker_failure
+from hybridflow.train.recovery import is_worker_failure
 group = LocalWorkerGroup(LocalResourcePool(), ClassWithInitArgs(Probe, offset=5))
 assert group.affine(rows(4), scale=2).batch["y"].shape[0] == 4
 assert not is_worker_failure(RuntimeError("a bug in a step"), [])

@@ -11,11 +11,10 @@ import pandas as pd
 import pytest
 import torch
 
-from hybridflow import keys
 from hybridflow.data import TASKS, build_task
 from hybridflow.data.dataset import RLDataset, collate
 from hybridflow.data.loader import StatefulDataLoader
-from hybridflow.protocol import DataProto
+from hybridflow.protocol import DataProto, keys
 from hybridflow.rewards import default_compute_score
 from hybridflow.rewards.countdown import evaluate
 from tests.data_helpers import smol_tokenizer
@@ -209,9 +208,9 @@ def test_loader_over_dataset_yields_dataproto(tmp_path, tokenizer):
 
 
 def test_task_files_generate_once_atomically_into_the_cache(tmp_path, monkeypatch):
-    from hybridflow.trainer import data_setup
-    from hybridflow.trainer.data_config import DataConfig
-    from hybridflow.trainer.data_setup import task_files
+    from hybridflow.config.data import DataConfig
+    from hybridflow.train import data_setup
+    from hybridflow.train.data_setup import task_files
 
     cfg = DataConfig(task="arithmetic", task_dir=str(tmp_path), gen_train_size=6, gen_val_size=3)
     real_build = data_setup.build_task

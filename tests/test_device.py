@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hybridflow.config.trainer import TrainerConfig
 from hybridflow.controller.local import LocalResourcePool, LocalWorkerGroup
 from hybridflow.controller.resource_pool import ClassWithInitArgs
-from hybridflow.trainer.config import TrainerConfig
-from hybridflow.trainer.roles import group_factory
+from hybridflow.train.roles import group_factory
 from hybridflow.utils.device import DEVICE_ENV, compute_device, cuda_index, device_kind, dist_backend
 from tests.controller_workers import Gate
 

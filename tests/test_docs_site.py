@@ -19,18 +19,18 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hybridflow import keys as K
-from hybridflow.config_utils import load_config
+from hybridflow.cli.args import parse_args
+from hybridflow.cli.main import build_parser
+from hybridflow.cli.plan import build_parser as plan_parser
+from hybridflow.config.doc import missing_docs, render
+from hybridflow.config.loader import load_config
+from hybridflow.config.measure import Measurements
+from hybridflow.config.resolve import resolve
+from hybridflow.config.run import RunConfig
+from hybridflow.config.sft import SFTConfig, resolve_sft
 from hybridflow.planner.device import DevicePoint, DeviceProfile
 from hybridflow.planner.profile_cli import build_parser as profile_parser
-from hybridflow.trainer.args import parse_args
-from hybridflow.trainer.cli import build_parser
-from hybridflow.trainer.config_doc import missing_docs, render
-from hybridflow.trainer.measure import Measurements
-from hybridflow.trainer.plan_cli import build_parser as plan_parser
-from hybridflow.trainer.resolve import resolve
-from hybridflow.trainer.run_config import RunConfig
-from hybridflow.trainer.sft_config import SFTConfig, resolve_sft
+from hybridflow.protocol import keys as K
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = sorted((ROOT / "docs").rglob("*.md"))
@@ -48,7 +48,9 @@ USER_FILES = {
     "my_run.yaml": "rollout:\n  n: 4\n",
     "my_reward.py": "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n",
     "my_plugins.py": "",
-    "my_env.py": ("from hybridflow.agent.env import ToolEnvironment\n\n\nclass MyEnv(ToolEnvironment):\n    pass\n"),
+    "my_env.py": (
+        "from hybridflow.agent.loop.env import ToolEnvironment\n\n\nclass MyEnv(ToolEnvironment):\n    pass\n"
+    ),
 }
 
 
@@ -166,7 +168,7 @@ def test_main_recipe_is_the_default_run(user_dir: Path):
 
 
 def test_config_reference_is_generated():
-    """docs/reference/config.md is `python -m hybridflow.trainer.config_doc > docs/reference/config.md`, and every
+    """docs/reference/config.md is `python -m hybridflow.config.doc > docs/reference/config.md`, and every
     key in it has a meaning (its field's docstring)."""
     assert (ROOT / "docs" / "reference" / "config.md").read_text() == render()
     assert not missing_docs()
@@ -256,7 +258,7 @@ def test_metrics_glossary_names_every_timer():
 @pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])
 def test_recipe_print_config_for_real(recipe: Path, user_dir: Path, capsys):
     """`hybridflow train|sft --config recipes/X.yaml --print-config` in-process: inputs read, machine measured."""
-    from hybridflow.trainer.cli import main
+    from hybridflow.cli.main import main
 
     command = "sft" if recipe.stem == "sft" else "train"
     extra = ["model.path=default"] if recipe.stem == "rl_after_sft" else []  # sft_model/ is what the SFT run writes

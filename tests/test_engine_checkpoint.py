@@ -4,9 +4,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hybridflow import keys
 from hybridflow.engine import CheckpointError, EngineConfig, FSDPEngine, OptimConfig, export_hf, latest_checkpoint
 from hybridflow.models import load_tokenizer, load_value_model, tiny_model_dir
+from hybridflow.protocol import keys
 from tests.engine_helpers import make_batch
 
 

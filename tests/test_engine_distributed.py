@@ -13,12 +13,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from hybridflow import keys
 from hybridflow.engine import EngineConfig, FSDPEngine, LoraConfig, OptimConfig
 from hybridflow.engine.batch import TokenBudget, token_bounds
 from hybridflow.engine.gather import broadcastable, gather_full
 from hybridflow.engine.lora import apply_lora, is_adapter_key
 from hybridflow.models import load_causal_lm, tiny_model_dir
+from hybridflow.protocol import keys
 from tests.engine_helpers import full, make_batch
 
 ROWS, P, R, STEPS = 8, 8, 6, 2

@@ -4,9 +4,9 @@ full-padding reference, and packed examples never attend to each other."""
 import pytest
 import torch
 
-from hybridflow import keys
 from hybridflow.engine import EngineConfig, FSDPEngine
 from hybridflow.models import load_causal_lm, load_value_model, tiny_model_dir
+from hybridflow.protocol import keys
 from tests.engine_helpers import make_batch, reference_log_probs
 
 

@@ -12,12 +12,12 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from hybridflow import keys
+from hybridflow.cli import main as cli
 from hybridflow.engine import CheckpointError, EngineConfig, FSDPEngine, LoraConfig, OptimConfig, export_hf
 from hybridflow.engine.lora import apply_lora, is_adapter_key
 from hybridflow.models import load_causal_lm, load_tokenizer, tiny_model_dir
+from hybridflow.protocol import keys
 from hybridflow.rollout import RolloutConfig, build_rollout, sync_weights
-from hybridflow.trainer import cli
 from tests.engine_helpers import full, make_batch
 
 LORA = LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj"])

@@ -1,4 +1,4 @@
-"""Pipeline parallel (engine.pipeline_model_parallel_size, engine/pipeline.py) on gloo ranks computes what one plain
+"""Pipeline parallel (engine.pipeline_model_parallel_size, engine/parallel/pipeline.py) on gloo ranks computes what one plain
 process computes: log-probs and entropy (micro-batches of uneven rows), values, the loss, every stage's gradients
 (the tied embedding / LM head summed across the first and last stage), the global gradient norm and one AdamW step
 with clipping; at pp2, pp2 x dp2 (FSDP sharded over the dp ranks of each stage) and pp2 x tp2, on tiny Llama and
@@ -13,15 +13,14 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from hybridflow import keys
-from hybridflow.config_utils import ConfigError, load_config
+from hybridflow.config.loader import ConfigError, load_config
+from hybridflow.config.run import RunConfig
+from hybridflow.config.sft import SFTConfig
 from hybridflow.engine import EngineConfig, FSDPEngine, OptimConfig
 from hybridflow.engine.batch import TokenBudget
-from hybridflow.engine.pipeline_stage import HeadSpec, check_pp_layout, split_stage, stage_layers
+from hybridflow.engine.parallel.pipeline_stage import HeadSpec, check_pp_layout, split_stage, stage_layers
 from hybridflow.models import default_model_dir, load_causal_lm, load_value_model, tiny_model_dir
-from hybridflow.protocol import DataProto
-from hybridflow.trainer.run_config import RunConfig
-from hybridflow.trainer.sft_config import SFTConfig
+from hybridflow.protocol import DataProto, keys
 from hybridflow.workers import ActorConfig
 from hybridflow.workers.losses import actor_loss_builder
 from hybridflow.workers.ppo_update import run_ppo_update

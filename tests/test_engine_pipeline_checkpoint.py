@@ -14,10 +14,10 @@ import torch
 import torch.multiprocessing as mp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-from hybridflow import keys
 from hybridflow.engine import EngineConfig, FSDPEngine, OptimConfig, export_hf
 from hybridflow.engine.checkpoint import _saved_name, _settings_by_param
 from hybridflow.models import load_causal_lm, tiny_model_dir
+from hybridflow.protocol import keys
 from tests.engine_helpers import free_port, policy_nll_loss
 from tests.test_engine_pipeline import _data, _micro
 from tests.test_engine_sequence_parallel import OPTIM, R

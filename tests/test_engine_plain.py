@@ -1,4 +1,4 @@
-"""One rank computing in the weights' own dtype runs the plain module, without FSDP2 (engine/parallelize.py
+"""One rank computing in the weights' own dtype runs the plain module, without FSDP2 (engine/parallel/parallelize.py
 `needs_fsdp`): it trains bit-identically to the FSDP2-wrapped module, and checkpoints move between the two."""
 
 import pytest
@@ -6,10 +6,10 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from hybridflow import keys
 from hybridflow.engine import EngineConfig, FSDPEngine, OptimConfig
-from hybridflow.engine import parallelize as parallelize_module
+from hybridflow.engine.parallel import parallelize as parallelize_module
 from hybridflow.models import tiny_model_dir
+from hybridflow.protocol import keys
 from tests.engine_helpers import full, make_batch
 
 

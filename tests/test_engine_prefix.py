@@ -6,10 +6,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hybridflow import keys
 from hybridflow.engine import EngineConfig, FSDPEngine
 from hybridflow.engine.prefix import pack_shared_prompts, sharing_pays
 from hybridflow.models import load_causal_lm, load_value_model, tiny_model_dir
+from hybridflow.protocol import keys
 from tests.engine_helpers import full, make_group_batch, reference_log_probs
 
 

@@ -5,9 +5,9 @@ keeps FSDP2 on one rank (it casts the fp32 master weights); in fp32 one rank run
 
 import torch
 
-from hybridflow import keys
 from hybridflow.engine import EngineConfig, FSDPEngine, OptimConfig
 from hybridflow.models import tiny_model_dir
+from hybridflow.protocol import keys
 from tests.engine_helpers import make_batch
 
 

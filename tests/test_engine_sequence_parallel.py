@@ -15,11 +15,16 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from hybridflow import keys
 from hybridflow.engine import EngineConfig, FSDPEngine, LoraConfig, OptimConfig
 from hybridflow.engine.batch import PackedBatch, TokenBudget
-from hybridflow.engine.sequence_parallel import SequenceParallelEngine, check_sp_layout, kv_head_splits, padded_row
+from hybridflow.engine.parallel.sequence_parallel import (
+    SequenceParallelEngine,
+    check_sp_layout,
+    kv_head_splits,
+    padded_row,
+)
 from hybridflow.models import default_model_dir, load_causal_lm, load_value_model, tiny_model_dir
+from hybridflow.protocol import keys
 from tests.engine_helpers import (
     check_smollm2_one_step,
     free_port,

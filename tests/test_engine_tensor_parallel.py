@@ -13,12 +13,12 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from hybridflow import keys
 from hybridflow.engine import EngineConfig, FSDPEngine, OptimConfig, export_hf
 from hybridflow.engine.batch import TokenBudget
+from hybridflow.engine.parallel.tensor_parallel import TensorParallelEngine, check_tp_layout
 from hybridflow.engine.prefix import sharing_pays
-from hybridflow.engine.tensor_parallel import TensorParallelEngine, check_tp_layout
 from hybridflow.models import default_model_dir, load_causal_lm, load_value_model, tiny_model_dir
+from hybridflow.protocol import keys
 from tests.engine_helpers import (
     check_smollm2_one_step,
     free_port,

@@ -1,4 +1,4 @@
-"""Tensor parallel x Ulysses sequence parallel (tp 2 x sp 2 on 4 gloo ranks, one engine: engine/parallelize.py)
+"""Tensor parallel x Ulysses sequence parallel (tp 2 x sp 2 on 4 gloo ranks, one engine: engine/parallel/parallelize.py)
 computes what one plain process computes: log-probs and entropy, values, the loss, gradients and one AdamW
 step, on tiny Llama and Qwen2 models whose 8 heads / 4 kv heads leave each tp rank 2 kv heads to split over sp,
 and on a Llama with 2 kv heads, whose one kv head per tp rank is repeated for the q heads each sp rank holds.
@@ -14,10 +14,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from hybridflow import keys
 from hybridflow.engine import EngineConfig, FSDPEngine, OptimConfig
-from hybridflow.engine.sequence_parallel import check_sp_layout
+from hybridflow.engine.parallel.sequence_parallel import check_sp_layout
 from hybridflow.models import tiny_model_dir
+from hybridflow.protocol import keys
 from tests.engine_helpers import free_port, make_group_batch, policy_nll_loss
 from tests.test_engine_sequence_parallel import OPTIM, ROWS, R, _reference, _value_loss
 

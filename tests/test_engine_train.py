@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 
-from hybridflow import keys
 from hybridflow.engine import EngineConfig, FSDPEngine, OptimConfig
 from hybridflow.engine.optim import build_lr_scheduler, lr_factor
 from hybridflow.models import tiny_model_dir
+from hybridflow.protocol import keys
 from tests.engine_helpers import make_batch
 
 

@@ -191,7 +191,7 @@ def test_controller_killed_mid_save_resumes_from_the_last_complete_checkpoint(se
     faults = "save_checkpoint@4:0:hang"  # rank 0 stays inside the step-4 save until the controller is killed
     args = overrides(setup, tmp_path)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "hybridflow.trainer.main", *args],
+        [sys.executable, "-m", "hybridflow.cli.train", *args],
         cwd=tmp_path,
         env=cli_env(**fault_env(tmp_path, faults)),
         stdout=subprocess.DEVNULL,
@@ -254,7 +254,7 @@ def test_a_two_node_run_recovers_when_the_worker_on_the_second_node_dies(
     import logging
     import threading
 
-    from hybridflow.trainer.main import load_run, run
+    from hybridflow.cli.train import load_run, run
 
     # both ranks park in step 3's generate; then the worker on the second node is killed from outside
     monkeypatch.setenv("HYBRIDFLOW_FAULT", "generate_sequences@3:0:hang,generate_sequences@3:1:hang")
@@ -282,7 +282,7 @@ def test_sft_recovers_from_a_killed_worker_exactly(setup, tmp_path: Path):
     def sft(tmp: Path, faults: str = "") -> tuple[subprocess.CompletedProcess, list[dict]]:
         tmp.mkdir(parents=True)
         args = ["sft", *sft_overrides(setup[0], tmp), "trainer.total_training_steps=4", "trainer.cpus_per_worker=1"]
-        proc = run_cli(args, tmp, module="hybridflow.trainer.cli", env=fault_env(tmp, faults) if faults else None)
+        proc = run_cli(args, tmp, module="hybridflow.cli.main", env=fault_env(tmp, faults) if faults else None)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
         return proc, [r for r in read_metrics(tmp) if "train/loss" in r]
 

@@ -1,4 +1,4 @@
-"""trainer/job.py: the restart loop over a `Job` (build workers, make a trainer, fit; after a worker failure
+"""train/job.py: the restart loop over a `Job` (build workers, make a trainer, fit; after a worker failure
 tear down, release, restart from the newest checkpoint, keep the validation results)."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ from typing import Any, NamedTuple
 
 import pytest
 
-from hybridflow.config_utils import load_config
+from hybridflow.config.loader import load_config
+from hybridflow.config.run import RunConfig
 from hybridflow.controller.worker_group import WorkerError
-from hybridflow.trainer.job import fit_with_restarts
-from hybridflow.trainer.recovery import RunFailedError
-from hybridflow.trainer.run_config import RunConfig
+from hybridflow.train.job import fit_with_restarts
+from hybridflow.train.recovery import RunFailedError
 from tests.resolve_helpers import resolve_here
 
 
@@ -85,7 +85,7 @@ class FakeJob:
 @pytest.fixture(autouse=True)
 def no_ray(monkeypatch):
     """The fake workers need no Ray (the config says ray: the local backend has no restarts)."""
-    import hybridflow.trainer.job as job
+    import hybridflow.train.job as job
 
     monkeypatch.setattr(job, "start_backend", lambda cfg: None)
 

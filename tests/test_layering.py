@@ -19,12 +19,12 @@ import hybridflow
 
 PACKAGE = Path(hybridflow.__file__).parent
 CLI_MODULES = {
-    "hybridflow.trainer.cli",
-    "hybridflow.trainer.main",
-    "hybridflow.trainer.sft_main",
-    "hybridflow.trainer.plan_cli",
+    "hybridflow.cli.main",
+    "hybridflow.cli.train",
+    "hybridflow.cli.sft",
+    "hybridflow.cli.plan",
 }
-"""`hybridflow` (the console script), `python -m hybridflow.trainer.main` / `hybridflow train`,
+"""`hybridflow` (the console script), `python -m hybridflow.cli.train` / `hybridflow train`,
 `hybridflow sft` and `hybridflow plan`."""
 
 FORBIDDEN = {
@@ -57,21 +57,21 @@ def imported_modules(source: str, package: str) -> set[str]:
 
 def test_imported_modules_resolves_absolute_relative_and_from_package_imports():
     source = (
-        "import os, hybridflow.trainer.cli\n"
+        "import os, hybridflow.cli.main\n"
         "from hybridflow.trainer import main\n"
         "from .checkpointing import actor_dir\n"
         "from .. import protocol\n"
         "def f():\n"
-        "    from hybridflow.trainer.cli import cmd_data\n"
+        "    from hybridflow.cli.main import cmd_data\n"
     )
     found = imported_modules(source, "hybridflow.trainer")
     assert {
         "os",
-        "hybridflow.trainer.cli",
-        "hybridflow.trainer.main",
-        "hybridflow.trainer.checkpointing",
+        "hybridflow.cli.main",
+        "hybridflow.cli.train",
+        "hybridflow.train.checkpointing",
         "hybridflow.protocol",
-        "hybridflow.trainer.cli.cmd_data",
+        "hybridflow.cli.main.cmd_data",
     } <= found
 
 
@@ -109,7 +109,7 @@ def test_every_part_imports_only_what_its_layer_allows():
 
 
 def test_the_layer_check_sees_function_local_imports():
-    source = "def f():\n    from hybridflow.trainer.run_config import RunConfig\n"
+    source = "def f():\n    from hybridflow.config.run import RunConfig\n"
     found = imported_modules(source, "hybridflow.planner")
     assert any(is_within(m, "trainer") for m in found)
     assert not is_within("hybridflow.trainerx", "trainer") and is_within("ray.util", "ray")
@@ -121,7 +121,7 @@ def test_generate_reads_a_trainer_checkpoint_without_loading_the_cli(tmp_path):
     code = (
         "import sys\n"
         "from pathlib import Path\n"
-        "import hybridflow.trainer.generate as generate\n"
+        "import hybridflow.cli.generate as generate\n"
         "calls = []\n"
         "generate.export_hf = lambda src, out, tok, base_model: calls.append((src, tok, base_model)) or out\n"
         f"out = generate.model_dir({str(ckpt)!r}, Path({str(tmp_path)!r}))\n"

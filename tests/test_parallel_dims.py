@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hybridflow.engine.config import EngineConfig
-from hybridflow.engine.parallel_dims import (
+from hybridflow.engine.parallel.dims import (
     Axis,
     Coords,
     GenerationDims,

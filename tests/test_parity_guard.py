@@ -10,8 +10,8 @@ import pytest
 import torch
 from ray.exceptions import RayTaskError
 
-from hybridflow import keys as K
-from hybridflow.config_utils import ConfigError, load_config
+from hybridflow.config.loader import ConfigError, load_config
+from hybridflow.config.run import RunConfig
 from hybridflow.parity import ParityError
 from hybridflow.parity.config import ParityThresholds, Thresholds, parity_rollout_fields
 from hybridflow.parity.guard import ParityGuard
@@ -19,9 +19,9 @@ from hybridflow.parity.logprob import logprob_gaps
 from hybridflow.parity.rollout_faults import apply_rollout_faults
 from hybridflow.parity.tokens import MOD, hash_ids, hash_list_rows, hash_rows, mismatched_rows
 from hybridflow.protocol import DataProto
+from hybridflow.protocol import keys as K
 from hybridflow.rollout.config import RolloutConfig
-from hybridflow.trainer.recovery import is_worker_failure
-from hybridflow.trainer.run_config import RunConfig
+from hybridflow.train.recovery import is_worker_failure
 
 G0, G1, G2 = 48271, 182605794, 1291394886  # 48271^(k+1) mod (2^31 - 1), k = 0, 1, 2
 
@@ -219,7 +219,7 @@ def test_a_parity_error_is_never_retried():
 
 
 def test_off_policy_batches_carry_their_findings_through_the_queue_and_a_checkpoint(tmp_path, monkeypatch):
-    from hybridflow.trainer import async_pipeline
+    from hybridflow.train import async_pipeline
     from tests.test_async_pipeline import FakeRoles, _prompts
 
     class Reporting(type(FakeRoles().rollout)):
@@ -275,7 +275,7 @@ def test_rollouts_hash_the_ids_they_sample(backend: str):
 
     from hybridflow.rollout.config import SamplingParams
     from hybridflow.rollout.hf import HFRollout
-    from hybridflow.rollout.native import NativeRollout
+    from hybridflow.rollout.native.rollout import NativeRollout
 
     model, tok = tiny()
     add_eos_bias(

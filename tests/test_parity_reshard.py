@@ -18,7 +18,7 @@ from hybridflow.parity.faults import PARITY_FAULT_ENV
 
 TP_STEP = 100
 FULL = f"wrong_shard@2,skip_sync@3,corrupt_tensor@4,wrong_dtype@5,wrong_shard@{TP_STEP + 1}"
-PRELOAD = ["torch", "transformers", "hybridflow.models", "hybridflow.engine.fsdp", "hybridflow.rollout.native"]
+PRELOAD = ["torch", "transformers", "hybridflow.models", "hybridflow.engine.fsdp", "hybridflow.rollout.native.rollout"]
 Q0 = "model.layers.0.self_attn.q_proj.weight"
 
 
@@ -52,7 +52,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, spec: str, steps: in
                 p.add_(0.01)  # every weight changes before every sync
         out[step] = sync_weights(rollout, engine, step=step, check=True, backend="native").findings
     if steps > 2:  # a tensor-parallel training engine: column shards (o_proj, down_proj) are pieces too
-        from hybridflow.engine.tensor_parallel import TensorParallelEngine
+        from hybridflow.engine.parallel.tensor_parallel import TensorParallelEngine
 
         tp_cfg = EngineConfig(param_dtype="fp32", tensor_parallel_size=2)
         tp_engine = TensorParallelEngine.from_pretrained(tiny_model_dir("llama", seed=1), tp_cfg)

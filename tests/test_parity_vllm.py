@@ -1,4 +1,4 @@
-"""Weight-sync parity into the vllm rollout (hybridflow/rollout/vllm_weights.py): vllm's worker fingerprints
+"""Weight-sync parity into the vllm rollout (hybridflow/rollout/vllm/weights.py): vllm's worker fingerprints
 what it holds under the HF names (its fused q/k/v and gate/up split back into their rows), exactly the sender's
 fingerprints after a healthy load; each injected fault (skip_sync, corrupt_tensor, wrong_dtype,
 prefix_cache_stale) is a finding at its step naming rollout=vllm, the path and the tensors or the prefix cache,
@@ -15,13 +15,13 @@ import pytest
 import torch
 from vllm_required import require_vllm
 
-from hybridflow import keys as K
 from hybridflow.controller.local import LocalWorkerGroup
 from hybridflow.controller.resource_pool import ClassWithInitArgs
 from hybridflow.engine import EngineConfig, OptimConfig
 from hybridflow.models import load_causal_lm, load_tokenizer, tiny_model_dir
 from hybridflow.parity.faults import PARITY_FAULT_ENV
 from hybridflow.parity.weights import prints_once
+from hybridflow.protocol import keys as K
 from hybridflow.rollout import RolloutConfig, build_rollout
 from hybridflow.workers import ActorConfig, ActorRolloutRefWorker, ModelConfig, RefConfig
 from tests.rollout_helpers import prompt_batch

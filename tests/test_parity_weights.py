@@ -12,7 +12,6 @@ from functools import partial
 import pytest
 import torch
 
-from hybridflow import keys as K
 from hybridflow.controller.local import LocalWorkerGroup
 from hybridflow.controller.resource_pool import ClassWithInitArgs
 from hybridflow.engine import EngineConfig, LoraConfig, OptimConfig
@@ -21,6 +20,7 @@ from hybridflow.parity.faults import PARITY_FAULT_ENV
 from hybridflow.parity.fingerprint import tensor_fingerprint
 from hybridflow.parity.weights import bridge_expected, prints_once
 from hybridflow.protocol import DataProto
+from hybridflow.protocol import keys as K
 from hybridflow.rollout import RolloutConfig
 from hybridflow.workers import ActorConfig, ActorRolloutRefWorker, ModelConfig, RefConfig
 from tests.engine_helpers import make_batch

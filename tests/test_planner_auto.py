@@ -1,18 +1,18 @@
-"""trainer.placement=auto / n_workers_per_node=null: measured (trainer/measure.py), then chosen by resolve from the
-planner's predictions (planner/auto.py, trainer/layout.py)."""
+"""trainer.placement=auto / n_workers_per_node=null: measured (config/measure.py), then chosen by resolve from the
+planner's predictions (planner/auto.py, config/layout.py)."""
 
 from dataclasses import replace
 
 import pytest
 
-from hybridflow.config_utils import load_config
+from hybridflow.config.loader import load_config
+from hybridflow.config.measure import Measurements
+from hybridflow.config.plan_inputs import run_shape
+from hybridflow.config.resolve import resolve
+from hybridflow.config.run import RunConfig
 from hybridflow.models import tiny_model_dir
 from hybridflow.planner.auto import predicted_placements
 from hybridflow.planner.device import DevicePoint, DeviceProfile
-from hybridflow.trainer.measure import Measurements
-from hybridflow.trainer.plan_inputs import run_shape
-from hybridflow.trainer.resolve import resolve
-from hybridflow.trainer.run_config import RunConfig
 from tests.resolve_helpers import resolve_here
 
 PPO = [
@@ -92,7 +92,7 @@ def test_null_workers_picks_the_layout_the_cost_model_prefers(tmp_path, capsys, 
 @pytest.mark.parametrize("one_worker_s, chosen", [(9.0, 2), (8.5, 1), (11.0, 2)])
 def test_null_workers_keeps_the_default_layout_inside_the_noise(tmp_path, monkeypatch, one_worker_s, chosen):
     """Predicted 10.0 s a step for the default 2 x 1: 1 x 2 is chosen only where predicted over 15% faster."""
-    from hybridflow.trainer import layout
+    from hybridflow.config import layout
 
     monkeypatch.setattr(
         layout, "predicted_placements", lambda shape, threads, *_: {"colocate": one_worker_s if threads == 2 else 10.0}

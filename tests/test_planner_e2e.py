@@ -7,10 +7,10 @@ import pytest
 from test_planner_search import PROFILE
 from test_trainer_cli import base_overrides, read_metrics, run_cli
 
-from hybridflow.config_utils import load_config
+from hybridflow.cli.main import main
+from hybridflow.config.loader import load_config
+from hybridflow.config.run import RunConfig
 from hybridflow.planner.device import DeviceProfile
-from hybridflow.trainer.cli import main
-from hybridflow.trainer.run_config import RunConfig
 
 
 def test_profile_command_on_a_tiny_model(tmp_path, capsys):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from hybridflow.cli.main import main as cli_main
 from hybridflow.planner.gpu import (
     SHAPES,
     SPECS,
@@ -17,7 +18,6 @@ from hybridflow.planner.gpu import (
     train_seconds,
 )
 from hybridflow.planner.gpu_search import PPO_ROLES, evaluate, named_placements, one_step_off, search
-from hybridflow.trainer.cli import main as cli_main
 
 SPEC = GpuSpec(
     "test",

@@ -24,7 +24,7 @@ from hybridflow.algos.adv_spec import ADV_ESTIMATORS, AdvantageEstimatorSpec, ge
 from hybridflow.algos.core import LOSS_AGG_MODES
 from hybridflow.algos.kl import KL_ESTIMATORS
 from hybridflow.algos.losses import POLICY_LOSSES, PolicyLossConfig
-from hybridflow.keys import RESPONSES
+from hybridflow.protocol.keys import RESPONSES
 from hybridflow.rewards import default_compute_score
 from hybridflow.rewards.registry import SCORERS
 from hybridflow.rollout import ROLLOUT_BACKENDS, RolloutBackendSpec, RolloutConfig, build_rollout
@@ -250,9 +250,9 @@ def test_a_path_that_does_not_load_names_the_key(tmp_path):
 
 
 def test_engine_backend_is_chosen_by_the_config_and_checked_at_load():
-    from hybridflow.config_utils import ConfigError, load_config
+    from hybridflow.config.loader import ConfigError, load_config
+    from hybridflow.config.run import RunConfig
     from hybridflow.engine.config import EngineConfig
-    from hybridflow.trainer.run_config import RunConfig
     from hybridflow.workers.engines import engine_backend
 
     assert engine_backend(EngineConfig()) == "fsdp"

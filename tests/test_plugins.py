@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from test_trainer_cli import base_overrides, read_metrics, run_cli
 
-from hybridflow.config_utils import ConfigError, load_config
+from hybridflow.config.loader import ConfigError, load_config
+from hybridflow.config.run import RunConfig
 from hybridflow.models import tiny_model_dir
-from hybridflow.trainer.run_config import RunConfig
 
 PLUGIN = """
 import os
@@ -95,9 +95,7 @@ def test_a_ray_run_uses_every_plugin_kind_in_the_workers(tmp_path: Path):
     fast = ["trainer.n_workers_per_node=1", "trainer.val_before_train=false", "trainer.test_freq=-1"]
     # A relative plugin path: resolved at load, so the Ray workers (another working directory) find it too.
     args = ["train", *base_overrides(str(tiny_model_dir("llama")), tmp_path), *fast, *USE_ALL]
-    proc = run_cli(
-        [*args, "trainer.plugins=[plug.py]", "trainer.backend=ray"], tmp_path, module="hybridflow.trainer.cli"
-    )
+    proc = run_cli([*args, "trainer.plugins=[plug.py]", "trainer.backend=ray"], tmp_path, module="hybridflow.cli.main")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     steps = [r for r in read_metrics(tmp_path) if "actor/pg_loss" in r]
     assert [r["step"] for r in steps] == [1, 2]
@@ -132,7 +130,7 @@ def test_the_spec_of_a_plugin_estimator_is_checked_at_load(tmp_path: Path):
     ],
 )
 def test_a_wrong_plugin_fails_with_one_line(tmp_path: Path, monkeypatch, capsys, override: str, expect: str):
-    from hybridflow.trainer.cli import main
+    from hybridflow.cli.main import main
 
     (tmp_path / "other.py").write_text("def mine():\n    pass\n")
     monkeypatch.chdir(tmp_path)

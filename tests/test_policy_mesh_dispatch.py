@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 import torch
 
-from hybridflow import keys as K
 from hybridflow.controller.colocate import create_colocated_worker_cls
 from hybridflow.controller.resource_pool import ClassWithInitArgs
 from hybridflow.controller.worker_group import WorkerGroup
 from hybridflow.engine.config import EngineConfig
 from hybridflow.protocol import DataProto
+from hybridflow.protocol import keys as K
 from hybridflow.rollout.config import RolloutConfig, SamplingParams
 from hybridflow.workers import ActorRolloutRefWorker, CriticWorker
 from hybridflow.workers.config import ActorConfig, CriticConfig, ModelConfig, RefConfig, RewardModelConfig

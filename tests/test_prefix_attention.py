@@ -8,11 +8,11 @@ import torch
 import torch.nn.functional as F
 
 import hybridflow.engine.prefix_attention as prefix_attention_module
-from hybridflow import keys
 from hybridflow.engine import EngineConfig, FSDPEngine
 from hybridflow.engine.prefix import pack_shared_prompts
 from hybridflow.engine.prefix_attention import ATTENTION_NAME, LAYOUT_KWARG, build_layout, prefix_attention
 from hybridflow.models import load_causal_lm, tiny_model_dir
+from hybridflow.protocol import keys
 from tests.engine_helpers import full, make_group_batch
 
 

@@ -26,7 +26,7 @@ from tests.test_trainer_cli import base_overrides, cli_env
 def cli(args: list[str], cwd: Path, stdin: str | None = None) -> subprocess.CompletedProcess:
     """`hybridflow args...` with stdout and stderr pipes (and `stdin` on a pipe)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "hybridflow.trainer.cli", *args],
+        [sys.executable, "-m", "hybridflow.cli.main", *args],
         cwd=cwd,
         env=cli_env(),
         input=stdin,
@@ -50,7 +50,7 @@ def round_trip(command: str, args: list[str], cwd: Path) -> tuple[dict, str]:
 def round_trip_in_process(command: str, args: list[str], cwd: Path, capsys, caplog) -> tuple[dict, str]:
     """`round_trip` through the same `main` in this process, the printed YAML loaded back from a file;
     (the printed YAML, what the first call logged)."""
-    from hybridflow.trainer.cli import main
+    from hybridflow.cli.main import main
 
     caplog.set_level(logging.INFO, logger="hybridflow")
     assert main([command, "--print-config", *args]) == 0

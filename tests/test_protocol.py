@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 import torch
 
-from hybridflow.keys import META_METRICS, UID
 from hybridflow.protocol import (
     DataProto,
     DataProtoItem,
@@ -15,6 +14,7 @@ from hybridflow.protocol import (
     pad_dataproto_to_divisor,
     unpad_dataproto,
 )
+from hybridflow.protocol.keys import META_METRICS, UID
 
 META_TEMPERATURE = "temperature"  # any batch-wide meta_info value
 

@@ -7,8 +7,8 @@ import pytest
 import ray
 import torch
 
-from hybridflow.keys import META_METRICS
 from hybridflow.protocol import DataProto, DataProtoFuture
+from hybridflow.protocol.keys import META_METRICS
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -10,13 +10,13 @@ import pytest
 import torch.distributed as dist
 from ray.exceptions import ActorDiedError, RayTaskError
 
-from hybridflow.config_utils import load_config
+from hybridflow.config.loader import load_config
+from hybridflow.config.resolve import resolve_trainer
+from hybridflow.config.run import RunConfig
 from hybridflow.controller.faults import FaultPoint, call_step, parse_faults
 from hybridflow.controller.worker_group import WorkerError, WorkerTimeoutError
 from hybridflow.protocol import DataProto
-from hybridflow.trainer.recovery import Recovery, RestartBudget, RunFailedError, describe, is_worker_failure
-from hybridflow.trainer.resolve import resolve_trainer
-from hybridflow.trainer.run_config import RunConfig
+from hybridflow.train.recovery import Recovery, RestartBudget, RunFailedError, describe, is_worker_failure
 from hybridflow.utils.tracking import Tracking
 
 
@@ -94,7 +94,7 @@ def test_rewind_drops_only_the_trailing_records_after_the_step(tmp_path: Path):
 def test_exhausted_restarts_name_the_worker_and_the_fix(tmp_path: Path):
     cfg = load_config(RunConfig, None, ["trainer.max_restarts=0"]).trainer
     recovery = Recovery(cfg, None)
-    from hybridflow.trainer.recovery import Failure
+    from hybridflow.train.recovery import Failure
 
     failure = Failure("group g rank 1 (pid 7, node ab) died in update_actor", 3, WorkerError("died"))
     with pytest.raises(
@@ -110,8 +110,8 @@ def test_recovery_time_runs_from_the_failure_to_the_resume(monkeypatch):
     cfg = load_config(RunConfig, None, ["trainer.max_restarts=2"]).trainer
     recovery = Recovery(cfg, None)
     clock = iter([100.0, 112.5])
-    monkeypatch.setattr("hybridflow.trainer.recovery.time.monotonic", lambda: next(clock))
-    monkeypatch.setattr("hybridflow.trainer.recovery.dead_workers", lambda groups: [])
+    monkeypatch.setattr("hybridflow.train.recovery.time.monotonic", lambda: next(clock))
+    monkeypatch.setattr("hybridflow.train.recovery.dead_workers", lambda groups: [])
     recovery.resumed()  # a first start is no recovery
     assert recovery.metrics()["fault/recovery_s"] == 0.0
     assert recovery.failure(WorkerError("died"), [], step=3) is not None  # t = 100

@@ -27,15 +27,15 @@ from hybridflow.engine.reshard import (
 )
 from hybridflow.models import load_causal_lm, load_tokenizer, tiny_model_dir
 from hybridflow.rollout import build_rollout
-from hybridflow.rollout.sharding import chunk_of, own_part, shard_module_, split_dims
+from hybridflow.rollout.native.sharding import chunk_of, own_part, shard_module_, split_dims
 
 ARCHS = ("llama", "qwen2")
 PRELOAD = [
     "torch",
     "transformers",
     "hybridflow.models",
-    "hybridflow.engine.tensor_parallel",
-    "hybridflow.rollout.native",
+    "hybridflow.engine.parallel.tensor_parallel",
+    "hybridflow.rollout.native.rollout",
 ]
 KV4 = dict(num_heads=4, num_kv_heads=4)  # tp 4 needs 4 kv heads
 CASES_4 = ((1, 2, -1, 1), (2, 2, -1, 1), (4, 2, -1, 1), (1, 4, -1, 1), (1, 2, 2, 1), (1, 2, -1, 2))
@@ -68,7 +68,7 @@ def _start(rank: int, world: int, port: int) -> None:
 
 def _engine(path: Path, tp: int, fsdp_size: int = -1):
     from hybridflow.engine import EngineConfig, FSDPEngine
-    from hybridflow.engine.tensor_parallel import TensorParallelEngine
+    from hybridflow.engine.parallel.tensor_parallel import TensorParallelEngine
 
     cfg = EngineConfig(param_dtype="fp32", tensor_parallel_size=tp, fsdp_size=fsdp_size)
     return (TensorParallelEngine if tp > 1 else FSDPEngine).from_pretrained(path, cfg)
@@ -210,7 +210,7 @@ def _rollout_config(tp: int):
 
 
 def _greedy(rollout, arch: str) -> torch.Tensor:
-    from hybridflow.keys import RESPONSES
+    from hybridflow.protocol.keys import RESPONSES
     from tests.rollout_helpers import prompt_batch
 
     return rollout.generate_sequences(prompt_batch(load_tokenizer(tiny_model_dir(arch)))).batch[RESPONSES]

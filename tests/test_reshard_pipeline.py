@@ -19,7 +19,7 @@ from hybridflow.engine.reshard_plan import merge_tables
 from hybridflow.models import tiny_model_dir
 from hybridflow.parity.faults import PARITY_FAULT_ENV
 
-PRELOAD = ["torch", "transformers", "hybridflow.models", "hybridflow.engine.fsdp", "hybridflow.rollout.native"]
+PRELOAD = ["torch", "transformers", "hybridflow.models", "hybridflow.engine.fsdp", "hybridflow.rollout.native.rollout"]
 FAULTS = "wrong_shard@2,skip_sync@3"
 STEPS = 3
 PP2 = dict(pipeline_model_parallel_size=2)

@@ -19,11 +19,11 @@ from transformers import (
     LlamaForSequenceClassification,
 )
 
-from hybridflow import keys as K
 from hybridflow.controller.local import LocalWorkerGroup
 from hybridflow.controller.resource_pool import ClassWithInitArgs
 from hybridflow.models import load_value_model, tiny_model_dir
 from hybridflow.protocol import DataProto
+from hybridflow.protocol import keys as K
 from hybridflow.workers import ModelConfig, RewardModelConfig, RewardModelWorker
 from hybridflow.workers.reward_model import last_token_scores, score_inputs
 
@@ -186,9 +186,9 @@ def test_remax_baseline_includes_the_reward_model_score():
     """ReMax's greedy baseline is scored like the samples: rule score + reward-model score."""
     from types import SimpleNamespace
 
+    from hybridflow.config.trainer import AlgorithmConfig
     from hybridflow.rollout.config import SamplingParams
-    from hybridflow.trainer.config import AlgorithmConfig
-    from hybridflow.trainer.core_steps import reward_baselines
+    from hybridflow.train.core_steps import reward_baselines
 
     calls = []
 

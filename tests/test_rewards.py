@@ -7,9 +7,8 @@ import json
 import pytest
 import torch
 
-from hybridflow import keys
-from hybridflow.config_utils import ConfigError
-from hybridflow.protocol import DataProto
+from hybridflow.config.loader import ConfigError
+from hybridflow.protocol import DataProto, keys
 from hybridflow.rewards import RewardManager, countdown, default_compute_score, gsm8k, load_custom_reward_fn, math_boxed
 from tests.data_helpers import smol_tokenizer
 

@@ -1,4 +1,4 @@
-"""The fused decode step (rollout/fused_step.py, rollout/decode_step.c) against the decoder's torch path."""
+"""The fused decode step (rollout/native/fused_step.py, rollout/native/decode_step.c) against the decoder's torch path."""
 
 from __future__ import annotations
 
@@ -8,10 +8,18 @@ import pytest
 import torch
 from rollout_helpers import add_eos_bias, prompt_batch, recomputed_log_probs, tiny, without_bf16_products
 
-import hybridflow.rollout.decoder as decoder
-from hybridflow.keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, RESPONSE_MASK, RESPONSES, ROLLOUT_LOG_PROBS
-from hybridflow.rollout import RolloutConfig, panel
-from hybridflow.rollout.native import NativeRollout
+import hybridflow.rollout.native.decoder as decoder
+from hybridflow.protocol.keys import (
+    ATTENTION_MASK,
+    INPUT_IDS,
+    POSITION_IDS,
+    RESPONSE_MASK,
+    RESPONSES,
+    ROLLOUT_LOG_PROBS,
+)
+from hybridflow.rollout import RolloutConfig
+from hybridflow.rollout.native import panel
+from hybridflow.rollout.native.rollout import NativeRollout
 
 needs_kernel = pytest.mark.skipif(
     panel.kernel(panel.DECODE_STEP) is None, reason="no AVX2 + FMA CPU or no C compiler here"
@@ -116,7 +124,7 @@ def test_a_bf16_rollout_takes_bf16_panels_at_a_few_rows_only(monkeypatch):
     """Without bf16 products, up to BF16_PANEL_MAX_ROWS rows (prompts x n) a bf16 rollout samples on the fused fp32
     step over its bf16 weights, the same tokens as an fp32 copy with rollout.weight_dtype=bf16; more rows keep
     oneDNN's bf16 path."""
-    import hybridflow.rollout.native as native
+    import hybridflow.rollout.native.rollout as native
 
     without_bf16_products(monkeypatch)
     bf16_model, tok = tiny("llama", dtype=torch.bfloat16)
@@ -138,7 +146,7 @@ def test_a_bf16_rollout_takes_bf16_panels_at_a_few_rows_only(monkeypatch):
 def test_a_bf16_rollout_runs_bf16_products_at_any_rows(arch):
     """Where the CPU has bf16 products a bf16 rollout decodes in the fused step on them at any number of rows; its
     log-probs are the bf16 model's own forward's to bf16 precision, and nearer the fp32 copy's than that forward."""
-    import hybridflow.rollout.native as native
+    import hybridflow.rollout.native.rollout as native
 
     model, tok = tiny(arch, dtype=torch.bfloat16)
     add_eos_bias(model, tok.eos_token_id, 6.0)

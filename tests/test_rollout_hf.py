@@ -8,7 +8,7 @@ import pytest
 import torch
 from rollout_helpers import add_eos_bias, prompt_batch, recomputed_log_probs, tiny
 
-from hybridflow.keys import RESPONSE_MASK, RESPONSES, ROLLOUT_LOG_PROBS
+from hybridflow.protocol.keys import RESPONSE_MASK, RESPONSES, ROLLOUT_LOG_PROBS
 from hybridflow.rollout import RolloutConfig, build_rollout
 
 R = 10

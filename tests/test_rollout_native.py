@@ -9,7 +9,7 @@ import pytest
 import torch
 from rollout_helpers import add_eos_bias, full_forward_logits, prompt_batch, recomputed_log_probs, tiny
 
-from hybridflow.keys import (
+from hybridflow.protocol.keys import (
     ATTENTION_MASK,
     INPUT_IDS,
     POSITION_IDS,
@@ -19,10 +19,10 @@ from hybridflow.keys import (
     ROLLOUT_LOG_PROBS,
 )
 from hybridflow.rollout import RolloutConfig, build_rollout
-from hybridflow.rollout import decoder as decoder_module
 from hybridflow.rollout.config import SamplingParams
 from hybridflow.rollout.layout import pad_responses
-from hybridflow.rollout.native import NativeRollout
+from hybridflow.rollout.native import decoder as decoder_module
+from hybridflow.rollout.native.rollout import NativeRollout
 
 R = 12
 
@@ -177,7 +177,7 @@ def test_build_rollout_from_path_in_bf16():
 def test_decode_over_whole_cache_equals_decode_over_filled_slice(monkeypatch):
     """Decode attends over the whole preallocated cache (unwritten slots masked) or SDPA over the filled
     slice; with rows ending early (compaction re-allocates the cache) both give the same samples."""
-    import hybridflow.rollout.decoder as decoder
+    import hybridflow.rollout.native.decoder as decoder
 
     model, tok = tiny("llama")
     add_eos_bias(model, tok.eos_token_id, 10.0)
@@ -193,11 +193,13 @@ def test_decode_over_whole_cache_equals_decode_over_filled_slice(monkeypatch):
 
 
 def test_bf16_decode_with_onednn_packed_weights_is_bit_identical(monkeypatch):
-    import hybridflow.rollout.decoder as decoder
-    import hybridflow.rollout.linear as linear
+    import hybridflow.rollout.native.decoder as decoder
+    import hybridflow.rollout.native.linear as linear
 
     model, tok = tiny("llama", dtype=torch.bfloat16)
-    monkeypatch.setattr(decoder, "FUSED_DECODE", False)  # else a few rows decode on bf16 panels (rollout/native.py)
+    monkeypatch.setattr(
+        decoder, "FUSED_DECODE", False
+    )  # else a few rows decode on bf16 panels (rollout/native/rollout.py)
     probe = decoder.StaticLlamaDecoder(model)
     if probe.layers[0].qkv.packed is None:
         pytest.skip("this torch build has no oneDNN bf16 linear")
@@ -214,8 +216,8 @@ def test_bf16_decode_with_onednn_packed_weights_is_bit_identical(monkeypatch):
 def test_fp32_decode_with_laid_out_weights_matches_plain(monkeypatch, path):
     """fp32 lays a shape out only where this process timed that faster; forced to oneDNN's packed layout or to
     the AVX2 panel kernel, greedy tokens are the same as with F.linear and log-probs equal up to summation order."""
-    import hybridflow.rollout.decoder as decoder
-    import hybridflow.rollout.linear as linear
+    import hybridflow.rollout.native.decoder as decoder
+    import hybridflow.rollout.native.linear as linear
 
     model, tok = tiny("llama")
     monkeypatch.setattr(decoder, "FUSED_DECODE", False)  # else the layers take panels whatever `_choose` says
@@ -233,7 +235,7 @@ def test_fp32_decode_with_laid_out_weights_matches_plain(monkeypatch, path):
 
 
 def test_the_fp32_layout_is_timed_once_per_shape(monkeypatch):
-    import hybridflow.rollout.linear as linear
+    import hybridflow.rollout.native.linear as linear
 
     monkeypatch.setattr(linear, "_FASTEST", {})
     w = torch.randn(48, 32)
@@ -252,7 +254,7 @@ def test_compiled_kernels_decode_like_eager(arch):
     """rollout.enforce_eager=False: torch.compile'd RMSNorm / rotary / SwiGLU. Greedy output equals
     transformers' in fp32; sampled log-probs match the full forward. Skipped only where there is no C++
     compiler for inductor; with one, a compile failure (the rollout's silent eager fallback) fails the test."""
-    from hybridflow.rollout.kernels import decoder_kernels
+    from hybridflow.rollout.native.kernels import decoder_kernels
 
     if shutil.which(os.environ.get("CXX", "g++")) is None:
         pytest.skip("no C++ compiler for inductor on this machine (the rollout falls back to eager)")
@@ -337,7 +339,7 @@ def test_shared_prefix_prefill_matches_transformers(arch, monkeypatch):
 def test_identical_prompts_share_all_but_their_last_token_and_generate():
     """n identical prompts (an agent harness's n sessions of one row, batched by the server): the shared
     prefix leaves a one-token suffix, whose prefill must not take the one-token decode path."""
-    from hybridflow.agent.rollout_backend import _left_padded
+    from hybridflow.agent.server.rollout_backend import _left_padded
     from hybridflow.models import load_tokenizer, tiny_model_dir
     from hybridflow.rollout import RolloutConfig, build_rollout
     from hybridflow.rollout.config import SamplingParams

@@ -1,4 +1,4 @@
-"""The panel kernel (hybridflow/rollout/panel.py), AVX2 and AVX-512 builds: products against F.linear, the build."""
+"""The panel kernel (hybridflow/rollout/native/panel.py), AVX2 and AVX-512 builds: products against F.linear, the build."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from rollout_helpers import without_bf16_products
 
-from hybridflow.rollout import panel
+from hybridflow.rollout.native import panel
 
 needs_kernel = pytest.mark.skipif(panel.kernel() is None, reason="no AVX2 + FMA CPU or no C compiler here")
 needs_dot = pytest.mark.skipif(panel.kernel(panel.DOT) is None, reason="no avx512_bf16 CPU (or compiler) here")
@@ -88,14 +88,14 @@ def test_the_kernel_is_built_once_into_the_cache(tmp_path, monkeypatch):
 def test_without_a_compiler_the_kernel_is_absent_with_one_warning(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("HYBRIDFLOW_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "no-such-compiler")
-    with caplog.at_level(logging.WARNING, logger="hybridflow.rollout.panel"):
+    with caplog.at_level(logging.WARNING, logger="hybridflow.rollout.native.panel"):
         assert panel._load() is None
     assert "no C compiler 'no-such-compiler'" in caplog.text and "torch's products" in caplog.text
 
 
 def test_stacked_blocks_are_laid_out_as_their_stack(monkeypatch):
     """Fused q/k/v (gate/up) in panels straight from the blocks: the same layout as panels of their cat."""
-    import hybridflow.rollout.linear as linear
+    import hybridflow.rollout.native.linear as linear
 
     q, k, v, b = torch.randn(32, 24), torch.randn(16, 24), torch.randn(16, 24), torch.randn(64)
     assert torch.equal(panel.to_panels(q, k, v), panel.to_panels(torch.cat([q, k, v])))
@@ -109,7 +109,7 @@ def test_stacked_blocks_are_laid_out_as_their_stack(monkeypatch):
 
 @needs_kernel
 def test_bf16_panels_compute_in_fp32_on_the_rounded_weights():
-    import hybridflow.rollout.linear as linear
+    import hybridflow.rollout.native.linear as linear
 
     w, b, x = torch.randn(48, 40), torch.randn(48), torch.randn(7, 40)
     lin = linear.Linear(w, b, weight_dtype=torch.bfloat16)
@@ -121,7 +121,7 @@ def test_bf16_panels_compute_in_fp32_on_the_rounded_weights():
 def test_a_bf16_weight_takes_bf16_panels_or_casts_fp32_inputs_where_it_cannot(monkeypatch):
     """A bf16 model's weight with bf16 panels asked for: the same numbers as the fp32 copy's bf16 panels (bias
     widened); where its rows are not whole panels (40) it keeps a bf16 path and casts fp32 inputs to bf16."""
-    import hybridflow.rollout.linear as linear
+    import hybridflow.rollout.native.linear as linear
 
     without_bf16_products(monkeypatch)
     w, b, x = torch.randn(48, 40).bfloat16(), torch.randn(48).bfloat16(), torch.randn(7, 40)
@@ -139,10 +139,10 @@ def test_a_bf16_weight_rollout_samples_as_fp32_math_on_bf16_rounded_weights(monk
     weights were rounded to bf16 (both on the panel kernel: same math, same order); and not the fp32 model's."""
     from rollout_helpers import prompt_batch, tiny
 
-    import hybridflow.rollout.linear as linear
-    from hybridflow.keys import RESPONSES, ROLLOUT_LOG_PROBS
+    import hybridflow.rollout.native.linear as linear
+    from hybridflow.protocol.keys import RESPONSES, ROLLOUT_LOG_PROBS
     from hybridflow.rollout import RolloutConfig
-    from hybridflow.rollout.native import NativeRollout
+    from hybridflow.rollout.native.rollout import NativeRollout
 
     model, tok = tiny("llama")
     prompts = prompt_batch(tok)
@@ -222,7 +222,7 @@ def test_dot_products_are_bf16_products_with_fp32_sums(rows: int):
 def test_a_bf16_weight_takes_the_bf16_products_where_they_run():
     """A bf16 model's own weight with bf16 panels asked for: "bf16_dot"; an fp32 weight rounded to bf16
     (rollout.weight_dtype=bf16) keeps fp32 math; an odd number of inputs cannot pair."""
-    import hybridflow.rollout.linear as linear
+    import hybridflow.rollout.native.linear as linear
 
     w, b, x = torch.randn(48, 40).bfloat16(), torch.randn(48).bfloat16(), torch.randn(7, 40)
     lin = linear.Linear(w, b, weight_dtype=torch.bfloat16)

@@ -10,7 +10,7 @@ from rollout_helpers import prompt_batch, tiny
 from torch.distributed.tensor import DTensor
 
 from hybridflow.engine import EngineConfig, FSDPEngine
-from hybridflow.keys import RESPONSES
+from hybridflow.protocol.keys import RESPONSES
 from hybridflow.rollout import RolloutConfig, build_rollout, sync_weights
 
 

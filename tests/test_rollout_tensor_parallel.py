@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from hybridflow.keys import RESPONSE_MASK, RESPONSES, ROLLOUT_LOG_PROBS
 from hybridflow.models import load_tokenizer, tiny_model_dir
+from hybridflow.protocol.keys import RESPONSE_MASK, RESPONSES, ROLLOUT_LOG_PROBS
 from hybridflow.rollout import RolloutConfig, build_rollout
-from hybridflow.rollout.decoder import StaticLlamaDecoder
+from hybridflow.rollout.native.decoder import StaticLlamaDecoder
 from tests.rollout_helpers import prompt_batch
 
 ARCHS = ("llama", "qwen2")

@@ -15,8 +15,8 @@ from rollout_helpers import prompt_batch, recomputed_log_probs
 from vllm_required import require_vllm
 
 from hybridflow.engine import EngineConfig, FSDPEngine
-from hybridflow.keys import RESPONSE_MASK, RESPONSES, ROLLOUT_LOG_PROBS
 from hybridflow.models import default_model_dir, load_causal_lm, load_tokenizer, tiny_model_dir
+from hybridflow.protocol.keys import RESPONSE_MASK, RESPONSES, ROLLOUT_LOG_PROBS
 from hybridflow.rollout import RolloutConfig, SamplingParams, build_rollout, sync_weights
 
 require_vllm()
@@ -126,9 +126,9 @@ def test_config_check_finds_the_installed_build_without_importing_vllm():
     """The load-time check reads package metadata; it must name the platform vllm itself detects."""
     from vllm.platforms import current_platform
 
-    from hybridflow.config_utils import ConfigError, load_config
-    from hybridflow.rollout.vllm_engine import installed_vllm_device
-    from hybridflow.trainer.run_config import RunConfig
+    from hybridflow.config.loader import ConfigError, load_config
+    from hybridflow.config.run import RunConfig
+    from hybridflow.rollout.vllm.engine import installed_vllm_device
 
     assert installed_vllm_device() == current_platform.device_type
     assert load_config(RunConfig, None, ["rollout.name=vllm"]).rollout.name == "vllm"

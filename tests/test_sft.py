@@ -13,14 +13,13 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from hybridflow import keys
 from hybridflow.algos.core import GlobalNorm
 from hybridflow.controller.local import LocalResourcePool, LocalWorkerGroup
 from hybridflow.controller.resource_pool import ClassWithInitArgs
 from hybridflow.data.sft import SFTDataset, build_sft_task, sft_collate
 from hybridflow.engine import EngineConfig, OptimConfig
 from hybridflow.models import load_causal_lm, load_tokenizer, tiny_model_dir
-from hybridflow.protocol import DataProto
+from hybridflow.protocol import DataProto, keys
 from hybridflow.rewards.registry import default_compute_score
 from hybridflow.workers.config import ModelConfig
 from hybridflow.workers.sft import SFTWorker, nll_loss_fn

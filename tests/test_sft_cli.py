@@ -17,8 +17,8 @@ import pytest
 import yaml
 from test_trainer_cli import run_cli as run_trainer_cli
 
+from hybridflow.cli.main import main as cli_main
 from hybridflow.models import tiny_model_dir
-from hybridflow.trainer.cli import main as cli_main
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +46,8 @@ def sft_overrides(model: str, tmp: Path) -> list[str]:
 
 
 def run_cli(args: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
-    """`python -m hybridflow.trainer.cli args...` (the `hybridflow` command)."""
-    return run_trainer_cli(args, cwd, timeout, module="hybridflow.trainer.cli")
+    """`python -m hybridflow.cli.main args...` (the `hybridflow` command)."""
+    return run_trainer_cli(args, cwd, timeout, module="hybridflow.cli.main")
 
 
 def _sft(tiny_model: str, tmp: Path, steps: int, *extra: str) -> tuple[subprocess.CompletedProcess, list[dict]]:

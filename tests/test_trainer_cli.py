@@ -59,7 +59,7 @@ def run_cli(
     args: list[str],
     cwd: Path,
     timeout: int = 420,
-    module: str = "hybridflow.trainer.main",
+    module: str = "hybridflow.cli.train",
     env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
     """`python -m module args...` as a user would run it (`cli_env`, plus `env`)."""
@@ -239,7 +239,7 @@ def test_train_with_a_reward_model(tiny_model: str, tmp_path: Path, extra: list[
 def test_bad_inputs_fail_cleanly(tiny_model: str, tmp_path: Path, capsys, monkeypatch) -> None:
     """Exit status 2, one error line last on stderr, no traceback, nothing written. The last case runs through the
     real CLI (a subprocess); the others through the same `main` in-process, since they stop before any worker."""
-    from hybridflow.trainer.main import main as train_main
+    from hybridflow.cli.train import main as train_main
 
     bad_parquet = tmp_path / "bad.parquet"
     bad_parquet.write_text("not a parquet file")
@@ -268,9 +268,9 @@ def test_bad_inputs_fail_cleanly(tiny_model: str, tmp_path: Path, capsys, monkey
 def test_print_config_shows_the_resolved_run_and_starts_nothing(
     tiny_model: str, tmp_path: Path, capsys, monkeypatch
 ) -> None:
-    """In-process (`main`, as `python -m hybridflow.trainer.main` runs it): the pipe through a real subprocess
+    """In-process (`main`, as `python -m hybridflow.cli.train` runs it): the pipe through a real subprocess
     is tests/test_print_config.py's."""
-    from hybridflow.trainer.main import main as train_main
+    from hybridflow.cli.train import main as train_main
 
     args = [
         a

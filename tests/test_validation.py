@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from hybridflow import keys as K
 from hybridflow.protocol import DataProto
-from hybridflow.trainer.core_steps import pass_at_n
-from hybridflow.trainer.validation import summarize_scores, validate
+from hybridflow.protocol import keys as K
+from hybridflow.train.core_steps import pass_at_n
+from hybridflow.train.validation import summarize_scores, validate
 
 N = 3
 # Per prompt: (data_source, scores of its N responses). pass@n needs a score > 0.5.

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hybridflow.config_utils import ConfigError, load_config, to_yaml, unknown_keys
+from hybridflow.compat.verl import keys as K
+from hybridflow.compat.verl.dialect import flatten, lookup, nest
+from hybridflow.compat.verl.doc import render
+from hybridflow.config.loader import ConfigError, load_config, to_yaml, unknown_keys
+from hybridflow.config.run import RunConfig
 from hybridflow.models import tiny_model_dir
-from hybridflow.trainer import verl_keys as K
-from hybridflow.trainer.run_config import RunConfig
-from hybridflow.trainer.verl_dialect import flatten, lookup, nest
-from hybridflow.trainer.verl_doc import render
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_trainer_cli import read_metrics, run_cli  # noqa: E402
@@ -228,7 +228,7 @@ def test_mini_batch_that_does_not_divide_the_batch_says_why() -> None:
 
 def test_docs_page_is_generated_from_the_table() -> None:
     page = Path(__file__).parents[1] / "docs" / "verl.md"
-    assert page.read_text() == render(), "run: python -m hybridflow.trainer.verl_doc > docs/verl.md"
+    assert page.read_text() == render(), "run: python -m hybridflow.compat.verl.doc > docs/verl.md"
 
 
 def test_print_config_shows_hybridflow_names_and_the_verl_defaults(tmp_path: Path) -> None:
@@ -254,7 +254,7 @@ def test_every_verl_script_prints_its_run(
 ) -> None:
     """Each script through `hybridflow train --print-config` (load, read the data, measure, resolve): exit 0, the
     run under hybridflow's names with the script's values, and verl's run length (epochs x batches per epoch)."""
-    from hybridflow.trainer.cli import main
+    from hybridflow.cli.main import main
 
     monkeypatch.chdir(tmp_path)
     rows = 4096  # at least one batch of every script (ppo_seq_balance: 4096 prompts)
@@ -329,7 +329,7 @@ def test_every_key_of_verls_generated_config_is_classified() -> None:
 def test_print_config_warns_about_verls_profiler_defaults(
     tmp_path: Path, capsys: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from hybridflow.trainer.cli import main
+    from hybridflow.cli.main import main
 
     profiler = {
         k: v for k, v in verl_generated().items() if k.startswith(("global_profiler.", f"{K.A}.actor.profiler."))

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from hybridflow.config_utils import ConfigError, load_config
+from hybridflow.config.loader import ConfigError, load_config
+from hybridflow.config.run import RunConfig
 from hybridflow.models import tiny_model_dir
-from hybridflow.trainer.run_config import RunConfig
 
 MODEL = str(tiny_model_dir("llama"))
 VERL_GENERATED = Path(__file__).parent / "data" / "verl_ppo_trainer_b178a3c.yaml"
@@ -154,7 +154,7 @@ def test_print_config_of_verls_whole_file_through_the_cli(
 ) -> None:
     import yaml
 
-    from hybridflow.trainer.cli import main
+    from hybridflow.cli.main import main
 
     monkeypatch.chdir(tmp_path)
     assert main(["train", "--config", str(VERL_GENERATED), "--print-config", *LOCAL, "data.gen_train_size=2048"]) == 0

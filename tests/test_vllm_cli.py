@@ -41,7 +41,7 @@ def test_generate_with_vllm_rollout(tmp_path: Path) -> None:
         run_cli(
             ["data", "arithmetic", "--out", str(tmp_path / "d"), "--train-size", "2", "--test-size", "5"],
             tmp_path,
-            module="hybridflow.trainer.cli",
+            module="hybridflow.cli.main",
         ).returncode
         == 0
     )
@@ -64,7 +64,7 @@ def test_generate_with_vllm_rollout(tmp_path: Path) -> None:
             str(out),
         ],
         tmp_path,
-        module="hybridflow.trainer.cli",
+        module="hybridflow.cli.main",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]

@@ -33,7 +33,7 @@ class AdvantageEstimatorFn(Protocol):
 
 
 class BaselineContext(Protocol):
-    """What an estimator's `baseline` may ask of the trainer within one step (trainer/core_steps.py has it)."""
+    """What an estimator's `baseline` may ask of the trainer within one step (train/core_steps.py has it)."""
 
     n: int
     """Samples per prompt in this step's batch (rollout.n)."""

@@ -4,7 +4,7 @@ Reads any parquet with verl's columns (`prompt` chat list, `data_source`,
 `reward_model.ground_truth`; `extra_info` optional), applies the tokenizer's
 chat template with the generation prompt, tokenises once up front and
 left-pads every prompt to `max_prompt_length`, so the last prompt token sits
-at column P - 1 (see `hybridflow.keys`).
+at column P - 1 (see `hybridflow.protocol.keys`).
 
 Prompts longer than `max_prompt_length` are dropped (with a logged count)
 when `filter_overlong_prompts` is set; otherwise `truncation` decides:
@@ -24,8 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from hybridflow import keys
-from hybridflow.protocol import collate_fn
+from hybridflow.protocol import collate_fn, keys
 
 logger = logging.getLogger(__name__)
 

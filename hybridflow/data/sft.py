@@ -28,11 +28,10 @@ from typing import Any
 import pandas as pd
 import torch
 
-from hybridflow import keys
 from hybridflow.data.dataset import read_parquet_table
 from hybridflow.data.tasks import make_difficulty, make_rows
 from hybridflow.data.tool_arithmetic import transcript
-from hybridflow.protocol import DataProto
+from hybridflow.protocol import DataProto, keys
 
 SFT_RESPONSES: dict[str, Callable[[dict[str, Any]], str]] = {
     "arithmetic": lambda row: row["reward_model"]["ground_truth"],

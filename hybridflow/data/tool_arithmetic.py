@@ -1,7 +1,7 @@
 """Tool arithmetic: products of multi-digit numbers, to be solved with the calculator tool.
 
 `tool_arithmetic` rows are arithmetic rows (verl's format, see `tasks.py`) plus the tools the
-model may call, in `extra_info.tools`: a JSON list of `hybridflow.agent.tools.TOOLS` names,
+model may call, in `extra_info.tools`: a JSON list of `hybridflow.agent.loop.tools.TOOLS` names,
 here `["calculator"]` (a JSON string because every extra_info value is stored as one). The
 question asks for `a * b` with `min_digits`..`max_digits`-digit operands (default 3 x 3:
 products SmolLM2-135M-Instruct cannot do in its head); the answer is scored like arithmetic
@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from hybridflow.agent.tool_calls import format_tool_call, tools_system_prompt
-from hybridflow.agent.tools import TOOLS, run_tool
+from hybridflow.agent.loop.tool_calls import format_tool_call, tools_system_prompt
+from hybridflow.agent.loop.tools import TOOLS, run_tool
 from hybridflow.data.arithmetic import INSTRUCTION
 from hybridflow.data.tasks import Problem, register_task
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from hybridflow import keys
+from hybridflow.protocol import keys
 
 if TYPE_CHECKING:
     from hybridflow.engine.prefix_attention import PrefixLayout

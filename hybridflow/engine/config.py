@@ -7,8 +7,8 @@ from typing import Any, Literal
 
 import torch
 
-from hybridflow.config_utils import Section
-from hybridflow.engine.parallel_dims import check_divides, fsdp_shard_size
+from hybridflow.config.loader import Section
+from hybridflow.engine.parallel.dims import check_divides, fsdp_shard_size
 from hybridflow.utils.dtypes import check_dtype, dtype_of
 
 __all__ = ["EngineConfig", "LoraConfig", "OptimConfig", "dtype_of"]
@@ -93,22 +93,22 @@ class EngineConfig(Section):
     slow and memory is plentiful), -1 on GPU."""
     tensor_parallel_size: int = 1
     """Ranks each decoder layer is split over by tensor parallel (verl: tensor_parallel_size); the
-    world is laid out as dp x sp x tp (tp fastest, engine/parallel_dims.py) and `fsdp_size` shards over
+    world is laid out as dp x sp x tp (tp fastest, engine/parallel/dims.py) and `fsdp_size` shards over
     the dp x sp ranks. 1: off.
     Must divide the ranks, num_attention_heads and num_key_value_heads (checked when the run is
-    resolved); Llama/Qwen2-style layers only, no LoRA (hybridflow/engine/tensor_parallel.py)."""
+    resolved); Llama/Qwen2-style layers only, no LoRA (hybridflow/engine/parallel/tensor_parallel.py)."""
     ulysses_sequence_parallel_size: int = 1
     """Ranks each micro-batch's tokens are split over by Ulysses sequence parallel (verl:
     ulysses_sequence_parallel_size): the world is laid out as dp x sp x tp (tp fastest), the sp ranks of a
     dp group share its rows, each runs 1/sp of every packed micro-batch's tokens, with all-to-alls around
-    attention (hybridflow/engine/sequence_parallel.py); FSDP2 shards over the dp x sp ranks. 1: off. tp x sp
+    attention (hybridflow/engine/parallel/sequence_parallel.py); FSDP2 shards over the dp x sp ranks. 1: off. tp x sp
     must divide the ranks, and sp be <= num_attention_heads / tensor_parallel_size (heads may split
     unevenly; with more sp ranks than kv heads, k and v are repeated for their q heads)."""
     pipeline_model_parallel_size: int = 1
     """Pipeline stages the decoder layers are split over (verl's Megatron key): stage i holds layers
     [i L/pp, (i+1) L/pp), the first also the embedding, the last the final norm and the LM (or value) head;
     micro-batches flow through torch.distributed.pipelining's schedules (GPipe forward-only, 1F1B training;
-    hybridflow/engine/pipeline.py). The world is laid out as pp x dp x sp x tp (pp outermost); FSDP2 shards each
+    hybridflow/engine/parallel/pipeline.py). The world is laid out as pp x dp x sp x tp (pp outermost); FSDP2 shards each
     stage over its dp ranks. 1: off. Must divide the ranks (with tp) and num_hidden_layers; not with
     ulysses_sequence_parallel_size > 1, packing, LoRA, or in SFT (refused at load)."""
     backend: str | None = None
@@ -120,7 +120,7 @@ class EngineConfig(Section):
     on GPU; on CPU True where a shard group has one rank (fsdp_size 1: the "gather" is a local copy, and keeping
     every layer's copy from forward to backward held ~0.5 GB more for SmolLM2 in fp32), False across ranks (gloo
     gathers over loopback cost more than the memory). One rank computing in the weights' dtype (fp32) runs
-    without FSDP2 at all (engine/parallelize.py `needs_fsdp`)."""
+    without FSDP2 at all (engine/parallel/parallelize.py `needs_fsdp`)."""
 
     def resolve_fsdp_size(self, device: torch.device, world: int) -> int:
         """`fsdp_size` for this world, with None and -1 resolved; it must divide the world size (with

@@ -1,6 +1,6 @@
-"""The training engine: one model, parallelised by `parallelize` (engine/parallelize.py) as `ParallelDims` lays
+"""The training engine: one model, parallelised by `parallelize` (engine/parallel/parallelize.py) as `ParallelDims` lays
 out the world (tensor parallel, Ulysses attention, checkpointing, FSDP2); without tp / sp, plain FSDP2. With
-pipeline parallel each rank holds its stage and every call runs through a schedule (engine/pipeline.py).
+pipeline parallel each rank holds its stage and every call runs through a schedule (engine/parallel/pipeline.py).
 
 Parameters, gradients and AdamW state are sharded over the ranks of the current torch.distributed world
 (gloo on CPU, nccl on GPU). Compute runs in `param_dtype` through FSDP2's MixedPrecisionPolicy while the
@@ -37,7 +37,6 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from hybridflow import keys
 from hybridflow.algos.logits import entropy_from_logits, logprobs_from_logits
 from hybridflow.engine import batch as B
 from hybridflow.engine.base import Engine, LossFn, MicroBatch
@@ -45,16 +44,17 @@ from hybridflow.engine.checkpoint import load_checkpoint, save_checkpoint
 from hybridflow.engine.config import EngineConfig, LoraConfig, OptimConfig
 from hybridflow.engine.gather import gather_named, tied_aliases
 from hybridflow.engine.optim import build_lr_scheduler, build_optimizer
-from hybridflow.engine.parallel_dims import OnParallelDims, ParallelDims
-from hybridflow.engine.parallelize import decoder_layers, parallelize  # noqa: F401  (decoder_layers: re-exported)
-from hybridflow.engine.pipeline import Pipeline, gather_stages
-from hybridflow.engine.pipeline_stage import HeadSpec, split_stage
+from hybridflow.engine.parallel.dims import OnParallelDims, ParallelDims
+from hybridflow.engine.parallel.parallelize import decoder_layers, parallelize  # noqa: F401  (decoder_layers: re-exported)
+from hybridflow.engine.parallel.pipeline import Pipeline, gather_stages
+from hybridflow.engine.parallel.pipeline_stage import HeadSpec, split_stage
+from hybridflow.engine.parallel.sequence_parallel import forward_sp_packed, sp_packed_row
 from hybridflow.engine.prefix import pack_shared_prompts, sharing_pays
 from hybridflow.engine.prefix_attention import LAYOUT_KWARG
-from hybridflow.engine.sequence_parallel import forward_sp_packed, sp_packed_row
 from hybridflow.models import load_causal_lm, load_value_model
 from hybridflow.models.loading import contiguous_lm_head_input
 from hybridflow.models.value import ValueModel
+from hybridflow.protocol import keys
 from hybridflow.utils.device import compute_device, ensure_process_group
 from hybridflow.utils.dtypes import dtype_of
 from hybridflow.utils.memory import keep_freed_memory
@@ -69,7 +69,7 @@ def _refuse_value_lora(value_model: bool, lora: LoraConfig | None) -> None:
 
 class FSDPEngine(OnParallelDims, Engine):
     """A causal LM or a `ValueModel`, parallelised over the current world as its `EngineConfig` lays it out
-    (`ParallelDims`: FSDP2 over dp, and tensor / Ulysses sequence parallel; engine/parallelize.py).
+    (`ParallelDims`: FSDP2 over dp, and tensor / Ulysses sequence parallel; engine/parallel/parallelize.py).
 
     `rank` / `world_size` stay the global ones (checkpoints write per global rank); `dp_*`, `tp_*`, `sp_*` and
     `pp_rank` give this rank's place in the layout. Adapters (LoRA) are refused with tensor parallel (peft wraps the

@@ -22,9 +22,9 @@ from collections.abc import Mapping
 
 import torch
 
-from hybridflow import keys
 from hybridflow.engine.batch import PackedBatch, response_mask_of
 from hybridflow.engine.prefix_attention import build_layout
+from hybridflow.protocol import keys
 
 
 def _group_rows(micro: Mapping[str, torch.Tensor], prompt_len: int) -> list[list[int]]:

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from hybridflow.engine.parallel_dims import aligned_stride, group_coords  # noqa: F401  (re-exported)
+from hybridflow.engine.parallel.dims import aligned_stride, group_coords  # noqa: F401  (re-exported)
 from hybridflow.engine.reshard_plan import (  # noqa: F401  (held_boxes, Piece, ...: re-exported)
     Box,
     Piece,

@@ -1,6 +1,6 @@
 """The parity guard's config: `trainer.parity` (what a breach does) and `trainer.parity_thresholds`.
 
-`ParityFields` is a base of `TrainerConfig` (hybridflow/trainer/config.py), so the keys sit in the trainer
+`ParityFields` is a base of `TrainerConfig` (hybridflow/config/trainer.py), so the keys sit in the trainer
 section as the issue names them (`trainer.parity=warn`) while their definitions and checks live here.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridflow.config_utils import Section
+from hybridflow.config.loader import Section
 
 PARITY_MODES = ("error", "warn", "off")
 """trainer.parity values."""

@@ -26,12 +26,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from hybridflow import keys as K
 from hybridflow.parity import ParityError
 from hybridflow.parity.config import Thresholds, precision
 from hybridflow.parity.logprob import LogprobGaps, logprob_gaps
 from hybridflow.parity.tokens import mismatched_rows
 from hybridflow.protocol import DataProto
+from hybridflow.protocol import keys as K
 
 log = logging.getLogger("hybridflow")
 

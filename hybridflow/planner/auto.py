@@ -6,7 +6,7 @@ ref). The operators' per-token costs come from a device profile (planner/device.
 (every prompt and response at its maximum length: an upper bound, the same for every plan so the
 ranking does not depend on it). Every function here is pure except `cached_device_profiles`, which
 measures the machine once and caches the result; the trainer calls it before resolving a run
-(trainer/measure.py) and picks the layout from the predictions (trainer/layout.py).
+(config/measure.py) and picks the layout from the predictions (config/layout.py).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ every weight once), so a few rows, not one; small enough to measure SmolLM2 in w
 PROFILE_VERSION = "layouts-4"
 """In the cache key: profiles measured another way (raw HF passes; one worker alone; the optimizer step
 inside the per-token update cost; each layout in its own set of processes; bf16 decode before the bf16 products of
-rollout/panel.py, before this) are measured again."""
+rollout/native/panel.py, before this) are measured again."""
 
 
 @dataclass(frozen=True)

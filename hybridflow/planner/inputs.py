@@ -1,4 +1,4 @@
-"""What the planner knows of a run: plain values, filled in by the trainer (trainer/plan_inputs.py).
+"""What the planner knows of a run: plain values, filled in by the trainer (config/plan_inputs.py).
 
 The planner never reads a run config: the trainer describes the run as a `RunShape` (its roles, workers,
 batch and the few engine facts the cost model prices) and asks the planner for a plan or a prediction.

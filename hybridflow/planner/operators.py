@@ -16,10 +16,9 @@ from dataclasses import replace
 
 import torch
 
-from hybridflow import keys
 from hybridflow.engine import EngineConfig, FSDPEngine, OptimConfig
 from hybridflow.models import load_tokenizer
-from hybridflow.protocol import DataProto
+from hybridflow.protocol import DataProto, keys
 from hybridflow.rollout import RolloutConfig, build_rollout
 from hybridflow.rollout.base import load_rollout_model
 

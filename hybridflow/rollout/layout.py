@@ -13,7 +13,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from hybridflow.keys import (
+from hybridflow.protocol import DataProto
+from hybridflow.protocol.keys import (
     ATTENTION_MASK,
     INPUT_IDS,
     POSITION_IDS,
@@ -23,7 +24,6 @@ from hybridflow.keys import (
     ROLLOUT_LOG_PROBS,
     SAMPLED_IDS_HASH,
 )
-from hybridflow.protocol import DataProto
 
 
 def response_mask_from_tokens(responses: Tensor, eos_ids: Tensor, valid: Tensor | None = None) -> Tensor:

@@ -39,21 +39,21 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from hybridflow import keys as K
-from hybridflow.agent.harness import HarnessRunner
-from hybridflow.agent.rollout_loop import generate_multi_turn
+from hybridflow.agent.loop.worker import generate_multi_turn
+from hybridflow.agent.server.harness import HarnessRunner
 from hybridflow.algos.core import masked_mean
 from hybridflow.controller.decorator import Dispatch, register
 from hybridflow.controller.dispatch import make_nd_compute_dataproto_dispatch_fn
 from hybridflow.controller.worker import Worker, collective_timeout_s
 from hybridflow.engine import export_hf
 from hybridflow.engine.config import EngineConfig
-from hybridflow.engine.parallel_dims import GenerationDims, ParallelDims, aligned_stride
+from hybridflow.engine.parallel.dims import GenerationDims, ParallelDims, aligned_stride
 from hybridflow.models import load_tokenizer, resolve_model_path
 from hybridflow.parity.faults import parity_fault
 from hybridflow.parity.rollout_faults import apply_rollout_faults
 from hybridflow.parity.weights import SyncSite, WeightCheck, apply_load_faults, bridge_expected, prints_once
 from hybridflow.protocol import DataProto
+from hybridflow.protocol import keys as K
 from hybridflow.rollout import build_rollout
 from hybridflow.rollout.bridge import WeightBridge, manifest_of, open_store
 from hybridflow.rollout.config import RolloutConfig, SamplingParams
@@ -162,8 +162,8 @@ class ActorRolloutRefWorker(Worker):
         validate: bool = False,
     ) -> DataProto:
         """Prompts [b, P] (left-padded) -> b * n rows of prompts, responses, masks, rollout_log_probs
-        (rollout.multi_turn.enable: agent-loop trajectories, see hybridflow/agent/rollout_loop.py; rollout.agent:
-        harness trajectories, see hybridflow/agent/harness.py).
+        (rollout.multi_turn.enable: agent-loop trajectories, see hybridflow/agent/loop/worker.py; rollout.agent:
+        harness trajectories, see hybridflow/agent/server/harness.py).
 
         `step`: the training step; the sampler reseeds from it first (None: no reseed, the sampler goes on
         from its state, as validation does). `sampling`: this call's params; None: the configured ones,
@@ -182,9 +182,9 @@ class ActorRolloutRefWorker(Worker):
         start = time.perf_counter()
         with operator_peak("generate", metrics):
             params = sampling or self.rollout_cfg.sampling_params(validate)
-            if self.rollout_cfg.multi_turn.enable:  # one agent-loop trajectory per sample (agent/rollout_loop.py)
+            if self.rollout_cfg.multi_turn.enable:  # one agent-loop trajectory per sample (agent/loop/worker.py)
                 out = generate_multi_turn(self.rollout, prompts, params, self.rollout_cfg)
-            elif self.rollout_cfg.agent.enable:  # one harness call per sample (agent/harness.py)
+            elif self.rollout_cfg.agent.enable:  # one harness call per sample (agent/server/harness.py)
                 out, server_metrics = self._harness_runner().generate(prompts, params)
                 metrics.update(server_metrics)
             else:

@@ -6,12 +6,12 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from hybridflow import keys as K
 from hybridflow.controller.decorator import Dispatch, register
 from hybridflow.controller.dispatch import make_nd_compute_dataproto_dispatch_fn
 from hybridflow.controller.worker import Worker
 from hybridflow.models import resolve_model_path
 from hybridflow.protocol import DataProto
+from hybridflow.protocol import keys as K
 from hybridflow.utils.peak_memory import operator_peak
 from hybridflow.utils.plugins import import_plugins
 from hybridflow.workers.config import CriticConfig, ModelConfig

@@ -14,7 +14,7 @@ from typing import Any
 from hybridflow.engine.base import Engine
 from hybridflow.engine.config import EngineConfig, LoraConfig, OptimConfig
 from hybridflow.engine.fsdp import FSDPEngine
-from hybridflow.engine.parallel_dims import ParallelDims, check_divides
+from hybridflow.engine.parallel.dims import ParallelDims, check_divides
 from hybridflow.utils.device import device_kind
 from hybridflow.utils.registry import Registry, UnknownNameError
 
@@ -37,7 +37,7 @@ ENGINES: Registry[EngineBuilder] = Registry(
 )
 """Engine backends by name (config: actor.engine.backend, critic.engine.backend, reward_model.backend)."""
 ENGINES.register("fsdp", _fsdp)
-# One engine for every layout (engine/parallelize.py); the names a layout used to pick stay valid.
+# One engine for every layout (engine/parallel/parallelize.py); the names a layout used to pick stay valid.
 ENGINES.register("fsdp_tp", _fsdp)
 ENGINES.register("fsdp_sp", _fsdp)
 

@@ -8,13 +8,13 @@ normalised share that is back-propagated).
 
 from __future__ import annotations
 
-from hybridflow import keys as K
 from hybridflow.algos.core import GlobalNorm, agg_loss, masked_mean
 from hybridflow.algos.kl import kl_loss
 from hybridflow.algos.losses import get_policy_loss_fn
 from hybridflow.algos.value_loss import compute_value_loss
 from hybridflow.engine.base import LossFn, MicroBatch
 from hybridflow.parity.logprob import logprob_gaps
+from hybridflow.protocol import keys as K
 from hybridflow.workers.config import ActorConfig, CriticConfig
 from hybridflow.workers.ppo_update import LossBuilder, local_mean_factor
 

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import torch
 
-from hybridflow import keys as K
 from hybridflow.controller.decorator import Dispatch, register
 from hybridflow.controller.dispatch import make_nd_compute_dataproto_dispatch_fn
 from hybridflow.controller.worker import Worker
@@ -27,6 +26,7 @@ from hybridflow.models import resolve_model_path
 from hybridflow.models.loading import load_config
 from hybridflow.models.value import has_trained_head
 from hybridflow.protocol import DataProto
+from hybridflow.protocol import keys as K
 from hybridflow.utils.plugins import import_plugins
 from hybridflow.workers.config import RewardModelConfig
 from hybridflow.workers.engines import build_engine, declare_engine_mesh

@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hybridflow import keys as K
 from hybridflow.algos.core import GlobalNorm
 from hybridflow.controller.decorator import Dispatch, register
 from hybridflow.controller.worker import Worker
@@ -26,6 +25,7 @@ from hybridflow.engine.checkpoint import export_hf
 from hybridflow.engine.config import EngineConfig, LoraConfig, OptimConfig
 from hybridflow.models import resolve_model_path
 from hybridflow.protocol import DataProto
+from hybridflow.protocol import keys as K
 from hybridflow.utils.plugins import import_plugins
 from hybridflow.workers.config import ModelConfig
 from hybridflow.workers.engines import build_engine

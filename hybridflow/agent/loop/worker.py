@@ -1,0 +1,183 @@
+"""The agent loop inside the rollout worker: prompt rows in, multi-turn trajectories out (rollout.multi_turn).
+
+`generate_multi_turn(rollout, prompts, sampling, config)` is what the worker's `generate_sequences` runs
+when `rollout.multi_turn.enable`:
+- every prompt row is repeated `sampling.n` times (non-tensor columns, uids included, repeated with it,
+  so GRPO groups form over the trajectories of one row), and rebuilt as a verl-format row (`prompt`,
+  `data_source`, `reward_model.ground_truth`, `extra_info`) from the columns RLDataset puts in the batch;
+- one environment per trajectory comes from `ENVIRONMENTS` (a name or a `module:Class` path, loaded in
+  this process, so a plugin environment works on Ray workers);
+- `run_agent_loop` generates every running trajectory's next turn in one call of the rollout, through
+  the `GenerateFn` adapter of its kind (`turn_generator`): native / hf (`ModuleRollout`,
+  `rollout_generate_fn`): one `generate_sequences` call on left-padded ids with the largest turn budget
+  as response length, each row cut at its own; vllm (`vllm_generate_fn`): `VLLMRollout.generate_ids`, ids
+  in and out, each request with its own budget, the engine kept awake for the whole loop. Both stop at
+  the rollout's EOS ids, keep log-probs, n=1;
+- the trajectories become the standard generated batch (hybridflow/agent/loop/batch.py) padded to the
+  rollout's prompt / response widths, with the environment's per-turn rewards under `env_rewards`
+  (the reward step uses them instead of the rule scorer) and `num_turns`, `tool_calls`, `stop_reason`;
+- the loop's phase times (`LoopTimes.metrics()`: `agent/generate_time_s`, `agent/env_time_s`,
+  `agent/loop_time_s`, `agent/rounds`, `agent/env_time_share`) go in `meta_info["metrics"]`.
+
+The environment re-renders the prompt from the row's messages (with its tools), so the trajectory's
+prompt ids may differ from (and be longer than) the dataset's; a prompt wider than rollout.prompt_length fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+
+from hybridflow.agent.loop.batch import trajectories_to_batch
+from hybridflow.agent.loop.env import ENVIRONMENTS, Environment
+from hybridflow.agent.loop.runner import AgentLoopConfig, GenerateFn, LoopTimes, TurnOutput, run_agent_loop
+from hybridflow.protocol import DataProto, keys
+from hybridflow.rollout.base import ModuleRollout, Rollout
+from hybridflow.rollout.config import MultiTurnConfig, RolloutConfig, SamplingParams
+from hybridflow.rollout.vllm.rollout import VLLMRollout
+
+ROW_COLUMNS = (keys.RAW_PROMPT, keys.DATA_SOURCE, keys.GROUND_TRUTH)
+"""Non-tensor columns a multi-turn rollout needs in its prompt batch (extra_info is optional)."""
+
+
+def generate_multi_turn(
+    rollout: ModuleRollout | VLLMRollout, prompts: DataProto, sampling: SamplingParams, config: RolloutConfig
+) -> DataProto:
+    """`sampling.n` trajectories per prompt row as one generated batch (module docstring)."""
+    rows = dataset_rows(prompts, sampling.n)
+    mt = config.multi_turn
+    loop_cfg = AgentLoopConfig(
+        response_length=config.response_length,
+        max_turn_tokens=mt.max_turn_tokens or config.response_length,
+        max_assistant_turns=mt.max_assistant_turns,
+        max_user_turns=mt.max_user_turns,
+    )
+    labels = [f"dataset row {index} (sample {k})" for index in row_indices(prompts) for k in range(sampling.n)]
+    times = LoopTimes()
+    with turn_generator(rollout, dataclasses.replace(sampling, n=1)) as generate:
+        trajs = run_agent_loop(
+            rows, env_factory(mt), generate, rollout.tokenizer, loop_cfg, rollout.eos_ids, mt.env, labels, times
+        )
+    width = prompts.batch[keys.INPUT_IDS].shape[1]
+    widest = max(len(t.prompt_ids) for t in trajs)
+    if widest > width:
+        raise ValueError(
+            f"rollout.multi_turn: environment {mt.env!r} renders a prompt of {widest} tokens (messages and tool "
+            f"schemas), wider than the prompt batch ({width}); raise data.max_prompt_length"
+        )
+    out = trajectories_to_batch(trajs, rollout.pad_id, width, config.response_length)
+    out.batch[keys.ENV_REWARDS] = out.batch.pop(keys.TOKEN_LEVEL_SCORES)
+    for key, column in prompts.non_tensor_batch.items():
+        out.non_tensor_batch[key] = np.repeat(column, sampling.n, axis=0)
+    out.meta_info.update(prompts.meta_info)
+    out.meta_info[keys.META_METRICS] = {**out.meta_info.get(keys.META_METRICS, {}), **times.metrics()}
+    return out
+
+
+def dataset_rows(prompts: DataProto, n: int) -> list[dict[str, Any]]:
+    """The verl-format row of every prompt, each repeated `n` times (adjacent)."""
+    columns = prompts.non_tensor_batch
+    missing = [k for k in ROW_COLUMNS if k not in columns]
+    if missing:
+        raise KeyError(f"rollout.multi_turn: the prompt batch lacks {missing}; batches from RLDataset carry them")
+    extras = columns.get(keys.EXTRA_INFO, [None] * len(prompts))
+    rows = [
+        {
+            "prompt": [dict(m) for m in columns[keys.RAW_PROMPT][i]],
+            "data_source": str(columns[keys.DATA_SOURCE][i]),
+            "reward_model": {"ground_truth": columns[keys.GROUND_TRUTH][i]},
+            "extra_info": dict(extras[i] or {}),
+        }
+        for i in range(len(prompts))
+    ]
+    return [row for row in rows for _ in range(n)]
+
+
+def row_indices(prompts: DataProto) -> list[Any]:
+    """The dataset index of each prompt row (RLDataset's `index` column; else its position in the batch)."""
+    if "index" in prompts.non_tensor_batch:
+        return list(prompts.non_tensor_batch["index"])
+    return list(range(len(prompts)))
+
+
+def env_factory(config: MultiTurnConfig) -> Callable[[], Environment]:
+    """A maker of fresh `config.env` environments, given the tool kwargs and result length they accept."""
+    cls = ENVIRONMENTS.get(config.env)
+    offered = {
+        "tool_kwargs": load_tool_config(config.tool_config_path),
+        "max_tool_response_length": config.max_tool_response_length,
+    }
+    params = inspect.signature(cls).parameters
+    kwargs = {k: v for k, v in offered.items() if k in params}
+    return lambda: cls(**kwargs)
+
+
+def load_tool_config(path: str | None) -> dict[str, dict[str, Any]]:
+    """Tool name -> constructor kwargs from a YAML or JSON file (None: {})."""
+    if path is None:
+        return {}
+    text = Path(path).read_text()
+    data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+    if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
+        raise ValueError(f"rollout.multi_turn.tool_config_path={path!r}: expected a mapping tool name -> kwargs")
+    return data
+
+
+def turn_generator(rollout: Rollout, sampling: SamplingParams) -> contextlib.AbstractContextManager[GenerateFn]:
+    """The `GenerateFn` adapter of `rollout`'s kind, for the duration of a `with` block (module docstring)."""
+    if isinstance(rollout, ModuleRollout):
+        return contextlib.nullcontext(rollout_generate_fn(rollout, sampling))
+    if isinstance(rollout, VLLMRollout):
+        return vllm_generate_fn(rollout, sampling)
+    raise TypeError(
+        f"rollout.multi_turn drives native, hf and vllm rollouts turn by turn, not a {type(rollout).__name__}"
+    )
+
+
+@contextlib.contextmanager
+def vllm_generate_fn(rollout: VLLMRollout, sampling: SamplingParams) -> Iterator[GenerateFn]:
+    """A `GenerateFn` over a vllm rollout's ids-in / ids-out call, the engine awake while the block runs."""
+
+    def generate(batch: list[list[int]], budgets: list[int]) -> list[TurnOutput]:
+        return [TurnOutput(ids, logps) for ids, logps in rollout.generate_ids(batch, budgets, sampling)]
+
+    with rollout.awake():
+        yield generate
+
+
+def rollout_generate_fn(rollout: ModuleRollout, sampling: SamplingParams) -> GenerateFn:
+    """A `GenerateFn` over `rollout`: one generate call per round for every running trajectory."""
+
+    def generate(batch: list[list[int]], budgets: list[int]) -> list[TurnOutput]:
+        width = max(len(ids) for ids in batch)
+        base = rollout.config
+        rollout.config = dataclasses.replace(
+            base, prompt_length=width, response_length=max(budgets), calculate_log_probs=True
+        )
+        try:
+            out = rollout.generate_sequences(left_padded(batch, rollout.pad_id), sampling)
+        finally:
+            rollout.config = base
+        ids, mask, logps = (out.batch[k] for k in (keys.RESPONSES, keys.RESPONSE_MASK, keys.ROLLOUT_LOG_PROBS))
+        lengths = [min(int(m.sum()), b) for m, b in zip(mask, budgets)]
+        return [TurnOutput(ids[i, :n].tolist(), logps[i, :n].tolist()) for i, n in enumerate(lengths)]
+
+    return generate
+
+
+def left_padded(rows: list[list[int]], pad_id: int) -> DataProto:
+    """Token id lists as a left-padded prompt batch (input_ids, attention_mask, position_ids)."""
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    return DataProto.from_dict({keys.INPUT_IDS: ids, keys.ATTENTION_MASK: mask, keys.POSITION_IDS: pos})
