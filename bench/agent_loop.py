@@ -51,14 +51,14 @@ import torch
 from hybridflow.agent.loop.env import make_env
 from hybridflow.agent.loop.tokens import encode, prompt_ids
 from hybridflow.agent.loop.tool_calls import format_tool_call
-from hybridflow.agent.loop.worker import generate_multi_turn, left_padded
 from hybridflow.data.tasks import make_difficulty, make_rows
 from hybridflow.models import load_tokenizer, resolve_model_path, tiny_model_dir
 from hybridflow.protocol import DataProto
 from hybridflow.protocol import keys as K
 from hybridflow.rollout import RolloutConfig, build_rollout
-from hybridflow.rollout.base import ModuleRollout
+from hybridflow.rollout.base import ModuleRollout, left_padded
 from hybridflow.rollout.config import MultiTurnConfig
+from hybridflow.rollout.multi_turn import generate_multi_turn
 from hybridflow.utils.hardware import cpu_signature, describe_cpu
 
 VARIANTS = ("single", "mt1", "mt", "forced")

@@ -238,8 +238,8 @@ def bench_job(args: argparse.Namespace, job: str, tmp: Path, device) -> list[tup
     each plan's timed steps are pooled: the machine's speed drifts by more than the plans differ over the
     minutes a round takes (sp2 measured 17% slower than colocate_2x1 in one bench, 3% faster in the next),
     and alternating orders cancel a steady drift."""
-    from hybridflow.config.loader import load_config
     from hybridflow.config.run import RunConfig
+    from hybridflow.utils.config_loader import load_config
 
     base = job_args(args, job, tmp)
     cfgs = {}
@@ -331,8 +331,8 @@ def main() -> None:
         if args.device_profile or args.replay:
             device = DeviceProfile.load(Path(args.device_profile or saved))
         else:
-            from hybridflow.config.loader import load_config
             from hybridflow.config.run import RunConfig
+            from hybridflow.utils.config_loader import load_config
 
             cfg = load_config(RunConfig, None, job_args(args, "grpo", tmp))
             from hybridflow.config.measure import profile_dtype

@@ -71,7 +71,6 @@ def _status(key: str) -> float:
 
 def _build(pp: int, train_tp: int, gen_tp: int, aligned: bool):
     from hybridflow.engine import EngineConfig, FSDPEngine
-    from hybridflow.engine.parallel.tensor_parallel import TensorParallelEngine
     from hybridflow.engine.reshard import aligned_stride
     from hybridflow.models import default_model_dir, load_tokenizer
     from hybridflow.rollout import RolloutConfig, build_rollout
@@ -84,7 +83,7 @@ def _build(pp: int, train_tp: int, gen_tp: int, aligned: bool):
         fsdp_size=-1,
         cpu_keep_freed_memory=False,
     )
-    engine = (TensorParallelEngine if train_tp > 1 and pp == 1 else FSDPEngine).from_pretrained(path, cfg)
+    engine = FSDPEngine.from_pretrained(path, cfg)
     stride = aligned_stride(dist.get_world_size() if train_tp == pp == 1 else None, gen_tp) if aligned else 1
     rollout = build_rollout(
         RolloutConfig(dtype="bf16", tensor_model_parallel_size=gen_tp), path, load_tokenizer(path), tp_stride=stride

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridflow.config.loader import load_config
 from hybridflow.config.run import RunConfig
 from hybridflow.controller.local import LocalWorkerGroup
 from hybridflow.controller.resource_pool import ClassWithInitArgs
@@ -14,6 +13,7 @@ from hybridflow.models import tiny_model_dir
 from hybridflow.protocol import DataProto
 from hybridflow.protocol import keys as K
 from hybridflow.rollout import RolloutConfig
+from hybridflow.utils.config_loader import load_config
 from hybridflow.workers import ActorConfig, ActorRolloutRefWorker, ModelConfig, RefConfig
 from tests.engine_helpers import make_batch
 from tests.resolve_helpers import resolve_here

@@ -18,8 +18,8 @@ from hybridflow.controller.local import LocalWorkerGroup
 from hybridflow.controller.resource_pool import ClassWithInitArgs
 from hybridflow.engine import EngineConfig
 from hybridflow.models import load_tokenizer, tiny_model_dir
-from hybridflow.parity.tokens import mismatched_rows
 from hybridflow.protocol import keys as K
+from hybridflow.protocol.token_hash import mismatched_rows
 from hybridflow.rollout import RolloutConfig
 from hybridflow.rollout.config import AgentConfig
 from hybridflow.train.metrics import agent_metrics
@@ -218,8 +218,8 @@ HARNESS_FILE = "def run(client, row):\n    return 1.0\n\n\ndef wrong(client):\n 
     ],
 )
 def test_bad_harness_configs_are_refused_at_load(tmp_path, monkeypatch, overrides, message):
-    from hybridflow.config.loader import load_config
     from hybridflow.config.run import RunConfig
+    from hybridflow.utils.config_loader import load_config
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "h.py").write_text(HARNESS_FILE)

@@ -17,9 +17,9 @@ from hybridflow.controller.local import LocalWorkerGroup
 from hybridflow.controller.resource_pool import ClassWithInitArgs
 from hybridflow.engine import EngineConfig
 from hybridflow.models import load_tokenizer, tiny_model_dir
-from hybridflow.parity.tokens import mismatched_rows
 from hybridflow.protocol import DataProto
 from hybridflow.protocol import keys as K
+from hybridflow.protocol.token_hash import mismatched_rows
 from hybridflow.rollout import RolloutConfig
 from hybridflow.rollout.config import MultiTurnConfig
 from hybridflow.workers import ActorConfig, ActorRolloutRefWorker, ModelConfig, RefConfig
@@ -206,8 +206,8 @@ def test_bad_multi_turn_configs_are_refused_at_load(overrides, message):
 
 def test_multi_turn_with_an_off_policy_trainer_mode_loads():
     """The loop runs on the rollout's own workers (tests/test_agent_cli.py trains that way)."""
-    from hybridflow.config.loader import load_config
     from hybridflow.config.run import RunConfig
+    from hybridflow.utils.config_loader import load_config
 
     overrides = ["rollout.multi_turn.enable=true", "trainer.mode=one_step_off", "trainer.placement=split"]
     run = load_config(RunConfig, None, overrides)

@@ -10,12 +10,12 @@ import torch
 
 from hybridflow.algos.losses import compute_policy_loss_vanilla
 from hybridflow.algos.rollout_is import mismatch_metrics, rollout_importance_weights
-from hybridflow.config.loader import load_config
 from hybridflow.config.run import RunConfig
 from hybridflow.config.trainer import AlgorithmConfig
 from hybridflow.protocol import DataProto
 from hybridflow.protocol import keys as K
 from hybridflow.train.core_steps import apply_rollout_is
+from hybridflow.utils.config_loader import load_config
 
 E = math.exp(0.5)  # 1.6487...
 

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridflow.config.loader import load_config
 from hybridflow.config.resolve import resolve_trainer, worker_sets
 from hybridflow.config.run import RunConfig
 from hybridflow.config.trainer import TrainerConfig
@@ -19,6 +18,7 @@ from hybridflow.protocol import keys as K
 from hybridflow.rollout.bridge import WeightBridge, manifest_of, open_store
 from hybridflow.train import async_pipeline
 from hybridflow.train.async_pipeline import AsyncRollout, RolloutSource, SyncRollout, staleness_metrics
+from hybridflow.utils.config_loader import load_config
 
 SPLIT = ["trainer.placement=split"]
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from hybridflow.config.loader import load_config
 from hybridflow.config.run import RunConfig
 from hybridflow.train.checkpointing import check_writable, resume_path
 from hybridflow.utils import checkpoint_dirs as C
+from hybridflow.utils.config_loader import load_config
 from hybridflow.utils.manifest import MANIFEST
 from tests.resolve_helpers import resolve_here
 

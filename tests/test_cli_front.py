@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 from omegaconf import DictConfig, OmegaConf
 
+from hybridflow.cli import list_keys as config_keys
 from hybridflow.cli import main as cli
 from hybridflow.cli.generate import sampling_settings
 from hybridflow.cli.main import main
-from hybridflow.config import key_listing as config_keys
-from hybridflow.config.loader import Section
 from hybridflow.config.run import RunConfig
 from hybridflow.config.sft import SFTConfig
+from hybridflow.utils.config_loader import Section
 
 LINE = re.compile(r"^(?P<key>[\w.]+): (?P<type>.+?) = (?P<default>.*?)(  +# (?P<doc>.*))?$")
 
@@ -79,7 +79,7 @@ def test_list_keys_of_an_unknown_prefix_is_one_line(capsys) -> None:
 
 
 def test_the_key_table_is_generated_from_the_config() -> None:
-    assert config_keys.TABLE.read_text() == config_keys.table_text(), "run: python -m hybridflow.config.key_listing"
+    assert config_keys.TABLE.read_text() == config_keys.table_text(), "run: python -m hybridflow.cli.list_keys"
 
 
 def test_a_stale_table_reads_the_config_itself(tmp_path: Path, monkeypatch, capsys) -> None:

@@ -146,7 +146,7 @@ def test_generate_scores_every_prompt_of_an_exported_checkpoint(tmp_path: Path, 
 )
 def test_help_imports_no_torch_transformers_or_ray(args: list[str]):
     """The dispatcher and the train/sft parsers are light (cli/args.py); each subcommand imports its
-    implementation only when it runs; --list-keys reads the generated key table (config/key_listing.py)."""
+    implementation only when it runs; --list-keys reads the generated key table (cli/list_keys.py)."""
     code = (
         "import contextlib, io, sys\n"
         "from hybridflow.cli.main import main\n"

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from hybridflow.config.data import DataConfig, RewardConfig
-from hybridflow.config.loader import ConfigError, load_config, to_yaml
 from hybridflow.config.trainer import AlgorithmConfig, TrainerConfig
+from hybridflow.utils.config_loader import ConfigError, load_config, to_yaml
 
 
 @dataclass

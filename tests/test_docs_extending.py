@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from hybridflow.config.loader import load_config
 from hybridflow.config.run import RunConfig
+from hybridflow.utils.config_loader import load_config
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "extending.md"
 BLOCKS = re.findall(r"^```python\n(.*?)^```", PAGE.read_text(), flags=re.S | re.M)

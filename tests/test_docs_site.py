@@ -23,7 +23,6 @@ from hybridflow.cli.args import parse_args
 from hybridflow.cli.main import build_parser
 from hybridflow.cli.plan import build_parser as plan_parser
 from hybridflow.config.doc import missing_docs, render
-from hybridflow.config.loader import load_config
 from hybridflow.config.measure import Measurements
 from hybridflow.config.resolve import resolve
 from hybridflow.config.run import RunConfig
@@ -31,6 +30,7 @@ from hybridflow.config.sft import SFTConfig, resolve_sft
 from hybridflow.planner.device import DevicePoint, DeviceProfile
 from hybridflow.planner.profile_cli import build_parser as profile_parser
 from hybridflow.protocol import keys as K
+from hybridflow.utils.config_loader import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = sorted((ROOT / "docs").rglob("*.md"))
@@ -247,7 +247,7 @@ def test_metrics_glossary_names_every_loss_stat():
 
 def test_metrics_glossary_names_every_timer():
     timers = set()
-    for path in (ROOT / "hybridflow" / "trainer").glob("*.py"):
+    for path in (ROOT / "hybridflow" / "train").glob("*.py"):
         timers |= set(re.findall(r'timer\("([a-z_]+)"', path.read_text()))
     glossary = set(glossary_names())
     assert timers and not sorted(t for t in timers if f"timing_s/{t}" not in glossary)

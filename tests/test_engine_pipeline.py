@@ -13,7 +13,6 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from hybridflow.config.loader import ConfigError, load_config
 from hybridflow.config.run import RunConfig
 from hybridflow.config.sft import SFTConfig
 from hybridflow.engine import EngineConfig, FSDPEngine, OptimConfig
@@ -21,6 +20,7 @@ from hybridflow.engine.batch import TokenBudget
 from hybridflow.engine.parallel.pipeline_stage import HeadSpec, check_pp_layout, split_stage, stage_layers
 from hybridflow.models import default_model_dir, load_causal_lm, load_value_model, tiny_model_dir
 from hybridflow.protocol import DataProto, keys
+from hybridflow.utils.config_loader import ConfigError, load_config
 from hybridflow.workers import ActorConfig
 from hybridflow.workers.losses import actor_loss_builder
 from hybridflow.workers.ppo_update import run_ppo_update

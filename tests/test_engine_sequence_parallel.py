@@ -18,7 +18,6 @@ import torch.multiprocessing as mp
 from hybridflow.engine import EngineConfig, FSDPEngine, LoraConfig, OptimConfig
 from hybridflow.engine.batch import PackedBatch, TokenBudget
 from hybridflow.engine.parallel.sequence_parallel import (
-    SequenceParallelEngine,
     check_sp_layout,
     kv_head_splits,
     padded_row,
@@ -68,7 +67,7 @@ def _worker(rank: int, world: int, sp: int, model: str, port: int, out_dir: str,
     cfg = EngineConfig(
         param_dtype="fp32", ulysses_sequence_parallel_size=sp, fsdp_size=fsdp_size, gradient_checkpointing=gc
     )
-    engine = SequenceParallelEngine.from_pretrained(path, cfg, OptimConfig(**OPTIM))
+    engine = FSDPEngine.from_pretrained(path, cfg, OptimConfig(**OPTIM))
     dp, rows = engine.dp_size, ROWS // engine.dp_size
     shard = {k: v[engine.dp_rank * rows : (engine.dp_rank + 1) * rows] for k, v in data.items()}
     res: dict = {"dp_rank": engine.dp_rank, "sp_rank": engine.sp_rank}
@@ -90,7 +89,7 @@ def _worker(rank: int, world: int, sp: int, model: str, port: int, out_dir: str,
     res["trained"] = engine.full_state_dict()
     engine.save_checkpoint(Path(out_dir) / "ckpt")
     torch.manual_seed(0)  # the value head starts random: the same on every rank and in the reference
-    critic = SequenceParallelEngine.from_pretrained(path, cfg, OptimConfig(**OPTIM), value_model=True)
+    critic = FSDPEngine.from_pretrained(path, cfg, OptimConfig(**OPTIM), value_model=True)
     res["values"] = critic.compute_values(shard, 4)
     res["critic"] = critic.train_step(_micro(shard), _value_loss(tokens, dp))
     torch.save(res, Path(out_dir) / f"rank{rank}.pt")
@@ -197,7 +196,7 @@ def _lora_run(engine, data: dict) -> dict:
 def _lora_worker(rank: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
     torch.set_num_threads(1)
-    engine = SequenceParallelEngine.from_pretrained(
+    engine = FSDPEngine.from_pretrained(
         tiny_model_dir(),
         EngineConfig(param_dtype="fp32", ulysses_sequence_parallel_size=2),
         OptimConfig(lr=1e-2),
@@ -279,7 +278,7 @@ def _smollm2_worker(rank: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
     torch.set_num_threads(1)
     data = _data()
-    engine = SequenceParallelEngine.from_pretrained(
+    engine = FSDPEngine.from_pretrained(
         default_model_dir(), EngineConfig(param_dtype="fp32", ulysses_sequence_parallel_size=2), OptimConfig(**OPTIM)
     )
     log_probs, _ = engine.compute_log_probs(data, 4)

@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 
 from hybridflow.engine import EngineConfig, FSDPEngine, OptimConfig, export_hf
 from hybridflow.engine.batch import TokenBudget
-from hybridflow.engine.parallel.tensor_parallel import TensorParallelEngine, check_tp_layout
+from hybridflow.engine.parallel.tensor_parallel import check_tp_layout
 from hybridflow.engine.prefix import sharing_pays
 from hybridflow.models import default_model_dir, load_causal_lm, load_value_model, tiny_model_dir
 from hybridflow.protocol import keys
@@ -46,7 +46,7 @@ def _worker(rank: int, world: int, tp: int, arch: str, port: int, out_dir: str, 
     torch.set_num_threads(1)
     out, data = Path(out_dir), _data()
     cfg = EngineConfig(param_dtype="fp32", tensor_parallel_size=tp, fsdp_size=fsdp_size)
-    engine = TensorParallelEngine.from_pretrained(tiny_model_dir(arch), cfg, OptimConfig(**OPTIM))
+    engine = FSDPEngine.from_pretrained(tiny_model_dir(arch), cfg, OptimConfig(**OPTIM))
     dp, rows = engine.dp_size, ROWS // engine.dp_size
     shard = {k: v[engine.dp_rank * rows : (engine.dp_rank + 1) * rows] for k, v in data.items()}
     q_proj = engine.module.model.layers[0].self_attn.q_proj.weight
@@ -61,7 +61,7 @@ def _worker(rank: int, world: int, tp: int, arch: str, port: int, out_dir: str, 
         res["packed"], _ = engine.compute_log_probs(shard, 2)
         engine.config = cfg
         torch.manual_seed(0)  # the value head starts random: the same on every rank and in the reference
-        critic = TensorParallelEngine.from_pretrained(tiny_model_dir(arch), cfg, value_model=True)
+        critic = FSDPEngine.from_pretrained(tiny_model_dir(arch), cfg, value_model=True)
         res["values"] = critic.compute_values(shard, 2)
     loss_fn = policy_nll_loss(int(data[keys.ATTENTION_MASK][:, -R:].sum()), dp, R)
     if full:
@@ -79,7 +79,7 @@ def _worker(rank: int, world: int, tp: int, arch: str, port: int, out_dir: str, 
     torch.save(res, out / f"rank{rank}.pt")
 
 
-def _save_and_continue(engine: TensorParallelEngine, shard: dict, loss_fn, out: Path, res: dict) -> None:
+def _save_and_continue(engine: FSDPEngine, shard: dict, loss_fn, out: Path, res: dict) -> None:
     engine.save_checkpoint(out / "ckpt")
     export_hf(engine, out / "hf")
     engine.train_step(_micro(shard), loss_fn)
@@ -227,7 +227,7 @@ def _smollm2_worker(rank: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="3")
     torch.set_num_threads(1)
     data = _data()
-    engine = TensorParallelEngine.from_pretrained(
+    engine = FSDPEngine.from_pretrained(
         default_model_dir(), EngineConfig(param_dtype="fp32", tensor_parallel_size=3), OptimConfig(**OPTIM)
     )
     log_probs, _ = engine.compute_log_probs(data, 4)

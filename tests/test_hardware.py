@@ -55,8 +55,8 @@ def test_auto_is_a_compute_dtype_only():
 
 
 def test_resolve_fills_in_every_auto_dtype(cache_home, monkeypatch):
-    from hybridflow.config.loader import load_config
     from hybridflow.config.run import RunConfig
+    from hybridflow.utils.config_loader import load_config
     from tests.resolve_helpers import resolve_here
 
     monkeypatch.setattr(hardware, "probe_compute_dtype", lambda threads: {"bf16": 1.0, "fp32": 1.0, "choice": "fp32"})

@@ -8,11 +8,11 @@ from typing import Any, NamedTuple
 
 import pytest
 
-from hybridflow.config.loader import load_config
 from hybridflow.config.run import RunConfig
 from hybridflow.controller.worker_group import WorkerError
 from hybridflow.train.job import fit_with_restarts
 from hybridflow.train.recovery import RunFailedError
+from hybridflow.utils.config_loader import load_config
 from tests.resolve_helpers import resolve_here
 
 

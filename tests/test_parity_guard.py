@@ -10,18 +10,18 @@ import pytest
 import torch
 from ray.exceptions import RayTaskError
 
-from hybridflow.config.loader import ConfigError, load_config
 from hybridflow.config.run import RunConfig
 from hybridflow.parity import ParityError
 from hybridflow.parity.config import ParityThresholds, Thresholds, parity_rollout_fields
 from hybridflow.parity.guard import ParityGuard
 from hybridflow.parity.logprob import logprob_gaps
 from hybridflow.parity.rollout_faults import apply_rollout_faults
-from hybridflow.parity.tokens import MOD, hash_ids, hash_list_rows, hash_rows, mismatched_rows
 from hybridflow.protocol import DataProto
 from hybridflow.protocol import keys as K
+from hybridflow.protocol.token_hash import MOD, hash_ids, hash_list_rows, hash_rows, mismatched_rows
 from hybridflow.rollout.config import RolloutConfig
 from hybridflow.train.recovery import is_worker_failure
+from hybridflow.utils.config_loader import ConfigError, load_config
 
 G0, G1, G2 = 48271, 182605794, 1291394886  # 48271^(k+1) mod (2^31 - 1), k = 0, 1, 2
 

@@ -52,10 +52,10 @@ def _worker(rank: int, world: int, port: int, out_dir: str, spec: str, steps: in
                 p.add_(0.01)  # every weight changes before every sync
         out[step] = sync_weights(rollout, engine, step=step, check=True, backend="native").findings
     if steps > 2:  # a tensor-parallel training engine: column shards (o_proj, down_proj) are pieces too
-        from hybridflow.engine.parallel.tensor_parallel import TensorParallelEngine
+        from hybridflow.engine import FSDPEngine
 
         tp_cfg = EngineConfig(param_dtype="fp32", tensor_parallel_size=2)
-        tp_engine = TensorParallelEngine.from_pretrained(tiny_model_dir("llama", seed=1), tp_cfg)
+        tp_engine = FSDPEngine.from_pretrained(tiny_model_dir("llama", seed=1), tp_cfg)
         for step in (TP_STEP, TP_STEP + 1):
             out[step] = sync_weights(rollout, tp_engine, step=step, check=True, backend="native").findings
     torch.save(out, Path(out_dir) / f"rank{rank}.pt")

@@ -5,7 +5,6 @@ from dataclasses import replace
 
 import pytest
 
-from hybridflow.config.loader import load_config
 from hybridflow.config.measure import Measurements
 from hybridflow.config.plan_inputs import run_shape
 from hybridflow.config.resolve import resolve
@@ -13,6 +12,7 @@ from hybridflow.config.run import RunConfig
 from hybridflow.models import tiny_model_dir
 from hybridflow.planner.auto import predicted_placements
 from hybridflow.planner.device import DevicePoint, DeviceProfile
+from hybridflow.utils.config_loader import load_config
 from tests.resolve_helpers import resolve_here
 
 PPO = [

@@ -8,9 +8,9 @@ from test_planner_search import PROFILE
 from test_trainer_cli import base_overrides, read_metrics, run_cli
 
 from hybridflow.cli.main import main
-from hybridflow.config.loader import load_config
 from hybridflow.config.run import RunConfig
 from hybridflow.planner.device import DeviceProfile
+from hybridflow.utils.config_loader import load_config
 
 
 def test_profile_command_on_a_tiny_model(tmp_path, capsys):

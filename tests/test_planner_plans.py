@@ -87,9 +87,9 @@ def test_plan_memory_and_pruning():
 
 
 def test_run_roles_follow_the_config():
-    from hybridflow.config.loader import load_config
     from hybridflow.config.plan_inputs import run_roles
     from hybridflow.config.run import RunConfig
+    from hybridflow.utils.config_loader import load_config
 
     assert run_roles(load_config(RunConfig, None, ["algorithm.adv_estimator=grpo", "actor.use_kl_loss=false"])) == (
         "actor_rollout",

@@ -3,12 +3,12 @@
 import json
 
 from hybridflow.cli.main import main
-from hybridflow.config.loader import load_config
 from hybridflow.config.plan_inputs import run_shape
 from hybridflow.config.run import RunConfig
 from hybridflow.planner.inputs import forward_ops
 from hybridflow.planner.plans import PlacementSet, Plan, RoleParallel
 from hybridflow.planner.search import placement_of
+from hybridflow.utils.config_loader import load_config
 
 PROFILE = [  # a colocated PPO run on 2 workers: medians and tokens per step
     {"metric": "timing_s/step", "median_s": 12.0, "tokens_per_step": 1000.0},

@@ -250,9 +250,9 @@ def test_a_path_that_does_not_load_names_the_key(tmp_path):
 
 
 def test_engine_backend_is_chosen_by_the_config_and_checked_at_load():
-    from hybridflow.config.loader import ConfigError, load_config
     from hybridflow.config.run import RunConfig
     from hybridflow.engine.config import EngineConfig
+    from hybridflow.utils.config_loader import ConfigError, load_config
     from hybridflow.workers.engines import engine_backend
 
     assert engine_backend(EngineConfig()) == "fsdp"

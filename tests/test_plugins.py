@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from test_trainer_cli import base_overrides, read_metrics, run_cli
 
-from hybridflow.config.loader import ConfigError, load_config
 from hybridflow.config.run import RunConfig
 from hybridflow.models import tiny_model_dir
+from hybridflow.utils.config_loader import ConfigError, load_config
 
 PLUGIN = """
 import os

@@ -10,13 +10,13 @@ import pytest
 import torch.distributed as dist
 from ray.exceptions import ActorDiedError, RayTaskError
 
-from hybridflow.config.loader import load_config
 from hybridflow.config.resolve import resolve_trainer
 from hybridflow.config.run import RunConfig
 from hybridflow.controller.faults import FaultPoint, call_step, parse_faults
 from hybridflow.controller.worker_group import WorkerError, WorkerTimeoutError
 from hybridflow.protocol import DataProto
 from hybridflow.train.recovery import Recovery, RestartBudget, RunFailedError, describe, is_worker_failure
+from hybridflow.utils.config_loader import load_config
 from hybridflow.utils.tracking import Tracking
 
 

@@ -68,10 +68,9 @@ def _start(rank: int, world: int, port: int) -> None:
 
 def _engine(path: Path, tp: int, fsdp_size: int = -1):
     from hybridflow.engine import EngineConfig, FSDPEngine
-    from hybridflow.engine.parallel.tensor_parallel import TensorParallelEngine
 
     cfg = EngineConfig(param_dtype="fp32", tensor_parallel_size=tp, fsdp_size=fsdp_size)
-    return (TensorParallelEngine if tp > 1 else FSDPEngine).from_pretrained(path, cfg)
+    return FSDPEngine.from_pretrained(path, cfg)
 
 
 def _check_shards(arch: str, train_tp: int, gen_tp: int, fsdp_size: int, stride: int, rank: int) -> ReshardStats:

@@ -10,11 +10,11 @@ import pytest
 import torch
 import yaml
 
-from hybridflow.config.loader import ConfigError, FrozenConfigError, load_config
 from hybridflow.config.resolve import plan_step
 from hybridflow.config.run import RunConfig
 from hybridflow.engine.config import EngineConfig
 from hybridflow.train.checkpointing import STATE_FILE, resume_path
+from hybridflow.utils.config_loader import ConfigError, FrozenConfigError, load_config
 from tests.resolve_helpers import resolve_here
 
 

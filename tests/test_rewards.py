@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from hybridflow.config.loader import ConfigError
 from hybridflow.protocol import DataProto, keys
 from hybridflow.rewards import RewardManager, countdown, default_compute_score, gsm8k, load_custom_reward_fn, math_boxed
+from hybridflow.utils.config_loader import ConfigError
 from tests.data_helpers import smol_tokenizer
 
 CD_TRUTH = json.dumps({"target": 24, "numbers": [4, 6, 1, 5]})

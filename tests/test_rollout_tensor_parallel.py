@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 from hybridflow.models import load_tokenizer, tiny_model_dir
 from hybridflow.protocol.keys import RESPONSE_MASK, RESPONSES, ROLLOUT_LOG_PROBS
 from hybridflow.rollout import RolloutConfig, build_rollout
+from hybridflow.rollout.backends import check_backend
 from hybridflow.rollout.native.decoder import StaticLlamaDecoder
 from tests.rollout_helpers import prompt_batch
 
@@ -66,6 +67,6 @@ def test_tp2_native_rollout_generates_as_one_process(tmp_path):
 
 def test_tp_rollout_refused_for_other_backends_and_bad_sizes():
     with pytest.raises(ValueError, match="not supported by rollout.name='hf'; use rollout.name=native"):
-        RolloutConfig(name="hf", tensor_model_parallel_size=2)
+        check_backend(RolloutConfig(name="hf", tensor_model_parallel_size=2))
     with pytest.raises(ValueError, match="tensor_model_parallel_size must be >= 1"):
         RolloutConfig(tensor_model_parallel_size=0)

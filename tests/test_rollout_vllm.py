@@ -126,9 +126,9 @@ def test_config_check_finds_the_installed_build_without_importing_vllm():
     """The load-time check reads package metadata; it must name the platform vllm itself detects."""
     from vllm.platforms import current_platform
 
-    from hybridflow.config.loader import ConfigError, load_config
     from hybridflow.config.run import RunConfig
     from hybridflow.rollout.vllm.engine import installed_vllm_device
+    from hybridflow.utils.config_loader import ConfigError, load_config
 
     assert installed_vllm_device() == current_platform.device_type
     assert load_config(RunConfig, None, ["rollout.name=vllm"]).rollout.name == "vllm"

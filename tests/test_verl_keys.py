@@ -18,9 +18,9 @@ import yaml
 from hybridflow.compat.verl import keys as K
 from hybridflow.compat.verl.dialect import flatten, lookup, nest
 from hybridflow.compat.verl.doc import render
-from hybridflow.config.loader import ConfigError, load_config, to_yaml, unknown_keys
 from hybridflow.config.run import RunConfig
 from hybridflow.models import tiny_model_dir
+from hybridflow.utils.config_loader import ConfigError, load_config, to_yaml, unknown_keys
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_trainer_cli import read_metrics, run_cli  # noqa: E402

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from hybridflow.config.loader import ConfigError, load_config
 from hybridflow.config.run import RunConfig
 from hybridflow.models import tiny_model_dir
+from hybridflow.utils.config_loader import ConfigError, load_config
 
 MODEL = str(tiny_model_dir("llama"))
 VERL_GENERATED = Path(__file__).parent / "data" / "verl_ppo_trainer_b178a3c.yaml"

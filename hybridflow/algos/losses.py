@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from hybridflow.algos.core import GlobalNorm, agg_loss, masked_mean
-from hybridflow.config.loader import Section
+from hybridflow.utils.config_loader import Section
 from hybridflow.utils.registry import Registry
 
 LOG_RATIO_CLAMP = 20.0

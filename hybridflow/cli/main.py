@@ -231,7 +231,7 @@ def _run_config_command(command: str, argv: list[str], debug: bool) -> int:
     args = parse_args(argv, prog, description)  # here, so `train --help` needs no torch
     args.debug = args.debug or debug
     if args.list_keys is not None:
-        from hybridflow.config.key_listing import print_keys  # noqa: PLC0415  (lazy: a subcommand imports its implementation when it runs)
+        from hybridflow.cli.list_keys import print_keys  # noqa: PLC0415  (lazy: a subcommand imports its implementation when it runs)
 
         return print_keys(command, args.list_keys, prog, args.debug)
     if command == "train":

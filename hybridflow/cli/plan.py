@@ -14,12 +14,12 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from hybridflow.config.loader import load_config, to_yaml
 from hybridflow.config.plan_inputs import run_shape
 from hybridflow.config.run import RunConfig
 from hybridflow.planner import search
 from hybridflow.planner.cost import costs_from_profile
 from hybridflow.planner.inputs import forward_ops, needed_ops
+from hybridflow.utils.config_loader import load_config, to_yaml
 
 
 def plan_config(cfg: RunConfig, placement: str) -> RunConfig | None:

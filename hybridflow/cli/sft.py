@@ -15,8 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from hybridflow.cli.args import SFT_DESCRIPTION, SFT_PROG, USER_ERRORS, fail, parse_args
-from hybridflow.config.key_listing import print_keys
-from hybridflow.config.loader import load_config
+from hybridflow.cli.list_keys import print_keys
 from hybridflow.config.measure import measure_dtypes
 from hybridflow.config.sft import ResolvedSFT, SFTConfig, resolve_sft
 from hybridflow.controller.resource_pool import ClassWithInitArgs
@@ -29,6 +28,7 @@ from hybridflow.train.job import fit_with_restarts
 from hybridflow.train.recovery import RunFailedError
 from hybridflow.train.roles import group_factory
 from hybridflow.train.sft_trainer import SFTTrainer
+from hybridflow.utils.config_loader import load_config
 from hybridflow.workers.sft import SFTWorker
 
 if TYPE_CHECKING:  # heavy imports, loaded where the workers start

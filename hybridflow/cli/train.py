@@ -15,8 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from hybridflow.cli.args import TRAIN_DESCRIPTION, TRAIN_PROG, USER_ERRORS, fail, parse_args
-from hybridflow.config.key_listing import print_keys
-from hybridflow.config.loader import load_config
+from hybridflow.cli.list_keys import print_keys
 from hybridflow.config.measure import measure
 from hybridflow.config.resolve import ResolvedRun, resolve
 from hybridflow.config.run import RunConfig
@@ -30,6 +29,7 @@ from hybridflow.train.job import fit_with_restarts
 from hybridflow.train.ppo_trainer import PPOTrainer
 from hybridflow.train.recovery import RunFailedError
 from hybridflow.train.roles import build_roles
+from hybridflow.utils.config_loader import load_config
 
 if TYPE_CHECKING:  # heavy imports, loaded where the workers start
     from hybridflow.train.ppo_trainer import PPOTrainer

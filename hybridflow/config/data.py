@@ -10,9 +10,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridflow.config.loader import Section
 from hybridflow.data.dataset import TRUNCATIONS
 from hybridflow.data.tasks import get_task, make_difficulty
+from hybridflow.utils.config_loader import Section
 
 
 def one_of(key: str, value: Any, allowed: tuple) -> None:

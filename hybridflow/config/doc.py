@@ -15,9 +15,9 @@ import inspect
 import textwrap
 from typing import Any
 
-from hybridflow.config.loader import Section
 from hybridflow.config.run import RunConfig
 from hybridflow.config.sft import SFTConfig
+from hybridflow.utils.config_loader import Section
 
 INTRO = """# Configuration reference
 

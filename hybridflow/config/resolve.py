@@ -41,7 +41,6 @@ from dataclasses import dataclass, replace
 import torch
 
 from hybridflow.config.layout import choose_layout
-from hybridflow.config.loader import ConfigError, freeze, to_yaml
 from hybridflow.config.measure import Measurements
 from hybridflow.config.plan_inputs import old_log_prob_mode, recompute_old_log_prob
 from hybridflow.config.run import RunConfig
@@ -52,6 +51,7 @@ from hybridflow.engine.parallel.sequence_parallel import check_sp_layout
 from hybridflow.engine.parallel.tensor_parallel import check_tp_layout
 from hybridflow.models.loading import load_config
 from hybridflow.parity.config import parity_rollout_fields
+from hybridflow.utils.config_loader import ConfigError, freeze, to_yaml
 
 POLICY_ROLES = ("actor", "rollout", "ref")
 """Roles hosted by ActorRolloutRefWorker."""

@@ -1,6 +1,6 @@
 """`RunConfig`: the whole run as one nested dataclass, and the checks that span sections.
 
-Loaded with `hybridflow.config.loader.load_config(RunConfig, yaml, ["a.b=c", ...])`, it
+Loaded with `hybridflow.utils.config_loader.load_config(RunConfig, yaml, ["a.b=c", ...])`, it
 holds the user's values only: a None means "derive it". `hybridflow.config.resolve`
 computes every derived value from the final merged values and freezes the result.
 Every check that spans sections runs here, at load, never inside a worker.
@@ -17,11 +17,11 @@ from typing import ClassVar
 from hybridflow.algos.adv_spec import AdvantageEstimatorSpec, get_advantage_spec
 from hybridflow.compat.verl.dialect import VERL, VerlDialect
 from hybridflow.config.data import DataConfig, RewardConfig
-from hybridflow.config.loader import Section
 from hybridflow.config.trainer import AlgorithmConfig, TrainerConfig
 from hybridflow.engine.config import OptimConfig
-from hybridflow.rollout.backends import ROLLOUT_BACKENDS
+from hybridflow.rollout.backends import ROLLOUT_BACKENDS, check_backend
 from hybridflow.rollout.config import RolloutConfig
+from hybridflow.utils.config_loader import Section
 from hybridflow.workers.config import (
     ActorConfig,
     CriticConfig,
@@ -244,7 +244,7 @@ class RunConfig(Section):
 
     def _check_backends(self) -> None:
         """Packages and devices the configured backends need, checked here rather than in a worker."""
-        ROLLOUT_BACKENDS.get(self.rollout.name).check_installed(self.rollout.name, self.trainer.device)
+        check_backend(self.rollout).check_installed(self.rollout.name, self.trainer.device)
         check_engine_backend("actor.engine", self.actor.engine)
         if self.use_critic:
             check_engine_backend("critic.engine", self.critic.engine)

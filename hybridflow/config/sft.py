@@ -18,12 +18,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from hybridflow.config.data import TaskFilesConfig, one_of, positive
-from hybridflow.config.loader import ConfigError, Section, freeze, to_yaml
 from hybridflow.config.measure import Measurements
 from hybridflow.config.resolve import resolve_engine, resolve_schedule, resolve_trainer
 from hybridflow.config.trainer import TrainerConfig
 from hybridflow.data.sft import check_sft_task
 from hybridflow.engine.config import EngineConfig, LoraConfig, OptimConfig
+from hybridflow.utils.config_loader import ConfigError, Section, freeze, to_yaml
 from hybridflow.workers.config import ModelConfig
 from hybridflow.workers.engines import check_engine_backend
 

@@ -2,7 +2,7 @@
 
 Each section is a dataclass with a default and a docstring per field; bad
 values and bad combinations fail in `__post_init__` with a message naming
-the keys. Load a whole run with `hybridflow.config.loader.load_config`. Batch
+the keys. Load a whole run with `hybridflow.utils.config_loader.load_config`. Batch
 sizes here are global (per run), not per worker.
 """
 
@@ -17,8 +17,8 @@ from hybridflow.algos.advantages import ADV_ESTIMATORS
 from hybridflow.algos.kl import KL_CONTROLLERS, KL_ESTIMATORS
 from hybridflow.algos.rollout_is import ROLLOUT_IS_LEVELS, ROLLOUT_IS_MODES
 from hybridflow.config.data import one_of, positive
-from hybridflow.config.loader import Section
 from hybridflow.parity.config import ParityFields
+from hybridflow.utils.config_loader import Section
 from hybridflow.utils.plugins import is_path
 from hybridflow.utils.tracking import BACKENDS
 

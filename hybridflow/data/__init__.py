@@ -9,6 +9,10 @@
   `SFTDataset` and `sft_collate` (`sft.py`).
 """
 
+import hybridflow.data.arithmetic  # noqa: F401  (the built-in tasks register themselves)
+import hybridflow.data.countdown  # noqa: F401
+import hybridflow.data.gsm8k  # noqa: F401
+import hybridflow.data.tool_arithmetic  # noqa: F401
 from hybridflow.data.loader import StatefulDataLoader
 from hybridflow.data.tasks import TASKS, build_task, get_task, register_task
 

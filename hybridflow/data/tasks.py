@@ -60,16 +60,8 @@ class TaskSpec:
     """Value written to the `data_source` column; selects the reward scorer."""
 
 
-def _load_builtin_tasks() -> None:
-    # Importing the modules runs their @register_task decorators; they import this
-    # module, so they are loaded on the first lookup instead of at import.
-    from hybridflow.data import arithmetic, countdown, gsm8k, tool_arithmetic  # noqa: F401, PLC0415  (lazy: import cycle, the task modules import this one)
-
-
-TASKS: Registry[TaskSpec] = Registry(
-    "task", "data.task", "add one with @hybridflow.data.register_task", load=_load_builtin_tasks
-)
-"""Task builders by name (the built-in ones load on first lookup)."""
+TASKS: Registry[TaskSpec] = Registry("task", "data.task", "add one with @hybridflow.data.register_task")
+"""Task builders by name (the package `hybridflow.data` registers the built-in ones)."""
 
 
 def register_task(name: str, difficulty_cls: type, data_source: str | None = None, *, override: bool = False):

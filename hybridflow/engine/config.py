@@ -7,8 +7,8 @@ from typing import Any, Literal
 
 import torch
 
-from hybridflow.config.loader import Section
 from hybridflow.engine.parallel.dims import check_divides, fsdp_shard_size
+from hybridflow.utils.config_loader import Section
 from hybridflow.utils.dtypes import check_dtype, dtype_of
 
 __all__ = ["EngineConfig", "LoraConfig", "OptimConfig", "dtype_of"]

@@ -37,8 +37,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+import hybridflow.engine.batch as B
 from hybridflow.algos.logits import entropy_from_logits, logprobs_from_logits
-from hybridflow.engine import batch as B
 from hybridflow.engine.base import Engine, LossFn, MicroBatch
 from hybridflow.engine.checkpoint import load_checkpoint, save_checkpoint
 from hybridflow.engine.config import EngineConfig, LoraConfig, OptimConfig

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridflow.config.loader import Section
+from hybridflow.utils.config_loader import Section
 
 PARITY_MODES = ("error", "warn", "off")
 """trainer.parity values."""

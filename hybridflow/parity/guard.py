@@ -5,7 +5,7 @@ update's outputs. Three checks (docs/parity.md):
 - weights: the findings the workers put in the generated batch's meta_info[keys.META_PARITY] (weight syncs whose
   fingerprints differ, parity/fingerprint.py);
 - tokens: each row's trained ids (the response columns of input_ids, which the update reads, where response_mask
-  is 1) against the hash of the ids the sampler drew (keys.SAMPLED_IDS_HASH, parity/tokens.py); a batch without
+  is 1) against the hash of the ids the sampler drew (keys.SAMPLED_IDS_HASH, protocol/token_hash.py); a batch without
   that key (a plugin backend's) reports parity/token_checked_rows = 0;
 - log-probs: rollout_log_probs against old_log_probs (parity/logprob.py) before the update. Where the step plan
   skips old log-probs (one optimizer step, or actor.old_log_prob=rollout: they are the rollout's), the update's
@@ -29,9 +29,9 @@ from typing import Any
 from hybridflow.parity import ParityError
 from hybridflow.parity.config import Thresholds, precision
 from hybridflow.parity.logprob import LogprobGaps, logprob_gaps
-from hybridflow.parity.tokens import mismatched_rows
 from hybridflow.protocol import DataProto
 from hybridflow.protocol import keys as K
+from hybridflow.protocol.token_hash import mismatched_rows
 
 log = logging.getLogger("hybridflow")
 

@@ -33,7 +33,7 @@ ROLLOUT_IS_WEIGHTS = "rollout_is_weights"  # [B, R] float32: pi_old / pi_rollout
 ENV_REWARDS = (
     "env_rewards"  # [B, R] float32: multi-turn rollouts: each model turn's environment reward on its last token
 )
-SAMPLED_IDS_HASH = "sampled_ids_hash"  # [B] int64: hybridflow/parity/tokens.py's hash of the ids the sampler drew
+SAMPLED_IDS_HASH = "sampled_ids_hash"  # [B] int64: hybridflow/protocol/token_hash.py's hash of the ids the sampler drew
 # (in order, over the tokens response_mask marks), taken where they were sampled; checked before the update against
 # the response columns of input_ids (what the update reads)
 POLICY_VERSION = "policy_version"  # [B] int64: trainer step whose weights generated the row (0: initial weights)

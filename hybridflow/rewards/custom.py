@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from hybridflow.config.loader import ConfigError
+from hybridflow.utils.config_loader import ConfigError
 
 
 def load_custom_reward_fn(path: str, name: str = "compute_score") -> Callable[..., float]:

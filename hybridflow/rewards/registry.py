@@ -11,7 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from hybridflow.rewards import arithmetic, countdown, gsm8k, math_boxed
+import hybridflow.rewards.arithmetic as arithmetic
+import hybridflow.rewards.countdown as countdown
+import hybridflow.rewards.gsm8k as gsm8k
+import hybridflow.rewards.math_boxed as math_boxed
 from hybridflow.utils.registry import Registry
 
 Scorer = Callable[[str, str], float]

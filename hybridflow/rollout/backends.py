@@ -111,9 +111,21 @@ ROLLOUT_BACKENDS.register(
 )
 
 
+def check_backend(config: RolloutConfig) -> RolloutBackendSpec:
+    """The backend `config.name` names, checked against what `config` asks of it (run configs call this at load).
+    Unknown names (or unloadable paths) fail naming rollout.name."""
+    spec = ROLLOUT_BACKENDS.get(config.name)
+    if config.tensor_model_parallel_size > 1 and not spec.supports_tensor_parallel:
+        raise ValueError(
+            f"rollout.tensor_model_parallel_size > 1 is not supported by rollout.name={config.name!r}; "
+            "use rollout.name=native"
+        )
+    return spec
+
+
 def build_rollout(
     config: RolloutConfig, model_path_or_module: str | os.PathLike | nn.Module, tokenizer: Any, tp_stride: int = 1
 ) -> Rollout:
     """The rollout backend registered as `config.name` (or loaded from its module:function path); `tp_stride`:
     how far apart the ranks of a tensor-parallel group are (see `tensor_parallel_group`)."""
-    return ROLLOUT_BACKENDS.get(config.name).build(config, model_path_or_module, tokenizer, tp_stride)
+    return check_backend(config).build(config, model_path_or_module, tokenizer, tp_stride)

@@ -8,6 +8,8 @@ samples of a prompt adjacent, with the keys of hybridflow/keys.py (see `layout.b
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 from abc import ABC, abstractmethod
 from typing import Any
@@ -16,11 +18,19 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from hybridflow.agent.loop.runner import GenerateFn, TurnOutput
 from hybridflow.engine.parallel.dims import Axis, GenerationDims
 from hybridflow.engine.reshard import GenerationLayout
 from hybridflow.models import load_causal_lm
 from hybridflow.protocol import DataProto
-from hybridflow.protocol.keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS
+from hybridflow.protocol.keys import (
+    ATTENTION_MASK,
+    INPUT_IDS,
+    POSITION_IDS,
+    RESPONSE_MASK,
+    RESPONSES,
+    ROLLOUT_LOG_PROBS,
+)
 from hybridflow.rollout.config import RolloutConfig, SamplingParams
 from hybridflow.rollout.layout import build_output
 from hybridflow.rollout.sync import load_state_dict_into
@@ -98,6 +108,25 @@ class Rollout(ABC):
         the weight check's finding; [] when nothing is."""
         return []
 
+    def turn_generator(self, sampling: SamplingParams) -> contextlib.AbstractContextManager[GenerateFn]:
+        """The multi-turn capability (rollout.multi_turn, rollout/multi_turn.py): a context manager giving a
+        `GenerateFn` that generates one turn for each of a batch of token-id contexts, each up to its own token
+        budget, stopping at the rollout's EOS ids, with the log-prob of every sampled token (n=1). A backend
+        that implements it runs the agent loop; the in-process backends share `ModuleRollout`'s."""
+        raise NotImplementedError(
+            f"rollout.multi_turn needs a rollout that generates turn by turn: {type(self).__name__} does not "
+            "implement Rollout.turn_generator (hybridflow/rollout/base.py says what it returns)"
+        )
+
+
+def left_padded(rows: list[list[int]], pad_id: int) -> DataProto:
+    """Token id lists as a left-padded prompt batch (input_ids, attention_mask, position_ids)."""
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    return DataProto.from_dict({INPUT_IDS: ids, ATTENTION_MASK: mask, POSITION_IDS: pos})
+
 
 def step_seed(seed: int, step: int) -> int:
     """The sampler seed of training step `step` (a large odd stride keeps steps and ranks apart)."""
@@ -152,6 +181,26 @@ class ModuleRollout(Rollout):
         pad = tokenizer.pad_token_id
         self.pad_id = int(pad) if pad is not None else self.eos_ids[0]
         self.generator = torch.Generator().manual_seed(config.seed)
+
+    def turn_generator(self, sampling: SamplingParams) -> contextlib.AbstractContextManager[GenerateFn]:
+        """See `Rollout.turn_generator`: one `generate_sequences` call per round on the left-padded contexts,
+        with the largest budget as response length, each row cut at its own."""
+
+        def generate(batch: list[list[int]], budgets: list[int]) -> list[TurnOutput]:
+            width = max(len(ids) for ids in batch)
+            base = self.config
+            self.config = dataclasses.replace(
+                base, prompt_length=width, response_length=max(budgets), calculate_log_probs=True
+            )
+            try:
+                out = self.generate_sequences(left_padded(batch, self.pad_id), sampling)
+            finally:
+                self.config = base
+            ids, mask, logps = (out.batch[k] for k in (RESPONSES, RESPONSE_MASK, ROLLOUT_LOG_PROBS))
+            lengths = [min(int(m.sum()), b) for m, b in zip(mask, budgets)]
+            return [TurnOutput(ids[i, :n].tolist(), logps[i, :n].tolist()) for i, n in enumerate(lengths)]
+
+        return contextlib.nullcontext(generate)
 
     def load_weights(self, state_dict: dict[str, Tensor], partial: bool = False) -> None:
         """Copy the state dict into the model in place (cast to rollout dtype, tied weights once)."""
@@ -227,7 +276,7 @@ class ModuleRollout(Rollout):
         self, ids: Tensor, mask: Tensor, pos: Tensor, params: SamplingParams
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Generate for one chunk; returns (responses, response_mask, log_probs), each [b*n, R],
-        responses already pad-filled outside the mask, and [b*n] the `parity/tokens.py` hash of each row's
+        responses already pad-filled outside the mask, and [b*n] the `protocol/token_hash.py` hash of each row's
         sampled ids, taken from what the sampler drew."""
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from hybridflow.config.loader import Section
+from hybridflow.utils.config_loader import Section
 from hybridflow.utils.dtypes import check_dtype, dtype_of
 from hybridflow.utils.plugins import is_path, load_object, resolve_spec
 
@@ -248,14 +248,6 @@ class RolloutConfig(Section):
     def __post_init__(self) -> None:
         if self.tensor_model_parallel_size < 1:
             raise ValueError(f"rollout.tensor_model_parallel_size must be >= 1, got {self.tensor_model_parallel_size}")
-        from hybridflow.rollout.backends import ROLLOUT_BACKENDS  # noqa: PLC0415  (lazy: import cycle, rollout.backends imports this module)
-
-        spec = ROLLOUT_BACKENDS.get(self.name)  # unknown names (or unloadable paths) fail naming rollout.name
-        if self.tensor_model_parallel_size > 1 and not spec.supports_tensor_parallel:
-            raise ValueError(
-                f"rollout.tensor_model_parallel_size > 1 is not supported by rollout.name={self.name!r}; "
-                "use rollout.name=native"
-            )
         if isinstance(self.val_kwargs, dict):
             self.val_kwargs = ValKwargs(**self.val_kwargs)
         if isinstance(self.multi_turn, dict):
@@ -285,7 +277,7 @@ class RolloutConfig(Section):
         from hybridflow.agent.loop.env import ENVIRONMENTS  # noqa: PLC0415  (cycle: the agent package imports rollout)
 
         # native, hf and vllm all run the loop; a plugin backend's rollout is checked at its first generation
-        # (hybridflow/agent/loop/worker.py turn_generator)
+        # (hybridflow/rollout/multi_turn.py turn_generator)
         if self.tensor_model_parallel_size > 1:
             raise ValueError(
                 "rollout.multi_turn.enable=true with rollout.tensor_model_parallel_size > 1 is not supported yet; "

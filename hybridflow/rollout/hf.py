@@ -22,7 +22,7 @@ from transformers.generation import (
     TopPLogitsWarper,
 )
 
-from hybridflow.parity.tokens import hash_rows
+from hybridflow.protocol.token_hash import hash_rows
 from hybridflow.rollout.base import ModuleRollout
 from hybridflow.rollout.config import SamplingParams
 from hybridflow.rollout.layout import pad_responses, response_mask_from_tokens

@@ -60,7 +60,7 @@ def build_output(
 
     `responses`, `response_mask`, `log_probs`, `sampled_hash` already have B*n rows; tokens outside
     the mask must already be the pad id. `sampled_hash`: the backend's hash of the ids it drew
-    (hybridflow/parity/tokens.py), taken where they were drawn; None leaves the key out.
+    (hybridflow/protocol/token_hash.py), taken where they were drawn; None leaves the key out.
     """
     ids = prompt_ids.repeat_interleave(n, dim=0)
     mask = prompt_mask.repeat_interleave(n, dim=0)

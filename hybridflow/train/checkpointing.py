@@ -21,9 +21,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hybridflow.config.loader import to_yaml
 from hybridflow.models import resolve_model_path
 from hybridflow.utils import checkpoint_dirs as C
+from hybridflow.utils.config_loader import to_yaml
 
 if TYPE_CHECKING:  # these pull in the worker and engine stack; export and generate read checkpoints without it
     from hybridflow.config.run import RunConfig

@@ -17,9 +17,9 @@ from typing import Any, Protocol
 
 import yaml
 
-from hybridflow.config.loader import to_yaml
 from hybridflow.controller.worker_group import WorkerGroup
 from hybridflow.train.recovery import Failure, Recovery
+from hybridflow.utils.config_loader import to_yaml
 from hybridflow.utils.progress import phase
 from hybridflow.utils.quiet import quiet_libraries
 from hybridflow.utils.tracking import Tracking

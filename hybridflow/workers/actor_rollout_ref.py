@@ -39,7 +39,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from hybridflow.agent.loop.worker import generate_multi_turn
 from hybridflow.agent.server.harness import HarnessRunner
 from hybridflow.algos.core import masked_mean
 from hybridflow.controller.decorator import Dispatch, register
@@ -57,6 +56,7 @@ from hybridflow.protocol import keys as K
 from hybridflow.rollout import build_rollout
 from hybridflow.rollout.bridge import WeightBridge, manifest_of, open_store
 from hybridflow.rollout.config import RolloutConfig, SamplingParams
+from hybridflow.rollout.multi_turn import generate_multi_turn
 from hybridflow.rollout.sync import share_engine_weights, sync_weights
 from hybridflow.utils.device import device_kind
 from hybridflow.utils.memory import release_freed_memory
@@ -162,7 +162,7 @@ class ActorRolloutRefWorker(Worker):
         validate: bool = False,
     ) -> DataProto:
         """Prompts [b, P] (left-padded) -> b * n rows of prompts, responses, masks, rollout_log_probs
-        (rollout.multi_turn.enable: agent-loop trajectories, see hybridflow/agent/loop/worker.py; rollout.agent:
+        (rollout.multi_turn.enable: agent-loop trajectories, see hybridflow/rollout/multi_turn.py; rollout.agent:
         harness trajectories, see hybridflow/agent/server/harness.py).
 
         `step`: the training step; the sampler reseeds from it first (None: no reseed, the sampler goes on
@@ -182,7 +182,7 @@ class ActorRolloutRefWorker(Worker):
         start = time.perf_counter()
         with operator_peak("generate", metrics):
             params = sampling or self.rollout_cfg.sampling_params(validate)
-            if self.rollout_cfg.multi_turn.enable:  # one agent-loop trajectory per sample (agent/loop/worker.py)
+            if self.rollout_cfg.multi_turn.enable:  # one agent-loop trajectory per sample (rollout/multi_turn.py)
                 out = generate_multi_turn(self.rollout, prompts, params, self.rollout_cfg)
             elif self.rollout_cfg.agent.enable:  # one harness call per sample (agent/server/harness.py)
                 out, server_metrics = self._harness_runner().generate(prompts, params)

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from hybridflow.algos.core import LOSS_AGG_MODES
 from hybridflow.algos.kl import KL_ESTIMATORS
 from hybridflow.algos.losses import POLICY_LOSSES, PolicyLossConfig
-from hybridflow.config.loader import Section
 from hybridflow.engine.batch import MicroBatchSize, TokenBudget
 from hybridflow.engine.config import EngineConfig, LoraConfig, OptimConfig
+from hybridflow.utils.config_loader import Section
 from hybridflow.utils.dtypes import check_dtype
 from hybridflow.utils.registry import Registry, UnknownNameError
 

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from hybridflow.agent.loop.runner import Trajectory
-from hybridflow.parity.tokens import hash_list_rows
 from hybridflow.protocol import DataProto, keys
+from hybridflow.protocol.token_hash import hash_list_rows
 
 
 def _pad(rows: list[list], width: int, value: float, left: bool, dtype: torch.dtype) -> torch.Tensor:

@@ -124,7 +124,7 @@ class Trajectory:
     rollout_log_probs: list[float] = field(default_factory=list)
     sampled_ids: list[int] = field(default_factory=list)
     """Each model turn's ids as the sampler returned them, concatenated (the token parity check's reference:
-    hybridflow/parity/tokens.py); the trained ids (`response_mask` 1) must equal them."""
+    hybridflow/protocol/token_hash.py); the trained ids (`response_mask` 1) must equal them."""
     turn_rewards: list[float] = field(default_factory=list)
     reward_positions: list[int] = field(default_factory=list)
     """Index in `response_ids` of the last token of each model turn (where its reward goes)."""

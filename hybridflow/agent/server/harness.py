@@ -42,7 +42,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hybridflow.agent.loop.worker import dataset_rows
 from hybridflow.agent.server.app import SESSION_HEADER, AgentServer, ServerConfig, start_server
 from hybridflow.agent.server.backend import GenerationRequest, Sample
 from hybridflow.agent.server.harness_batch import harness_batch
@@ -50,6 +49,7 @@ from hybridflow.agent.server.rollout_backend import RolloutBackend
 from hybridflow.protocol import DataProto
 from hybridflow.rollout.base import ModuleRollout
 from hybridflow.rollout.config import AgentConfig, SamplingParams
+from hybridflow.rollout.multi_turn import dataset_rows
 from hybridflow.utils.plugins import load_object
 
 logger = logging.getLogger(__name__)

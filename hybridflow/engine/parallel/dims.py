@@ -28,13 +28,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-if TYPE_CHECKING:
-    from hybridflow.engine.config import EngineConfig
+
+class ParallelSizes(Protocol):
+    """The sizes a layout is built from: an `EngineConfig` (engine/config.py) has them."""
+
+    tensor_parallel_size: int
+    ulysses_sequence_parallel_size: int
+    pipeline_model_parallel_size: int
+    fsdp_size: int | None
 
 
 class Axis(str, Enum):
@@ -87,7 +93,7 @@ class ParallelDims:
     # --- construction ----------------------------------------------------------
     @classmethod
     def from_config(
-        cls, cfg: EngineConfig, world: int, device: torch.device | str = "cpu", section: str = "engine."
+        cls, cfg: ParallelSizes, world: int, device: torch.device | str = "cpu", section: str = "engine."
     ) -> ParallelDims:
         """The layout of `cfg` over `world` ranks; `device` resolves fsdp_size None (1 on CPU, all on GPU).
         Raises ValueError naming `section`'s keys ("actor.engine.", ...) when a size does not divide."""
@@ -221,7 +227,7 @@ class OnParallelDims:
         return self.dims.coords(self.rank).pp
 
 
-def fsdp_shard_size(cfg: EngineConfig, world: int, device: torch.device | str, section: str = "engine.") -> int:
+def fsdp_shard_size(cfg: ParallelSizes, world: int, device: torch.device | str, section: str = "engine.") -> int:
     """`engine.fsdp_size` with None (1 on CPU, -1 on GPU) and -1 (all the dp x sp ranks of a (pp, tp) slot)
     resolved; it must divide world / (tensor_parallel_size x pipeline_model_parallel_size) (sequence parallel is not
     checked here: `check_divides`)."""

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.tensor import DTensor
 
-from hybridflow.engine import batch as B
+import hybridflow.engine.batch as B
 from hybridflow.engine.base import LossFn, MicroBatch
 from hybridflow.engine.parallel.pipeline_stage import HeadSpec, PipelineStageModule
 from hybridflow.protocol import keys

@@ -45,7 +45,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv
 
-from hybridflow.engine import batch as B
+import hybridflow.engine.batch as B
 from hybridflow.engine.base import MicroBatch
 from hybridflow.engine.config import EngineConfig
 from hybridflow.engine.prefix import pack_shared_prompts
@@ -282,13 +282,3 @@ def forward_sp_packed(
     logits = model(**row, logits_to_keep=local, use_cache=False).logits[0]
     link = logits[:0].sum()
     return token_outputs(logits, packed.labels[mine], lambda v: place(v, link))
-
-
-def __getattr__(name: str) -> Any:
-    # The engine class was one subclass per strategy; it is now FSDPEngine for every layout. Resolved lazily:
-    # engine/fsdp.py imports this module (through parallelize.py).
-    if name == "SequenceParallelEngine":
-        from hybridflow.engine.fsdp import FSDPEngine  # noqa: PLC0415
-
-        return FSDPEngine
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -133,13 +133,3 @@ def _outputs_to_local(_module: nn.Module, _args: tuple, output: Any) -> Any:
     if isinstance(output, tuple):
         return tuple(o.to_local() if isinstance(o, DTensor) else o for o in output)
     return output
-
-
-def __getattr__(name: str) -> Any:
-    # The engine class was one subclass per strategy; it is now FSDPEngine for every layout. Resolved lazily:
-    # engine/fsdp.py imports this module (through parallelize.py).
-    if name == "TensorParallelEngine":
-        from hybridflow.engine.fsdp import FSDPEngine  # noqa: PLC0415
-
-        return FSDPEngine
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

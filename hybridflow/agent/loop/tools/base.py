@@ -54,14 +54,10 @@ class Tool:
         raise NotImplementedError
 
 
-def _load_builtin_tools() -> None:
-    from hybridflow.agent.loop.tools import calculator, python  # noqa: F401, PLC0415  (lazy: import cycle, the tool modules import this one; their decorators register)
-
-
 TOOLS: Registry[type[Tool]] = Registry(
-    "tool", "tool name", "register one with @hybridflow.agent.loop.tools.TOOLS.register(name)", load=_load_builtin_tools
+    "tool", "tool name", "register one with @hybridflow.agent.loop.tools.TOOLS.register(name)"
 )
-"""Tool classes by name; a row's tool list names entries here."""
+"""Tool classes by name; a row's tool list names entries here (the package registers the built-ins)."""
 
 
 def check_arguments(schema: dict[str, Any], arguments: dict[str, Any]) -> str | None:

@@ -8,11 +8,11 @@ when `rollout.multi_turn.enable`:
 - one environment per trajectory comes from `ENVIRONMENTS` (a name or a `module:Class` path, loaded in
   this process, so a plugin environment works on Ray workers);
 - `run_agent_loop` generates every running trajectory's next turn in one call of the rollout, through
-  the `GenerateFn` adapter of its kind (`turn_generator`): native / hf (`ModuleRollout`,
-  `rollout_generate_fn`): one `generate_sequences` call on left-padded ids with the largest turn budget
-  as response length, each row cut at its own; vllm (`vllm_generate_fn`): `VLLMRollout.generate_ids`, ids
-  in and out, each request with its own budget, the engine kept awake for the whole loop. Both stop at
-  the rollout's EOS ids, keep log-probs, n=1;
+  the rollout's own `Rollout.turn_generator` (the interface's multi-turn capability, so a plugin rollout
+  gets the loop by implementing it): native / hf (`ModuleRollout`): one `generate_sequences` call on
+  left-padded ids with the largest turn budget as response length, each row cut at its own; vllm
+  (`VLLMRollout`): `generate_ids`, ids in and out, each request with its own budget, the engine kept awake
+  for the whole loop. All stop at the rollout's EOS ids, keep log-probs, n=1;
 - the trajectories become the standard generated batch (hybridflow/agent/loop/batch.py) padded to the
   rollout's prompt / response widths, with the environment's per-turn rewards under `env_rewards`
   (the reward step uses them instead of the rule scorer) and `num_turns`, `tool_calls`, `stop_reason`;
@@ -25,32 +25,29 @@ prompt ids may differ from (and be longer than) the dataset's; a prompt wider th
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import inspect
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 import yaml
 
 from hybridflow.agent.loop.batch import trajectories_to_batch
 from hybridflow.agent.loop.env import ENVIRONMENTS, Environment
-from hybridflow.agent.loop.runner import AgentLoopConfig, GenerateFn, LoopTimes, TurnOutput, run_agent_loop
+from hybridflow.agent.loop.runner import AgentLoopConfig, LoopTimes, run_agent_loop
 from hybridflow.protocol import DataProto, keys
-from hybridflow.rollout.base import ModuleRollout, Rollout
+from hybridflow.rollout.base import Rollout
 from hybridflow.rollout.config import MultiTurnConfig, RolloutConfig, SamplingParams
-from hybridflow.rollout.vllm.rollout import VLLMRollout
 
 ROW_COLUMNS = (keys.RAW_PROMPT, keys.DATA_SOURCE, keys.GROUND_TRUTH)
 """Non-tensor columns a multi-turn rollout needs in its prompt batch (extra_info is optional)."""
 
 
 def generate_multi_turn(
-    rollout: ModuleRollout | VLLMRollout, prompts: DataProto, sampling: SamplingParams, config: RolloutConfig
+    rollout: Rollout, prompts: DataProto, sampling: SamplingParams, config: RolloutConfig
 ) -> DataProto:
     """`sampling.n` trajectories per prompt row as one generated batch (module docstring)."""
     rows = dataset_rows(prompts, sampling.n)
@@ -63,7 +60,7 @@ def generate_multi_turn(
     )
     labels = [f"dataset row {index} (sample {k})" for index in row_indices(prompts) for k in range(sampling.n)]
     times = LoopTimes()
-    with turn_generator(rollout, dataclasses.replace(sampling, n=1)) as generate:
+    with rollout.turn_generator(dataclasses.replace(sampling, n=1)) as generate:
         trajs = run_agent_loop(
             rows, env_factory(mt), generate, rollout.tokenizer, loop_cfg, rollout.eos_ids, mt.env, labels, times
         )
@@ -130,54 +127,3 @@ def load_tool_config(path: str | None) -> dict[str, dict[str, Any]]:
     if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
         raise ValueError(f"rollout.multi_turn.tool_config_path={path!r}: expected a mapping tool name -> kwargs")
     return data
-
-
-def turn_generator(rollout: Rollout, sampling: SamplingParams) -> contextlib.AbstractContextManager[GenerateFn]:
-    """The `GenerateFn` adapter of `rollout`'s kind, for the duration of a `with` block (module docstring)."""
-    if isinstance(rollout, ModuleRollout):
-        return contextlib.nullcontext(rollout_generate_fn(rollout, sampling))
-    if isinstance(rollout, VLLMRollout):
-        return vllm_generate_fn(rollout, sampling)
-    raise TypeError(
-        f"rollout.multi_turn drives native, hf and vllm rollouts turn by turn, not a {type(rollout).__name__}"
-    )
-
-
-@contextlib.contextmanager
-def vllm_generate_fn(rollout: VLLMRollout, sampling: SamplingParams) -> Iterator[GenerateFn]:
-    """A `GenerateFn` over a vllm rollout's ids-in / ids-out call, the engine awake while the block runs."""
-
-    def generate(batch: list[list[int]], budgets: list[int]) -> list[TurnOutput]:
-        return [TurnOutput(ids, logps) for ids, logps in rollout.generate_ids(batch, budgets, sampling)]
-
-    with rollout.awake():
-        yield generate
-
-
-def rollout_generate_fn(rollout: ModuleRollout, sampling: SamplingParams) -> GenerateFn:
-    """A `GenerateFn` over `rollout`: one generate call per round for every running trajectory."""
-
-    def generate(batch: list[list[int]], budgets: list[int]) -> list[TurnOutput]:
-        width = max(len(ids) for ids in batch)
-        base = rollout.config
-        rollout.config = dataclasses.replace(
-            base, prompt_length=width, response_length=max(budgets), calculate_log_probs=True
-        )
-        try:
-            out = rollout.generate_sequences(left_padded(batch, rollout.pad_id), sampling)
-        finally:
-            rollout.config = base
-        ids, mask, logps = (out.batch[k] for k in (keys.RESPONSES, keys.RESPONSE_MASK, keys.ROLLOUT_LOG_PROBS))
-        lengths = [min(int(m.sum()), b) for m, b in zip(mask, budgets)]
-        return [TurnOutput(ids[i, :n].tolist(), logps[i, :n].tolist()) for i, n in enumerate(lengths)]
-
-    return generate
-
-
-def left_padded(rows: list[list[int]], pad_id: int) -> DataProto:
-    """Token id lists as a left-padded prompt batch (input_ids, attention_mask, position_ids)."""
-    width = max(len(r) for r in rows)
-    ids = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows])
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    return DataProto.from_dict({keys.INPUT_IDS: ids, keys.ATTENTION_MASK: mask, keys.POSITION_IDS: pos})

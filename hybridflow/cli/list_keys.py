@@ -4,7 +4,7 @@ Generated from the typed config: the keys and types are the dataclass fields (ty
 are those of a default-constructed root config (so the main job's, e.g. RunConfig's `data.train_batch_size=8`),
 and the doc is the first sentence of the attribute docstring under each field, read from the class's source with
 `ast`. Importing the config imports torch (seconds), so the listing is read from config_keys.json, written by
-`python -m hybridflow.config.key_listing` and kept equal to the config by tests/test_cli_front.py. The table
+`python -m hybridflow.cli.list_keys` and kept equal to the config by tests/test_cli_front.py. The table
 records a hash of the source of every config section class and default factory; when one differs (a section
 edited since), the listing is built from the config itself, slower, with a note on stderr.
 """
@@ -204,7 +204,7 @@ def load_keys(command: str) -> tuple[list[KeyInfo], bool]:
     if entry is None or current != entry["sources"]:
         print(
             f"note: {TABLE.name} is out of date (a config section changed); reading the config itself. "
-            "Regenerate it: python -m hybridflow.config.key_listing",
+            "Regenerate it: python -m hybridflow.cli.list_keys",
             file=sys.stderr,
         )
         entry = build_entry(command)
