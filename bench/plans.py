@@ -12,7 +12,7 @@ and is not timed):
 - tp2: colocate on 2 workers, actor / critic / rollout tensor-parallel over both (refused for models whose
   heads 2 does not divide, e.g. SmolLM2's 9 / 3: skipped with the reason);
 - sp2: colocate on 2 workers, actor / critic Ulysses sequence-parallel over both (generation: dp 2).
-The cost model (planner/cost.py, v1) predicts each plan's step time from the calibration profile, a
+The cost model (planner/cost.py) predicts each plan's step time from the calibration profile, a
 device profile (`hybridflow profile`: thread speedups, gloo all-reduce costs; measured first unless
 --device-profile names one) and the model's sizes. Printed: predicted and measured s/step per plan,
 Kendall tau between them, the largest relative error, and whether the predicted best is the measured
@@ -194,13 +194,13 @@ def unseparated(steps: list[list[float]], z: float = 2.0) -> set[tuple[int, int]
 
 
 def predict(name: str, cfg, calib: list[dict], device, threads: int) -> float:
-    """Cost model v1's step time of plan `name` from the calibration run's steps (after the warm-up)."""
+    """The cost model's step time of plan `name` from the calibration run's steps (after the warm-up)."""
     from dataclasses import asdict, replace
 
     from hybridflow.config.plan_inputs import fsdp_sharded, run_roles, run_shape
     from hybridflow.models.loading import load_config as load_model_config
     from hybridflow.planner.auto import run_workers
-    from hybridflow.planner.cost import costs_from_profile, predict_step_time_v1, without_dp_sync
+    from hybridflow.planner.cost import costs_from_profile, predict_step_time, without_dp_sync
     from hybridflow.planner.inputs import forward_ops
     from hybridflow.planner.profile import build_profile
     from hybridflow.planner.search import model_params
@@ -228,7 +228,7 @@ def predict(name: str, cfg, calib: list[dict], device, threads: int) -> float:
         ),
     )  # colocate_2x1: the engine's default
     costs = without_dp_sync(costs_from_profile(rows, 2, forward_ops(run_shape(calib_cfg))), 2, tokens, calib_w)
-    return predict_step_time_v1(plan_of(name, run_roles(cfg)), costs, tokens, response, w)
+    return predict_step_time(plan_of(name, run_roles(cfg)), costs, tokens, response, w)
 
 
 def bench_job(args: argparse.Namespace, job: str, tmp: Path, device) -> list[tuple[str, float, float, list[float]]]:

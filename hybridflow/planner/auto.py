@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from hybridflow.models.default import cache_root
-from hybridflow.planner.cost import OperatorCosts, Workers, predict_step_time_v1
+from hybridflow.planner.cost import OperatorCosts, Workers, predict_step_time
 from hybridflow.planner.device import DeviceProfile
 from hybridflow.planner.inputs import RunShape
 from hybridflow.planner.layouts import Layout, profile_layouts
@@ -115,7 +115,7 @@ def has_collectives(device: DeviceProfile) -> bool:
 def run_workers(
     shape: RunShape, device: DeviceProfile, threads: int, base_threads: int, params: float, **model_shape: float
 ) -> Workers:
-    """Cost model v1's Workers for a run: its FSDP layout, micro-batches and optimizer steps taken from `shape`;
+    """The cost model's Workers for a run: its FSDP layout, micro-batches and optimizer steps taken from `shape`;
     `model_shape`: the model-shape fields (layers, hidden, ...) where tensor / sequence parallel needs them."""
     return Workers(
         threads,
@@ -140,4 +140,4 @@ def predicted_placements(shape: RunShape, threads: int, device: DeviceProfile, p
     costs = device_costs(device, threads, shape)
     w = run_workers(shape, device, threads, threads, params if has_collectives(device) else 0.0)
     skip = frozenset() if shape.recompute_old_log_prob else frozenset({"old_log_prob"})
-    return {p: predict_step_time_v1(placement_plan(shape, p), costs, tokens, response, w, skip) for p in candidates}
+    return {p: predict_step_time(placement_plan(shape, p), costs, tokens, response, w, skip) for p in candidates}

@@ -1,11 +1,15 @@
-"""Cost model v0: a plan's step time from per-operator costs measured on a run.
+"""The planner's cost model: a plan's step time from per-operator costs measured on a run. `placement=auto`,
+the layout search (planner/auto.py) and `hybridflow plan` (planner/search.py) all predict with it.
 
 A step is the trainer's phases in order (ppo_trainer.train_step): weight sync + generate, reward
-model, forward passes (old log-probs, ref log-probs, values), updates (critic, actor). Phases run one
-after another; inside a phase, operators of roles on the same placement set run one after another,
-and different sets overlap (the trainer issues these calls non-blocking), so a phase takes as long
-as its slowest set. An operator's time is seconds-per-token-per-device x its tokens / its role's dp:
-v0 assumes perfect data-parallel scaling and no dispatch or transfer cost between sets.
+model, forward passes (old log-probs, ref log-probs, values), updates (critic, actor), plus the controller's own
+time. Phases run one after another; inside a phase, operators of roles on the same placement set run one after
+another, and different sets overlap (the trainer issues these calls non-blocking), so a phase takes as long as its
+slowest set. An operator's time is its measured seconds-per-token-per-device x its tokens / its role's devices,
+scaled by the measured thread speedup (`Workers`), plus what its layout adds: tensor- and sequence-parallel
+collectives, FSDP's gathers and gradient reduction, the optimizer step. With the default `Workers` (the profiled
+run's threads, no device profile) the collectives cost nothing and data parallel scales perfectly. GPU clusters
+this project cannot reach are priced analytically instead (planner/gpu.py), not by this model.
 """
 
 from __future__ import annotations
@@ -43,41 +47,11 @@ class OperatorCosts:
     """Per operator: seconds per step regardless of tokens (weight sync)."""
 
 
-def operator_seconds(op: str, costs: OperatorCosts, dp: int, tokens: float, response_tokens: float) -> float:
-    """Seconds `op` takes on `dp` devices for one step; 0 for an operator without a cost."""
-    if op in FIXED:
-        return costs.fixed_s.get(op, 0.0)
-    n = response_tokens if op in RESPONSE_ONLY else tokens
-    return costs.seconds_per_token.get(op, 0.0) * n / dp
-
-
-def phase_seconds(plan: Plan, costs: OperatorCosts, tokens: float, response_tokens: float) -> list[float]:
-    """Seconds of each phase of PHASES: the slowest set, each set summing its roles' operators."""
-    roles = {r for s in plan.sets for r in s.roles}
-    out = []
-    for phase in PHASES:
-        per_set: dict[int, float] = {}
-        for role, op in phase:
-            if role not in roles:
-                continue
-            idx = next(i for i, s in enumerate(plan.sets) if role in s.roles)
-            per_set[idx] = per_set.get(idx, 0.0) + operator_seconds(
-                op, costs, plan.of(role).dp, tokens, response_tokens
-            )
-        out.append(max(per_set.values(), default=0.0))
-    return out
-
-
-def predict_step_time(plan: Plan, costs: OperatorCosts, tokens: float, response_tokens: float) -> float:
-    """Predicted seconds of one training step of `plan` (tokens: prompt + response of the whole batch)."""
-    return sum(phase_seconds(plan, costs, tokens, response_tokens))
-
-
 def costs_from_profile(profile: Sequence[dict[str, Any]], devices: int, forward_ops: Sequence[str]) -> OperatorCosts:
     """OperatorCosts from a profile.json (planner/profile.py) of a colocated run on `devices` workers.
 
     `forward_ops`: the forward operators that run (of old_log_prob, ref_log_prob, values); the run times
-    them as one phase, so each is given an equal share of it (v0: same-sized models). The reward phase
+    them as one phase, so each is given an equal share of it (same-sized models). The reward phase
     is charged to rm_score (the rule reward on the controller is negligible beside a model)."""
     rows = {row["metric"]: row for row in profile}
 
@@ -123,7 +97,7 @@ KIND_OF = {
 
 @dataclass(frozen=True)
 class Workers:
-    """How a plan's workers run, for predicting measured runs from a profiled one (cost model v1)."""
+    """How a plan's workers run, for predicting measured runs from a profiled one."""
 
     threads: int = 1
     """Threads per worker of the plan."""
@@ -244,7 +218,7 @@ def optimizer_seconds(op: str, costs: OperatorCosts, ranks: int, w: Workers) -> 
     return w.optimizer_steps * costs.fixed_s.get("optimizer_step", 0.0) / (ranks if w.sharded else 1)
 
 
-def operator_seconds_v1(
+def operator_seconds(
     op: str, costs: OperatorCosts, par: RoleParallel, tokens: float, response_tokens: float, w: Workers
 ) -> float:
     """`op` on par.dp x par.tp x par.sp workers of w.threads threads: the profiled per-token cost scaled by the
@@ -272,30 +246,44 @@ def operator_seconds_v1(
     )
 
 
-def predict_step_time_v1(
+def phase_seconds(
     plan: Plan,
     costs: OperatorCosts,
     tokens: float,
     response_tokens: float,
-    w: Workers,
+    w: Workers = Workers(),
     skip: frozenset[str] = frozenset(),
-) -> float:
-    """Seconds of one step: phases in turn (roles of one set in turn, sets overlapping inside a phase)
-    plus the controller's own time, measured on the profiled run; operators in `skip` are left out."""
+) -> list[float]:
+    """Seconds of each phase of PHASES: the slowest set, each set summing its roles' operators (those in `skip`
+    left out)."""
     roles = {r for s in plan.sets for r in s.roles}
-    total = costs.fixed_s.get("controller", 0.0)
+    out = []
     for phase in PHASES:
         per_set: dict[int, float] = {}
         for role, op in phase:
             if role in roles and op not in skip:
                 idx = plan.sets.index(plan.set_of(role))
                 par = plan.of(role)
-                per_set[idx] = per_set.get(idx, 0.0) + operator_seconds_v1(op, costs, par, tokens, response_tokens, w)
-        total += max(per_set.values(), default=0.0)
-    return total
+                per_set[idx] = per_set.get(idx, 0.0) + operator_seconds(op, costs, par, tokens, response_tokens, w)
+        out.append(max(per_set.values(), default=0.0))
+    return out
 
 
-def predict_one_step_off_v1(
+def predict_step_time(
+    plan: Plan,
+    costs: OperatorCosts,
+    tokens: float,
+    response_tokens: float,
+    w: Workers = Workers(),
+    skip: frozenset[str] = frozenset(),
+) -> float:
+    """Seconds of one step of `plan` (tokens: prompt + response of the whole batch): its phases in turn (roles of
+    one set in turn, sets overlapping inside a phase) plus the controller's own time, measured on the profiled
+    run; operators in `skip` are left out. `w` default: the profiled run's own threads, collectives free."""
+    return costs.fixed_s.get("controller", 0.0) + sum(phase_seconds(plan, costs, tokens, response_tokens, w, skip))
+
+
+def predict_one_step_off(
     train_plan: Plan,
     rollout_devices: int,
     costs: OperatorCosts,
@@ -307,6 +295,6 @@ def predict_one_step_off_v1(
     """Seconds per step of trainer.mode=one_step_off: batch k+1 is generated on the rollout's own
     `rollout_devices` workers while batch k's forward passes and updates run on `train_plan`'s sets, so a
     step takes the longer of the two, plus the weight transfer to the rollout (it waits for the new weights)."""
-    gen = operator_seconds_v1("generate", costs, RoleParallel(rollout_devices), tokens, response_tokens, w)
-    rest = predict_step_time_v1(train_plan, costs, tokens, response_tokens, w, frozenset({"generate", "weight_sync"}))
+    gen = operator_seconds("generate", costs, RoleParallel(rollout_devices), tokens, response_tokens, w)
+    rest = predict_step_time(train_plan, costs, tokens, response_tokens, w, frozenset({"generate", "weight_sync"}))
     return max(gen, rest) + transfer_s

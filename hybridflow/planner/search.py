@@ -47,7 +47,7 @@ def placement_of(plan: Plan, world: int) -> str | None:
 
 
 def workload_of(shape: RunShape, params: float, tokens: float) -> Workload:
-    """The run's roles, each with `params` parameters (v0: critic, ref and reward model sized as the actor)."""
+    """The run's roles, each with `params` parameters (critic, ref and reward model sized as the actor)."""
     return Workload(tuple(RoleModel(r, params, trained=r in ("actor_rollout", "critic")) for r in shape.roles), tokens)
 
 

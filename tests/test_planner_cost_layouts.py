@@ -1,4 +1,4 @@
-"""Cost model v1 (planner/cost.py): thread speedups, tensor-parallel all-reduces, the controller's share."""
+"""The cost model (planner/cost.py) on other layouts: thread speedups, tensor-parallel all-reduces, the controller's share."""
 
 import pytest
 
@@ -9,8 +9,8 @@ from hybridflow.planner.cost import (
     dp_sync_seconds,
     micro_batches,
     optimizer_seconds,
-    predict_one_step_off_v1,
-    predict_step_time_v1,
+    predict_one_step_off,
+    predict_step_time,
     sp_collective_seconds,
     tp_collective_seconds,
     without_dp_sync,
@@ -46,34 +46,32 @@ def test_speedup_is_the_ratio_of_per_token_costs():
 
 def test_one_worker_of_two_threads():
     # gen 0.02*400/1.5 = 5.3333; forward 2*0.002*1000/2 = 2; update (8 + 4)/1.6 = 7.5; controller 1
-    got = predict_step_time_v1(plan((ROLES, 1)), COSTS, 1000, 400, Workers(threads=2, device=DEVICE))
+    got = predict_step_time(plan((ROLES, 1)), COSTS, 1000, 400, Workers(threads=2, device=DEVICE))
     assert got == pytest.approx(1 + 400 * 0.02 / 1.5 + 2 + 7.5)
 
 
 def test_split_overlaps_sets_within_a_phase():
     # gen 8 on the actor's worker; forward max(2, 2); update max(8, 4); controller 1
-    got = predict_step_time_v1(
-        plan((("actor_rollout",), 1), (("critic",), 1)), COSTS, 1000, 400, Workers(device=DEVICE)
-    )
+    got = predict_step_time(plan((("actor_rollout",), 1), (("critic",), 1)), COSTS, 1000, 400, Workers(device=DEVICE))
     assert got == pytest.approx(1 + 8 + 2 + 8)
 
 
 def test_tensor_parallel_adds_all_reduces():
     w = Workers(device=DEVICE, layers=2, hidden=8, activation_bytes=4, decode_steps=10)
-    got = predict_step_time_v1(plan((ROLES, 2), par=RoleParallel(1, tp=2)), COSTS, 1000, 400, w)
+    got = predict_step_time(plan((ROLES, 2), par=RoleParallel(1, tp=2)), COSTS, 1000, 400, w)
     gen = 4 + 44 * 0.001 + 2 * 2 * 400 * 8 * 4 * 1e-9  # 2 all-reduces x 2 layers x 11 passes
     fwd = 2 * (1 + 4 * 0.001 + 2 * 2 * 1000 * 32 * 1e-9)
     update = 4 + 2 + 2 * (8 * 0.001 + 2 * 2 * 2000 * 32 * 1e-9)  # forward + backward: twice the traffic
     assert got == pytest.approx(1 + gen + fwd + update)
     # without a device profile collectives are free and threads change nothing
-    assert predict_step_time_v1(
+    assert predict_step_time(
         plan((ROLES, 2), par=RoleParallel(1, tp=2)), COSTS, 1000, 400, Workers(layers=2, hidden=8)
     ) == pytest.approx(1 + 4 + 2 + 6)
 
 
 def test_sequence_parallel_adds_all_to_alls_but_not_to_generation():
     w = Workers(device=DEVICE, layers=2, hidden=8, activation_bytes=4, decode_steps=10)
-    got = predict_step_time_v1(plan((ROLES, 2), par=RoleParallel(1, sp=2)), COSTS, 1000, 400, w)
+    got = predict_step_time(plan((ROLES, 2), par=RoleParallel(1, sp=2)), COSTS, 1000, 400, w)
     gen = 4  # both workers generate as rollout dp ranks: no collectives
     # 4 all-to-alls x 2 layers per pass; each rank sends half of its 500 tokens' q/k/v/out activations
     fwd = 2 * (1 + 8 * 0.001 + 4 * 2 * 500 * 32 * 0.5 * 1e-9)
@@ -107,8 +105,8 @@ def test_fsdp_traffic_over_dp_is_charged_and_can_be_taken_out_of_a_measured_run(
         0.008 - dp_sync_seconds("update_actor", 2, w) * 2 / 1000
     )
     assert plain.seconds_per_token["generate"] == COSTS.seconds_per_token["generate"]
-    two = predict_step_time_v1(plan((ROLES, 2)), plain, 1000, 400, w)
-    assert two == pytest.approx(predict_step_time_v1(plan((ROLES, 2)), COSTS, 1000, 400, Workers(device=DEVICE)))
+    two = predict_step_time(plan((ROLES, 2)), plain, 1000, 400, w)
+    assert two == pytest.approx(predict_step_time(plan((ROLES, 2)), COSTS, 1000, 400, Workers(device=DEVICE)))
     # FSDP2 gathers again for every micro-batch: 64 rows over 2 ranks in micro-batches of 8 -> 4 x (fwd + bwd)
     micro = Workers(device=DEVICE, params=1e6, optimizer_steps=2, rows=64, micro_rows={"update_actor": 8})
     assert dp_sync_seconds("update_actor", 2, micro) == pytest.approx(10 * 0.001 + (8 * 2e6 + 2 * 4e6) / 4 * 1e-9)
@@ -128,12 +126,10 @@ def test_the_optimizer_step_is_paid_per_step_in_full_by_every_worker_holding_the
         and optimizer_seconds("update_actor", COSTS, 2, whole) == 0
     )
     # in a step: 1 worker pays what 2 workers holding the model whole each pay, beside half the tokens each
-    one = predict_step_time_v1(plan((ROLES, 1)), costs, 1000, 400, whole)
-    two = predict_step_time_v1(plan((ROLES, 2)), costs, 1000, 400, whole)
-    assert one - predict_step_time_v1(plan((ROLES, 1)), COSTS, 1000, 400, whole) == pytest.approx(
-        2 * 1.0
-    )  # actor, critic
-    assert two - predict_step_time_v1(plan((ROLES, 2)), COSTS, 1000, 400, whole) == pytest.approx(2 * 1.0)
+    one = predict_step_time(plan((ROLES, 1)), costs, 1000, 400, whole)
+    two = predict_step_time(plan((ROLES, 2)), costs, 1000, 400, whole)
+    assert one - predict_step_time(plan((ROLES, 1)), COSTS, 1000, 400, whole) == pytest.approx(2 * 1.0)  # actor, critic
+    assert two - predict_step_time(plan((ROLES, 2)), COSTS, 1000, 400, whole) == pytest.approx(2 * 1.0)
 
 
 def test_costs_from_profile_subtracts_weight_sync_and_keeps_the_controller_share():
@@ -154,8 +150,8 @@ def test_one_step_off_overlaps_generation_with_training():
     # training set: actor + critic on 1 worker, in turn: forward 2 + 2, updates 8 + 4, controller 1 -> 17;
     # generate on 1 worker: 8 -> the step is max(8, 17) + 0.5 s transfer; with a slower generate (20 s): 20.5
     train = plan((ROLES, 1))
-    assert predict_one_step_off_v1(train, 1, COSTS, 1000, 400, Workers(), 0.5) == pytest.approx(17.5)
+    assert predict_one_step_off(train, 1, COSTS, 1000, 400, Workers(), 0.5) == pytest.approx(17.5)
     slow_gen = OperatorCosts({**COSTS.seconds_per_token, "generate": 0.05}, COSTS.fixed_s)
-    assert predict_one_step_off_v1(train, 1, slow_gen, 1000, 400, Workers(), 0.5) == pytest.approx(20.5)
+    assert predict_one_step_off(train, 1, slow_gen, 1000, 400, Workers(), 0.5) == pytest.approx(20.5)
     # the sync step on 2 colocated workers for comparison: controller 1 + gen 4 + forward 2 + updates 6 = 13
-    assert predict_step_time_v1(plan((ROLES, 2)), COSTS, 1000, 400, Workers()) == pytest.approx(13)
+    assert predict_step_time(plan((ROLES, 2)), COSTS, 1000, 400, Workers()) == pytest.approx(13)
