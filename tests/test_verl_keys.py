@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hybridflow.compat.verl import keys as K
+from hybridflow.compat.verl import keys as verl_keys
 from hybridflow.compat.verl.dialect import flatten, lookup, nest
 from hybridflow.compat.verl.doc import render
 from hybridflow.config.run import RunConfig
@@ -134,12 +134,12 @@ def test_verl_scripts_load_with_verl_meaning(name: str, caplog: pytest.LogCaptur
     assert cfg.model.path == MODEL and cfg.trainer.total_training_steps is None and cfg.trainer.total_epochs == 15
     for key, want in EXPECTED[name].items():
         assert value(cfg, key) == want, (key, value(cfg, key), want)
-    gpu_only = [line for line in SCRIPTS[name].split() if lookup(K.NO_EFFECT, line.split("=")[0])]
+    gpu_only = [line for line in SCRIPTS[name].split() if lookup(verl_keys.NO_EFFECT, line.split("=")[0])]
     messages = warned(caplog)
     summary = ignored(messages)  # one warning for them all, a line per reason naming its keys
     for line in gpu_only:
         key = line.split("=")[0]
-        assert summary[key] == f"no effect here: {lookup(K.NO_EFFECT, key)}"
+        assert summary[key] == f"no effect here: {lookup(verl_keys.NO_EFFECT, key)}"
     workers = [m for m in messages if "trainer.n_gpus_per_node=" in m and "worker processes here" in m]
     memory = [m for m in messages if "rollout.gpu_memory_utilization=" in m and "only vllm on a GPU" in m]
     assert len(workers) == 1 and len(memory) == 1, messages  # the fixtures run the native rollout on CPU
@@ -148,17 +148,17 @@ def test_verl_scripts_load_with_verl_meaning(name: str, caplog: pytest.LogCaptur
 
 
 def test_every_no_effect_key_is_accepted_with_one_warning(caplog: pytest.LogCaptureFixture) -> None:
-    keys = sorted(k for k in K.NO_EFFECT if "*" not in k)  # all in one run: a load costs ~1 s
+    keys = sorted(k for k in verl_keys.NO_EFFECT if "*" not in k)  # all in one run: a load costs ~1 s
     with caplog.at_level(logging.WARNING, logger="hybridflow.config"):
         load_config(RunConfig, None, [f"{key}=true" for key in keys] + [f"data.task_dir={TASKS}"])
     messages = warned(caplog)
     assert len(messages) == 1 and messages[0].startswith(f"command-line overrides: {len(keys)} of verl's keys")
-    assert ignored(messages) == {key: f"no effect here: {K.NO_EFFECT[key]}" for key in keys}
+    assert ignored(messages) == {key: f"no effect here: {verl_keys.NO_EFFECT[key]}" for key in keys}
     assert all(f" {key}=True" in messages[0] for key in keys)
 
 
 def test_every_missing_feature_and_unknown_key_is_reported_at_once() -> None:
-    refused = [k for k in K.NOT_YET if "*" not in k]
+    refused = [k for k in verl_keys.NOT_YET if "*" not in k]
     bad = [f"{k}=7" for k in refused] + [
         "actor_rollout_ref.actor.ppo_epoch=2",
         "actor.ppo_micro_batch_size_per_gpu=2",
@@ -170,7 +170,7 @@ def test_every_missing_feature_and_unknown_key_is_reported_at_once() -> None:
     lines = str(err.value).splitlines()
     assert lines[0] == f"{len(bad)} config keys are wrong:" and len(lines) == len(bad) + 1
     for key in refused:
-        assert any(f"{key!r} is verl's; hybridflow has no {K.NOT_YET[key]} yet" in line for line in lines), key
+        assert any(f"{key!r} is verl's; hybridflow has no {verl_keys.NOT_YET[key]} yet" in line for line in lines), key
     text = str(err.value)
     assert "'actor_rollout_ref.actor.ppo_epoch' is not one of verl's keys" in text
     assert "did you mean 'actor_rollout_ref.actor.ppo_epochs' ('actor.ppo_epochs' here)?" in text
@@ -313,7 +313,9 @@ def verl_generated() -> dict[str, object]:
 
 
 def classified(key: str) -> bool:
-    return key in K.SETS or any(lookup(table, key) is not None for table in (K.RENAMED, K.NO_EFFECT, K.NOT_YET))
+    return key in verl_keys.SETS or any(
+        lookup(table, key) is not None for table in (verl_keys.RENAMED, verl_keys.NO_EFFECT, verl_keys.NOT_YET)
+    )
 
 
 def test_every_key_of_verls_generated_config_is_classified() -> None:
@@ -321,9 +323,11 @@ def test_every_key_of_verls_generated_config_is_classified() -> None:
     assert len(keys) == 556
     unclassified = [k for k, v in keys.items() if not classified(k) and unknown_keys(RunConfig, nest({k: v}))]
     assert unclassified == [], f"{len(unclassified)} verl keys are in no table and not hybridflow's: {unclassified}"
-    renamed_to_nothing = [k for k, mine in K.RENAMED.items() if unknown_keys(RunConfig, nest({mine: None}))]
+    renamed_to_nothing = [k for k, mine in verl_keys.RENAMED.items() if unknown_keys(RunConfig, nest({mine: None}))]
     assert renamed_to_nothing == []
-    assert [k for k in K.ACCEPTED if lookup(K.NOT_YET, k) is None] == []  # accepted values only of refused keys
+    assert [
+        k for k in verl_keys.ACCEPTED if lookup(verl_keys.NOT_YET, k) is None
+    ] == []  # accepted values only of refused keys
 
 
 def test_print_config_warns_about_verls_profiler_defaults(
@@ -332,7 +336,9 @@ def test_print_config_warns_about_verls_profiler_defaults(
     from hybridflow.cli.main import main
 
     profiler = {
-        k: v for k, v in verl_generated().items() if k.startswith(("global_profiler.", f"{K.A}.actor.profiler."))
+        k: v
+        for k, v in verl_generated().items()
+        if k.startswith(("global_profiler.", f"{verl_keys.A}.actor.profiler."))
     }
     config = tmp_path / "profiler.yaml"
     config.write_text(yaml.safe_dump(nest(profiler)))
@@ -368,7 +374,7 @@ def test_verl_values_that_are_what_hybridflow_does_are_accepted(caplog: pytest.L
     assert cfg.algorithm.rollout_is is True and cfg.algorithm.rollout_is_level == "sequence"
     summary = ignored(warned(caplog))  # one warning
     assert len(warned(caplog)) == 1 and len(summary) == 6, warned(caplog)
-    assert summary["critic._target_"] == f"no effect here: {K.NO_EFFECT['*._target_']}"
+    assert summary["critic._target_"] == f"no effect here: {verl_keys.NO_EFFECT['*._target_']}"
     refused = ["actor_rollout_ref.actor.optim.optimizer=SGD", "algorithm.rollout_correction.rollout_is=geometric"]
     with pytest.raises(ConfigError) as err:
         load_config(RunConfig, None, refused)

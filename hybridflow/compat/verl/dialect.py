@@ -31,7 +31,7 @@ import json
 import logging
 from typing import Any
 
-from hybridflow.compat.verl import keys as K
+from hybridflow.compat.verl import keys as verl_keys
 
 log = logging.getLogger("hybridflow.config")
 
@@ -74,8 +74,8 @@ def lookup(table: dict[str, Any], key: str) -> Any:
 
 def is_verl_name(key: str) -> bool:
     """Whether `key` is one of verl's names that hybridflow spells differently (or lacks)."""
-    tables = (K.RENAMED, K.SETS, K.NO_EFFECT, K.NOT_YET)
-    return key.startswith(K.A + ".") or any(lookup(t, key) is not None for t in tables)
+    tables = (verl_keys.RENAMED, verl_keys.SETS, verl_keys.NO_EFFECT, verl_keys.NOT_YET)
+    return key.startswith(verl_keys.A + ".") or any(lookup(t, key) is not None for t in tables)
 
 
 class VerlDialect:
@@ -86,11 +86,11 @@ class VerlDialect:
         without effect are logged in one summary (one warning per layer, a line per reason)."""
         out, problems, ignored = {}, [], {}
         for key, value in flatten(data).items():
-            mine = K.RENAMED.get(key)
-            if value is None and key in K.NULL_IS_UNSET:
+            mine = verl_keys.RENAMED.get(key)
+            if value is None and key in verl_keys.NULL_IS_UNSET:
                 continue
             if mine is not None:
-                value = K.VALUES.get(mine, {}).get(value, value) if _hashable(value) else value
+                value = verl_keys.VALUES.get(mine, {}).get(value, value) if _hashable(value) else value
                 out[mine] = value
                 if mine == "trainer.n_workers_per_node" and value:
                     log.warning(
@@ -101,20 +101,22 @@ class VerlDialect:
                         value,
                         value,
                     )
-            elif key in K.SETS:
-                sets = K.SETS[key].get(value) if _hashable(value) else None
+            elif key in verl_keys.SETS:
+                sets = verl_keys.SETS[key].get(value) if _hashable(value) else None
                 if sets is None:
-                    problems.append(f"{key}={value!r} is not one of the values hybridflow reads: {list(K.SETS[key])}")
+                    problems.append(
+                        f"{key}={value!r} is not one of the values hybridflow reads: {list(verl_keys.SETS[key])}"
+                    )
                 else:
                     out.update(sets)
             elif (why := self._ignored(key, value)) is not None:
                 ignored.setdefault(why, []).append(f"{key}={_show(value)}")
-            elif (what := _entry(K.NOT_YET, key)) is not None:
+            elif (what := _entry(verl_keys.NOT_YET, key)) is not None:
                 problems.append(f"{key!r} is verl's; hybridflow has no {what} yet")
-            elif key.startswith(K.A + "."):
+            elif key.startswith(verl_keys.A + "."):
                 problems.append(f"{key!r} is not one of verl's keys hybridflow knows{_near_verl(key)}")
             else:  # spelled as in verl; VALUES may still translate verl's value (critic.optim's -1 steps)
-                out[key] = K.VALUES.get(key, {}).get(value, value) if _hashable(value) else value
+                out[key] = verl_keys.VALUES.get(key, {}).get(value, value) if _hashable(value) else value
         _log_ignored(ignored, source)
         _warn_unused_memory_fraction(out, source)
         if isinstance(out.get("trainer.logger"), str):
@@ -124,9 +126,9 @@ class VerlDialect:
     @staticmethod
     def _ignored(key: str, value: Any) -> str | None:
         """Why verl key `key` set to `value` is accepted without effect here, or None when it is not."""
-        if (why := _entry(K.NO_EFFECT, key)) is not None:
+        if (why := _entry(verl_keys.NO_EFFECT, key)) is not None:
             return f"no effect here: {why}"
-        what = _entry(K.NOT_YET, key)
+        what = _entry(verl_keys.NOT_YET, key)
         if what is None:
             return None
         if _is_off(value):  # e.g. trainer.val_only=False: the feature off is what hybridflow does
@@ -140,37 +142,39 @@ class VerlDialect:
         trigger = next((k for layer in layers for k in flatten(layer) if is_verl_name(k)), None)
         if trigger is None:
             return None
-        user = {K.RENAMED.get(k, k) for layer in layers for k in flatten(layer)}  # hybridflow keys the run sets
-        changed = [f"{k}={_show(v)}" for k, v in K.VERL_DEFAULTS.items() if k not in user]  # `${a.b}`: follows a.b
+        user = {verl_keys.RENAMED.get(k, k) for layer in layers for k in flatten(layer)}  # hybridflow keys the run sets
+        changed = [
+            f"{k}={_show(v)}" for k, v in verl_keys.VERL_DEFAULTS.items() if k not in user
+        ]  # `${a.b}`: follows a.b
         log.info(
             "verl key names found (%s, ...): this run starts from verl's defaults (docs/verl.md); "
             "in effect where they differ from hybridflow's: %s",
             trigger,
             ", ".join(changed) or "none",
         )
-        return nest(dict(K.VERL_DEFAULTS))
+        return nest(dict(verl_keys.VERL_DEFAULTS))
 
     def hint(self, key: str) -> str:
         """For a hybridflow key that does not exist: "; `verl key` is `hybridflow key` here" where one fits: the
         renamed verl key that is `key` under a prefix (`rollout.log_prob_micro_batch_size_per_gpu` is verl's
         `actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu`), else one whose hybridflow key is in
         `key`'s section and whose verl key ends with the rest of `key` (`actor.ppo_micro_batch_size_per_gpu`)."""
-        for verl, mine in K.RENAMED.items():
+        for verl, mine in verl_keys.RENAMED.items():
             if verl.endswith("." + key):
                 return f"; {verl!r} is {mine!r} here"
         section, _, rest = key.partition(".")
-        for verl, mine in K.RENAMED.items():
+        for verl, mine in verl_keys.RENAMED.items():
             if rest and verl.endswith("." + rest) and mine.startswith(section + "."):
                 return f"; {verl!r} is {mine!r} here"
         return ""
 
 
 def _near_verl(key: str) -> str:
-    known = list(K.RENAMED) + list(K.SETS) + list(K.NO_EFFECT) + list(K.NOT_YET)
+    known = list(verl_keys.RENAMED) + list(verl_keys.SETS) + list(verl_keys.NO_EFFECT) + list(verl_keys.NOT_YET)
     near = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
     if not near:
         return "; see docs/verl.md"
-    target = K.RENAMED.get(near[0])
+    target = verl_keys.RENAMED.get(near[0])
     return f"; did you mean {near[0]!r}" + (f" ({target!r} here)?" if target else "?")
 
 
@@ -202,7 +206,9 @@ def _warn_unused_memory_fraction(layer: dict[str, Any], source: str) -> None:
 
 def _entry(table: dict[str, str], key: str) -> str | None:
     """`lookup(table, key)`, unless another table names `key` exactly (an exact entry beats a `prefix.*`)."""
-    if key not in table and any(key in other for other in (K.RENAMED, K.SETS, K.NO_EFFECT, K.NOT_YET)):
+    if key not in table and any(
+        key in other for other in (verl_keys.RENAMED, verl_keys.SETS, verl_keys.NO_EFFECT, verl_keys.NOT_YET)
+    ):
         return None
     return lookup(table, key)
 
@@ -214,7 +220,7 @@ def _is_off(value: Any) -> bool:
 
 def _accepted(key: str, value: Any) -> bool:
     """Whether `value` is one of the `verl_keys.ACCEPTED` values of NOT_YET key `key`."""
-    return value in K.ACCEPTED.get(key, ())  # by ==: a list value matches a list entry
+    return value in verl_keys.ACCEPTED.get(key, ())  # by ==: a list value matches a list entry
 
 
 def _hashable(value: Any) -> bool:

@@ -6,7 +6,7 @@ committed page differs from `render()`.
 
 from __future__ import annotations
 
-from hybridflow.compat.verl import keys as K
+from hybridflow.compat.verl import keys as verl_keys
 
 INTRO = """# Coming from verl
 
@@ -98,7 +98,7 @@ def _table(title: str, header: str, rows: dict[str, str]) -> str:
 
 def _sets() -> str:
     lines = ["\n## Set by value\n", "| verl key = value | hybridflow keys |", "|---|---|"]
-    for key, table in K.SETS.items():
+    for key, table in verl_keys.SETS.items():
         for value, sets in table.items():
             shown = ", ".join(f"`{k}={_show(v)}`" for k, v in sets.items())
             lines.append(f"| `{key}={_show(value)}` | {shown} |")
@@ -109,7 +109,7 @@ def _with_accepted(rows: dict[str, str]) -> dict[str, str]:
     """NOT_YET's rows, each with the values of `verl_keys.ACCEPTED` it takes."""
     out = {}
     for key, what in rows.items():
-        accepted = ", ".join(f"`{_show(v)}`" for v in K.ACCEPTED.get(key, ()))
+        accepted = ", ".join(f"`{_show(v)}`" for v in verl_keys.ACCEPTED.get(key, ()))
         out[key] = what + (f" (accepted: {accepted})" if accepted else "")
     return out
 
@@ -120,16 +120,20 @@ def _show(value: object) -> str:
 
 def render() -> str:
     """The whole docs/verl.md page."""
-    defaults = "\n".join(f"| `{k}` | `{'null' if v is None else v}` |" for k, v in K.VERL_DEFAULTS.items())
+    defaults = "\n".join(f"| `{k}` | `{'null' if v is None else v}` |" for k, v in verl_keys.VERL_DEFAULTS.items())
     return (
         INTRO
         + defaults
         + "\n"
         + DEPARTURES
-        + _table(f"Renamed ({len(K.RENAMED)} keys)", "hybridflow key", K.RENAMED)
+        + _table(f"Renamed ({len(verl_keys.RENAMED)} keys)", "hybridflow key", verl_keys.RENAMED)
         + _sets()
-        + _table(f"No effect here, accepted with a warning ({len(K.NO_EFFECT)} keys)", "why", K.NO_EFFECT)
-        + _table(f"Not yet, refused ({len(K.NOT_YET)} keys)", "missing feature", _with_accepted(K.NOT_YET))
+        + _table(
+            f"No effect here, accepted with a warning ({len(verl_keys.NO_EFFECT)} keys)", "why", verl_keys.NO_EFFECT
+        )
+        + _table(
+            f"Not yet, refused ({len(verl_keys.NOT_YET)} keys)", "missing feature", _with_accepted(verl_keys.NOT_YET)
+        )
     )
 
 
