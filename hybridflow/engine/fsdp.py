@@ -44,7 +44,7 @@ from hybridflow.engine.checkpoint import load_checkpoint, save_checkpoint
 from hybridflow.engine.config import EngineConfig, LoraConfig, OptimConfig
 from hybridflow.engine.gather import gather_named, tied_aliases
 from hybridflow.engine.optim import build_lr_scheduler, build_optimizer
-from hybridflow.engine.parallel.dims import OnParallelDims, ParallelDims
+from hybridflow.engine.parallel.dims import ParallelDims
 from hybridflow.engine.parallel.parallelize import decoder_layers, parallelize  # noqa: F401  (decoder_layers: re-exported)
 from hybridflow.engine.parallel.pipeline import Pipeline, gather_stages
 from hybridflow.engine.parallel.pipeline_stage import HeadSpec, split_stage
@@ -67,7 +67,7 @@ def _refuse_value_lora(value_model: bool, lora: LoraConfig | None) -> None:
         )
 
 
-class FSDPEngine(OnParallelDims, Engine):
+class FSDPEngine(Engine):
     """A causal LM or a `ValueModel`, parallelised over the current world as its `EngineConfig` lays it out
     (`ParallelDims`: FSDP2 over dp, and tensor / Ulysses sequence parallel; engine/parallel/parallelize.py).
 
@@ -79,6 +79,9 @@ class FSDPEngine(OnParallelDims, Engine):
     `lora` with rank > 0 to train low-rank adapters on a causal LM instead of its weights
     (hybridflow/engine/lora.py).
     """
+
+    dims: ParallelDims
+    rank: int
 
     def __init__(
         self, model: nn.Module, config: EngineConfig, optim: OptimConfig | None = None, lora: LoraConfig | None = None
@@ -106,6 +109,47 @@ class FSDPEngine(OnParallelDims, Engine):
         self._optimizer = build_optimizer(self.model, optim) if optim else None
         self._lr_scheduler = build_lr_scheduler(self._optimizer, optim) if optim else None
         self.optim_config = optim
+
+    # --- this rank's place in the layout ---------------------------------------------------------
+    @property
+    def dp_size(self) -> int:
+        """Number of dp groups (distinct shards of the batch)."""
+        return self.dims.dp
+
+    @property
+    def dp_rank(self) -> int:
+        """Which shard of the batch this rank holds."""
+        return self.dims.coords(self.rank).dp
+
+    @property
+    def tp_size(self) -> int:
+        """Ranks each decoder layer is split over."""
+        return self.dims.tp
+
+    @property
+    def tp_rank(self) -> int:
+        """This rank's place in its tp group."""
+        return self.dims.coords(self.rank).tp
+
+    @property
+    def sp_size(self) -> int:
+        """Ranks each micro-batch's tokens are split over."""
+        return self.dims.sp
+
+    @property
+    def sp_rank(self) -> int:
+        """This rank's place in its sp group (which slice of the tokens it runs)."""
+        return self.dims.coords(self.rank).sp
+
+    @property
+    def pipeline_stages(self) -> int:
+        """Stages the decoder layers are split over (1: no pipeline parallel)."""
+        return self.dims.pp
+
+    @property
+    def pp_rank(self) -> int:
+        """The pipeline stage this rank holds (0: the embedding's, pp - 1: the head's)."""
+        return self.dims.coords(self.rank).pp
 
     @classmethod
     def from_pretrained(

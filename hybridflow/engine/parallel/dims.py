@@ -179,54 +179,6 @@ class ParallelDims:
         return param_mesh[Axis.DP_REPLICATE.value, Axis.DP_SHARD.value]
 
 
-class OnParallelDims:
-    """An engine's place in its `ParallelDims` layout: the sizes of its axes and this rank's coordinates on them
-    (for a class with `dims` and `rank`)."""
-
-    dims: ParallelDims
-    rank: int
-
-    @property
-    def dp_size(self) -> int:
-        """Number of dp groups (distinct shards of the batch)."""
-        return self.dims.dp
-
-    @property
-    def dp_rank(self) -> int:
-        """Which shard of the batch this rank holds."""
-        return self.dims.coords(self.rank).dp
-
-    @property
-    def tp_size(self) -> int:
-        """Ranks each decoder layer is split over."""
-        return self.dims.tp
-
-    @property
-    def tp_rank(self) -> int:
-        """This rank's place in its tp group."""
-        return self.dims.coords(self.rank).tp
-
-    @property
-    def sp_size(self) -> int:
-        """Ranks each micro-batch's tokens are split over."""
-        return self.dims.sp
-
-    @property
-    def sp_rank(self) -> int:
-        """This rank's place in its sp group (which slice of the tokens it runs)."""
-        return self.dims.coords(self.rank).sp
-
-    @property
-    def pipeline_stages(self) -> int:
-        """Stages the decoder layers are split over (1: no pipeline parallel)."""
-        return self.dims.pp
-
-    @property
-    def pp_rank(self) -> int:
-        """The pipeline stage this rank holds (0: the embedding's, pp - 1: the head's)."""
-        return self.dims.coords(self.rank).pp
-
-
 def fsdp_shard_size(cfg: ParallelSizes, world: int, device: torch.device | str, section: str = "engine.") -> int:
     """`engine.fsdp_size` with None (1 on CPU, -1 on GPU) and -1 (all the dp x sp ranks of a (pp, tp) slot)
     resolved; it must divide world / (tensor_parallel_size x pipeline_model_parallel_size) (sequence parallel is not
