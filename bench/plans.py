@@ -321,7 +321,7 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")
     args = parser.parse_args()
     from hybridflow.planner.device import DeviceProfile
-    from hybridflow.planner.profile_cli import profile_device
+    from hybridflow.planner.measure import profile_device
     from hybridflow.utils.hardware import describe_cpu
 
     print(describe_cpu(2), flush=True)

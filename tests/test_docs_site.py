@@ -22,13 +22,13 @@ import yaml
 from hybridflow.cli.args import parse_args
 from hybridflow.cli.main import build_parser
 from hybridflow.cli.plan import build_parser as plan_parser
+from hybridflow.cli.profile import build_parser as profile_parser
 from hybridflow.config.doc import missing_docs, render
 from hybridflow.config.measure import Measurements
 from hybridflow.config.resolve import resolve
 from hybridflow.config.run import RunConfig
 from hybridflow.config.sft import SFTConfig, resolve_sft
 from hybridflow.planner.device import DevicePoint, DeviceProfile
-from hybridflow.planner.profile_cli import build_parser as profile_parser
 from hybridflow.protocol import keys as K
 from hybridflow.utils.config_loader import load_config
 

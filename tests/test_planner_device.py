@@ -1,4 +1,4 @@
-"""The device profile's measurements (planner/device.py, planner/profile_cli.py): the update split into
+"""The device profile's measurements (planner/device.py, planner/measure.py): the update split into
 micro-batches and the optimizer step, and a node's workers measured side by side, each cost the slowest
 worker's."""
 
@@ -69,7 +69,7 @@ def test_slowest_takes_every_cost_from_the_slowest_worker():
 @pytest.mark.slow  # ~15 s: two processes load a tiny model and time its operators in lock step, per shape
 def test_profile_as_one_of_two_workers_measures_both_at_once():
     from hybridflow.models import tiny_model_dir
-    from hybridflow.planner.profile_cli import profile_device
+    from hybridflow.planner.measure import profile_device
 
     prof = profile_device(
         str(tiny_model_dir("llama")), (1,), [(2, 8), (2, 4)], torch.float32, 1, collectives=True, workers=2

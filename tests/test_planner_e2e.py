@@ -121,7 +121,7 @@ def test_profile_leaves_no_process_group_behind():
 
     code = (
         "import torch.distributed as dist\n"
-        "from hybridflow.planner.profile_cli import profile_device\n"
+        "from hybridflow.planner.measure import profile_device\n"
         f"prof = profile_device({str(tiny_model_dir('llama'))!r}, (1,), [(2, 8)], repeats=1, collectives=False)\n"
         "assert prof.points[0].train_s_per_token > 0\n"
         "print('open after profile:', dist.is_initialized())\n"

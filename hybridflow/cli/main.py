@@ -5,7 +5,7 @@ hybridflow sft [--config FILE] key=value ...     # supervised fine-tuning (hybri
 hybridflow data TASK --out DIR [--sft] [--train-size N] [--test-size N] [--seed S] [key=value ...]
 hybridflow export CKPT_DIR --out HF_DIR [--tokenizer PATH] [--base-model PATH] [--adapter]
 hybridflow plan [--config FILE] --profile PROFILE.json [key=value ...]  # rank placements (cli/plan.py)
-hybridflow profile --model M [--out device_profile.json]  # per-token operator costs here (planner/profile_cli.py)
+hybridflow profile --model M [--out device_profile.json]  # per-token operator costs here (cli/profile.py)
 hybridflow generate --model PATH_OR_CKPT --data FILE.parquet [--n N] [--temperature T] [--top-p P] [--top-k K]
                     [--seed S] [--rollout native|hf|vllm] [--out FILE.jsonl]  # greedy unless a sampling flag or --n > 1
 hybridflow serve [--model M] [--host 127.0.0.1] [--port 0] [--api-key K]  # OpenAI-compatible server (agent/server/app.py)
@@ -201,7 +201,7 @@ def _dispatch(argv: list[str], debug: bool) -> int:
     if argv and argv[0] in ("train", "sft"):
         return _run_config_command(argv[0], argv[1:], debug)
     if argv and argv[0] == "profile":
-        from hybridflow.planner.profile_cli import main as profile_main  # noqa: PLC0415  (lazy: a subcommand imports its implementation when it runs)
+        from hybridflow.cli.profile import main as profile_main  # noqa: PLC0415  (lazy: a subcommand imports its implementation when it runs)
 
         return profile_main(argv[1:])
     if argv and argv[0] == "plan":

@@ -3,7 +3,7 @@
 `DeviceProfile` holds per-token seconds of the run's own operators (planner/operators.py: the engine's log-prob
 pass and update, the native rollout's decode step) at thread counts and (batch, length) points, the optimizer
 step's seconds, the weight-sync copy's cost per byte and gloo collectives' latency and bandwidth between two
-processes. `measure_point` and the functions beside it time them; `hybridflow profile` (planner/profile_cli.py)
+processes. `measure_point` and the functions beside it time them; `hybridflow profile` (cli/profile.py, planner/measure.py)
 and the layout search (planner/layouts.py) call them. The cost model (planner/cost.py) reads the result: how
 much a worker speeds up with more threads, and what tensor / sequence parallel and FSDP collectives cost.
 """
