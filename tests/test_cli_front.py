@@ -86,11 +86,11 @@ def test_a_stale_table_reads_the_config_itself(tmp_path: Path, monkeypatch, caps
     table = json.loads(config_keys.TABLE.read_text())
     table["train"]["sources"]["config/trainer.py"]["sha1"] = "0" * 40  # as if a section there had changed since
     table["train"]["keys"] = []
-    monkeypatch.setattr(config_keys, "TABLE", tmp_path / "config_keys.json")
+    monkeypatch.setattr(config_keys, "TABLE", tmp_path / "list_keys.json")
     config_keys.TABLE.write_text(json.dumps(table))
     keys, verl_names = config_keys.load_keys("train")
     assert [k.key for k in keys] == [k.key for k in config_keys.iter_keys(RunConfig())] and verl_names
-    assert "config_keys.json is out of date" in capsys.readouterr().err
+    assert "list_keys.json is out of date" in capsys.readouterr().err
 
 
 def test_docs_and_values_are_read_as_written() -> None:

@@ -3,7 +3,7 @@
 Generated from the typed config: the keys and types are the dataclass fields (types as annotated), the defaults
 are those of a default-constructed root config (so the main job's, e.g. RunConfig's `data.train_batch_size=8`),
 and the doc is the first sentence of the attribute docstring under each field, read from the class's source with
-`ast`. Importing the config imports torch (seconds), so the listing is read from config_keys.json, written by
+`ast`. Importing the config imports torch (seconds), so the listing is read from list_keys.json, written by
 `python -m hybridflow.cli.list_keys` and kept equal to the config by tests/test_cli_front.py. The table
 records a hash of the source of every config section class and default factory; when one differs (a section
 edited since), the listing is built from the config itself, slower, with a note on stderr.
@@ -32,7 +32,7 @@ from hybridflow.cli.args import USER_ERRORS, fail
 _SENTENCE_END = re.compile(r"(?<=[a-z0-9)\]`'\"])\.\s+(?=[A-Z])")
 _DOC_COLUMN = 64  # docs start here, or right after a longer `key: type = default`
 PACKAGE = Path(__file__).resolve().parents[1]
-TABLE = Path(__file__).with_name("config_keys.json")
+TABLE = Path(__file__).with_name("list_keys.json")
 """The generated key table: {command: {"verl_names", "sources", "keys"}}."""
 ROOTS = {"train": "hybridflow.config.run:RunConfig", "sft": "hybridflow.config.sft:SFTConfig"}
 """The root config dataclass of each command that takes config keys."""
@@ -185,7 +185,7 @@ def build_entry(command: str) -> dict[str, Any]:
 
 
 def table_text() -> str:
-    """The whole config_keys.json, one source file and one key per line (a changed field is a one-line diff)."""
+    """The whole list_keys.json, one source file and one key per line (a changed field is a one-line diff)."""
     parts = []
     for command in ROOTS:
         entry = build_entry(command)
