@@ -8,14 +8,16 @@ from dataclasses import replace
 import pytest
 import torch
 
+from hybridflow.config.run import RunConfig
 from hybridflow.rollout import RolloutConfig, SamplingParams, ValKwargs, build_rollout
+from hybridflow.rollout.backends import check_backend
 from hybridflow.rollout.sampling import filter_logits, sample_next
+from hybridflow.utils.config_loader import load_config
 
 
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        ({"name": "sglang"}, "rollout.name"),
         ({"dtype": "fp16"}, "rollout.dtype"),
         ({"top_p": 0.0}, "rollout.top_p"),
         ({"top_k": 0}, "rollout.top_k"),
@@ -29,6 +31,15 @@ from hybridflow.rollout.sampling import filter_logits, sample_next
 def test_bad_combinations_are_rejected_naming_the_key(kwargs, message):
     with pytest.raises(ValueError, match=message):
         RolloutConfig(**kwargs)
+
+
+def test_an_unknown_backend_is_rejected_at_load_naming_the_key():
+    """The backend is looked up where a run is loaded (RunConfig) and where a rollout is built, not by RolloutConfig
+    itself (the backends import the rollout config)."""
+    with pytest.raises(ValueError, match="rollout.name"):
+        check_backend(RolloutConfig(name="sglang"))
+    with pytest.raises(ValueError, match="rollout.name"):
+        load_config(RunConfig, None, ["rollout.name=sglang"])
 
 
 def test_sampling_params_from_config_and_validation():
