@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from hybridflow.algos import advantages as adv_mod
 from hybridflow.algos import get_advantage_estimator, list_advantage_estimators, masked_whiten, register_adv_est
+from hybridflow.algos.adv_spec import ADV_ESTIMATORS
 
 
 def outcome_batch(scores, lengths, width=4):
@@ -236,5 +236,5 @@ def test_user_registered_estimator_is_used_by_name():
             register_adv_est("test_constant_one")(lambda *a, **k: None)
         register_adv_est("test_constant_one", override=True)(constant_one)
     finally:
-        if "test_constant_one" in adv_mod.ADV_ESTIMATORS:
-            adv_mod.ADV_ESTIMATORS.unregister("test_constant_one")
+        if "test_constant_one" in ADV_ESTIMATORS:
+            ADV_ESTIMATORS.unregister("test_constant_one")

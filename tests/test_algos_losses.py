@@ -199,3 +199,30 @@ def test_user_registered_loss_is_used_by_name():
     finally:
         if "test_reinforce" in loss_mod.POLICY_LOSSES:
             loss_mod.POLICY_LOSSES.unregister("test_reinforce")
+
+
+def test_a_math_loss_is_registered_with_the_shared_steps_and_its_shape_is_checked():
+    try:
+
+        @loss_mod.policy_loss("test_math_reinforce")
+        def reinforce(x):
+            return -x.advantages * x.log_prob, {"n_valid": x.response_mask.sum()}
+
+        loss, stats, grad = run("test_math_reinforce", [1.0, 1.0], [1.0, 3.0], loss_agg_mode="seq-mean-token-sum")
+        assert loss == 0.0 and grad == [-1.0, -3.0]  # -A log pi summed over the row's tokens: -A per token
+        assert stats == {"pg_clipfrac_lower": 0.0, "pg_clipfrac": 0.0, "n_valid": 2.0, "ppo_kl": 0.0}
+        assert get_policy_loss_fn("test_math_reinforce") is reinforce and reinforce.__name__ == "reinforce"
+
+        @loss_mod.policy_loss("test_math_scalar")
+        def scalar(x):
+            return (-x.advantages * x.log_prob).mean()
+
+        with pytest.raises(
+            ValueError,
+            match=r"policy_loss_mode='test_math_scalar': its math returned a loss of shape \(\); .* shape \(1, 2\)",
+        ):
+            run("test_math_scalar", [1.0, 1.0], [1.0, 3.0])
+    finally:
+        for name in ("test_math_reinforce", "test_math_scalar"):
+            if name in loss_mod.POLICY_LOSSES:
+                loss_mod.POLICY_LOSSES.unregister(name)

@@ -45,6 +45,10 @@ NO_VLLM = "rollout.name=vllm needs the vllm package, which is not installed"
 
 # The user's own files that documented commands name, as a reader would have written them (in a temporary cwd).
 USER_FILES = {
+    "my_loss.py": (
+        'from hybridflow.algos import policy_loss\n\n@policy_loss("my_loss")\n'
+        "def my_loss(x):\n    return -x.advantages * x.log_prob\n"
+    ),
     "my_run.yaml": "rollout:\n  n: 4\n",
     "my_reward.py": "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n",
     "my_plugins.py": "",

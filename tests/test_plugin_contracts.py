@@ -1,7 +1,8 @@
 """Every plugin kind's signature, pinned: the built-ins satisfy it, and a minimal user implementation in a module
 of a temporary directory, named by `file.py:function` path, works through the same public entry point.
 
-Kinds and where their signature is written: policy loss (algos/losses.py PolicyLossFn), advantage estimator
+Kinds and where their signature is written: policy loss (algos/losses.py: its math, `PolicyLossInputs` ->
+per-token loss, registered with `@policy_loss`; or the full `PolicyLossFn`), advantage estimator
 (algos/adv_spec.py AdvantageEstimatorFn + AdvantageEstimatorSpec), KL estimator (algos/kl.py KLEstimatorFn),
 loss aggregation (algos/core.py LossAggFn), reward scorer (rewards/registry.py Scorer), rollout backend
 (rollout/backends.py RolloutBuilder + RolloutBackendSpec), engine backend (workers/engines.py EngineBuilder).
@@ -10,6 +11,7 @@ loss aggregation (algos/core.py LossAggFn), reward scorer (rewards/registry.py S
 from __future__ import annotations
 
 import inspect
+import math
 import textwrap
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,7 +21,7 @@ import pytest
 import torch
 from rollout_helpers import prompt_batch, tiny
 
-from hybridflow.algos import agg_loss, get_policy_loss_fn, kl_penalty
+from hybridflow.algos import GlobalNorm, agg_loss, get_policy_loss_fn, kl_penalty
 from hybridflow.algos.adv_spec import ADV_ESTIMATORS, AdvantageEstimatorSpec, get_advantage_spec
 from hybridflow.algos.core import LOSS_AGG_MODES
 from hybridflow.algos.kl import KL_ESTIMATORS
@@ -32,6 +34,20 @@ from hybridflow.utils.plugins import PluginError, import_plugins
 from hybridflow.workers.engines import ENGINES
 
 B, R = 4, 5
+
+FIVE_LINE_LOSS = """\
+from hybridflow.algos import policy_loss
+
+@policy_loss("reinforce_plugin")
+def reinforce(x):
+    return -x.advantages * x.log_prob, {"plugin_tokens": x.response_mask.sum()}
+"""
+"""A whole policy-loss plugin: its math and its registration (docs/extending.md shows the same)."""
+
+
+@pytest.fixture(autouse=True)
+def _restore_registries(isolated_registries):
+    """User plugins imported here register names; each test leaves the registries as it found them."""
 
 
 def _batch() -> tuple[torch.Tensor, ...]:
@@ -78,6 +94,79 @@ def test_policy_loss_contract_user(tmp_path):
     loss, stats = get_policy_loss_fn(f"{path}:neg_adv_logp")(old, new, adv, mask, config=PolicyLossConfig())
     expect = (-(adv * new) * mask).sum() / mask.sum()
     assert torch.allclose(loss, expect) and "ppo_kl" in stats
+
+
+def test_policy_loss_contract_math_user(tmp_path):
+    """The 5-line math form gets exactly what the full form gets from `finish_policy_loss`: IS corrections,
+    aggregation by every mode with global counts, and the shared stats."""
+    (tmp_path / "reinforce.py").write_text(FIVE_LINE_LOSS)
+    full = _module(
+        tmp_path,
+        """
+        from hybridflow.algos.losses import finish_policy_loss
+
+        def neg_adv_logp(old_log_prob, log_prob, advantages, response_mask, *, loss_agg_mode="token-mean",
+                         config, global_norm=None, rollout_log_probs=None, rollout_is_weights=None):
+            stats = {"plugin_tokens": response_mask.sum()}
+            return finish_policy_loss(-advantages * log_prob, old_log_prob, log_prob, response_mask, loss_agg_mode,
+                                      config, global_norm, rollout_log_probs, stats, rollout_is_weights)
+        """,
+    )
+    import_plugins([str(tmp_path / "reinforce.py")])
+    old, new, adv, mask = _batch()
+    extra = {
+        "rollout_log_probs": old + 0.1,
+        "rollout_is_weights": torch.rand(B, R),
+        "global_norm": GlobalNorm(30, 6, 2),
+    }
+    cfg = PolicyLossConfig(tis_imp_ratio_cap=1.05)
+    for mode in LOSS_AGG_MODES.names():
+        lp_math, lp_full = new.clone().requires_grad_(), new.clone().requires_grad_()
+        loss, stats = get_policy_loss_fn("reinforce_plugin")(
+            old, lp_math, adv, mask, loss_agg_mode=mode, config=cfg, **extra
+        )
+        ref, ref_stats = get_policy_loss_fn(f"{full}:neg_adv_logp")(
+            old, lp_full, adv, mask, loss_agg_mode=mode, config=cfg, **extra
+        )
+        assert torch.equal(loss, ref) and loss.dim() == 0
+        assert torch.equal(torch.autograd.grad(loss, lp_math)[0], torch.autograd.grad(ref, lp_full)[0])
+        assert list(stats) == ["pg_clipfrac_lower", "pg_clipfrac", "plugin_tokens", "ppo_kl"]
+        assert all(torch.equal(stats[k], ref_stats[k]) for k in stats)
+    assert float(stats["pg_clipfrac"]) == float(stats["pg_clipfrac_lower"]) == 0.0 and int(stats["plugin_tokens"]) == 18
+    with pytest.raises(ValueError, match="already registered"):
+        (tmp_path / "again.py").write_text(FIVE_LINE_LOSS.replace("def reinforce", "def other"))
+        import_plugins([str(tmp_path / "again.py")])
+
+
+VARIED_SCORE = """\
+from hybridflow.rewards import register_scorer
+
+register_scorer("arithmetic", lambda solution_str, ground_truth: float(sum(map(ord, solution_str)) % 5), override=True)
+"""
+"""Scores that differ between a prompt's samples, so group advantages (and the loss's gradient) are not all 0."""
+
+
+@pytest.mark.slow
+def test_a_five_line_plugin_loss_trains_on_ray(tmp_path: Path):
+    """trainer.plugins=[reinforce.py] with FIVE_LINE_LOSS: a 2-step Ray run of the tiny model trains with it in the
+    worker processes (the loss's own stat comes back in the metrics, and its gradient is not 0)."""
+    from test_trainer_cli import base_overrides, read_metrics, run_cli
+
+    from hybridflow.models import tiny_model_dir
+
+    assert len(FIVE_LINE_LOSS.splitlines()) == 5
+    (tmp_path / "reinforce.py").write_text(FIVE_LINE_LOSS)
+    (tmp_path / "varied_score.py").write_text(VARIED_SCORE)
+    fast = ["trainer.n_workers_per_node=1", "trainer.val_before_train=false", "trainer.test_freq=-1"]
+    plugins = ["trainer.plugins=[reinforce.py,varied_score.py]", "actor.policy_loss_mode=reinforce_plugin"]
+    args = ["train", *base_overrides(str(tiny_model_dir("llama")), tmp_path), *fast, *plugins, "trainer.backend=ray"]
+    proc = run_cli(args, tmp_path, module="hybridflow.cli.main")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    steps = [r for r in read_metrics(tmp_path) if "actor/pg_loss" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert r["actor/plugin_tokens"] > 0 and r["actor/pg_clipfrac"] == 0.0 and "actor/ppo_kl" in r
+        assert math.isfinite(r["actor/pg_loss"]) and r["actor/grad_norm"] > 0
 
 
 @pytest.mark.parametrize("name", ADV_ESTIMATORS.names())

@@ -93,7 +93,7 @@ def test_load_hook_is_retried_after_a_failure():
 
 
 def _ported() -> dict[str, tuple[Registry, list[str]]]:
-    from hybridflow.algos.advantages import ADV_ESTIMATORS
+    from hybridflow.algos.adv_spec import ADV_ESTIMATORS
     from hybridflow.algos.kl import KL_CONTROLLERS, KL_ESTIMATORS
     from hybridflow.algos.losses import POLICY_LOSSES
     from hybridflow.controller.decorator import DISPATCH_MODES
@@ -127,7 +127,7 @@ def test_every_ported_registry_is_a_registry_and_resolves_its_builtins(key):
 
 def test_public_wrappers_resolve_through_the_registries():
     from hybridflow.algos import get_advantage_estimator, get_policy_loss_fn, list_advantage_estimators
-    from hybridflow.algos.advantages import ADV_ESTIMATORS
+    from hybridflow.algos.adv_spec import ADV_ESTIMATORS
     from hybridflow.algos.losses import POLICY_LOSSES
     from hybridflow.controller.decorator import DISPATCH_MODES, Dispatch, get_dispatch_mode
     from hybridflow.data import get_task

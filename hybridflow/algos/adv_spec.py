@@ -2,7 +2,8 @@
 
 An estimator is registered with what the trainer must know about it -- needs a critic, needs groups, computes a
 baseline inside the step, runs in sync mode only -- so no trainer code branches on an estimator's name
-(torchtitan's ModelSpec). The built-ins live in advantages.py and register on the first lookup.
+(torchtitan's ModelSpec). This module is the contract the trainer and plugin authors program against and imports
+no estimator; the built-ins are the math in advantages.py, registered when the `hybridflow.algos` package imports it.
 
 Signature of an estimator (`AdvantageEstimatorFn`):
 
@@ -13,7 +14,6 @@ Signature of an estimator (`AdvantageEstimatorFn`):
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -69,15 +69,10 @@ def _as_spec(entry: Any) -> AdvantageEstimatorSpec:
     return entry if isinstance(entry, AdvantageEstimatorSpec) else AdvantageEstimatorSpec(fn=entry)
 
 
-def _load_builtins() -> None:
-    importlib.import_module("hybridflow.algos.advantages")
-
-
 ADV_ESTIMATORS: Registry[AdvantageEstimatorSpec] = Registry(
     "advantage estimator",
     "algorithm.adv_estimator",
     "add one with @hybridflow.algos.register_adv_est or give a module:function path",
-    load=_load_builtins,
     wrap=_as_spec,
 )
 """Advantage estimator specs by name."""

@@ -1,4 +1,4 @@
-"""Advantage estimators, registered by name so the config can pick one.
+"""The built-in advantage estimators' math, registered by name so the config can pick one (registry: adv_spec.py).
 
 Each is registered with an `AdvantageEstimatorSpec` saying what the trainer must
 provide (a critic, groups, a baseline such as ReMax's greedy response, sync
@@ -42,17 +42,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from hybridflow.algos.adv_spec import (  # noqa: F401  (re-exported: the registry's public home is here)
-    ADV_ESTIMATORS,
-    AdvantageEstimatorFn,
-    AdvantageEstimatorSpec,
-    BaselineContext,
-    BaselineFn,
-    get_advantage_estimator,
-    get_advantage_spec,
-    list_advantage_estimators,
-    register_adv_est,
-)
+from hybridflow.algos.adv_spec import BaselineContext, register_adv_est
 from hybridflow.algos.core import masked_sum, masked_var, masked_whiten
 
 # --- shared pieces -------------------------------------------------------------

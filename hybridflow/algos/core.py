@@ -66,6 +66,11 @@ def masked_mean(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     return masked_sum(values, mask, dim) / count
 
 
+def masked_fraction(flags: Tensor, mask: Tensor) -> Tensor:
+    """Detached share of valid entries where `flags` is true (a clip-fraction stat); 0 where nothing is valid."""
+    return masked_mean(flags.float(), mask).detach()
+
+
 def masked_var(values: Tensor, mask: Tensor, unbiased: bool = True, dim: int | None = None) -> Tensor:
     """Variance over valid entries, with Bessel's correction n/(n-1) when `unbiased`.
 

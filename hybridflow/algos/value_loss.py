@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from hybridflow.algos.core import GlobalNorm, agg_loss
-from hybridflow.algos.losses import masked_fraction
+from hybridflow.algos.core import GlobalNorm, agg_loss, masked_fraction
 
 
 def compute_value_loss(

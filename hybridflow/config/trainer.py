@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hybridflow.algos.advantages import ADV_ESTIMATORS
+from hybridflow.algos.adv_spec import ADV_ESTIMATORS
 from hybridflow.algos.kl import KL_CONTROLLERS, KL_ESTIMATORS
 from hybridflow.algos.rollout_is import ROLLOUT_IS_LEVELS, ROLLOUT_IS_MODES
 from hybridflow.config.data import one_of, positive
