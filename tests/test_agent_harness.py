@@ -195,7 +195,7 @@ def test_the_calculator_example_runs_the_tool_calls_the_model_makes():
     with serving(Scripted(tokenizer, reply), tokenizer) as (running, client):
         client = client.with_options(default_headers={"x-session-id": "s"})
         assert run(client, row) is None
-        (traj,) = running.server.sessions.pop("s")
+        (traj,) = running.server.pop_session("s", "sk-local")
     assert traj.assistant_turns == 2 and traj.tool_calls == 1
     assert [m["role"] for m in traj.messages] == ["user", "assistant", "tool", "assistant"]
     assert traj.messages[2]["content"] == "408" and traj.messages[-1]["content"] == "The answer is 408."

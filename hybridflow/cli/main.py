@@ -8,7 +8,7 @@ hybridflow plan [--config FILE] --profile PROFILE.json [key=value ...]  # rank p
 hybridflow profile --model M [--out device_profile.json]  # per-token operator costs here (cli/profile.py)
 hybridflow generate --model PATH_OR_CKPT --data FILE.parquet [--n N] [--temperature T] [--top-p P] [--top-k K]
                     [--seed S] [--rollout native|hf|vllm] [--out FILE.jsonl]  # greedy unless a sampling flag or --n > 1
-hybridflow serve [--model M] [--host 127.0.0.1] [--port 0] [--api-key K]  # OpenAI-compatible server (agent/server/app.py)
+hybridflow serve [--model M] [--host 127.0.0.1] [--port 0] [--api-key K] [LIMIT=V ...]  # OpenAI-compatible server (agent/server/app.py)
 
 train and sft: --list-keys [PREFIX] prints the config keys with type, default and doc.
 Errors: a user error prints one line (exit 2); any other error prints one line and the path of a file holding its
@@ -18,6 +18,7 @@ traceback (exit 1); --debug, anywhere on the command line, prints the traceback 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -104,13 +105,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve a model over the OpenAI API until interrupted; prints the base URL once it listens."""
     from hybridflow.agent.server.app import AgentServer, ServerConfig, check_bind, start_server  # noqa: PLC0415  (lazy: a subcommand imports its implementation when it runs)
+    from hybridflow.agent.server.limits import parse_limits  # noqa: PLC0415  (lazy: a subcommand imports its implementation when it runs)
     from hybridflow.agent.server.rollout_backend import load_rollout_backend  # noqa: PLC0415  (lazy: a subcommand imports its implementation when it runs)
     from hybridflow.models import load_tokenizer, resolve_model_path  # noqa: PLC0415  (lazy: a subcommand imports its implementation when it runs)
 
-    check_bind(args.host, args.api_key)  # before loading the model: a refused bind fails fast
+    check_bind(args.host, args.api_key)  # before loading the model: a refused bind or a bad limit fails fast
+    limits = parse_limits(args.limits)
     path = resolve_model_path(args.model)
     backend = load_rollout_backend(path, max_tokens=args.max_tokens, dtype=args.dtype, seed=args.seed)
-    config = ServerConfig(args.served_name or str(args.model), args.api_key, args.on_mismatch, max_sessions=1000)
+    config = ServerConfig(
+        args.served_name or str(args.model), args.api_key, args.on_mismatch, max_sessions=1000, limits=limits
+    )
     running = start_server(AgentServer(backend, load_tokenizer(path), config), args.host, args.port)
     # Ctrl-C (or SIGTERM) is how a user stops the server: exit 0. A handler setting an event, rather than the
     # KeyboardInterrupt, which can land inside a Thread.join and leave that thread's lock held.
@@ -122,6 +127,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         running.wait(stop)
     finally:
         running.stop()
+    if running.server.batcher.running:  # a generation still runs on its daemon thread: interpreter shutdown under a
+        sys.stdout.flush()  # running torch op aborts the process (std::terminate), so leave without that shutdown
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 
@@ -179,6 +188,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument(
         "--on-mismatch", choices=("split", "refuse"), default="split", help="edited history: new trajectory or 400"
+    )
+    s.add_argument(
+        "limits",
+        nargs="*",
+        help="request limits as key=value, e.g. max_n=4 request_timeout_s=60 (docs/guides/endpoint.md)",
     )
     return parser
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import threading
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -181,6 +182,10 @@ class ModuleRollout(Rollout):
         pad = tokenizer.pad_token_id
         self.pad_id = int(pad) if pad is not None else self.eos_ids[0]
         self.generator = torch.Generator().manual_seed(config.seed)
+        self.interrupted = threading.Event()
+        """Set from another thread, it ends the generation in progress after its current decode step: every row
+        keeps the tokens sampled so far (tensor parallel size 1 only). Whoever sets it clears it; the OpenAI
+        server's batcher does when every request of its batch was abandoned (agent/server/backend.py)."""
 
     def turn_generator(self, sampling: SamplingParams) -> contextlib.AbstractContextManager[GenerateFn]:
         """See `Rollout.turn_generator`: one `generate_sequences` call per round on the left-padded contexts,

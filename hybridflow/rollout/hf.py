@@ -11,12 +11,15 @@ Sampling is seeded from the rollout's generator through a forked global RNG.
 from __future__ import annotations
 
 import copy
+import threading
 
 import torch
 from torch import Tensor
 from transformers.generation import (
     LogitsProcessor,
     LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -49,6 +52,16 @@ class _LogProbRecorder(LogitsProcessor):
             self.prev = None
 
 
+class _Interrupted(StoppingCriteria):
+    """Ends every row once `event` is set (`ModuleRollout.interrupted`)."""
+
+    def __init__(self, event: threading.Event) -> None:
+        self.event = event
+
+    def __call__(self, input_ids: Tensor, scores: Tensor, **kwargs) -> Tensor:
+        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
+
+
 class HFRollout(ModuleRollout):
     """Generation with `model.generate` (see module docstring)."""
 
@@ -66,6 +79,7 @@ class HFRollout(ModuleRollout):
                 attention_mask=mask,
                 generation_config=self._generation_config(params),
                 logits_processor=processors,
+                stopping_criteria=StoppingCriteriaList([_Interrupted(self.interrupted)]),
             )
         recorder.gather(seqs)
         responses = pad_responses(seqs[:, prompt_width:], width, self.pad_id)

@@ -45,6 +45,7 @@ from typing import Any
 from hybridflow.agent.server.app import SESSION_HEADER, AgentServer, ServerConfig, start_server
 from hybridflow.agent.server.backend import GenerationRequest, Sample
 from hybridflow.agent.server.harness_batch import harness_batch
+from hybridflow.agent.server.limits import ServerLimits
 from hybridflow.agent.server.rollout_backend import RolloutBackend
 from hybridflow.protocol import DataProto
 from hybridflow.rollout.base import ModuleRollout
@@ -55,6 +56,16 @@ from hybridflow.utils.plugins import load_object
 logger = logging.getLogger(__name__)
 SERVER_COUNTERS = ("sessions/requests", "sessions/split", "sessions/refused")
 """The endpoint's counters reported per step (as `agent/server/<name>`, per rollout worker)."""
+HARNESS_KEY = "hybridflow"
+"""The bearer token of the harness's client (its sessions belong to it: server.py `session_owner`)."""
+
+
+def harness_limits(config: AgentConfig) -> ServerLimits:
+    """The endpoint's bounds for a harness run: requests time out with their harness call, and the queue holds
+    what `max_concurrency` calls can have in flight (a few requests each) with room to spare."""
+    return ServerLimits(
+        request_timeout_s=config.timeout_s, max_queued=max(ServerLimits.max_queued, 8 * config.max_concurrency)
+    )
 
 
 @dataclass
@@ -74,6 +85,7 @@ class StepGate:
     def __init__(self, backend: RolloutBackend) -> None:
         self.backend = backend
         self.max_tokens, self.stop_ids, self.max_model_len = backend.max_tokens, backend.stop_ids, backend.max_model_len
+        self.interrupted = backend.interrupted
         self.open = False
 
     def generate(self, requests: list[GenerationRequest]) -> list[list[Sample]]:
@@ -95,10 +107,13 @@ class HarnessRunner:
         self.config, self.rollout, self.response_length = config, rollout, response_length
         self.backend = RolloutBackend(rollout)
         self.gate = StepGate(self.backend)
-        self.server = AgentServer(self.gate, rollout.tokenizer, ServerConfig(on_mismatch=config.on_mismatch))
+        limits = harness_limits(config)
+        self.server = AgentServer(
+            self.gate, rollout.tokenizer, ServerConfig(on_mismatch=config.on_mismatch, limits=limits)
+        )
         self.running = start_server(self.server, "127.0.0.1", 0)
         self.client = openai.OpenAI(
-            base_url=self.running.url, api_key="hybridflow", max_retries=0, timeout=config.timeout_s
+            base_url=self.running.url, api_key=HARNESS_KEY, max_retries=0, timeout=config.timeout_s
         )
 
     def generate(self, prompts: DataProto, sampling: SamplingParams) -> tuple[DataProto, dict[str, float]]:
@@ -115,7 +130,7 @@ class HarnessRunner:
             outcomes = run_calls(calls, self.config.max_concurrency, self.config.timeout_s)
         finally:
             self.gate.open = False
-        recorded = [self.server.sessions.pop(sid, i // sampling.n) for i, sid in enumerate(sessions)]
+        recorded = [self.server.pop_session(sid, HARNESS_KEY, i // sampling.n) for i, sid in enumerate(sessions)]
         after = self.server.metrics()
         out = harness_batch(prompts, rows, outcomes, recorded, self.rollout.pad_id, self.response_length)
         return out, {f"agent/server/{k.split('/')[-1]}": after[k] - before[k] for k in SERVER_COUNTERS}

@@ -48,6 +48,8 @@ class RolloutBackend:
         self.max_tokens = int(rollout.config.response_length)
         self.stop_ids = tuple(rollout.eos_ids)
         self.max_model_len = getattr(rollout.model.config, "max_position_embeddings", None)
+        self.interrupted = rollout.interrupted
+        """Set: the generation in progress ends after its current step (backend.py: `Batcher.abandon`)."""
         self.sampling: SamplingParams | None = None
         """When set (with n=1), the params of every request, overriding the request's (module docstring)."""
 

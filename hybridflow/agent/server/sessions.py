@@ -1,6 +1,7 @@
 """Per-session token capture of the OpenAI-compatible server: every token as sampled, never re-tokenized.
 
-A session (server.py says how a request names its session) holds one or more *branches*; a
+A session (server.py says how a request names its session; the store takes any hashable key, the
+server's is the pair (owner, session id)) holds one or more *branches*; a
 branch is one trajectory: its first prompt's ids, then model tokens (mask 1, with their
 sampling log-probs) and observation tokens (mask 0, log-prob 0), plus the chat messages that
 those ids stand for (the assistant ones as the server returned them).
@@ -27,7 +28,7 @@ from __future__ import annotations
 import copy
 import json
 import threading
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -129,7 +130,7 @@ class Branch:
 class Pending:
     """A request's prompt, and where its samples go once generated (`SessionStore.commit`)."""
 
-    session_id: str
+    session_id: Hashable
     prompt_ids: list[int]
     branch: Branch
     """The branch extended, or a new one (not yet stored) whose prompt is `prompt_ids`."""
@@ -157,11 +158,11 @@ class SessionStore:
         self.max_sessions = max_sessions
         counters = ("requests", "extended", "split", "refused", "evicted")
         self.metrics = {f"sessions/{name}": 0 for name in counters}
-        self._sessions: dict[str, list[Branch]] = {}
+        self._sessions: dict[Hashable, list[Branch]] = {}
         self._lock = threading.Lock()
         self._end_id = _turn_end_id(tokenizer, self.stop_ids)
 
-    def begin_chat(self, session_id: str, messages: list[Message], tools: list[dict[str, Any]]) -> Pending:
+    def begin_chat(self, session_id: Hashable, messages: list[Message], tools: list[dict[str, Any]]) -> Pending:
         """The prompt of a chat request: a recorded branch's ids + the new messages' delta, or a fresh
         prompt (new session, or a mismatch under "split"); raises `HistoryMismatch` under "refuse"."""
         keys = [normalize_message(m) for m in messages]
@@ -173,7 +174,7 @@ class SessionStore:
                 if self.on_mismatch == "refuse":
                     self.metrics["sessions/refused"] += 1
                     raise HistoryMismatch(
-                        f"session {session_id!r}: the messages extend none of its {len(branches)} recorded "
+                        f"the messages extend none of this session's {len(branches)} recorded "
                         "conversation(s) (history was edited); start a new session id"
                     )
                 self.metrics["sessions/split"] += 1
@@ -190,7 +191,7 @@ class SessionStore:
             session_id, snapshot.ids + delta, match, len(snapshot.response_ids), list(messages), False, delta
         )
 
-    def begin_completion(self, session_id: str, prompt: list[int]) -> Pending:
+    def begin_completion(self, session_id: Hashable, prompt: list[int]) -> Pending:
         """A text completion: always a new branch whose prompt is `prompt`."""
         with self._lock:
             self.metrics["sessions/requests"] += 1
@@ -219,13 +220,13 @@ class SessionStore:
             del self._sessions[next(iter(self._sessions))]  # the least recently used
             self.metrics["sessions/evicted"] += 1
 
-    def pop(self, session_id: str, row_index: int = 0) -> list[Trajectory]:
+    def pop(self, session_id: Hashable, row_index: int = 0) -> list[Trajectory]:
         """Remove a session and return its branches as trajectories (none: an unknown id)."""
         with self._lock:
             branches = self._sessions.pop(session_id, [])
         return [b.to_trajectory(row_index) for b in branches]
 
-    def pop_all(self) -> dict[str, list[Trajectory]]:
+    def pop_all(self) -> dict[Hashable, list[Trajectory]]:
         """Remove every session; returns session id -> its trajectories (row_index 0)."""
         with self._lock:
             ids = list(self._sessions)

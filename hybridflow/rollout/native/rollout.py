@@ -143,6 +143,9 @@ class NativeRollout(ModuleRollout):
         for t in range(width):
             tokens, logp = sample_next(logits, params, self.generator)
             state.record(t, tokens, logp, None if self.config.ignore_eos else self._eos)
+            if self.tp_size == 1 and self.interrupted.is_set():  # ModuleRollout.interrupted
+                state.end_live_rows(t)
+                break
             if t == width - 1 or state.all_finished():
                 break
             if state.should_compact():
@@ -178,6 +181,11 @@ class _DecodeState:
             ended = live & torch.isin(tokens, eos)
             self.lengths[self.out_row[ended]] = t + 1
             self.finished |= ended
+
+    def end_live_rows(self, t: int) -> None:
+        """End every row still running after step t (an interrupted generation)."""
+        self.lengths[self.out_row[~self.finished]] = t + 1
+        self.finished[:] = True
 
     def all_finished(self) -> bool:
         """True when every held row has finished."""
