@@ -88,7 +88,7 @@ def prompt_batch(tokenizer: Any, rows: list[dict[str, Any]]) -> DataProto:
     """The rows as RLDataset would batch them, with the prompt ids the `tool` environment renders."""
     ids = []
     for row in rows:
-        start = make_env("tool").reset(row)
+        start = make_env("tool", allowed_tools=["calculator", "python"]).reset(row)
         ids.append(prompt_ids(tokenizer, start.messages, start.tools))
     batch = left_padded(ids, tokenizer.pad_token_id)
     columns = {
@@ -188,7 +188,9 @@ def setup(args: argparse.Namespace) -> tuple[ModuleRollout, DataProto, RolloutCo
         max_batch_size=args.batch,
         calculate_log_probs=True,
         seed=args.seed,
-        multi_turn=MultiTurnConfig(enable=True, max_assistant_turns=args.turns, max_user_turns=args.turns),
+        multi_turn=MultiTurnConfig(
+            enable=True, max_assistant_turns=args.turns, max_user_turns=args.turns, allowed_tools=[args.tool]
+        ),
     )
     rollout = build_rollout(dataclasses.replace(config, multi_turn=MultiTurnConfig()), path, tokenizer)
     if not isinstance(rollout, ModuleRollout):

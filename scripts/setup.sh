@@ -13,6 +13,14 @@ case "${1:-}" in
   --vllm) VENV=.venv-vllm EXTRAS=dev ;;
   *) echo "usage: $0 [--vllm | --docs]" >&2; exit 2 ;;
 esac
+# The python tool's sandbox runs model-written code under bubblewrap (hybridflow/agent/loop/tools/sandbox.py).
+if ! command -v bwrap >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null
+  else
+    echo "note: bwrap is missing; the python tool's sandbox needs it: sudo apt-get install -y bubblewrap" >&2
+  fi
+fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
 "$VENV/bin/pip" install -q torch==2.13.0

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from hybridflow.agent.loop.tools.sandbox import SandboxConfig
+from hybridflow.agent.loop.tools.tool_config import check_tools, load_tool_config
 from hybridflow.utils.config_loader import Section
 from hybridflow.utils.dtypes import check_dtype, dtype_of
 from hybridflow.utils.plugins import is_path, load_object, resolve_spec
@@ -98,10 +100,16 @@ class MultiTurnConfig(Section):
     """Most new tokens of one model turn; None: the whole response budget (rollout.response_length)."""
     env: str = "tool"
     """The environment: a name registered in ENVIRONMENTS ("tool": the row's tools, scored by its data_source)
-    or a `module:Class` / `path/to/file.py:Class` path. Its constructor gets `tool_kwargs` and
+    or a `module:Class` / `path/to/file.py:Class` path. Its constructor gets `tool_kwargs`, `allowed_tools` and
     `max_tool_response_length` when it takes parameters of those names, nothing else."""
+    allowed_tools: list[str] = field(default_factory=lambda: ["calculator"])
+    """The tools a dataset row may switch on in its extra_info.tools (registered TOOLS names); a row asking for
+    another fails naming it. Add "python" to let rows run model-written code in the sandbox."""
     tool_config_path: str | None = None
-    """Optional YAML/JSON file mapping tool name -> constructor kwargs (e.g. `python: {timeout_s: 5}`)."""
+    """Optional YAML/JSON file mapping tool name -> constructor kwargs (e.g. `python: {timeout_s: 5}`: the python
+    tool takes any rollout.multi_turn.sandbox field, overriding that section)."""
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    """The python tool's sandbox: limits of each call (docs/guides/agents.md "The python sandbox")."""
 
     def __post_init__(self) -> None:
         for key in ("max_assistant_turns", "max_user_turns", "max_tool_response_length"):
@@ -111,6 +119,9 @@ class MultiTurnConfig(Section):
             raise ValueError(f"rollout.multi_turn.max_turn_tokens must be >= 1 or null, got {self.max_turn_tokens}")
         if self.tool_config_path is not None and not Path(self.tool_config_path).is_file():
             raise ValueError(f"rollout.multi_turn.tool_config_path={self.tool_config_path!r} is not a file")
+        if isinstance(self.sandbox, dict):
+            self.sandbox = SandboxConfig(**self.sandbox)
+        check_tools(self.allowed_tools, load_tool_config(self.tool_config_path), self.sandbox)
         if self.enable and is_path(self.env):  # workers may run in another directory
             module, _, name = self.env.rpartition(":")
             self.env = f"{resolve_spec(module)}:{name}"

@@ -27,17 +27,15 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import json
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
 from hybridflow.agent.loop.batch import trajectories_to_batch
 from hybridflow.agent.loop.env import ENVIRONMENTS, Environment
 from hybridflow.agent.loop.runner import AgentLoopConfig, LoopTimes, run_agent_loop
+from hybridflow.agent.loop.tools.tool_config import load_tool_config, tool_kwargs
 from hybridflow.protocol import DataProto, keys
 from hybridflow.rollout.base import Rollout
 from hybridflow.rollout.config import MultiTurnConfig, RolloutConfig, SamplingParams
@@ -107,23 +105,13 @@ def row_indices(prompts: DataProto) -> list[Any]:
 
 
 def env_factory(config: MultiTurnConfig) -> Callable[[], Environment]:
-    """A maker of fresh `config.env` environments, given the tool kwargs and result length they accept."""
+    """A maker of fresh `config.env` environments, given the tool kwargs, tool allowlist and result length they accept."""
     cls = ENVIRONMENTS.get(config.env)
     offered = {
-        "tool_kwargs": load_tool_config(config.tool_config_path),
+        "tool_kwargs": tool_kwargs(load_tool_config(config.tool_config_path), config.sandbox),
+        "allowed_tools": list(config.allowed_tools),
         "max_tool_response_length": config.max_tool_response_length,
     }
     params = inspect.signature(cls).parameters
     kwargs = {k: v for k, v in offered.items() if k in params}
     return lambda: cls(**kwargs)
-
-
-def load_tool_config(path: str | None) -> dict[str, dict[str, Any]]:
-    """Tool name -> constructor kwargs from a YAML or JSON file (None: {})."""
-    if path is None:
-        return {}
-    text = Path(path).read_text()
-    data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
-    if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
-        raise ValueError(f"rollout.multi_turn.tool_config_path={path!r}: expected a mapping tool name -> kwargs")
-    return data

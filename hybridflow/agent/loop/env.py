@@ -14,11 +14,12 @@ The trajectory's reward is the sum of its turns' rewards. A fresh environment ob
 per trajectory (`make_env`), so an environment may keep per-episode state on `self`.
 
 `ToolEnvironment` ("tool"): offers the tools the row names (`extra_info.tools`, a JSON list of
-`TOOLS` names, or a list); a turn with tool calls gets one `tool` message per call (results in
-call order, then one per malformed or unknown-tool call) and `invalid_call_reward` per
-malformed or unknown-tool call (a tool that runs and fails is not penalised); a turn without
-calls is the answer: the episode ends with the row's scorer (`hybridflow.rewards.
-default_compute_score` for its data_source) as the final reward.
+`TOOLS` names, or a list), each of which must be in its `allowed_tools` (rollout.multi_turn.allowed_tools;
+the calculator only by default), so a third-party dataset cannot switch on code execution; a turn
+with tool calls gets one `tool` message per call (results in call order, then one per malformed
+or unknown-tool call) and `invalid_call_reward` per malformed or unknown-tool call (a tool that
+runs and fails is not penalised); a turn without calls is the answer: the episode ends with the
+row's scorer (`hybridflow.rewards.default_compute_score` for its data_source) as the final reward.
 
 Departures from verl: verl's `ToolAgentLoop` drives tools itself (`BaseTool.create/execute/
 calc_reward/release`, schemas from `tool_config_path`, `interaction` for user turns); here one
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,22 +115,33 @@ class ToolEnvironment(Environment):
         scorer: Callable[..., float] | None = None,
         max_tool_response_length: int = 256,
         invalid_call_reward: float = 0.0,
+        allowed_tools: Sequence[str] = ("calculator",),
     ) -> None:
         """`tool_kwargs`: constructor arguments per tool name; `scorer(data_source, text, ground_truth,
         extra_info)` defaults to the registered rule scorers; tool results are cut to
-        `max_tool_response_length` characters."""
+        `max_tool_response_length` characters; a row may switch on only the tools of `allowed_tools`."""
 
         self.tool_kwargs = tool_kwargs or {}
         self.scorer = scorer or default_compute_score
         self.max_tool_response_length = max_tool_response_length
         self.invalid_call_reward = invalid_call_reward
+        self.allowed_tools = list(allowed_tools)
         self.tools: dict[str, Tool] = {}
         self.row: dict[str, Any] = {}
 
     def reset(self, row: dict[str, Any]) -> ResetResult:
         """The row's prompt messages and the schemas of its tools."""
         self.row = row
-        self.tools = {name: TOOLS.get(name)(**self.tool_kwargs.get(name, {})) for name in row_tool_names(row)}
+        names = row_tool_names(row)
+        classes = {name: TOOLS.get(name) for name in names}  # unknown names fail listing the registered ones
+        refused = [name for name in names if name not in self.allowed_tools]
+        if refused:
+            raise ValueError(
+                f"the row's extra_info.tools asks for {refused}, which rollout.multi_turn.allowed_tools does not "
+                f"allow (allowed: {self.allowed_tools}); add them to rollout.multi_turn.allowed_tools to let rows "
+                "switch them on"
+            )
+        self.tools = {name: cls(**self.tool_kwargs.get(name, {})) for name, cls in classes.items()}
         return ResetResult([dict(m) for m in row["prompt"]], [t.schema for t in self.tools.values()])
 
     def step(self, assistant_text: str) -> StepResult:

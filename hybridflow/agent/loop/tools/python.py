@@ -1,5 +1,9 @@
 """The `python` tool: runs model-written code in the process sandbox (`sandbox.py`).
 
+`PythonTool(config, **limits)`: the sandbox's limits are `config` (rollout.multi_turn.sandbox) with any
+`SandboxConfig` field given by name overriding it, so a tool config file's `python: {timeout_s: 5}` works;
+an unknown name fails naming the known ones.
+
 The observation is the code's stdout, then its stderr, then a status line when the run did
 not end cleanly (exit code, killed at the time limit, output truncated). A machine where the
 sandbox cannot isolate raises `SandboxUnavailableError` at the first call instead of running
@@ -8,6 +12,7 @@ code unsandboxed.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from hybridflow.agent.loop.tools.base import TOOLS, Tool, ToolResult
@@ -18,7 +23,7 @@ def describe(result: SandboxResult, config: SandboxConfig) -> str:
     """The observation text of one sandboxed run (module docstring)."""
     parts = [p for p in (result.stdout, result.stderr) if p]
     if result.timed_out:
-        parts.append(f"[killed: wall-clock limit of {config.wall_seconds:g} s]")
+        parts.append(f"[killed: wall-clock limit of {config.timeout_s:g} s]")
     elif result.exit_code != 0:
         parts.append(f"[exit code {result.exit_code}]")
     if result.truncated:
@@ -43,8 +48,12 @@ class PythonTool(Tool):
         },
     }
 
-    def __init__(self, config: SandboxConfig | None = None) -> None:
-        self.config = config or SandboxConfig()
+    def __init__(self, config: SandboxConfig | None = None, **limits: Any) -> None:
+        known = [f.name for f in dataclasses.fields(SandboxConfig)]
+        unknown = sorted(set(limits) - set(known))
+        if unknown:
+            raise ValueError(f"python tool: unknown sandbox setting(s) {unknown}; known: {known}")
+        self.config = dataclasses.replace(config or SandboxConfig(), **limits)
 
     def call(self, arguments: dict[str, Any]) -> ToolResult:
         """Run `arguments["code"]`; ok only for a clean zero exit within the limits."""
