@@ -9,7 +9,7 @@ the rollout worker's process):
   session id of its own (the `x-session-id` header), fresh for every call: every request the harness makes
   through it is recorded as one trajectory, token by token as sampled (hybridflow/agent/server/sessions.py).
 - `row` is a copy of the verl-format dataset row, as the in-process agent loop gets it
-  (`rollout_loop.dataset_rows`): `prompt` (chat messages), `data_source`, `reward_model.ground_truth`,
+  (`rollout/multi_turn.py` `dataset_rows`): `prompt` (chat messages), `data_source`, `reward_model.ground_truth`,
   `extra_info` (the tools a row offers in `extra_info.tools`, as the dataset stores them).
 - It returns the trajectory's reward, or None to have the row's rule scorer
   (`hybridflow.rewards.default_compute_score`) score the text content of the last assistant message.

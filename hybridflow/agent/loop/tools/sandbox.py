@@ -73,7 +73,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from hybridflow.agent.loop.tools import _cgroup, _uids
+import hybridflow.agent.loop.tools._cgroup as _cgroup
+import hybridflow.agent.loop.tools._uids as _uids
 from hybridflow.agent.loop.tools._runner import READY
 from hybridflow.agent.loop.tools.base import ToolSetupError
 from hybridflow.utils.config_loader import Section
