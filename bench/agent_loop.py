@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hybridflow.agent.config import MultiTurnConfig
 from hybridflow.agent.loop.env import make_env
 from hybridflow.agent.loop.tokens import encode, prompt_ids
 from hybridflow.agent.loop.tool_calls import format_tool_call
@@ -57,7 +58,6 @@ from hybridflow.protocol import DataProto
 from hybridflow.protocol import keys as K
 from hybridflow.rollout import RolloutConfig, build_rollout
 from hybridflow.rollout.base import ModuleRollout, left_padded
-from hybridflow.rollout.config import MultiTurnConfig
 from hybridflow.rollout.multi_turn import generate_multi_turn
 from hybridflow.utils.hardware import cpu_signature, describe_cpu
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hybridflow.agent.config import AgentConfig
 from hybridflow.agent.server.harness import run_calls
 from hybridflow.controller.local import LocalWorkerGroup
 from hybridflow.controller.resource_pool import ClassWithInitArgs
@@ -21,7 +22,6 @@ from hybridflow.models import load_tokenizer, tiny_model_dir
 from hybridflow.protocol import keys as K
 from hybridflow.protocol.token_hash import mismatched_rows
 from hybridflow.rollout import RolloutConfig
-from hybridflow.rollout.config import AgentConfig
 from hybridflow.train.metrics import agent_metrics
 from hybridflow.workers import ActorConfig, ActorRolloutRefWorker, ModelConfig, RefConfig
 from tests.test_agent_rollout import prompts, runs, stopping_model

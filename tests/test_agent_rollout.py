@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from hybridflow.agent.config import MultiTurnConfig
 from hybridflow.agent.loop.env import Environment, ResetResult, StepResult
 from hybridflow.agent.loop.tokens import observation_ids
 from hybridflow.controller.local import LocalWorkerGroup
@@ -21,7 +22,6 @@ from hybridflow.protocol import DataProto
 from hybridflow.protocol import keys as K
 from hybridflow.protocol.token_hash import mismatched_rows
 from hybridflow.rollout import RolloutConfig
-from hybridflow.rollout.config import MultiTurnConfig
 from hybridflow.workers import ActorConfig, ActorRolloutRefWorker, ModelConfig, RefConfig
 from hybridflow.workers.losses import actor_loss_builder
 from hybridflow.workers.ppo_update import global_norm

@@ -13,10 +13,10 @@ import pytest
 import torch
 from vllm_required import require_vllm
 
+from hybridflow.agent.config import MultiTurnConfig
 from hybridflow.models import load_causal_lm, load_tokenizer, tiny_model_dir
 from hybridflow.protocol import keys as K
 from hybridflow.rollout import RolloutConfig, build_rollout
-from hybridflow.rollout.config import MultiTurnConfig
 from hybridflow.rollout.multi_turn import generate_multi_turn
 from tests.rollout_helpers import recomputed_log_probs
 from tests.test_agent_cli import multi_turn_args

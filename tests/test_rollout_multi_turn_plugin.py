@@ -10,12 +10,12 @@ import pytest
 import torch
 from test_agent_rollout import Echo, prompts
 
+from hybridflow.agent.config import MultiTurnConfig
 from hybridflow.agent.loop.runner import TurnOutput
 from hybridflow.models import load_tokenizer, tiny_model_dir
 from hybridflow.protocol import keys as K
 from hybridflow.protocol.token_hash import mismatched_rows
 from hybridflow.rollout import Rollout, RolloutConfig, SamplingParams
-from hybridflow.rollout.config import MultiTurnConfig
 from hybridflow.rollout.multi_turn import generate_multi_turn
 
 REPLY = "hello there"

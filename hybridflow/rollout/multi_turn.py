@@ -32,13 +32,14 @@ from typing import Any
 
 import numpy as np
 
+from hybridflow.agent.config import MultiTurnConfig
 from hybridflow.agent.loop.batch import trajectories_to_batch
 from hybridflow.agent.loop.env import ENVIRONMENTS, Environment
 from hybridflow.agent.loop.runner import AgentLoopConfig, LoopTimes, run_agent_loop
 from hybridflow.agent.loop.tools.tool_config import load_tool_config, tool_kwargs
 from hybridflow.protocol import DataProto, keys
 from hybridflow.rollout.base import Rollout
-from hybridflow.rollout.config import MultiTurnConfig, RolloutConfig, SamplingParams
+from hybridflow.rollout.config import RolloutConfig, SamplingParams
 
 ROW_COLUMNS = (keys.RAW_PROMPT, keys.DATA_SOURCE, keys.GROUND_TRUTH)
 """Non-tensor columns a multi-turn rollout needs in its prompt batch (extra_info is optional)."""

@@ -42,6 +42,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hybridflow.agent.config import AgentConfig
 from hybridflow.agent.server.app import SESSION_HEADER, AgentServer, ServerConfig, start_server
 from hybridflow.agent.server.backend import GenerationRequest, Sample
 from hybridflow.agent.server.harness_batch import harness_batch
@@ -49,7 +50,7 @@ from hybridflow.agent.server.limits import ServerLimits
 from hybridflow.agent.server.rollout_backend import RolloutBackend
 from hybridflow.protocol import DataProto
 from hybridflow.rollout.base import ModuleRollout
-from hybridflow.rollout.config import AgentConfig, SamplingParams
+from hybridflow.rollout.config import SamplingParams
 from hybridflow.rollout.multi_turn import dataset_rows
 from hybridflow.utils.plugins import load_object
 
