@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from faults import plugin_override
 from test_trainer_cli import base_overrides, read_metrics, run_cli
 
 from hybridflow.models import tiny_model_dir
@@ -46,14 +47,14 @@ def _untimed(record: dict) -> dict:
     return {k: v for k, v in record.items() if not any(k.startswith(t) or k == t for t in timed)}
 
 
-def _run(tmp: Path, steps: int, *extra: str, env: dict[str, str] | None = None, ok: bool = True) -> list[dict]:
+def _run(tmp: Path, steps: int, *extra: str, ok: bool = True) -> list[dict]:
     tmp.mkdir(parents=True, exist_ok=True)
     args = base_overrides(str(tiny_model_dir("llama")), tmp) + [
         f"trainer.total_training_steps={steps}",
         *COMMON,
         *extra,
     ]
-    proc = run_cli(args, tmp, env=env)
+    proc = run_cli(args, tmp)
     assert (proc.returncode == 0) == ok, proc.stdout[-3000:] + proc.stderr[-5000:]
     return [r for r in read_metrics(tmp) if "actor/pg_loss" in r]
 
@@ -99,11 +100,11 @@ def test_killed_and_resumed_matches_uninterrupted(
     full = _run(tmp_path / "full", 4, *mode)
     assert [r["async/staleness/max"] for r in full] == staleness
     parts = tmp_path / "parts"
-    fault = {"HYBRIDFLOW_FAULT": "update_actor@3:0", "HYBRIDFLOW_FAULT_DIR": str(tmp_path / "faults")}
-    first = _run(parts, 4, *mode, env=fault, ok=False)
+    fault = plugin_override(tmp_path / "plugin", calls="update_actor@3:0", marker_dir=tmp_path / "faults")
+    first = _run(parts, 4, *mode, fault, ok=False)
     assert [r["step"] for r in first] == [1, 2]
     assert sorted(p.name for p in (parts / "ckpt" / "global_step_2" / "rollout_queue").iterdir()) == queued
-    resumed = _run(parts, 4, *mode, env=fault)  # the fault fires once; resume_mode=auto picks global_step_2
+    resumed = _run(parts, 4, *mode, fault)  # the fault fires once; resume_mode=auto picks global_step_2
     by_step = {r["step"]: r for r in first + resumed}
     assert sorted(by_step) == [1, 2, 3, 4]
     for want in full:

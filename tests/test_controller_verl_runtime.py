@@ -22,12 +22,12 @@ from hybridflow.controller.ray import (
     RayResourcePool,
     RayWorkerGroup,
     ResourcePoolManager,
-    Role,
     SubRayResourcePool,
     create_colocated_worker_cls_fused,
     split_resource_pool,
 )
 from hybridflow.controller.worker_group import GroupInfo
+from hybridflow.train.roles import Role
 
 
 class AsyncWorker(Worker):

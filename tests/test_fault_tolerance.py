@@ -1,5 +1,5 @@
 """A run survives worker death: real `hybridflow train` runs (tiny model, 2 Ray workers, 4 steps, checkpoints
-at steps 2 and 4) with faults injected at precise points (HYBRIDFLOW_FAULT, hybridflow/controller/faults.py)
+at steps 2 and 4) with faults injected at precise points (tests/faults/calls.py, armed by a trainer.plugins module)
 finish with exactly the metrics of one uninterrupted reference run, each step logged once.
 
 The rewards come from a length-based scorer, so the tiny random model gets non-zero advantages and its
@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from faults import disarm, plugin_override
 from test_trainer_cli import base_overrides, cli_env, read_metrics, run_cli
 
 from hybridflow.models import tiny_model_dir
@@ -59,13 +60,14 @@ def overrides(setup: tuple[str, Path], tmp: Path, *extra: str) -> list[str]:
     ]
 
 
-def fault_env(tmp: Path, faults: str) -> dict[str, str]:
-    return {"HYBRIDFLOW_FAULT": faults, "HYBRIDFLOW_FAULT_DIR": str(tmp / "faults")}
+def armed(tmp: Path, faults: str) -> list[str]:
+    """The override that arms worker-fault spec `faults` in every process of the run (markers in tmp/faults)."""
+    return [plugin_override(tmp / "plugin", calls=faults, marker_dir=tmp / "faults")] if faults else []
 
 
 def train(setup: tuple[str, Path], tmp: Path, *extra: str, faults: str = "") -> subprocess.CompletedProcess:
     tmp.mkdir(parents=True, exist_ok=True)
-    proc = run_cli(overrides(setup, tmp, *extra), tmp, env=fault_env(tmp, faults) if faults else None)
+    proc = run_cli(overrides(setup, tmp, *extra, *armed(tmp, faults)), tmp)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
 
@@ -154,8 +156,8 @@ def test_without_restarts_the_cli_names_the_worker_and_the_fix_and_the_same_comm
     setup, reference, tmp_path: Path
 ):
     faults = "update_actor@3:0"
-    args = overrides(setup, tmp_path, "trainer.max_restarts=0")
-    failed = run_cli(args, tmp_path, env=fault_env(tmp_path, faults))
+    args = overrides(setup, tmp_path, "trainer.max_restarts=0", *armed(tmp_path, faults))
+    failed = run_cli(args, tmp_path)
     assert failed.returncode == 1, failed.stderr[-5000:]
     last = failed.stderr.strip().splitlines()[-1]
     assert last.startswith("hybridflow train: error: worker failure at step 3: group ") and "rank 0 (pid" in last, last
@@ -164,7 +166,7 @@ def test_without_restarts_the_cli_names_the_worker_and_the_fix_and_the_same_comm
     assert "; trainer.max_restarts=0. Running the same command again resumes from " in last, last
     assert "global_step_2" in last and "raise trainer.max_restarts" in last, last
     assert "Traceback" not in failed.stderr, failed.stderr[-5000:]
-    again = run_cli(args, tmp_path, env=fault_env(tmp_path, faults))  # the fault fired once: this one finishes
+    again = run_cli(args, tmp_path)  # the fault fired once: this one finishes
     assert again.returncode == 0, again.stderr[-5000:]
     assert_same_metrics(steps_of(tmp_path), reference)
 
@@ -189,11 +191,11 @@ def _descendants(pid: int) -> list[int]:
 @pytest.mark.slow  # two runs
 def test_controller_killed_mid_save_resumes_from_the_last_complete_checkpoint(setup, reference, tmp_path: Path):
     faults = "save_checkpoint@4:0:hang"  # rank 0 stays inside the step-4 save until the controller is killed
-    args = overrides(setup, tmp_path)
+    args = overrides(setup, tmp_path, *armed(tmp_path, faults))
     proc = subprocess.Popen(
         [sys.executable, "-m", "hybridflow.cli.train", *args],
         cwd=tmp_path,
-        env=cli_env(**fault_env(tmp_path, faults)),
+        env=cli_env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
@@ -214,7 +216,7 @@ def test_controller_killed_mid_save_resumes_from_the_last_complete_checkpoint(se
             pass
     assert [r["step"] for r in steps_of(tmp_path)] == [1, 2, 3]
     assert not (tmp_path / "ckpt" / "global_step_4").exists()
-    again = run_cli(args, tmp_path, env=fault_env(tmp_path, faults))
+    again = run_cli(args, tmp_path)
     assert again.returncode == 0, again.stderr[-5000:]
     assert "resumed from " in again.stderr and "global_step_2 at step 2" in again.stderr, again.stderr[-3000:]
     assert_same_metrics(steps_of(tmp_path), reference)
@@ -257,17 +259,21 @@ def test_a_two_node_run_recovers_when_the_worker_on_the_second_node_dies(
     from hybridflow.cli.train import load_run, run
 
     # both ranks park in step 3's generate; then the worker on the second node is killed from outside
-    monkeypatch.setenv("HYBRIDFLOW_FAULT", "generate_sequences@3:0:hang,generate_sequences@3:1:hang")
-    monkeypatch.setenv("HYBRIDFLOW_FAULT_DIR", str(tmp_path / "faults"))
+    hang = armed(tmp_path, "generate_sequences@3:0:hang,generate_sequences@3:1:hang")
     monkeypatch.setenv("HYBRIDFLOW_NO_PROGRESS", "1")
     head, second = two_nodes.list_all_nodes()
     markers = [tmp_path / "faults" / f"generate_sequences@3:{rank}:hang" for rank in (0, 1)]
     killed: list[int] = []
     killer = threading.Thread(target=lambda: killed.append(_kill_the_worker_on(second.node_id, markers)), daemon=True)
-    resolved, inputs = load_run(None, overrides(setup, tmp_path, "trainer.nnodes=2", "trainer.n_workers_per_node=1"))
-    killer.start()
-    with caplog.at_level(logging.WARNING, logger="hybridflow"):
-        run(resolved, inputs)
+    try:  # loading the run imports the fault plugin here too: it must not outlive the test
+        resolved, inputs = load_run(
+            None, overrides(setup, tmp_path, "trainer.nnodes=2", "trainer.n_workers_per_node=1", *hang)
+        )
+        killer.start()
+        with caplog.at_level(logging.WARNING, logger="hybridflow"):
+            run(resolved, inputs)
+    finally:
+        disarm()
     killer.join(timeout=5)
     assert_same_metrics(steps_of(tmp_path), reference)
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("worker failure:")]
@@ -282,7 +288,7 @@ def test_sft_recovers_from_a_killed_worker_exactly(setup, tmp_path: Path):
     def sft(tmp: Path, faults: str = "") -> tuple[subprocess.CompletedProcess, list[dict]]:
         tmp.mkdir(parents=True)
         args = ["sft", *sft_overrides(setup[0], tmp), "trainer.total_training_steps=4", "trainer.cpus_per_worker=1"]
-        proc = run_cli(args, tmp, module="hybridflow.cli.main", env=fault_env(tmp, faults) if faults else None)
+        proc = run_cli([*args, *armed(tmp, faults)], tmp, module="hybridflow.cli.main")
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
         return proc, [r for r in read_metrics(tmp) if "train/loss" in r]
 

@@ -15,6 +15,8 @@ The parts stand in layers, each importing only parts below it (docs/architecture
 
 controller/ knows nothing of RL; algos/ is tensor math without Ray; planner/ takes plain inputs (planner/inputs.py)
 and never reads the run config; the library never imports its command-line entry points (cli/).
+parity/ sees a rollout only through its interface (rollout/base.py). No library module imports anything of tests/:
+the fault injection lives there and reaches the code only through the hook points of utils/hooks.py.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pathlib import Path
 import hybridflow
 
 PACKAGE = Path(hybridflow.__file__).parent
+TESTS = Path(__file__).resolve().parent
 CLI_MODULES = {f"hybridflow.cli.{p.stem}" for p in (PACKAGE / "cli").glob("*.py") if p.stem != "__init__"}
 """Every subcommand's module: `hybridflow` (cli/main.py, the console script), train, sft, plan, generate, ..."""
 
@@ -49,14 +52,9 @@ FORBIDDEN = {
     "agent.loop": (*_above("utils", "protocol", "rewards", "agent.loop"), "agent.server"),
     "data": (*_above("utils", "protocol", "data", "agent.loop"), "agent.server"),
     "engine": _above("utils", "protocol", "models", "algos", "engine"),
-    "controller": _above("utils", "protocol", "controller", "parity"),
-    "rollout": (*_above("utils", "protocol", "models", "engine", "agent.loop", "rollout", "parity"), "agent.server"),
-    "parity": (
-        *_above("utils", "protocol", "models", "engine", "rollout", "parity"),
-        "rollout.native",
-        "rollout.hf",
-        "rollout.vllm",
-    ),
+    "controller": _above("utils", "protocol", "controller"),
+    "rollout": (*_above("utils", "protocol", "models", "engine", "agent", "rollout", "parity"), "agent.server"),
+    "parity": _above("utils", "protocol", "models", "engine", "parity"),
     "planner": ("workers", "config", "compat", "train", "cli", "service", "controller", "agent"),
     "agent.server": ("workers", "config", "compat", "train", "cli", "service", "planner", "parity"),
     "workers": ("config", "compat", "train", "cli", "service"),
@@ -66,6 +64,8 @@ FORBIDDEN = {
 }
 """Part of hybridflow -> what it must not import: hybridflow's parts by name ("agent.loop": a sub-package), "ray" the
 library."""
+ALLOWED = {"parity": ("rollout.base",)}
+"""Part -> modules inside a forbidden part that it may import all the same (the Rollout interface)."""
 
 
 def module_name(path: Path) -> str:
@@ -131,13 +131,48 @@ def test_no_library_module_imports_the_cli():
     assert not offenders, f"library modules import the CLI: {offenders}"
 
 
-def test_every_part_imports_only_what_its_layer_allows():
+def layer_offenders(imports: dict[str, set[str]]) -> list[str]:
+    """ "module -> import" for every import (of `imports`: module -> what it imports) its layer forbids."""
     offenders = []
-    for name, found in library_imports().items():
+    for name, found in imports.items():
         for part, banned in FORBIDDEN.items():
             if is_within(name, part):
-                offenders += [f"{name} -> {m}" for m in sorted(found) for b in banned if is_within(m, b)]
+                allowed = ALLOWED.get(part, ())
+                offenders += [
+                    f"{name} -> {m}"
+                    for m in sorted(found)
+                    if any(is_within(m, b) for b in banned) and not any(is_within(m, a) for a in allowed)
+                ]
+    return offenders
+
+
+def test_every_part_imports_only_what_its_layer_allows():
+    offenders = layer_offenders(library_imports())
     assert not offenders, "imports across the layers:\n" + "\n".join(offenders)
+
+
+def test_the_layer_rules_catch_rl_in_the_controller_and_implementations_in_parity():
+    assert layer_offenders({"hybridflow.controller.decorator": {"hybridflow.parity.guard"}}) == [
+        "hybridflow.controller.decorator -> hybridflow.parity.guard"
+    ]
+    imports = {"hybridflow.parity.weights": {"hybridflow.rollout.base", "hybridflow.rollout.native.rollout", "torch"}}
+    assert layer_offenders(imports) == ["hybridflow.parity.weights -> hybridflow.rollout.native.rollout"]
+
+
+def tests_top_level_names() -> set[str]:
+    """The top-level names that tests/ makes importable (its modules and packages, and `tests` itself)."""
+    names = {"tests"} | {p.stem for p in TESTS.glob("*.py")}
+    return names | {p.parent.name for p in TESTS.glob("*/__init__.py")}
+
+
+def test_no_library_module_imports_the_tests():
+    seams = tests_top_level_names()
+    assert "faults" in seams and "conftest" in seams
+    offenders = {
+        name: sorted(m for m in found if m.split(".")[0] in seams) for name, found in library_imports().items()
+    }
+    offenders = {name: bad for name, bad in offenders.items() if bad}
+    assert not offenders, f"library modules import test code: {offenders}"
 
 
 def test_the_layer_check_sees_function_local_imports():

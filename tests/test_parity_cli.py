@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from faults import plugin_override
 
 from hybridflow.models import tiny_model_dir
 from tests.test_trainer_cli import base_overrides, read_metrics, run_cli
@@ -16,7 +17,7 @@ LOCAL = ["trainer.backend=local", "trainer.n_workers_per_node=1", "trainer.val_b
 
 def _run(tmp_path: Path, fault: str, *extra: str):
     args = base_overrides(str(tiny_model_dir("llama")), tmp_path) + list(extra)
-    return run_cli(args, tmp_path, env={"HYBRIDFLOW_PARITY_FAULT": fault})
+    return run_cli([*args, plugin_override(tmp_path / "faults", parity=fault)], tmp_path)
 
 
 def test_a_token_edit_stops_the_run_at_its_step(tmp_path: Path):

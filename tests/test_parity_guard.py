@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from faults import armed
 from ray.exceptions import RayTaskError
 
 from hybridflow.config.run import RunConfig
@@ -15,7 +16,6 @@ from hybridflow.parity import ParityError
 from hybridflow.parity.config import ParityThresholds, Thresholds, parity_rollout_fields
 from hybridflow.parity.guard import ParityGuard
 from hybridflow.parity.logprob import logprob_gaps
-from hybridflow.parity.rollout_faults import apply_rollout_faults
 from hybridflow.protocol import DataProto
 from hybridflow.protocol import keys as K
 from hybridflow.protocol.token_hash import MOD, hash_ids, hash_list_rows, hash_rows, mismatched_rows
@@ -169,16 +169,22 @@ def test_without_old_log_probs_the_updates_own_forward_is_checked():
     assert guard.after_update([DataProto(meta_info={K.META_METRICS: {}})], step=2) == {}
 
 
-def test_the_rollout_faults_break_what_they_name(monkeypatch):
+def test_the_rollout_faults_break_what_they_name():
+    from hybridflow.workers.actor_rollout_ref import GENERATED
+
     batch = _batch()
-    monkeypatch.setenv("HYBRIDFLOW_PARITY_FAULT", "token_edit@2,logprob_skew@3")
-    apply_rollout_faults(batch, 1)
-    assert ParityGuard("error", LIMITS).before_update(batch, 1)["parity/token_mismatch_rows"] == 0
-    apply_rollout_faults(batch, 2)
-    assert batch.batch[K.RESPONSES][0, 0] == 4 and batch.batch[K.INPUT_IDS][0, 3] == 4
-    assert ParityGuard("warn", LIMITS).before_update(batch, 2)["parity/token_mismatch_rows"] == 1
-    apply_rollout_faults(batch, 3)
-    assert ParityGuard("warn", LIMITS).before_update(batch, 3)["parity/logprob_gap_mean"] == pytest.approx(0.5)
+    with armed(parity="token_edit@2,logprob_skew@3"):
+        GENERATED(out=batch, step=1)
+        assert ParityGuard("error", LIMITS).before_update(batch, 1)["parity/token_mismatch_rows"] == 0
+        GENERATED(out=batch, step=2)
+        assert batch.batch[K.RESPONSES][0, 0] == 4 and batch.batch[K.INPUT_IDS][0, 3] == 4
+        assert ParityGuard("warn", LIMITS).before_update(batch, 2)["parity/token_mismatch_rows"] == 1
+        GENERATED(out=batch, step=3)
+        assert ParityGuard("warn", LIMITS).before_update(batch, 3)["parity/logprob_gap_mean"] == pytest.approx(0.5)
+    responses, log_probs = batch.batch[K.RESPONSES].clone(), batch.batch[K.ROLLOUT_LOG_PROBS].clone()
+    GENERATED(out=batch, step=2)  # disarmed: the point does nothing (armed, it would edit the token again)
+    GENERATED(out=batch, step=3)
+    assert torch.equal(batch.batch[K.RESPONSES], responses) and torch.equal(batch.batch[K.ROLLOUT_LOG_PROBS], log_probs)
 
 
 def test_config_rejects_bad_values_naming_the_key():

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from faults import plugin_override
 
 from hybridflow.models import tiny_model_dir
 from tests.test_trainer_cli import read_metrics, run_cli
@@ -24,7 +25,7 @@ REWARD = (
 STEPS = 8
 
 
-def learn(tmp: Path, *extra: str, env: dict[str, str] | None = None):
+def learn(tmp: Path, *extra: str):
     tmp.mkdir(parents=True, exist_ok=True)
     reward = tmp / "upper.py"
     reward.write_text(REWARD)
@@ -52,7 +53,7 @@ def learn(tmp: Path, *extra: str, env: dict[str, str] | None = None):
         "trainer.logger=[jsonl]",
         *extra,
     ]
-    proc = run_cli(args, tmp, env=env)
+    proc = run_cli(args, tmp)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     steps = [r for r in read_metrics(tmp) if r.get("step", 0) >= 1 and "critic/score/mean" in r]
     return proc, steps
@@ -70,7 +71,8 @@ def test_a_tiny_model_learns_and_without_its_weight_sync_does_not_and_the_guard_
     assert all(r["parity/weight_findings"] == 0 for r in healthy), healthy
 
     skipped = ",".join(f"skip_sync@{s}" for s in range(2, STEPS + 1))
-    proc, broken = learn(tmp_path / "no-sync", "trainer.parity=warn", env={"HYBRIDFLOW_PARITY_FAULT": skipped})
+    faults = plugin_override(tmp_path / "faults", parity=skipped)
+    proc, broken = learn(tmp_path / "no-sync", "trainer.parity=warn", faults)
     stale = [r["critic/score/mean"] for r in broken]
     assert mean(stale[-2:]) < 1.2 * mean(stale[:2]) < mean(scores[-2:]), (stale, scores)
     assert [r["parity/weight_findings"] > 0 for r in broken] == [False] + [True] * (STEPS - 1), broken

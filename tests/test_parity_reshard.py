@@ -14,7 +14,6 @@ import torch
 import torch.multiprocessing as mp
 
 from hybridflow.models import tiny_model_dir
-from hybridflow.parity.faults import PARITY_FAULT_ENV
 
 TP_STEP = 100
 FULL = f"wrong_shard@2,skip_sync@3,corrupt_tensor@4,wrong_dtype@5,wrong_shard@{TP_STEP + 1}"
@@ -30,6 +29,7 @@ def _free_port() -> int:
 
 def _worker(rank: int, world: int, port: int, out_dir: str, spec: str, steps: int) -> None:
     import torch.distributed as dist
+    from faults import arm
 
     from hybridflow.engine import EngineConfig, FSDPEngine
     from hybridflow.engine.reshard import named_weights
@@ -37,7 +37,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, spec: str, steps: in
     from hybridflow.rollout import RolloutConfig, build_rollout, sync_weights
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    os.environ[PARITY_FAULT_ENV] = spec
+    arm(parity=spec)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     path = tiny_model_dir("llama")

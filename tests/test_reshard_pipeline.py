@@ -17,7 +17,6 @@ import torch.multiprocessing as mp
 
 from hybridflow.engine.reshard_plan import merge_tables
 from hybridflow.models import tiny_model_dir
-from hybridflow.parity.faults import PARITY_FAULT_ENV
 
 PRELOAD = ["torch", "transformers", "hybridflow.models", "hybridflow.engine.fsdp", "hybridflow.rollout.native.rollout"]
 FAULTS = "wrong_shard@2,skip_sync@3"
@@ -38,7 +37,7 @@ def _free_port() -> int:
 
 def _sync_case(arch: str, layout: dict) -> dict:
     """Sync a tp2 rollout from a pipelined engine over steps 1..STEPS (every weight changed before each; faults by
-    HYBRIDFLOW_PARITY_FAULT); after step 1 also load the plain full gather and compare the two."""
+    tests/faults, armed by `_worker`); after step 1 also load the plain full gather and compare the two."""
     from hybridflow.engine import EngineConfig, FSDPEngine
     from hybridflow.engine.reshard import ReshardStats
     from hybridflow.models import load_tokenizer
@@ -78,9 +77,10 @@ def _differs_from_full_gather(rollout, engine) -> list[str]:
 
 def _worker(rank: int, world: int, port: int, out_dir: str, cases: dict) -> None:
     import torch.distributed as dist
+    from faults import arm
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    os.environ[PARITY_FAULT_ENV] = FAULTS
+    arm(parity=FAULTS)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     out = {(arch, name): _sync_case(arch, layout) for name, layout in cases.items() for arch in ("llama", "qwen2")}

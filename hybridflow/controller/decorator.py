@@ -26,8 +26,8 @@ from enum import Enum
 from typing import Any
 
 from hybridflow.controller import dispatch as _d
-from hybridflow.controller.faults import maybe_fail
 from hybridflow.protocol import DataProtoFuture
+from hybridflow.utils.hooks import HookPoint
 from hybridflow.utils.registry import Registry
 
 DispatchFn = Callable[..., tuple[tuple, dict]]
@@ -35,6 +35,12 @@ CollectFn = Callable[[Any, list], Any]
 
 # Attribute set on a decorated method; WorkerGroup looks for it.
 REGISTER_ATTR = "_hybridflow_register"
+
+METHOD_ENTERED = HookPoint(
+    "worker.method_entered",
+    "a `@register` method is entered, in the process that runs it, with its arguments materialized: "
+    "(method: str, args: tuple, kwargs: dict); the answer is ignored (a test's hook may kill or hang the process)",
+)
 
 
 class Dispatch(str, Enum):
@@ -182,7 +188,7 @@ def register(
         def prepare(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             if materialize_futures:
                 args, kwargs = materialize(args, kwargs)
-            maybe_fail(func.__name__, args, kwargs)  # testing-only fault injection (controller/faults.py)
+            METHOD_ENTERED(method=func.__name__, args=args, kwargs=kwargs)
             return args, kwargs
 
         if inspect.iscoroutinefunction(func):

@@ -18,9 +18,6 @@ path, the step and the first differing tensors, which the worker returns in meta
   is not compared, and the finding counts those. A load that left other state stale (`Rollout.stale_state`:
   vllm's prefix cache not reset) is a finding too.
 - A rollout whose weights cannot be read back otherwise (`Rollout.held_weights` None) is not checked.
-
-The injected faults of the load (`apply_load_faults`) are here too: they break the rollout's tensors in place,
-after the load, the way a bad load would.
 """
 
 from __future__ import annotations
@@ -35,8 +32,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from hybridflow.engine.reshard import GenerationLayout, block_view, local_block
-from hybridflow.engine.reshard_plan import WeightTable, local_table, plan_pieces, unique_tensors
-from hybridflow.parity.faults import parity_fault
+from hybridflow.engine.reshard_plan import WeightTable, local_table, plan_pieces
 from hybridflow.parity.fingerprint import MOD, differing, tensor_fingerprint
 
 if TYPE_CHECKING:
@@ -52,8 +48,6 @@ CAUSES = {
     "bridge": "an update dropped or altered on the weight bridge, or received and not loaded",
 }
 """Per sync path: what usually makes its fingerprints differ (the finding says it)."""
-LOSSY = {torch.float32: torch.bfloat16, torch.bfloat16: torch.float8_e4m3fn, torch.float16: torch.float8_e4m3fn}
-"""wrong_dtype: the dtype each rollout dtype passes through (fewer mantissa bits: lossy for any real weights)."""
 
 
 @dataclass(frozen=True)
@@ -187,24 +181,3 @@ def gather_findings(lines: list[str]) -> list[str]:
     parts: list[list[str] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(parts, lines)
     return [line for part in parts for line in part or []]
-
-
-# --- injected faults (hybridflow/parity/faults.py) ---------------------------------------------------------------
-
-
-@torch.no_grad()
-def apply_load_faults(held: Mapping[str, Tensor] | None, step: int | None) -> None:
-    """After a load at `step`: corrupt_tensor adds 1 to one element of one decoder tensor; wrong_dtype rounds
-    every tensor through `LOSSY` (as if the weights had passed through that dtype on the way in)."""
-    if held is None:
-        return
-    if parity_fault("corrupt_tensor", step):
-        held[corrupted_name(held)].view(-1)[0] += 1.0
-    if parity_fault("wrong_dtype", step):
-        for _, t in unique_tensors(held):
-            t.copy_(t.to(LOSSY[t.dtype]).to(t.dtype))
-
-
-def corrupted_name(held: Mapping[str, Tensor]) -> str:
-    """The tensor corrupt_tensor alters: the first 2-D decoder-layer weight (else the first tensor)."""
-    return next((n for n, t in held.items() if ".layers." in n and t.dim() == 2), next(iter(held)))

@@ -56,7 +56,7 @@ HARNESS_STATUS = "harness_status"  # [B] str: rollout.agent: how its harness cal
 META_GLOBAL_STEP = "global_step"
 """int: the training step whose batch (or prompts) this is, stamped by the controller (the PPO rollout
 source, train/async_pipeline.py; the SFT trainer). Provenance, not a flag: no worker branches on it (generate_sequences
-takes `step` as an argument); fault injection (controller/faults.py) keys on it, and the ReMax
+takes `step` as an argument); the tests' fault injection (tests/faults/) keys on it, and the ReMax
 baseline regenerates a batch's prompts with the step they carry."""
 META_METRICS = "metrics"
 """dict[str, float | list[float]]: metrics returned by a worker call. Valid-token counts for

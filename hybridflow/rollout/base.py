@@ -91,8 +91,8 @@ class Rollout(ABC):
     """True where the weights live out of `held_weights`' reach (vllm's worker) and `held_prints` fingerprints
     them where they are."""
     sync_step: int | None = None
-    """The training step of the weights being loaded, set by the syncs before `load_weights` (the injected faults
-    of hybridflow/parity/faults.py that act inside a load read it; None: none fires)."""
+    """The training step of the weights being loaded, set by the syncs before `load_weights`, for the hook points
+    a backend calls inside its load (hybridflow/utils/hooks.py; None: validation or no sync)."""
 
     def held_prints(self, names: list[str]) -> dict[str, int]:
         """With `prints_own_weights`: name -> fingerprint (parity/fingerprint.py) of the tensor held under each

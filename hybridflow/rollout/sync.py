@@ -12,17 +12,17 @@ layout, pipeline stages included (pp x tp x dp: a weight comes from the ranks of
 When the engine holds every weight whole, in the rollout's dtype and on its device (one training rank, e.g.
 the 1x2 layout on CPU in fp32), the rollout generates with the engine's own tensors instead of a copy
 (`Rollout.share_weights`): the sync moves nothing and the rollout's copy is freed (SmolLM2 in fp32: 540 MB).
-There is then nothing a sync could get wrong, and nothing to fingerprint. A run with an injected parity fault
-(HYBRIDFLOW_PARITY_FAULT) keeps the copy, which is what the faults break.
+There is then nothing a sync could get wrong, and nothing to fingerprint. A test that breaks syncs keeps the copy
+(`KEEP_COPY`), which is what its faults break.
 
 With `check`, every sync is verified (hybridflow/parity/weights.py): the fingerprints of what the engine meant
 to send against those of what the rollout holds afterwards; a mismatch is a finding in the `SyncReport`. The
-parity faults of hybridflow/parity/faults.py that break a sync are injected here.
+hook points below (hybridflow/utils/hooks.py) are where tests break a sync to show the check finds it; the
+weight bridge (workers/actor_rollout_ref.py) calls them too, with path "bridge".
 """
 
 from __future__ import annotations
 
-import os
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -33,21 +33,38 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from hybridflow.engine.gather import TIED_HEAD, gather_named
+from hybridflow.engine.gather import TIED_HEAD
 from hybridflow.engine.reshard import GenerationLayout, ReshardStats, named_weights, reshard
 from hybridflow.engine.reshard_plan import WeightTable, gathered_table
-from hybridflow.parity.faults import PARITY_FAULT_ENV, parity_fault
-from hybridflow.parity.weights import (
-    SyncSite,
-    WeightCheck,
-    apply_load_faults,
-    expected_shard_prints,
-    gather_findings,
-)
+from hybridflow.parity.weights import SyncSite, WeightCheck, expected_shard_prints, gather_findings
+from hybridflow.utils.hooks import HookPoint
 
 if TYPE_CHECKING:
     from hybridflow.engine.base import Engine
     from hybridflow.rollout.base import Rollout
+
+KEEP_COPY = HookPoint(
+    "weight_sync.keep_copy",
+    "asked before a rollout would generate with the engine's own tensors: (rollout, engine); True keeps its copy",
+)
+BEFORE_LOAD = HookPoint(
+    "weight_sync.before_load",
+    "a full or bridge sync is about to load `state` (already fingerprinted as sent): (state, rollout, engine, step, "
+    "path), engine None on the bridge's receiving side; answers a state dict to load instead, or None",
+)
+SKIP_LOAD = HookPoint(
+    "weight_sync.skip_load",
+    "asked before every sync's load: (rollout, step, path); True: nothing is loaded, the rollout keeps its weights",
+)
+RESHARD_LAYOUT = HookPoint(
+    "weight_sync.reshard_layout",
+    "a reshard is about to write the rollout's shards: (layout, step); a GenerationLayout to use instead, or None",
+)
+LOADED = HookPoint(
+    "weight_sync.loaded",
+    "after every sync's load (skipped or not), before the check: (rollout, step, path); the hook may alter the "
+    "rollout's tensors in place",
+)
 
 
 def load_state_dict_into(model: nn.Module, state_dict: dict[str, Tensor], partial: bool = False) -> None:
@@ -101,7 +118,7 @@ class SyncReport:
 
 def share_engine_weights(rollout: Rollout, engine: Engine) -> bool:
     """Point the rollout at the engine's own tensors where it can (module docstring); whether it now does."""
-    if rollout.generation_layout() is not None or engine.has_adapters or os.environ.get(PARITY_FAULT_ENV):
+    if rollout.generation_layout() is not None or engine.has_adapters or KEEP_COPY(rollout=rollout, engine=engine):
         return False
     if engine.pipeline_stages > 1:  # a stage holds part of the model
         return False
@@ -135,7 +152,7 @@ def sync_weights(
 
     With a split rollout (`generation_layout()` not None) and no adapters, reshards instead (`reshard_into`).
     `changed_only` (once the rollout holds every weight): only those training can have changed,
-    see `Engine.full_state_dict`. `step`: the training step the weights are for (findings and faults name it);
+    see `Engine.full_state_dict`. `step`: the training step the weights are for (findings and hook points name it);
     `check`: fingerprint both sides (rollout.weight_fingerprints), `backend` (rollout.name) named in findings.
     `share`: let the rollout generate with the engine's own tensors where it can (module docstring); False copies.
     """
@@ -158,13 +175,14 @@ def sync_weights(
 
 
 def _full_sync(rollout: Rollout, engine: Engine, changed_only: bool, step: int | None, check: WeightCheck) -> list[str]:
+    path = "lora" if engine.has_adapters else "colocated"
     state = engine.full_state_dict(dtype=rollout.weight_dtype, changed_only=changed_only)
     sent = check.sent(state)
-    if engine.has_adapters and parity_fault("lora_unmerged", step):
-        state.update(base_weights(engine, rollout.weight_dtype))
-    if not parity_fault("skip_sync", step):
-        rollout.load_weights(state, partial=changed_only and engine.has_adapters)  # without adapters: all of them
-    apply_load_faults(rollout.held_weights(), step)
+    replaced = BEFORE_LOAD(state=state, rollout=rollout, engine=engine, step=step, path=path)
+    if not SKIP_LOAD(rollout=rollout, step=step, path=path):
+        partial = changed_only and engine.has_adapters  # without adapters: all of them
+        rollout.load_weights(state if replaced is None else replaced, partial=partial)
+    LOADED(rollout=rollout, step=step, path=path)
     return check.compare(sent)
 
 
@@ -173,11 +191,10 @@ def _reshard_sync(
 ) -> list[str]:
     named, table = named_weights(engine.module), weight_table(engine)
     expected = check.timed(expected_shard_prints, named, layout, rollout.weight_dtype, table)
-    if parity_fault("wrong_shard", step):
-        layout = MirroredLayout(layout.tp, layout.split_dims, layout.stride)
-    if not parity_fault("skip_sync", step):
+    layout = RESHARD_LAYOUT(layout=layout, step=step) or layout
+    if not SKIP_LOAD(rollout=rollout, step=step, path="reshard"):
         reshard_into(rollout, engine, layout)
-    apply_load_faults(rollout.held_weights(), step)
+    LOADED(rollout=rollout, step=step, path="reshard")
     return check.compare(expected)
 
 
@@ -202,25 +219,3 @@ def weight_table(engine: Engine) -> WeightTable | None:
         aliases = TIED_HEAD if getattr(engine.module, "tied", False) else {}  # PipelineStageModule.tied
         _TABLES[engine] = gathered_table(named_weights(engine.module), aliases)
     return _TABLES[engine]
-
-
-# --- injected faults (hybridflow/parity/faults.py) ---------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class MirroredLayout(GenerationLayout):
-    """wrong_shard: the layout with each tp group's ranks in reverse order, so every rank of a group of two
-    or more receives another rank's generation shard (consistently on every rank: the reshard still completes)."""
-
-    def tp_index(self, rank: int) -> int:
-        """The mirror image of the true place in the tp group."""
-        return self.tp - 1 - super().tp_index(rank)
-
-
-def base_weights(engine: Engine, dtype: torch.dtype | None) -> dict[str, Tensor]:
-    """lora_unmerged: the adapted layers' frozen base weights, gathered (a collective), under the names the
-    merged ones are sent under."""
-    from hybridflow.engine.lora import adapted_layers, hf_name  # noqa: PLC0415  (lazy: peft, only LoRA runs need it)
-
-    named = {hf_name(f"{name}.weight"): layer.base_layer.weight for name, layer in adapted_layers(engine.module)}
-    return gather_named(named, dtype)

@@ -19,17 +19,30 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
 
 from hybridflow.config.resolve import POLICY_ROLES, ResolvedRun, WorkerSet
 from hybridflow.config.run import RunConfig
 from hybridflow.config.trainer import TrainerConfig
 from hybridflow.controller.colocate import create_colocated_worker_cls
-from hybridflow.controller.faults import fault_env
 from hybridflow.controller.local import LocalResourcePool, LocalWorkerGroup
 from hybridflow.controller.resource_pool import ClassWithInitArgs
 from hybridflow.controller.worker_group import Timeouts, WorkerGroup
 from hybridflow.utils.quiet import worker_env
 from hybridflow.workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
+
+
+class Role(Enum):
+    """The roles of a PPO program, verl's names and values (verl: `verl.trainer.ppo.ray_trainer.Role`), for keying
+    a `ResourcePoolManager` mapping as a verl program does."""
+
+    Actor = 0
+    Rollout = 1
+    ActorRollout = 2
+    Critic = 3
+    RefPolicy = 4
+    RewardModel = 5
+    ActorRolloutRef = 6
 
 
 @dataclass
@@ -116,7 +129,7 @@ def worker_timeouts(t: TrainerConfig) -> Timeouts:
 def group_factory(t: TrainerConfig, set_sizes: list[int], name_prefix: str):
     """(make_group(pool, cls_with_init), [one pool per worker set of `set_sizes` ranks], release()) for
     trainer.backend; `release` frees the pools' placement (after the groups are shut down). Ray groups get
-    the quiet-library and fault-injection env vars and the call/collective timeouts. Shared by every trainer."""
+    the quiet-library env vars and the call/collective timeouts. Shared by every trainer."""
     if t.backend == "local":
         return (
             (lambda pool, cls: LocalWorkerGroup(pool, cls)),
@@ -132,5 +145,5 @@ def group_factory(t: TrainerConfig, set_sizes: list[int], name_prefix: str):
         name_prefix=name_prefix,
     )
     pools = split_resource_pool(pool, set_sizes) if len(set_sizes) > 1 else [pool]
-    env, timeouts = {**worker_env(t.verbose), **fault_env()}, worker_timeouts(t)
+    env, timeouts = worker_env(t.verbose), worker_timeouts(t)
     return (lambda p, cls: RayWorkerGroup(p, cls, env_vars=env, timeouts=timeouts)), pools, pool.remove

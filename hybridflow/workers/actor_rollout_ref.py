@@ -48,17 +48,16 @@ from hybridflow.engine import export_hf
 from hybridflow.engine.config import EngineConfig
 from hybridflow.engine.parallel.dims import GenerationDims, ParallelDims, aligned_stride
 from hybridflow.models import load_tokenizer, resolve_model_path
-from hybridflow.parity.faults import parity_fault
-from hybridflow.parity.rollout_faults import apply_rollout_faults
-from hybridflow.parity.weights import SyncSite, WeightCheck, apply_load_faults, bridge_expected, prints_once
+from hybridflow.parity.weights import SyncSite, WeightCheck, bridge_expected, prints_once
 from hybridflow.protocol import DataProto
 from hybridflow.protocol import keys as K
 from hybridflow.rollout import build_rollout
 from hybridflow.rollout.bridge import WeightBridge, manifest_of, open_store
 from hybridflow.rollout.config import RolloutConfig, SamplingParams
 from hybridflow.rollout.multi_turn import generate_multi_turn
-from hybridflow.rollout.sync import share_engine_weights, sync_weights
+from hybridflow.rollout.sync import BEFORE_LOAD, LOADED, SKIP_LOAD, share_engine_weights, sync_weights
 from hybridflow.utils.device import device_kind
+from hybridflow.utils.hooks import HookPoint
 from hybridflow.utils.memory import release_freed_memory
 from hybridflow.utils.peak_memory import operator_peak
 from hybridflow.utils.plugins import import_plugins
@@ -68,6 +67,11 @@ from hybridflow.workers.losses import actor_loss_builder
 from hybridflow.workers.ppo_update import run_ppo_update
 
 ROLES = ("actor", "rollout", "ref")
+GENERATED = HookPoint(
+    "rollout.generated",
+    "a generate call's output, before it is returned: (out: DataProto, step), step None outside training; "
+    "the hook may change `out` in place",
+)
 POLICY_MESH, ROLLOUT_MESH = "policy", "rollout"
 """Names of the meshes this worker declares for the N-D dispatch."""
 _ON_POLICY_MESH = make_nd_compute_dataproto_dispatch_fn(POLICY_MESH)
@@ -189,7 +193,7 @@ class ActorRolloutRefWorker(Worker):
                 metrics.update(server_metrics)
             else:
                 out = self.rollout.generate_sequences(prompts, params)
-        apply_rollout_faults(out, step)  # tests only: HYBRIDFLOW_PARITY_FAULT (parity/faults.py)
+        GENERATED(out=out, step=step)
         metrics["timing_s/generate_on_worker"] = time.perf_counter() - start
         out.meta_info[K.META_METRICS] = {**out.meta_info.get(K.META_METRICS, {}), **metrics}  # + agent/* times
         if findings:
@@ -350,9 +354,10 @@ class ActorRolloutRefWorker(Worker):
         state = self._bridge.receive(manifest)
         prints = self._bridge.receive_prints(len(manifest)) if cfg.weight_fingerprints else []
         self.rollout.sync_step = step
-        if not (parity_fault("bridge_drop", step) or parity_fault("skip_sync", step)):
-            self.rollout.load_weights(state)
-        apply_load_faults(self.rollout.held_weights(), step)
+        replaced = BEFORE_LOAD(state=state, rollout=self.rollout, engine=None, step=step, path="bridge")
+        if not SKIP_LOAD(rollout=self.rollout, step=step, path="bridge"):
+            self.rollout.load_weights(state if replaced is None else replaced)
+        LOADED(rollout=self.rollout, step=step, path="bridge")
         check = WeightCheck(self.rollout, SyncSite(cfg.name, "bridge", step), cfg.weight_fingerprints)
         sent = dict(zip((name for name, _, _ in manifest), prints))
         findings = check.compare(check.timed(bridge_expected, self.rollout, state, sent))

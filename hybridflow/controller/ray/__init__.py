@@ -7,7 +7,7 @@ from typing import Any
 import ray
 
 from hybridflow.controller.colocate import create_colocated_worker_cls, create_colocated_worker_cls_fused
-from hybridflow.controller.ray.pool_manager import ResourcePoolManager, Role
+from hybridflow.controller.ray.pool_manager import ResourcePoolManager
 from hybridflow.controller.ray.resource_pool import (
     RayClassWithInitArgs,
     RayResourcePool,
@@ -23,7 +23,6 @@ __all__ = [
     "RayWorkerGroup",
     "SubRayResourcePool",
     "ResourcePoolManager",
-    "Role",
     "create_colocated_worker_cls",
     "create_colocated_worker_cls_fused",
     "init_local_ray",

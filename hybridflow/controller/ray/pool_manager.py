@@ -1,7 +1,8 @@
-"""verl's `ResourcePoolManager` and `Role`: named pools from a spec, and which role runs on which pool.
+"""verl's `ResourcePoolManager`: named pools from a spec, and which role runs on which pool.
 
 A verl program builds its placement like this and then creates one worker group per role on
-`manager.get_resource_pool(role)`. Here the pools are `RayResourcePool`s with hybridflow's defaults
+`manager.get_resource_pool(role)`; a role is any hashable key (verl's PPO `Role` enum lives with the trainer,
+hybridflow/train/roles.py: this runtime knows nothing of RL). Here the pools are `RayResourcePool`s with hybridflow's defaults
 (`use_gpu` from `use_gpu`, False by default where verl's is True: the device is the run's choice, not
 the class's; one worker group per slot, `max_colocate_count=1`, as verl creates them).
 """
@@ -9,24 +10,12 @@ the class's; one worker group per slot, `max_colocate_count=1`, as verl creates 
 from __future__ import annotations
 
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass, field
-from enum import Enum
 
 import ray
 
 from hybridflow.controller.ray.resource_pool import RayResourcePool
-
-
-class Role(Enum):
-    """The roles of a PPO program (verl's names and values)."""
-
-    Actor = 0
-    Rollout = 1
-    ActorRollout = 2
-    Critic = 3
-    RefPolicy = 4
-    RewardModel = 5
-    ActorRolloutRef = 6
 
 
 @dataclass
@@ -35,8 +24,8 @@ class ResourcePoolManager:
 
     resource_pool_spec: dict[str, list[int]]
     """Pool name -> processes on each node, e.g. {"global_pool": [2]}."""
-    mapping: dict[Role | str, str]
-    """Role -> the name of the pool its worker group runs on."""
+    mapping: dict[Hashable, str]
+    """Role (any hashable key: a name, verl's `Role` enum) -> the name of the pool its worker group runs on."""
     use_gpu: bool = False
     """Whether each process slot holds a GPU (verl always asks for one)."""
     num_cpus_per_process: float = 1.0
@@ -65,7 +54,7 @@ class ResourcePoolManager:
                 num_cpus_per_process=self.num_cpus_per_process,
             )
 
-    def get_resource_pool(self, role: Role | str) -> RayResourcePool:
+    def get_resource_pool(self, role: Hashable) -> RayResourcePool:
         """The pool `role` is mapped to (after `create_resource_pool`)."""
         if role not in self.mapping:
             raise KeyError(f"ResourcePoolManager: {role} has no pool in the mapping (mapped: {list(self.mapping)})")

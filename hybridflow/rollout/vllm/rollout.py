@@ -43,8 +43,6 @@ from torch import Tensor
 from transformers import GenerationConfig
 
 from hybridflow.agent.loop.runner import GenerateFn, TurnOutput
-from hybridflow.parity.faults import parity_fault
-from hybridflow.parity.weights import LOSSY
 from hybridflow.protocol import DataProto
 from hybridflow.protocol.keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS
 from hybridflow.protocol.token_hash import hash_list_rows
@@ -53,6 +51,13 @@ from hybridflow.rollout.config import RolloutConfig, SamplingParams
 from hybridflow.rollout.layout import build_output, pad_responses
 from hybridflow.rollout.vllm import weights as vllm_weights
 from hybridflow.rollout.vllm.engine import engine_kwargs
+from hybridflow.utils.hooks import HookPoint
+
+SKIP_CACHE_RESET = HookPoint(
+    "vllm.skip_prefix_cache_reset",
+    "asked after vllm loaded new weights: (rollout, step); True: the prefix cache is not reset (a test's stale "
+    "cache, which `stale_state` reports)",
+)
 
 
 def _import_vllm():
@@ -226,17 +231,13 @@ class VLLMRollout(Rollout):
                 "a partial one (LoRA's changed-only sync) is refused: use rollout.name=native or hf "
                 "with actor.lora"
             )
-        if parity_fault("wrong_dtype", self.sync_step):  # tests only: a lossy cast on the way into vllm
-            state_dict = {name: t.to(LOSSY[t.dtype]).to(t.dtype) for name, t in state_dict.items()}
         self._wake()
         record = self.config.weight_fingerprints  # the repacked weights' prints, for `held_prints`
         self._load_check_s += self.llm.collective_rpc(
             vllm_weights.load_weights, args=(list(state_dict.items()), record)
         )[0]
-        if parity_fault("corrupt_tensor", self.sync_step):  # tests only
-            self.llm.collective_rpc(vllm_weights.inject_load_faults, args=(self.sync_step,))
         # vllm answers False (and keeps the cache) while any request holds blocks
-        self._prefix_cache_reset = not parity_fault("prefix_cache_stale", self.sync_step) and bool(
+        self._prefix_cache_reset = not SKIP_CACHE_RESET(rollout=self, step=self.sync_step) and bool(
             self.llm.reset_prefix_cache()
         )
 

@@ -25,7 +25,6 @@ from typing import Any
 from torch import Tensor, nn
 
 from hybridflow.parity.fingerprint import tensor_fingerprint
-from hybridflow.parity.weights import apply_load_faults
 
 UNKNOWN = -1
 """`held_prints`' answer for a name the model does not hold at all (matches no fingerprint: it is reported)."""
@@ -64,13 +63,6 @@ def held_prints(worker: Any, names: list[str]) -> dict[str, int]:
         elif held is not None:
             out[name] = held
     return out
-
-
-def inject_load_faults(worker: Any, step: int | None) -> None:
-    """Tests only: parity/faults.py's load faults on the tensors vllm holds under their HF names, the readable
-    ones (the vllm rollout casts wrong_dtype's tensors on the way in instead)."""
-    views = hf_views(worker.model_runner.get_model())
-    apply_load_faults({name: t for name, t in views.items() if isinstance(t, Tensor)}, step)
 
 
 def hf_views(model: nn.Module) -> dict[str, Tensor | int | None]:
