@@ -25,7 +25,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -35,8 +35,22 @@ from hybridflow.engine.reshard import GenerationLayout, block_view, local_block
 from hybridflow.engine.reshard_plan import WeightTable, local_table, plan_pieces
 from hybridflow.parity.fingerprint import MOD, differing, tensor_fingerprint
 
-if TYPE_CHECKING:
-    from hybridflow.rollout.base import Rollout
+
+class Rollout(Protocol):
+    """What the check reads of a rollout: the read-back half of the `Rollout` interface (rollout/base.py)."""
+
+    prints_own_weights: bool
+
+    def held_weights(self) -> dict[str, Tensor] | None: ...
+
+    def as_held(self, name: str, t: Tensor) -> Tensor: ...
+
+    def held_prints(self, names: list[str]) -> dict[str, int]: ...
+
+    def take_load_check_seconds(self) -> float: ...
+
+    def stale_state(self) -> list[str]: ...
+
 
 SHOWN = 3
 """Differing tensors named in a finding (the count says how many there are)."""

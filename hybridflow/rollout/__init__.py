@@ -2,9 +2,9 @@
 registering in `ROLLOUT_BACKENDS` (rollout/backends.py)."""
 
 from hybridflow.rollout.backends import ROLLOUT_BACKENDS, RolloutBackendSpec, RolloutBuilder, build_rollout
-from hybridflow.rollout.base import ModuleRollout, Rollout, eos_token_ids
+from hybridflow.rollout.base import ModuleRollout, Rollout, eos_token_ids, load_state_dict_into
 from hybridflow.rollout.config import ROLLOUT_NAMES, RolloutConfig, SamplingParams, ValKwargs
-from hybridflow.rollout.sync import load_state_dict_into, sync_weights
+from hybridflow.rollout.sync import sync_weights
 
 __all__ = [
     "ROLLOUT_BACKENDS",

@@ -34,7 +34,6 @@ from hybridflow.protocol.keys import (
 )
 from hybridflow.rollout.config import RolloutConfig, SamplingParams
 from hybridflow.rollout.layout import build_output
-from hybridflow.rollout.sync import load_state_dict_into
 from hybridflow.utils.device import device_kind
 
 
@@ -117,6 +116,41 @@ class Rollout(ABC):
         raise NotImplementedError(
             f"rollout.multi_turn needs a rollout that generates turn by turn: {type(self).__name__} does not "
             "implement Rollout.turn_generator (hybridflow/rollout/base.py says what it returns)"
+        )
+
+
+def load_state_dict_into(model: nn.Module, state_dict: dict[str, Tensor], partial: bool = False) -> None:
+    """Copy every tensor of `state_dict` in place into `model`, cast to the model's dtype.
+
+    Keys must be the model's own `state_dict()` keys. Tied parameters (e.g. lm_head and
+    the input embedding) are written once; the state dict may hold either or both names.
+    `partial`: the state dict may hold any subset of the weights; the others are kept.
+    Raises KeyError for unknown or (unless `partial`) missing keys, ValueError for a shape mismatch.
+    """
+    targets = model.state_dict(keep_vars=True)
+    unknown = sorted(set(state_dict) - set(targets))
+    if unknown:
+        raise KeyError(
+            f"load_weights: {len(unknown)} keys are not in the rollout model, e.g. {unknown[:3]}; "
+            f"expected keys like {list(targets)[:3]} (strip wrapper prefixes such as '_orig_mod.')"
+        )
+    written: set[int] = set()
+    with torch.no_grad():
+        for key, src in state_dict.items():
+            dst = targets[key]
+            if id(dst) in written:
+                continue
+            if dst.shape != src.shape:
+                raise ValueError(
+                    f"load_weights: {key} has shape {tuple(src.shape)}, the rollout model expects {tuple(dst.shape)}"
+                )
+            dst.copy_(src)
+            written.add(id(dst))
+    missing = [k for k, t in targets.items() if id(t) not in written]
+    if missing and not partial:
+        raise KeyError(
+            f"load_weights: the state dict lacks {len(missing)} of the model's keys, e.g. "
+            f"{missing[:3]}; pass the engine's full state dict"
         )
 
 
