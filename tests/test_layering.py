@@ -10,7 +10,7 @@ The parts stand in layers, each importing only parts below it (docs/architecture
     planner/, agent/server/   the cost model and layout search; the OpenAI-compatible endpoint
     rollout/                  the Rollout interface, sync, multi-turn; native/, hf, vllm/
     parity/                   the guard's checks (the sync calls them; they read a rollout through a protocol)
-    engine/, data/, rewards/, agent/loop/, controller/
+    engine/, data/, rewards/, agent/loop/ (+ agent/config.py), controller/
     protocol/, models/, algos/, utils/
 
 controller/ knows nothing of RL; algos/ is tensor math without Ray; planner/ takes plain inputs (planner/inputs.py)
