@@ -2,10 +2,10 @@
 the configuration reference is the generated one, and the metrics glossary names every metric the code logs.
 
 Commands are collected from the fenced code blocks of README.md and docs/**/*.md and from the `#   ...` lines
-of recipes/*.yaml. `train` and `sft` commands go through the CLI's own argument parser, `load_config` (every key,
+of recipes/*.yaml. `train`, `sft` and `dpo` commands go through the CLI's own argument parser, `load_config` (every key,
 type and cross-section check) and the pure resolve step of `--print-config`, against a fixed machine (16 CPUs,
 dtype "auto" -> fp32, a fixed device profile for the planner's choices), so nothing is measured and no worker starts; the other subcommands through their argument
-parsers. The slow variant runs the real `hybridflow train/sft --print-config` on every recipe.
+parsers. The slow variant runs the real `hybridflow train/sft/dpo --print-config` on every recipe.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from hybridflow.cli.main import build_parser
 from hybridflow.cli.plan import build_parser as plan_parser
 from hybridflow.cli.profile import build_parser as profile_parser
 from hybridflow.config.doc import missing_docs, render
+from hybridflow.config.dpo import DPOConfig, resolve_dpo
 from hybridflow.config.measure import Measurements
 from hybridflow.config.resolve import resolve
 from hybridflow.config.run import RunConfig
@@ -93,13 +94,15 @@ def documented_commands() -> list[tuple[str, list[str]]]:
 
 
 def resolve_command(argv: list[str]) -> object:
-    """What `hybridflow ARGV --print-config` would print, minus the measuring: the resolved run (train, sft), or
+    """What `hybridflow ARGV --print-config` would print, minus the measuring: the resolved run (train, sft, dpo), or
     the parsed arguments (the other subcommands)."""
     command, rest = argv[0], argv[1:]
-    if command in ("train", "sft"):
+    if command in ("train", "sft", "dpo"):
         args = parse_args(rest, f"hybridflow {command}", "")
         if command == "train":
             return resolve(load_config(RunConfig, args.config, args.overrides), STEPS_PER_EPOCH, MACHINE)
+        if command == "dpo":
+            return resolve_dpo(load_config(DPOConfig, args.config, args.overrides), STEPS_PER_EPOCH, MACHINE)
         return resolve_sft(load_config(SFTConfig, args.config, args.overrides), STEPS_PER_EPOCH, MACHINE)
     if command == "plan":
         return plan_parser().parse_args(rest)
@@ -261,10 +264,10 @@ def test_metrics_glossary_names_every_timer():
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])
 def test_recipe_print_config_for_real(recipe: Path, user_dir: Path, capsys):
-    """`hybridflow train|sft --config recipes/X.yaml --print-config` in-process: inputs read, machine measured."""
+    """`hybridflow train|sft|dpo --config recipes/X.yaml --print-config` in-process: inputs read, machine measured."""
     from hybridflow.cli.main import main
 
-    command = "sft" if recipe.stem == "sft" else "train"
+    command = recipe.stem if recipe.stem in ("sft", "dpo") else "train"
     extra = ["model.path=default"] if recipe.stem == "rl_after_sft" else []  # sft_model/ is what the SFT run writes
     if _needs_vllm(["--config", str(recipe)]) and not VLLM:
         pytest.skip("vllm is not installed here (the -m vllm suite runs in .venv-vllm)")

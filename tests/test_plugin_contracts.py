@@ -4,7 +4,7 @@ of a temporary directory, named by `file.py:function` path, works through the sa
 Kinds and where their signature is written: policy loss (algos/losses.py: its math, `PolicyLossInputs` ->
 per-token loss, registered with `@policy_loss`; or the full `PolicyLossFn`), advantage estimator
 (algos/adv_spec.py AdvantageEstimatorFn + AdvantageEstimatorSpec), KL estimator (algos/kl.py KLEstimatorFn),
-loss aggregation (algos/core.py LossAggFn), reward scorer (rewards/registry.py Scorer), rollout backend
+loss aggregation (algos/core.py LossAggFn), preference loss (algos/dpo.py PairLossFn + PreferenceLoss), reward scorer (rewards/registry.py Scorer), rollout backend
 (rollout/backends.py RolloutBuilder + RolloutBackendSpec), engine backend (workers/engines.py EngineBuilder).
 """
 
@@ -24,6 +24,7 @@ from rollout_helpers import prompt_batch, tiny
 from hybridflow.algos import GlobalNorm, agg_loss, get_policy_loss_fn, kl_penalty
 from hybridflow.algos.adv_spec import ADV_ESTIMATORS, AdvantageEstimatorSpec, get_advantage_spec
 from hybridflow.algos.core import LOSS_AGG_MODES
+from hybridflow.algos.dpo import PREFERENCE_LOSSES, DPOLossConfig, PairLogps, dpo_loss
 from hybridflow.algos.kl import KL_ESTIMATORS
 from hybridflow.algos.losses import POLICY_LOSSES, PolicyLossConfig
 from hybridflow.protocol.keys import RESPONSES
@@ -62,6 +63,38 @@ def _module(tmp_path: Path, source: str) -> str:
     file = tmp_path / "user_plugin.py"
     file.write_text(textwrap.dedent(source))
     return str(file)
+
+
+def _pairs() -> PairLogps:
+    gen = torch.Generator().manual_seed(0)
+    chosen, rejected, ref_c, ref_r = (torch.randn(B, generator=gen) * 5 - 20 for _ in range(4))
+    tokens = torch.tensor([3.0, 5.0, 1.0, 8.0])
+    return PairLogps(chosen.requires_grad_(), rejected, tokens, tokens + 1, ref_c, ref_r)
+
+
+@pytest.mark.parametrize("name", ["sigmoid", "robust", "hinge", "ipo"])
+def test_preference_loss_contract_builtins(name):
+    losses = PREFERENCE_LOSSES.get(name).fn(
+        *(torch.randn(B) for _ in range(2)), torch.ones(B), torch.ones(B), DPOLossConfig()
+    )
+    assert losses.shape == (B,)
+    loss, stats = dpo_loss(_pairs(), DPOLossConfig(loss_type=name))
+    assert loss.dim() == 0 and loss.requires_grad and all(v.dim() == 0 and not v.requires_grad for v in stats.values())
+
+
+def test_preference_loss_contract_user(tmp_path):
+    path = _module(
+        tmp_path,
+        """
+        def squared_margin(chosen_logratios, rejected_logratios, chosen_tokens, rejected_tokens, config):
+            return (1 - config.beta * (chosen_logratios - rejected_logratios)) ** 2
+        """,
+    )
+    cfg = DPOLossConfig(loss_type=f"{path}:squared_margin", beta=0.2)  # checked at load: the path resolves
+    pairs = _pairs()
+    loss, stats = dpo_loss(pairs, cfg)
+    z = (pairs.chosen - pairs.ref_chosen) - (pairs.rejected - pairs.ref_rejected)
+    assert torch.allclose(loss, ((1 - 0.2 * z) ** 2).mean()) and "rewards/margins" in stats
 
 
 @pytest.mark.parametrize("name", ["vanilla", "gspo", "gpg", "cispo", "sapo", "clip_cov", "kl_cov"])

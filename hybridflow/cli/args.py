@@ -1,4 +1,4 @@
-"""The command line's argument definitions for `hybridflow train` and `hybridflow sft`, importable without torch,
+"""The command line's argument definitions for `hybridflow train`, `sft` and `dpo`, importable without torch,
 transformers or Ray, so that `hybridflow --help` and `hybridflow train --help` answer at once (cli/main.py)."""
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ ROLLOUT_NAMES = ("native", "hf", "vllm")
 
 TRAIN_PROG, TRAIN_DESCRIPTION = "hybridflow train", "Train with PPO / GRPO / ... (see README)."
 SFT_PROG, SFT_DESCRIPTION = "hybridflow sft", "Supervised fine-tuning (see README)."
+DPO_PROG, DPO_DESCRIPTION = "hybridflow dpo", "Preference optimisation: DPO, IPO, hinge (see docs/guides/dpo.md)."
 
 
 def parse_args(argv: Sequence[str] | None, prog: str, description: str) -> argparse.Namespace:

@@ -1,4 +1,4 @@
-"""`hybridflow train --list-keys [PREFIX]` (and `sft`): every config key with its type, default and one-line doc.
+"""`hybridflow train --list-keys [PREFIX]` (and `sft`, `dpo`): every config key with its type, default and one-line doc.
 
 Generated from the typed config: the keys and types are the dataclass fields (types as annotated), the defaults
 are those of a default-constructed root config (so the main job's, e.g. RunConfig's `data.train_batch_size=8`),
@@ -34,7 +34,11 @@ _DOC_COLUMN = 64  # docs start here, or right after a longer `key: type = defaul
 PACKAGE = Path(__file__).resolve().parents[1]
 TABLE = Path(__file__).with_name("list_keys.json")
 """The generated key table: {command: {"verl_names", "sources", "keys"}}."""
-ROOTS = {"train": "hybridflow.config.run:RunConfig", "sft": "hybridflow.config.sft:SFTConfig"}
+ROOTS = {
+    "train": "hybridflow.config.run:RunConfig",
+    "sft": "hybridflow.config.sft:SFTConfig",
+    "dpo": "hybridflow.config.dpo:DPOConfig",
+}
 """The root config dataclass of each command that takes config keys."""
 
 

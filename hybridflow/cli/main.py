@@ -2,7 +2,8 @@
 
 hybridflow train [--config FILE] key=value ...   # PPO / GRPO run (defaults: the main job)
 hybridflow sft [--config FILE] key=value ...     # supervised fine-tuning (hybridflow/cli/sft.py)
-hybridflow data TASK --out DIR [--sft] [--train-size N] [--test-size N] [--seed S] [key=value ...]
+hybridflow dpo [--config FILE] key=value ...     # preference optimisation (hybridflow/cli/dpo.py)
+hybridflow data TASK --out DIR [--sft | --preference [--rejected-model M]] [--train-size N] [--test-size N] [--seed S] [key=value ...]
 hybridflow export CKPT_DIR --out HF_DIR [--tokenizer PATH] [--base-model PATH] [--adapter]
 hybridflow plan [--config FILE] --profile PROFILE.json [key=value ...]  # rank placements (cli/plan.py)
 hybridflow profile --model M [--out device_profile.json]  # per-token operator costs here (cli/profile.py)
@@ -10,7 +11,7 @@ hybridflow generate --model PATH_OR_CKPT --data FILE.parquet [--n N] [--temperat
                     [--seed S] [--rollout native|hf|vllm] [--out FILE.jsonl]  # greedy unless a sampling flag or --n > 1
 hybridflow serve [--model M] [--host 127.0.0.1] [--port 0] [--api-key K] [LIMIT=V ...]  # OpenAI-compatible server (agent/server/app.py)
 
-train and sft: --list-keys [PREFIX] prints the config keys with type, default and doc.
+train, sft and dpo: --list-keys [PREFIX] prints the config keys with type, default and doc.
 Errors: a user error prints one line (exit 2); any other error prints one line and the path of a file holding its
 traceback (exit 1); --debug, anywhere on the command line, prints the traceback instead.
 """
@@ -28,6 +29,8 @@ from pathlib import Path
 import yaml
 
 from hybridflow.cli.args import (
+    DPO_DESCRIPTION,
+    DPO_PROG,
     ROLLOUT_NAMES,
     SFT_DESCRIPTION,
     SFT_PROG,
@@ -51,13 +54,33 @@ def _kv(pairs: Sequence[str]) -> dict[str, object]:
 
 
 def cmd_data(args: argparse.Namespace) -> int:
-    """Generate a task as verl-format parquet (train and test splits); with --sft, as an SFT set."""
+    """Generate a task as verl-format parquet (train and test splits); with --sft, as an SFT set; with
+    --preference, as a preference set (the correct answer chosen; a wrong one rejected, sampled from
+    --rejected-model or made by rule)."""
+    from hybridflow.data.preference import build_preference_task  # noqa: PLC0415  (lazy: a subcommand imports its implementation when it runs)
     from hybridflow.data.sft import build_sft_task  # noqa: PLC0415  (lazy: a subcommand imports its implementation when it runs)
     from hybridflow.data.tasks import build_task  # noqa: PLC0415  (lazy: a subcommand imports its implementation when it runs)
 
-    build = build_sft_task if args.sft else build_task
-    train, test = build(args.task, args.out, args.train_size, args.test_size, seed=args.seed, **_kv(args.difficulty))
+    if args.sft and args.preference:
+        raise ValueError("--sft and --preference write different sets; give one of them")
+    if args.rejected_model and not args.preference:
+        raise ValueError("--rejected-model samples the rejected answers of a preference set; add --preference")
+    difficulty = _kv(args.difficulty)
+    if args.rejected_model:
+        from hybridflow.cli.sampled_pairs import wrong_answer_sampler  # noqa: PLC0415  (lazy: loads a model)
+
+        difficulty["sampler"] = wrong_answer_sampler(args.rejected_model, args.samples, args.seed)
+    build = build_sft_task if args.sft else build_preference_task if args.preference else build_task
+    train, test = build(args.task, args.out, args.train_size, args.test_size, seed=args.seed, **difficulty)
     print(f"wrote {train}\nwrote {test}")
+    if args.rejected_model:
+        import pandas as pd  # noqa: PLC0415  (lazy: `hybridflow --help` stays light)
+
+        for path in (train, test):
+            counts = pd.read_parquet(path, columns=["rejected_source"])["rejected_source"].value_counts()
+            print(
+                f"{Path(path).name}: rejected answers sampled {counts.get('sampled', 0)}, by rule {counts.get('rule', 0)}"
+            )
     return 0
 
 
@@ -142,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("train", help="train (see `hybridflow train --help`)", add_help=False)
     sub.add_parser("sft", help="supervised fine-tuning (see `hybridflow sft --help`)", add_help=False)
+    sub.add_parser("dpo", help="preference optimisation, DPO (see `hybridflow dpo --help`)", add_help=False)
     sub.add_parser("plan", help="rank placements from a profile (see `hybridflow plan --help`)", add_help=False)
     sub.add_parser(
         "profile", help="measure operator costs on this machine (see `hybridflow profile --help`)", add_help=False
@@ -150,6 +174,18 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("task")
     d.add_argument("--out", required=True)
     d.add_argument("--sft", action="store_true", help="write an SFT set (prompt/response/messages columns)")
+    d.add_argument(
+        "--preference",
+        action="store_true",
+        help="write a preference set (prompt/chosen/rejected columns; the rejected answer is made by rule unless "
+        "--rejected-model is given)",
+    )
+    d.add_argument(
+        "--rejected-model",
+        help="with --preference: sample the rejected answers from this model (HF directory, 'default' or a "
+        "checkpoint): per prompt the first of --samples responses the reward scores 0 (else the rule's)",
+    )
+    d.add_argument("--samples", type=int, default=4, help="with --rejected-model: responses sampled per prompt")
     d.add_argument("--train-size", type=int, default=2048)
     d.add_argument("--test-size", type=int, default=256)
     d.add_argument("--seed", type=int, default=0)
@@ -212,7 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _dispatch(argv: list[str], debug: bool) -> int:
     """Run the subcommand `argv[0]` on the rest of `argv`."""
-    if argv and argv[0] in ("train", "sft"):
+    if argv and argv[0] in ("train", "sft", "dpo"):
         return _run_config_command(argv[0], argv[1:], debug)
     if argv and argv[0] == "profile":
         from hybridflow.cli.profile import main as profile_main  # noqa: PLC0415  (lazy: a subcommand imports its implementation when it runs)
@@ -240,8 +276,12 @@ def _dispatch(argv: list[str], debug: bool) -> int:
 
 
 def _run_config_command(command: str, argv: list[str], debug: bool) -> int:
-    """`hybridflow train` / `hybridflow sft`: `--list-keys` answers without loading the trainer."""
-    prog, description = (TRAIN_PROG, TRAIN_DESCRIPTION) if command == "train" else (SFT_PROG, SFT_DESCRIPTION)
+    """`hybridflow train` / `sft` / `dpo`: `--list-keys` answers without loading the trainer."""
+    prog, description = {
+        "train": (TRAIN_PROG, TRAIN_DESCRIPTION),
+        "sft": (SFT_PROG, SFT_DESCRIPTION),
+        "dpo": (DPO_PROG, DPO_DESCRIPTION),
+    }[command]
     args = parse_args(argv, prog, description)  # here, so `train --help` needs no torch
     args.debug = args.debug or debug
     if args.list_keys is not None:
@@ -252,6 +292,10 @@ def _run_config_command(command: str, argv: list[str], debug: bool) -> int:
         from hybridflow.cli.train import train  # noqa: PLC0415  (lazy: a subcommand imports its implementation when it runs)
 
         return train(args)
+    if command == "dpo":
+        from hybridflow.cli.dpo import dpo  # noqa: PLC0415  (lazy: a subcommand imports its implementation when it runs)
+
+        return dpo(args)
     from hybridflow.cli.sft import sft  # noqa: PLC0415  (lazy: a subcommand imports its implementation when it runs)
 
     return sft(args)

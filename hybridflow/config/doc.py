@@ -15,6 +15,7 @@ import inspect
 import textwrap
 from typing import Any
 
+from hybridflow.config.dpo import DPOConfig
 from hybridflow.config.run import RunConfig
 from hybridflow.config.sft import SFTConfig
 from hybridflow.utils.config_loader import Section
@@ -131,12 +132,17 @@ def render() -> str:
             "`hybridflow sft` (SFTConfig)",
             "The defaults fine-tune the bundled model on the arithmetic SFT set.",
         )
+        + table(
+            DPOConfig(),
+            "`hybridflow dpo` (DPOConfig)",
+            "The defaults train the bundled model with DPO on the arithmetic preference set.",
+        )
     )
 
 
 def missing_docs() -> list[str]:
     """Keys of either config whose field has no docstring."""
-    return [k for cfg in (RunConfig(), SFTConfig()) for k, _, _, d in walk(cfg) if not d]
+    return [k for cfg in (RunConfig(), SFTConfig(), DPOConfig()) for k, _, _, d in walk(cfg) if not d]
 
 
 if __name__ == "__main__":

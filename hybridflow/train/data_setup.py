@@ -10,22 +10,27 @@ from typing import Any
 from hybridflow.config.data import DataConfig, TaskFilesConfig
 from hybridflow.data.dataset import RLDataset, collate
 from hybridflow.data.loader import StatefulDataLoader
+from hybridflow.data.preference import build_preference_task
 from hybridflow.data.sft import build_sft_task
 from hybridflow.data.tasks import build_task
 from hybridflow.utils.atomic import atomic_dir
 
 
-def task_files(cfg: TaskFilesConfig, sft: bool = False) -> tuple[list[str], list[str]]:
+def task_files(cfg: TaskFilesConfig, sft: bool = False, preference: bool = False) -> tuple[list[str], list[str]]:
     """(train files, val files): as configured, or generated from data.task (cached, written atomically);
-    with `sft`, the task's SFT set (hybridflow/data/sft.py) instead of its prompts."""
+    with `sft`, the task's SFT set (hybridflow/data/sft.py) instead of its prompts, with `preference` its
+    preference set (hybridflow/data/preference.py)."""
     if cfg.train_files:
         return list(cfg.train_files), list(cfg.val_files or cfg.train_files)
 
     spec = {"task": cfg.task, "kw": cfg.task_kwargs, "n": [cfg.gen_train_size, cfg.gen_val_size], "seed": cfg.seed}
     spec.update({"sft": True} if sft else {})  # RL sets keep the cache names they always had
+    spec.update({"preference": True} if preference else {})
     tag = hashlib.sha1(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:10]
     out = Path(cfg.task_dir).expanduser() / f"{cfg.task}-{tag}"
     build, prefix = (build_sft_task, f"{cfg.task}_sft") if sft else (build_task, cfg.task)
+    if preference:
+        build, prefix = build_preference_task, f"{cfg.task}_preference"
     if not out.exists():
         with atomic_dir(out, replace=False) as tmp:  # another process that finished first keeps its files
             build(cfg.task, tmp, cfg.gen_train_size, cfg.gen_val_size, seed=cfg.seed, **cfg.task_kwargs)
