@@ -13,8 +13,8 @@ import torch
 
 from hybridflow.agent.loop.tokens import observation_ids
 from hybridflow.models import load_tokenizer
-from hybridflow.protocol import DataProto
 from hybridflow.protocol import keys as K
+from hybridflow.train.async_pipeline import _load_queued
 from tests.test_agent_rollout import runs, stopping_model
 from tests.test_trainer_cli import base_overrides, read_metrics, run_cli
 
@@ -143,7 +143,7 @@ def test_multi_turn_trains_off_policy_on_its_own_rollout_workers(tmp_path: Path,
         assert r["agent/model_tokens/mean"] < r["response_length/mean"]  # observations: context, not trained
     assert max(r["critic/score/max"] for r in steps) == 1.0  # the environment's reward reached the trainer
     assert "val-aux/agent/turns/mean" in records[-1]
-    queued = DataProto.load_from_disk(tmp_path / "ckpt" / "global_step_1" / "rollout_queue" / "step_2.pkl")
+    queued = _load_queued(tmp_path / "ckpt" / "global_step_1" / "rollout_queue", 2)
     assert queued.meta_info[K.META_GLOBAL_STEP] == 2
     b, width = queued.batch, queued.batch[K.RESPONSES].shape[1]
     model = str(tmp_path / "model")

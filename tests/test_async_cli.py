@@ -87,8 +87,8 @@ def test_async_staleness_never_exceeds_the_cap(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "mode, queued, staleness",
     [
-        (["trainer.mode=one_step_off"], ["step_3.pkl"], [0.0, 1.0, 1.0, 1.0]),
-        (["trainer.mode=async", "trainer.max_staleness=2"], ["step_3.pkl", "step_4.pkl"], [0.0, 1.0, 2.0, 2.0]),
+        (["trainer.mode=one_step_off"], ["step_3.pt"], [0.0, 1.0, 1.0, 1.0]),
+        (["trainer.mode=async", "trainer.max_staleness=2"], ["step_3.pt", "step_4.pt"], [0.0, 1.0, 2.0, 2.0]),
     ],
 )
 def test_killed_and_resumed_matches_uninterrupted(

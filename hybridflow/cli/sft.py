@@ -18,6 +18,7 @@ from hybridflow.cli.args import SFT_DESCRIPTION, SFT_PROG, USER_ERRORS, fail, pa
 from hybridflow.cli.list_keys import print_keys
 from hybridflow.config.measure import measure_dtypes
 from hybridflow.config.sft import ResolvedSFT, SFTConfig, resolve_sft
+from hybridflow.controller.ray.start import RayStartTimeout
 from hybridflow.controller.resource_pool import ClassWithInitArgs
 from hybridflow.data.loader import StatefulDataLoader
 from hybridflow.data.sft import SFTDataset, sft_collate
@@ -28,6 +29,7 @@ from hybridflow.train.job import fit_with_restarts
 from hybridflow.train.recovery import RunFailedError
 from hybridflow.train.roles import group_factory
 from hybridflow.train.sft_trainer import SFTTrainer
+from hybridflow.train.skip_guard import SkippedUpdatesError
 from hybridflow.utils.config_loader import load_config
 from hybridflow.workers.sft import SFTWorker
 
@@ -160,7 +162,7 @@ def sft(args: argparse.Namespace) -> int:
         return fail(prog, err, 2, args.debug)
     try:
         run(resolved, inputs)
-    except RunFailedError as err:
+    except (RunFailedError, SkippedUpdatesError, RayStartTimeout) as err:
         return fail(prog, err, 1, args.debug)
     return 0
 

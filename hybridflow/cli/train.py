@@ -19,16 +19,19 @@ from hybridflow.cli.list_keys import print_keys
 from hybridflow.config.measure import measure
 from hybridflow.config.resolve import ResolvedRun, resolve
 from hybridflow.config.run import RunConfig
+from hybridflow.controller.ray.start import RayStartTimeout
 from hybridflow.models import load_tokenizer, resolve_model_path
 from hybridflow.parity import ParityError
 from hybridflow.planner.profile import write_profile
 from hybridflow.rewards import RewardManager, load_custom_reward_fn
+from hybridflow.rewards.manager import NonFiniteRewardError
 from hybridflow.train.checkpointing import check_writable, resume_path
-from hybridflow.train.data_setup import make_loaders
+from hybridflow.train.data_setup import check_data_sources, make_loaders
 from hybridflow.train.job import fit_with_restarts
 from hybridflow.train.ppo_trainer import PPOTrainer
 from hybridflow.train.recovery import RunFailedError
 from hybridflow.train.roles import build_roles
+from hybridflow.train.skip_guard import SkippedUpdatesError
 from hybridflow.utils.config_loader import load_config
 
 if TYPE_CHECKING:  # heavy imports, loaded where the workers start
@@ -44,7 +47,7 @@ def make_reward_fn(cfg: RunConfig, tokenizer: Any):
 
     custom = cfg.reward.custom_reward_function
     fn = load_custom_reward_fn(custom.path, custom.name) if custom.path else None
-    return RewardManager(tokenizer, fn, num_workers=cfg.reward.num_workers)
+    return RewardManager(tokenizer, fn, num_workers=cfg.reward.num_workers, non_finite=cfg.reward.non_finite)
 
 
 class RunInputs(NamedTuple):
@@ -68,6 +71,9 @@ def prepare_inputs(cfg: RunConfig) -> RunInputs:
     path = resolve_model_path(cfg.model.path)
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or path)
     train_loader, val_loader = make_loaders(cfg.data, tokenizer)
+    turns = cfg.rollout.multi_turn
+    if not cfg.reward.custom_reward_function.path and (not turns.enable or turns.env == "tool"):
+        check_data_sources(train_loader.dataset, val_loader.dataset)
     return RunInputs(tokenizer, train_loader, val_loader, make_reward_fn(cfg, tokenizer))
 
 
@@ -143,7 +149,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 def train(args: argparse.Namespace) -> int:
     """`hybridflow train` on parsed arguments: --list-keys prints the config keys; else load, measure, resolve,
     then print the run (--print-config: YAML only on stdout) or train it. Bad config, paths or data exit 2 with one
-    line; a failure the run cannot recover from, or a parity check that failed (trainer.parity=error), exits 1
+    line; a failure the run cannot recover from, a parity check that failed (trainer.parity=error), a non-finite
+    reward (reward.non_finite=error), trainer.max_skipped_updates skipped updates in a row or a Ray that did not
+    start within trainer.ray_start_timeout_s exit 1
     with one line (--debug: each after its traceback)."""
     prog = TRAIN_PROG
     if args.list_keys is not None:
@@ -158,7 +166,13 @@ def train(args: argparse.Namespace) -> int:
         return fail(prog, err, 2, args.debug)
     try:
         run(resolved, inputs)
-    except (RunFailedError, ParityError) as err:  # named: the failed worker and the fix, or the check and cause
+    except (
+        RunFailedError,
+        ParityError,
+        NonFiniteRewardError,
+        SkippedUpdatesError,
+        RayStartTimeout,
+    ) as err:  # one line: cause, fix
         return fail(prog, err, 1, args.debug)
     return 0
 

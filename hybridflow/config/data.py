@@ -118,6 +118,10 @@ class CustomRewardFunctionConfig(Section):
             raise ValueError(f"custom_reward_function.name must be a Python identifier, got {self.name!r}")
 
 
+NON_FINITE_POLICIES = ("error", "drop")
+"""reward.non_finite values."""
+
+
 @dataclass
 class RewardConfig(Section):
     """How responses are scored."""
@@ -126,7 +130,13 @@ class RewardConfig(Section):
     """User reward function; unset means the rule scorer chosen by each row's data_source."""
     num_workers: int = 0
     """Processes for rule scoring (0: score in the controller process; worth it only for slow scorers)."""
+    non_finite: str = "error"
+    """A NaN or infinite score from the reward function: "error" stops the run at that step naming the row;
+    "drop" masks the row out of the update (its score 0, its response_mask zeroed after the parity guard) and
+    counts it in reward/non_finite_dropped."""
 
     def __post_init__(self) -> None:
         if self.num_workers < 0:
             raise ValueError(f"reward.num_workers must be >= 0, got {self.num_workers}")
+        if self.non_finite not in NON_FINITE_POLICIES:
+            raise ValueError(f"reward.non_finite must be one of {NON_FINITE_POLICIES}, got {self.non_finite!r}")

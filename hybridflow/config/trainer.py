@@ -210,6 +210,13 @@ class TrainerConfig(ParityFields):
     NCCL aborts the rank. None: 600 on cpu, 1800 on cuda (above any rank-local phase between two
     collectives, e.g. rank 0 writing a checkpoint). Keep it below call_timeout_s: the waiting rank's
     error then reaches the controller first, with the stuck peer named as still running."""
+    max_skipped_updates: int = 3
+    """Stop the run, naming the steps, after this many steps in a row whose update skipped an optimizer step (a
+    non-finite gradient norm: actor/update_skipped, critic/update_skipped or SFT's train/update_skipped > 0).
+    0: never."""
+    ray_start_timeout_s: float = 180.0
+    """Longest wait for a local Ray to start (backend=ray without RAY_ADDRESS). Ray gives its node 30 s per
+    attempt; on a loaded machine the start is retried until this many seconds have passed."""
 
     def __post_init__(self) -> None:
         # Derived values (directories, threads, run length) stay None here: hybridflow.config.resolve
@@ -251,6 +258,12 @@ class TrainerConfig(ParityFields):
                 raise ValueError(f"{key} must be > 0 seconds (null: the device's default), got {value}")
         if self.max_restarts is not None and self.max_restarts < 0:
             raise ValueError(f"trainer.max_restarts must be >= 0 (null: 3 on ray, 0 on local), got {self.max_restarts}")
+        if self.max_skipped_updates < 0:
+            raise ValueError(
+                f"trainer.max_skipped_updates must be >= 0 (0: never stop), got {self.max_skipped_updates}"
+            )
+        if self.ray_start_timeout_s <= 0:
+            raise ValueError(f"trainer.ray_start_timeout_s must be > 0 seconds, got {self.ray_start_timeout_s}")
         if self.restart_window_s <= 0:
             raise ValueError(f"trainer.restart_window_s must be > 0 seconds, got {self.restart_window_s}")
         if self.backend == "local" and self.max_restarts:

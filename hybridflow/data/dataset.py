@@ -161,28 +161,44 @@ def read_parquet_table(path: str) -> pa.Table:
         raise ValueError(f"{path}: not a readable parquet file ({err})") from None
 
 
-def _check_row(path: str, i: int, row: dict[str, Any]) -> dict[str, Any]:
-    prompt = row["prompt"]
-    if isinstance(prompt, str):
-        prompt = [{"role": "user", "content": prompt}]
-    if not prompt or not all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
+def check_messages(path: str, i: int, column: str, messages: Any) -> list[dict[str, str]]:
+    """`messages` as a list of {"role", "content"} dicts of strings; else one error naming the file, row and column."""
+    if isinstance(messages, str):
+        messages = [{"role": "user", "content": messages}]
+    ok = isinstance(messages, list) and messages and all(_is_message(m) for m in messages)
+    if not ok:
         raise ValueError(
-            f"{path}: row {i}: column 'prompt' must be a non-empty list of "
-            f"{{'role', 'content'}} messages, got {str(row['prompt'])[:120]!r}"
+            f"{path}: row {i}: column {column!r} must be a non-empty list of {{'role', 'content'}} messages "
+            f"with string values, got {str(messages)[:120]!r}"
         )
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def _is_message(m: Any) -> bool:
+    return isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+
+
+def _check_row(path: str, i: int, row: dict[str, Any]) -> dict[str, Any]:
+    prompt = check_messages(path, i, "prompt", row["prompt"])
     reward = row["reward_model"]
     if not isinstance(reward, dict) or reward.get("ground_truth") is None:
         raise ValueError(f"{path}: row {i}: column 'reward_model' has no 'ground_truth' (got {reward!r})")
-    if row["data_source"] is None:
+    if row["data_source"] is None or str(row["data_source"]) == "":
         raise ValueError(f"{path}: row {i}: column 'data_source' is empty")
     truth = reward["ground_truth"]
-    extra = row.get("extra_info") or {}
+    extra = row.get("extra_info")
+    if extra is not None and not isinstance(extra, dict):
+        raise ValueError(
+            f"{path}: row {i}: column 'extra_info' must be a dict (a parquet struct) or null, got a "
+            f"{type(extra).__name__} {str(extra)[:60]!r}"
+        )
+    extra = extra or {}
     return {
-        "prompt": [{"role": m["role"], "content": m["content"]} for m in prompt],
+        "prompt": prompt,
         "data_source": str(row["data_source"]),
         "ground_truth": truth if isinstance(truth, str) else json.dumps(truth),
         "extra_info": extra,
-        "index": extra.get("index", i) if isinstance(extra, dict) else i,
+        "index": extra.get("index", i),
         "_file": path,
         "_row": i,
     }

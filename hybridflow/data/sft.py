@@ -28,7 +28,7 @@ from typing import Any
 import pandas as pd
 import torch
 
-from hybridflow.data.dataset import read_parquet_table
+from hybridflow.data.dataset import check_messages, read_parquet_table
 from hybridflow.data.tasks import make_difficulty, make_rows
 from hybridflow.data.tool_arithmetic import transcript
 from hybridflow.protocol import DataProto, keys
@@ -153,14 +153,11 @@ class SFTDataset(torch.utils.data.Dataset):
     def _conversation(self, path: str, i: int, row: dict[str, Any]) -> tuple[list[dict], str]:
         """(messages before the response, response text) of one row."""
         if self.messages_key:
-            messages = read_column(row, self.messages_key)
-            last = max(
-                (j for j, m in enumerate(messages or []) if isinstance(m, dict) and m.get("role") == "assistant"),
-                default=None,
-            )
+            messages = check_messages(path, i, self.messages_key, read_column(row, self.messages_key))
+            last = max((j for j, m in enumerate(messages) if m["role"] == "assistant"), default=None)
             if last is None:
                 raise ValueError(f"{path}: row {i}: column {self.messages_key!r} has no assistant turn to train on")
-            return [{"role": m["role"], "content": m["content"]} for m in messages[:last]], messages[last]["content"]
+            return messages[:last], messages[last]["content"]
         prompt, response = read_column(row, self.prompt_key), read_column(row, self.response_key)
         for key, value in ((self.prompt_key, prompt), (self.response_key, response)):
             if value is None:
@@ -168,8 +165,12 @@ class SFTDataset(torch.utils.data.Dataset):
                     f"{path}: row {i}: no value at {key!r}; set data.prompt_key / data.response_key "
                     "to the columns holding them (or data.messages_key for a chat column)"
                 )
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-        return messages, str(response)
+        if isinstance(response, bool) or not isinstance(response, (str, int, float)):
+            raise ValueError(
+                f"{path}: row {i}: column {self.response_key!r} must be a string, got a {type(response).__name__} "
+                f"{str(response)[:60]!r}"
+            )
+        return check_messages(path, i, self.prompt_key, prompt), str(response)
 
     def _example(self, path: str, i: int, row: dict[str, Any]) -> tuple[list[int], list[int]]:
         messages, response = self._conversation(path, i, row)

@@ -5,6 +5,7 @@ Layout of a checkpoint directory (e.g. `ckpts/global_step_20`):
   extra_rank{r}.pt      LR-schedule state and the caller's `extra` (rng, step) of rank r
   hf_config/            the model's HF config, so `export_hf` works from the shards alone
   meta.json             world size, model kind, whether optimizer state is present, LoRA settings, optimizer form
+  MANIFEST.json         every file's size and SHA-256, as the rank that wrote it computed them
   COMPLETE              written last, by rank 0, before the directory takes its name
 
 Optimizer state is saved nested (torch's form: moments per parameter name, settings per param group) without
@@ -18,10 +19,15 @@ With LoRA adapters (`Engine.has_adapters`) the shards hold the adapters and thei
 optimizer state only, never the frozen base weights: the base model comes back from its
 own directory (`base_model` of the exports).
 
-All ranks write into `<dir>.tmp-<token>`; after a barrier rank 0 writes COMPLETE
-and renames it to `<dir>`. A save that dies midway leaves only the tmp directory,
-which `latest_checkpoint` skips and `load_checkpoint` refuses. All ranks must see
-the same filesystem (true on one machine; use a shared filesystem across nodes).
+All ranks write into `<dir>.tmp-<token>`; rank 0 gathers every rank's file entries, checks that each rank's
+files are there (hybridflow/engine/checkpoint_files.py), writes MANIFEST.json, then COMPLETE, and renames it to
+`<dir>`. A save that dies midway leaves only the tmp directory, which `latest_checkpoint` skips and
+`load_checkpoint` refuses. All ranks must see the same filesystem (true on one machine; use a shared
+filesystem across nodes): a rank whose files rank 0 cannot see fails the save.
+
+Loading runs no pickle from the checkpoint: its files are first checked against the manifest, DCP's index and
+items are read through `SafeReader` / `SafePlanner`, and the extra state with `torch.load(weights_only=True)`.
+A missing, truncated, changed or unexpected file is refused with one `CheckpointError` line naming it.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -46,6 +53,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
+from hybridflow.engine import checkpoint_files as F
 from hybridflow.engine.base import Engine
 from hybridflow.engine.config import LoraConfig
 from hybridflow.engine.gather import TIED_HEAD
@@ -116,6 +124,7 @@ def save_checkpoint(engine: Engine, path: Path, extra: dict[str, Any] | None = N
     dcp.save(_states(engine, flat), checkpoint_id=tmp)
     sched = engine.lr_scheduler.state_dict() if engine.lr_scheduler else None
     torch.save({"lr_scheduler": sched, "extra": extra or {}}, tmp / f"extra_rank{rank}.pt")
+    reports = F.gather_entries(tmp, rank, engine.world_size)
     if rank == 0:
         engine.hf_config().save_pretrained(tmp / "hf_config")
         meta = {
@@ -126,25 +135,70 @@ def save_checkpoint(engine: Engine, path: Path, extra: dict[str, Any] | None = N
             "flat_optim": flat,
         }
         (tmp / "meta.json").write_text(json.dumps(meta))
-    dist.barrier()
+    problem = _agree(F.missing_rank_file(tmp, reports) if rank == 0 else None)
+    if problem is not None:
+        raise CheckpointError(f"{tmp} was not sealed: {problem}")
     if rank == 0:
+        F.write_engine_manifest(tmp, reports)
         commit_checkpoint(tmp, path)  # fsync, COMPLETE marker, rename into place
     dist.barrier()
     return path
 
 
-def _check_complete(path: Path) -> dict[str, Any]:
+def _agree(problem: str | None) -> str | None:
+    """Rank 0's verdict, on every rank (so that all raise together rather than some waiting at a barrier)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return problem
+    verdict = [problem]
+    dist.broadcast_object_list(verdict, src=0)
+    return verdict[0]
+
+
+def _check_complete(path: Path, verify: bool = True) -> dict[str, Any]:
+    """meta.json of the sealed checkpoint `path`, after checking its files against the manifest (`verify`)."""
     if not (path / COMPLETE).is_file():
         raise CheckpointError(
             f"{path} is not a complete checkpoint (no {COMPLETE} marker; an interrupted save?); "
             "pick one with latest_checkpoint(root)"
         )
+    problem = F.damage(path) if verify else None
+    if problem is not None:
+        raise CheckpointError(
+            f"{path} is damaged: {problem}; it was changed or cut short after it was saved: use an earlier checkpoint"
+        )
+    if verify:  # DCP would wrap this error in its own multi-line one: read the index here first
+        _read(lambda: F.SafeReader(path).read_metadata(), path)
     return json.loads((path / "meta.json").read_text())
 
 
+def _read(fn: Any, path: Path) -> Any:
+    """`fn()`, with a checkpoint file that is not plain data, or shards DCP cannot read (a file cut short under a
+    rewritten manifest), reported as one CheckpointError line."""
+    try:
+        return fn()
+    except F.UnsafeCheckpointError as err:
+        raise CheckpointError(str(err)) from None
+    except CheckpointException as err:  # a BaseException, its text a traceback per rank: keep the first cause
+        cause = next((exc for exc, _ in err.failures.values()), None)
+        if isinstance(cause, F.UnsafeCheckpointError):
+            raise CheckpointError(str(cause)) from None
+        detail = f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else 'no detail'}"
+        raise CheckpointError(f"{path}: its shards could not be read ({detail}); use an earlier checkpoint") from None
+
+
 def load_checkpoint(engine: Engine, path: Path) -> dict[str, Any]:
-    """Restore model, optimizer and LR schedule from `path`; return this rank's `extra`."""
-    meta = _check_complete(path)
+    """Restore model, optimizer and LR schedule from `path`; return this rank's `extra` (collective: rank 0
+    checks the files against the manifest and every rank learns its verdict)."""
+    problem = None
+    if engine.rank == 0:
+        try:
+            _check_complete(path)
+        except CheckpointError as err:
+            problem = str(err)
+    problem = _agree(problem)
+    if problem is not None:
+        raise CheckpointError(problem)
+    meta = _check_complete(path, verify=False)
     if meta["value_model"] != engine.is_value_model:
         raise CheckpointError(f"{path} holds a value_model={meta['value_model']} checkpoint; engine differs")
     if engine.optimizer is not None and not meta["has_optimizer"]:
@@ -155,7 +209,7 @@ def load_checkpoint(engine: Engine, path: Path) -> dict[str, Any]:
             f"has {_lora_meta(engine)}; build it with the checkpoint's lora settings"
         )
     flat = meta.get("flat_optim", False) or engine.pipeline_stages > 1  # the form the engine loads in
-    state = _read_states(engine, path, nested=not meta.get("flat_optim", False))
+    state = _read(lambda: _read_states(engine, path, nested=not meta.get("flat_optim", False)), path)
     # The frozen base weights are absent from an adapter checkpoint on purpose, hence not strict there.
     options = StateDictOptions(ignore_frozen_params=True, strict=False) if engine.has_adapters else None
     options = _FLAT_OPTIM if flat else options
@@ -169,8 +223,10 @@ def load_checkpoint(engine: Engine, path: Path) -> dict[str, Any]:
             optim_state_dict=state["optim"],
             options=options,
         )
-    own = path / f"extra_rank{engine.rank}.pt"
-    blob = torch.load(own if own.exists() else path / "extra_rank0.pt", weights_only=False)
+    # A rank the checkpoint did not have (a load on more ranks) takes rank 0's: the LR schedule and the callers'
+    # counters are the same on every rank. A rank it had must find its own file (the manifest lists it).
+    source = engine.rank if engine.rank < meta["world_size"] else 0
+    blob = _read(lambda: F.load_extra(path, source), path)
     if engine.lr_scheduler is not None and blob["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(blob["lr_scheduler"])
     return blob["extra"]
@@ -180,7 +236,7 @@ def _read_states(engine: Engine, path: Path, nested: bool) -> dict[str, Any]:
     """The engine's states, read from `path`: in the checkpoint's optimizer form, or flat on a pipeline stage."""
     if not (nested and engine.pipeline_stages > 1 and engine.optimizer is not None):
         state = _states(engine, flat_optim=not nested)
-        dcp.load(state, checkpoint_id=path)  # refuses a checkpoint that lacks any of these keys
+        dcp.load(state, storage_reader=F.SafeReader(path), planner=F.SafePlanner())  # refuses missing keys
         return state
     return _stage_states_from_nested(engine, path)
 
@@ -190,11 +246,11 @@ def _stage_states_from_nested(engine: Engine, path: Path) -> dict[str, Any]:
     keys with the flat form; the settings come from the checkpoint's param groups (one object per group, with its
     parameters' names); a tied LM head's moments from the embedding's, the one name one process saves them under."""
     state = _states(engine, flat_optim=True)
-    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    saved = F.SafeReader(path).read_metadata().state_dict_metadata
     moments = {_saved_name(k, saved): v for k, v in state["optim"].items() if k.startswith("state.")}
     groups = {k.removeprefix("optim."): None for k in saved if k.startswith("optim.param_groups.")}
     read = {"model": state["model"], "optim": {**moments, **groups}}
-    dcp.load(read, checkpoint_id=path)  # tensors in place; each param-group object replaces its None
+    dcp.load(read, storage_reader=F.SafeReader(path), planner=F.SafePlanner())  # each group's None replaced
     settings = _settings_by_param({k: read["optim"][k] for k in groups})
     for key in [k for k in state["optim"] if k.startswith("param_groups.")]:
         fqn, setting = key.removeprefix("param_groups.").rsplit(".", 1)
@@ -253,7 +309,12 @@ def _model_from_checkpoint(path: Path, base_model: str | os.PathLike | None) -> 
     config = AutoConfig.from_pretrained(path / "hf_config")
     model = _empty_hf_model(config, meta["value_model"])
     holder = ValueModel(model) if meta["value_model"] else model  # same names as when saved
-    dcp.load({"model": holder.state_dict()}, checkpoint_id=path, no_dist=True)
+    _read(
+        lambda: dcp.load(
+            {"model": holder.state_dict()}, storage_reader=F.SafeReader(path), planner=F.SafePlanner(), no_dist=True
+        ),
+        path,
+    )
     return model
 
 
@@ -269,7 +330,10 @@ def _adapted_model(path: Path, meta: dict[str, Any], base_model: str | os.PathLi
         )
     model = apply_lora(load_causal_lm(base_model), LoraConfig(**meta["lora"]))
     adapters = {name: p for name, p in model.named_parameters() if p.requires_grad}
-    dcp.load({"model": adapters}, checkpoint_id=path, no_dist=True)  # in place
+    _read(
+        lambda: dcp.load({"model": adapters}, storage_reader=F.SafeReader(path), planner=F.SafePlanner(), no_dist=True),
+        path,
+    )  # in place
     return model
 
 

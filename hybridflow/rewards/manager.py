@@ -15,10 +15,17 @@ present (the reward model scores the whole trajectory at its last token, a model
 
 A response with no valid token (empty mask) gets its score at column 0 so
 that it is not lost from sequence-level sums.
+
+A non-finite score (NaN, inf) from the reward function would poison the advantages and make every
+later update skip: with `non_finite="error"` it raises `NonFiniteRewardError` naming the step, the row
+(its batch position, data_source and dataset index) and the value; with "drop" the row's score becomes
+0, `RewardResult.dropped` lists it (the trainer zeroes its response_mask after the parity guard, so it
+trains nothing) and `reward/non_finite_dropped` counts it.
 """
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 from collections import defaultdict
 from collections.abc import Callable
@@ -34,6 +41,10 @@ from hybridflow.rewards.registry import default_compute_score
 RewardFn = Callable[..., float]
 
 
+class NonFiniteRewardError(RuntimeError):
+    """The reward function returned NaN or inf for a row (reward.non_finite=error); one-line message."""
+
+
 @dataclass
 class RewardResult:
     """What `RewardManager.__call__` returns."""
@@ -44,18 +55,24 @@ class RewardResult:
     """The rule (or custom) score of each response, in batch order."""
     metrics: dict[str, float] = field(default_factory=dict)
     """Mean score per data_source (`reward/<source>/mean`) and overall (`reward/mean`)."""
+    dropped: list[int] = field(default_factory=list)
+    """Rows whose score was not finite, scored 0 (non_finite="drop"): the update must not train them."""
 
 
 class RewardManager:
     """Scores a DataProto of responses with a per-sample reward function."""
 
-    def __init__(self, tokenizer: Any, compute_score: RewardFn | None = None, num_workers: int = 0):
+    def __init__(
+        self, tokenizer: Any, compute_score: RewardFn | None = None, num_workers: int = 0, non_finite: str = "error"
+    ):
         """`compute_score(data_source, solution_str, ground_truth, extra_info)` defaults to
         the rule registry; `num_workers > 0` scores in that many processes (worth it only
-        for slow scorers; the function must be importable by name)."""
+        for slow scorers; the function must be importable by name). `non_finite`: "error" or "drop"
+        (reward.non_finite; see the module docstring)."""
         self.tokenizer = tokenizer
         self.compute_score = compute_score or default_compute_score
         self.num_workers = num_workers
+        self.non_finite = non_finite
 
     def __call__(self, data: DataProto) -> RewardResult:
         """Score every row of `data`; see the module docstring for the layout."""
@@ -70,21 +87,43 @@ class RewardManager:
         truths = [str(t) for t in data.non_tensor_batch[keys.GROUND_TRUTH]]
         extras = _column(data, keys.EXTRA_INFO)
         scores = self._score_all(list(zip(sources, texts, truths, extras)))
+        dropped = self._non_finite(data, scores, sources)
         token_scores = torch.zeros(responses.shape, dtype=torch.float32)
         last = (lengths - 1).clamp(min=0)
         token_scores[torch.arange(len(scores)), last] = torch.tensor(scores, dtype=torch.float32)
         if keys.RM_SCORES in data.batch.keys():
             token_scores = token_scores + data.batch[keys.RM_SCORES].float()
-        return RewardResult(token_scores, scores, source_metrics(sources, scores))
+        return RewardResult(token_scores, scores, _with_drops(source_metrics(sources, scores), dropped), dropped or [])
+
+    def _non_finite(self, data: DataProto, scores: list[float], sources: list[str]) -> list[int] | None:
+        """The rows with a NaN / inf score, their scores set to 0 (non_finite=drop; None: nothing to drop under
+        non_finite=error), or NonFiniteRewardError naming the first (non_finite=error)."""
+        bad = [i for i, score in enumerate(scores) if not math.isfinite(score)]
+        if self.non_finite != "drop" and not bad:
+            return None
+        if self.non_finite != "drop":
+            i, step = bad[0], data.meta_info.get(keys.META_GLOBAL_STEP)
+            index = data.non_tensor_batch["index"][i] if "index" in data.non_tensor_batch else None
+            raise NonFiniteRewardError(
+                f"{'at step ' + str(step) if step is not None else 'in validation'}, the reward function returned "
+                f"{scores[i]} for row {i} of the batch (data_source={sources[i]!r}, dataset index={index}; "
+                f"{len(bad)} of {len(scores)} rows are non-finite): fix the reward function, or set "
+                "reward.non_finite=drop to train without such rows"
+            )
+        for i in bad:
+            scores[i] = 0.0
+        return bad
 
     def _environment_scores(self, data: DataProto) -> RewardResult:
         """A multi-turn batch: the environment's per-turn rewards (+ rm_scores); a row's score is their sum."""
         token_scores = data.batch[keys.ENV_REWARDS].float()
         scores = token_scores.sum(-1).tolist()
+        sources = [str(s) for s in data.non_tensor_batch[keys.DATA_SOURCE]]
+        dropped = self._non_finite(data, scores, sources)
+        token_scores = torch.nan_to_num(token_scores, nan=0.0, posinf=0.0, neginf=0.0)  # only dropped rows have any
         if keys.RM_SCORES in data.batch.keys():
             token_scores = token_scores + data.batch[keys.RM_SCORES].float()
-        sources = [str(s) for s in data.non_tensor_batch[keys.DATA_SOURCE]]
-        return RewardResult(token_scores, scores, source_metrics(sources, scores))
+        return RewardResult(token_scores, scores, _with_drops(source_metrics(sources, scores), dropped), dropped or [])
 
     def _score_all(self, items: list[tuple[str, str, str, Any]]) -> list[float]:
         if self.num_workers <= 0 or len(items) < 2:
@@ -93,6 +132,10 @@ class RewardManager:
         # fork: a custom reward module loaded from a file is importable only in a copy of this process.
         with ProcessPoolExecutor(self.num_workers, mp_context=multiprocessing.get_context("fork")) as pool:
             return [float(s) for s in pool.map(_score_one, [self.compute_score] * len(items), items, chunksize=chunk)]
+
+
+def _with_drops(metrics: dict[str, float], dropped: list[int] | None) -> dict[str, float]:
+    return metrics if dropped is None else {**metrics, "reward/non_finite_dropped": float(len(dropped))}
 
 
 def _score_one(fn: RewardFn, item: tuple[str, str, str, Any]) -> float:

@@ -42,6 +42,7 @@ import torch
 from hybridflow.protocol import DataProto
 from hybridflow.protocol import keys as K
 from hybridflow.train import core_steps as S
+from hybridflow.utils.plain_data import NotPlainDataError, load_plain, save_plain
 
 QUEUE_DIR = "rollout_queue"
 """Checkpoint subdirectory with the batches generated ahead of the checkpoint's step."""
@@ -155,7 +156,7 @@ class AsyncRollout:
         if step == 0:
             return
         for k, version in state.get("rollout_queue", []):
-            self.queue[int(k)] = (DataProto.load_from_disk(path / QUEUE_DIR / f"step_{k}.pkl"), int(version))
+            self.queue[int(k)] = (_load_queued(path / QUEUE_DIR, int(k)), int(version))
             self.issued = max(self.issued, int(k))
         self._push(step)
 
@@ -188,7 +189,7 @@ class AsyncRollout:
         for k, (pending, version) in sorted(self.queue.items()):
             data = _value(pending)
             self.queue[k] = (data, version)
-            data.save_to_disk(ckpt / QUEUE_DIR / f"step_{k}.pkl")
+            save_plain(ckpt / QUEUE_DIR / f"step_{k}.pt", _plain_batch(data))
         return {"rollout_queue": [[k, v] for k, (_, v) in sorted(self.queue.items())]}
 
     def _open_bridge(self) -> None:
@@ -252,3 +253,19 @@ def staleness_metrics(versions: torch.Tensor, step: int, cap: int) -> dict[str, 
     for s in range(cap + 1):
         metrics[f"async/staleness_hist/{s}"] = float((staleness == s).float().mean())
     return metrics
+
+
+def _plain_batch(data: DataProto) -> dict[str, Any]:
+    """A generated batch as plain data (hybridflow/utils/plain_data.py): loading it from a checkpoint runs no code."""
+    return {"tensors": dict(data.batch.items()), "non_tensors": data.non_tensor_batch, "meta_info": data.meta_info}
+
+
+def _load_queued(folder: Path, step: int) -> DataProto:
+    """The batch generated ahead for `step`, as `_plain_batch` wrote it."""
+    if not (folder / f"step_{step}.pt").exists() and (folder / f"step_{step}.pkl").exists():
+        raise NotPlainDataError(
+            f"{folder / f'step_{step}.pkl'} is a pickle written by an older hybridflow, which this version does not "
+            "load; resume with that version, or from a checkpoint of trainer.mode=sync"
+        )
+    plain = load_plain(folder / f"step_{step}.pt")
+    return DataProto.from_dict(plain["tensors"], plain["non_tensors"], plain["meta_info"])

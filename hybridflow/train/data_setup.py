@@ -13,6 +13,7 @@ from hybridflow.data.loader import StatefulDataLoader
 from hybridflow.data.preference import build_preference_task
 from hybridflow.data.sft import build_sft_task
 from hybridflow.data.tasks import build_task
+from hybridflow.rewards.registry import SCORERS
 from hybridflow.utils.atomic import atomic_dir
 
 
@@ -54,3 +55,17 @@ def make_loaders(cfg: DataConfig, tokenizer: Any) -> tuple[StatefulDataLoader, S
     val_bs = min(cfg.val_batch_size or len(val), len(val))
     val_loader = StatefulDataLoader(val, val_bs, shuffle=False, collate_fn=collate, drop_last=False)
     return train_loader, val_loader
+
+
+def check_data_sources(*datasets: RLDataset) -> None:
+    """Every row's data_source has a rule scorer: a row no scorer handles fails here, naming its file and row,
+    rather than when it is first scored. Call it when the rows are scored by the rule scorers (no
+    reward.custom_reward_function, and single-turn or the built-in "tool" environment)."""
+    for dataset in datasets:
+        for row in dataset.rows:
+            if row["data_source"] not in SCORERS:
+                raise ValueError(
+                    f"{row['_file']}: row {row['_row']}: column 'data_source' is {row['data_source']!r}, which no "
+                    f"rule scorer handles (known: {', '.join(SCORERS.names())}); register one with "
+                    "hybridflow.rewards.register_scorer (trainer.plugins), or set reward.custom_reward_function.path"
+                )

@@ -116,13 +116,20 @@ def start_backend(cfg: Any) -> None:
         return
     import ray  # noqa: PLC0415  (lazy: the local backend runs without Ray)
 
-    from hybridflow.controller.ray import init_local_ray  # noqa: PLC0415  (lazy: the local backend runs without Ray)
+    from hybridflow.controller.ray import RayStartTimeout, init_local_ray  # noqa: PLC0415  (lazy: the local backend runs without Ray)
 
     level = logging.INFO if cfg.trainer.verbose else logging.WARNING
     if os.environ.get("RAY_ADDRESS") and not ray.is_initialized():
         ray.init(address=os.environ["RAY_ADDRESS"], logging_level=level)
         return
-    init_local_ray(num_cpus=max(os.cpu_count() or 1, cfg.world_size * cfg.trainer.cpus_per_worker), logging_level=level)
+    cpus = max(os.cpu_count() or 1, cfg.world_size * cfg.trainer.cpus_per_worker)
+    try:
+        init_local_ray(num_cpus=cpus, start_timeout_s=cfg.trainer.ray_start_timeout_s, logging_level=level)
+    except RayStartTimeout as err:
+        raise RayStartTimeout(
+            f"{err} (trainer.ray_start_timeout_s={cfg.trainer.ray_start_timeout_s:g}: raise it); "
+            "trainer.backend=local runs one in-process worker without Ray"
+        ) from None
 
 
 def plain(cfg: Any) -> dict:

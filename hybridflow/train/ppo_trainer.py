@@ -25,6 +25,7 @@ from hybridflow.train.checkpointing import TrainerCheckpointer
 from hybridflow.train.metrics import data_metrics, throughput_metrics, worker_metrics
 from hybridflow.train.recovery import Recovery
 from hybridflow.train.roles import Roles
+from hybridflow.train.skip_guard import SkipGuard, SkippedUpdatesError
 from hybridflow.train.validation import validate
 from hybridflow.utils.progress import TrainProgress, phase
 from hybridflow.utils.timing import timer
@@ -70,6 +71,7 @@ class PPOTrainer:
         self.tracker = tracker
         self.kl_ctrl = S.make_kl_controller(self.cfg.algorithm)
         self.guard = ParityGuard.from_config(self.cfg)
+        self.skips = SkipGuard(self.cfg.trainer.max_skipped_updates)
         t = self.cfg.trainer
         prompts = endless(inputs.train_loader)
         self.rollout: RolloutSource = (
@@ -104,6 +106,10 @@ class PPOTrainer:
                 self.global_step += 1
                 plan = plan_step(self.run, self.global_step)
                 metrics = self.train_step(plan)
+                stop = self.skips.check(self.global_step, metrics)
+                if stop is not None:  # logged first: the metrics show what the skipped updates saw
+                    self.tracker.log(metrics, step=self.global_step)
+                    raise SkippedUpdatesError(stop)
                 metrics.update(self._validate_and_save(plan))
                 metrics.update(self.recovery.metrics() if self.recovery else {})
                 self.tracker.log(metrics, step=self.global_step)
@@ -146,6 +152,8 @@ class PPOTrainer:
             #    a breach raises ParityError (trainer.parity=error) or warns (hybridflow/parity/guard.py)
             with timer("parity", timing):
                 parity = self.guard.before_update(batch, self.global_step)
+            if reward.dropped:  # reward.non_finite=drop; after the guard, which checks the ids as sampled
+                batch.batch[K.RESPONSE_MASK][reward.dropped] = 0
             if cfg.actor.old_log_prob == "rollout":  # after the guard: the update's first step checks them instead
                 batch.batch[K.OLD_LOG_PROBS] = _rollout_log_probs(batch, cfg.rollout.name)
             # 5. rewards (KL penalty if in reward), advantages by the configured estimator, and the

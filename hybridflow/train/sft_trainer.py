@@ -19,6 +19,7 @@ from hybridflow.protocol.future import pad_dataproto_to_divisor, unpad_dataproto
 from hybridflow.train.checkpointing import RunCheckpointer
 from hybridflow.train.metrics import worker_metrics
 from hybridflow.train.recovery import Recovery
+from hybridflow.train.skip_guard import SkipGuard, SkippedUpdatesError
 from hybridflow.utils.progress import TrainProgress, phase
 from hybridflow.utils.timing import timer
 from hybridflow.utils.tracking import Tracking
@@ -39,6 +40,7 @@ class SFTTrainer:
         self.global_step = 0
         self.val_history: list[float] = []
         self.recovery = recovery
+        self.skips = SkipGuard(self.cfg.trainer.max_skipped_updates)
 
     def fit(self) -> list[float]:
         """Train for trainer.total_training_steps; returns every validation loss computed, in order."""
@@ -58,6 +60,10 @@ class SFTTrainer:
                     last = self.global_step >= total
                     # 2. one optimizer step on the workers over the whole batch
                     metrics = self.train_step(batch)
+                    stop = self.skips.check(self.global_step, metrics)
+                    if stop is not None:  # logged first: the metrics show what the skipped updates saw
+                        self.tracker.log(metrics, step=self.global_step)
+                        raise SkippedUpdatesError(stop)
                     # 3. validation loss and checkpoint on schedule (and at the last step)
                     if t.test_freq > 0 and (self.global_step % t.test_freq == 0 or last):
                         metrics.update(self.validate())

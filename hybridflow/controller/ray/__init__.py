@@ -15,10 +15,12 @@ from hybridflow.controller.ray.resource_pool import (
     merge_resource_pool,
     split_resource_pool,
 )
+from hybridflow.controller.ray.start import RayStartTimeout, start_ray
 from hybridflow.controller.ray.worker_group import RayWorkerGroup
 
 __all__ = [
     "RayClassWithInitArgs",
+    "RayStartTimeout",
     "RayResourcePool",
     "RayWorkerGroup",
     "SubRayResourcePool",
@@ -31,12 +33,13 @@ __all__ = [
 ]
 
 
-def init_local_ray(num_cpus: int | None = None, **kwargs: Any) -> None:
+def init_local_ray(num_cpus: int | None = None, start_timeout_s: float = 180.0, **kwargs: Any) -> None:
     """Start a fresh single-node Ray on loopback (no-op when Ray is already up).
 
-    `address="local"` never attaches to a stale cluster; extra `kwargs` go to `ray.init`.
+    `address="local"` never attaches to a stale cluster; extra `kwargs` go to `ray.init`. Ray's node-startup
+    timeout is retried for up to `start_timeout_s` in all (controller/ray/start.py), then `RayStartTimeout`.
     """
     if ray.is_initialized():
         return
     options = {"address": "local", "_node_ip_address": "127.0.0.1", "include_dashboard": False}
-    ray.init(num_cpus=num_cpus, **{**options, **kwargs})
+    start_ray(ray.init, start_timeout_s, num_cpus=num_cpus, **{**options, **kwargs})
