@@ -53,7 +53,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
-from hybridflow.engine import checkpoint_files as F
+import hybridflow.engine.checkpoint_files as F
 from hybridflow.engine.base import Engine
 from hybridflow.engine.config import LoraConfig
 from hybridflow.engine.gather import TIED_HEAD
