@@ -183,7 +183,12 @@ def test_config_reference_is_generated():
 
 # --- the metrics glossary ----------------------------------------------------------------------------------
 METRIC = re.compile(r"^([a-z][a-z_\-]*|\*)(/[A-Za-z0-9_@*\-]+)+$")
-NOT_METRICS = {"lighteval/MATH", "openai/gsm8k", "tokens/s"}  # data sources and a plot's axis label
+NOT_METRICS = {
+    "lighteval/MATH",
+    "openai/gsm8k",
+    "tokens/s",
+    "application/x-protobuf",
+}  # data sources, a plot's axis label, a content type
 STAT_FILES = ["hybridflow/algos", "hybridflow/workers/losses.py", "hybridflow/engine/fsdp.py"]
 
 

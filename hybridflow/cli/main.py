@@ -11,6 +11,8 @@ hybridflow generate --model PATH_OR_CKPT --data FILE.parquet [--n N] [--temperat
                     [--seed S] [--rollout native|hf|vllm] [--out FILE.jsonl]  # greedy unless a sampling flag or --n > 1
 hybridflow serve [--model M] [--host 127.0.0.1] [--port 0] [--api-key K] [LIMIT=V ...]  # OpenAI-compatible server (agent/server/app.py)
 
+hybridflow tinker [--model M] [--host 127.0.0.1] [--port 0] [--api-key tml-K]  # Tinker API service (service/)
+
 train, sft and dpo: --list-keys [PREFIX] prints the config keys with type, default and doc.
 Errors: a user error prints one line (exit 2); any other error prints one line and the path of a file holding its
 traceback (exit 1); --debug, anywhere on the command line, prints the traceback instead.
@@ -157,6 +159,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tinker(args: argparse.Namespace) -> int:
+    """Serve the Tinker API until interrupted; prints the SDK's base_url and model name once it listens."""
+    from hybridflow.service.serve import serve_until, start  # noqa: PLC0415  (lazy: a subcommand imports its implementation when it runs)
+
+    running = start(args.model, args.host, args.port, args.api_key, args.state_dir, args.max_tokens)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"serving Tinker API at {running.url} base_model={running.service.name}", flush=True)
+    serve_until(running, stop)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand except train (which parses its own overrides)."""
     parser = argparse.ArgumentParser(
@@ -230,6 +245,14 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="*",
         help="request limits as key=value, e.g. max_n=4 request_timeout_s=60 (docs/guides/endpoint.md)",
     )
+
+    t = sub.add_parser("tinker", help="serve the Tinker training API to the tinker SDK")
+    t.add_argument("--model", default="default", help="HF directory or 'default' (the bundled SmolLM2-135M-Instruct)")
+    t.add_argument("--host", default="127.0.0.1", help="bind address; anything but loopback needs --api-key")
+    t.add_argument("--port", type=int, default=0, help="0: pick a free port (printed)")
+    t.add_argument("--api-key", help="require 'X-API-Key: KEY' on every request (must start with tml-)")
+    t.add_argument("--state-dir", help="where checkpoints live (default: hybridflow's cache dir /tinker)")
+    t.add_argument("--max-tokens", type=int, default=2048, help="most new tokens per sample")
     return parser
 
 
@@ -268,7 +291,13 @@ def _dispatch(argv: list[str], debug: bool) -> int:
         extra = [a for a in extra if a not in args.difficulty]
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    handler = {"data": cmd_data, "export": cmd_export, "generate": cmd_generate, "serve": cmd_serve}[args.command]
+    handler = {
+        "data": cmd_data,
+        "export": cmd_export,
+        "generate": cmd_generate,
+        "serve": cmd_serve,
+        "tinker": cmd_tinker,
+    }[args.command]
     try:
         return handler(args)
     except USER_ERRORS as err:
