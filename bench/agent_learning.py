@@ -7,7 +7,7 @@ Every stage is a `hybridflow` command run as a subprocess, so the demo is exactl
 4. GRPO with tools (`rollout.multi_turn.enable=true`) from the warm-up model: its validation before the first
    step is the warm-up model, the last one the trained model;
 5. with --harness: the same GRPO run through the OpenAI-compatible endpoint, the agent being the calculator
-   harness (`hybridflow/agent/server/examples/calculator.py`, plain `openai`-client code): its accuracy, and its
+   harness (`hybridflow/endpoint/examples/calculator.py`, plain `openai`-client code): its accuracy, and its
    median step time against step 4's (the HTTP path's cost, same machine, same invocation);
 6. GRPO without tools (single turn, the same rows, steps and sampling) from the base model.
 Printed: held-out accuracy and tool-call rate (greedy, the run's validation) before -> after for each arm, and
@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 ACC = "val-core/tool_arithmetic/acc/mean@1"
 TOOL_RATE = "val-aux/agent/tool_call_rate"
-HARNESS = "hybridflow.agent.server.examples.calculator:run"
+HARNESS = "hybridflow.endpoint.examples.calculator:run"
 """The calculator agent as plain `openai`-client code (issue 30): the --harness arm trains it."""
 
 

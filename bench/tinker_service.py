@@ -28,8 +28,8 @@ import time
 
 import torch
 
-from hybridflow.agent.server.backend import GenerationRequest
-from hybridflow.agent.server.rollout_backend import load_rollout_backend
+from hybridflow.endpoint.backend import GenerationRequest
+from hybridflow.endpoint.rollout_backend import load_rollout_backend
 from hybridflow.models import load_tokenizer, resolve_model_path, tiny_model_dir
 from hybridflow.rollout.config import SamplingParams
 from hybridflow.utils.hardware import cpu_signature, describe_cpu

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from hybridflow.agent.config import AgentConfig
-from hybridflow.agent.server.harness import run_calls
 from hybridflow.controller.local import LocalWorkerGroup
 from hybridflow.controller.resource_pool import ClassWithInitArgs
+from hybridflow.endpoint.harness import run_calls
 from hybridflow.engine import EngineConfig
 from hybridflow.models import load_tokenizer, tiny_model_dir
 from hybridflow.protocol import keys as K
@@ -124,7 +124,7 @@ def test_a_harness_that_edits_its_history_trains_its_last_trajectory(model, two_
         out = two_turn_group.generate_sequences(prompts(tok), step=2)
     finally:
         EDIT_HISTORY.clear()
-    assert out.meta_info[K.META_METRICS]["agent/server/split"] == 6
+    assert out.meta_info[K.META_METRICS]["endpoint/split"] == 6
     assert list(out.non_tensor_batch[K.HARNESS_STATUS]) == ["ok"] * 6
     assert list(out.non_tensor_batch[K.NUM_TURNS]) == [1] * 6  # the split-off trajectory: the second request
     for row in out.batch[K.PROMPTS]:
@@ -151,7 +151,7 @@ def test_a_harness_that_raises_or_hangs_costs_its_trajectory_only(model):
     metrics = agent_metrics(out)
     assert metrics["agent/harness_errors"] == 2 and metrics["agent/harness_timeouts"] == 2
     assert metrics["agent/harness_dropped"] == 4
-    assert out.meta_info[K.META_METRICS]["agent/server/requests"] == 2
+    assert out.meta_info[K.META_METRICS]["endpoint/requests"] == 2
     group.compute_log_prob(out, temperature=1.0)  # the dropped rows go through the trainer's passes
     port = group._worker._harness.running.port
     group.shutdown()
@@ -182,7 +182,7 @@ def test_run_calls_bounds_concurrency_and_times_calls_out_from_their_start():
 
 def test_the_calculator_example_runs_the_tool_calls_the_model_makes():
     from hybridflow.agent.loop.tool_calls import format_tool_call
-    from hybridflow.agent.server.examples.calculator import run
+    from hybridflow.endpoint.examples.calculator import run
 
     tokenizer = load_tokenizer(tiny_model_dir("llama"))
 
@@ -232,7 +232,7 @@ def test_the_calculator_harness_trains_on_ray_workers(tmp_path: Path):
         *base_overrides(str(tiny_model_dir("llama")), tmp_path),
         "data.task=tool_arithmetic",
         "data.max_prompt_length=256",
-        "rollout.agent.function=hybridflow.agent.server.examples.calculator:run",
+        "rollout.agent.function=hybridflow.endpoint.examples.calculator:run",
         "trainer.n_workers_per_node=1",
         "trainer.val_before_train=false",
     ]
@@ -243,5 +243,5 @@ def test_the_calculator_harness_trains_on_ray_workers(tmp_path: Path):
     assert [r["step"] for r in steps] == [1, 2]
     for r in steps:
         assert r["agent/turns/mean"] >= 1 and r["agent/harness_dropped"] == 0
-        assert r["agent/server/requests"] >= 8  # 4 prompts x 2 samples on 1 worker: a request each at least
+        assert r["endpoint/requests"] >= 8  # 4 prompts x 2 samples on 1 worker: a request each at least
     assert "val-core/tool_arithmetic/acc/mean@1" in records[-1] and "val-aux/agent/harness_errors" in records[-1]

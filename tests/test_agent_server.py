@@ -1,4 +1,4 @@
-"""The OpenAI-compatible server (hybridflow/agent/server/app.py) driven by the real `openai` client over
+"""The OpenAI-compatible server (hybridflow/endpoint/app.py) driven by the real `openai` client over
 loopback HTTP: a tiny random Llama where sampled tokens matter, a scripted backend where the point is
 the HTTP / session logic."""
 
@@ -19,9 +19,9 @@ import pytest
 
 from hybridflow.agent.loop.batch import trajectories_to_batch
 from hybridflow.agent.loop.tokens import encode
-from hybridflow.agent.server.app import AgentServer, RunningServer, ServerConfig, start_server
-from hybridflow.agent.server.backend import GenerationRequest, Sample
-from hybridflow.agent.server.rollout_backend import load_rollout_backend
+from hybridflow.endpoint.app import AgentServer, RunningServer, ServerConfig, start_server
+from hybridflow.endpoint.backend import GenerationRequest, Sample
+from hybridflow.endpoint.rollout_backend import load_rollout_backend
 from hybridflow.models import load_tokenizer, tiny_model_dir
 
 CALC = {
@@ -324,7 +324,7 @@ def test_rollout_backend_stops_at_extra_stop_ids_and_max_tokens(tiny_backend):
 
 
 def test_two_requests_extending_one_branch_at_once_keep_both_trajectories(tokenizer):
-    from hybridflow.agent.server.sessions import SessionStore
+    from hybridflow.endpoint.sessions import SessionStore
 
     store, eos = SessionStore(tokenizer, [tokenizer.eos_token_id]), tokenizer.eos_token_id
     reply = {"role": "assistant", "content": "a"}

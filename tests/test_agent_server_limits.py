@@ -17,10 +17,10 @@ import openai
 import pytest
 
 from hybridflow.agent.loop.tokens import encode
-from hybridflow.agent.server.app import AgentServer, ServerConfig, start_server
-from hybridflow.agent.server.backend import Batcher, GenerationRequest, Sample
-from hybridflow.agent.server.limits import ServerLimits, parse_limits
-from hybridflow.agent.server.openai_format import RequestError, parse_messages, parse_params, parse_prompt
+from hybridflow.endpoint.app import AgentServer, ServerConfig, start_server
+from hybridflow.endpoint.backend import Batcher, GenerationRequest, Sample
+from hybridflow.endpoint.limits import ServerLimits, parse_limits
+from hybridflow.endpoint.openai_format import RequestError, parse_messages, parse_params, parse_prompt
 from hybridflow.models import load_tokenizer, tiny_model_dir
 
 LIMITS = ServerLimits()
@@ -415,7 +415,7 @@ def test_a_batch_is_interrupted_once_every_request_of_it_is_abandoned_and_only_t
 def test_an_interrupted_rollout_ends_every_row_after_the_current_step(name):
     import dataclasses
 
-    from hybridflow.agent.server.rollout_backend import load_rollout_backend
+    from hybridflow.endpoint.rollout_backend import load_rollout_backend
 
     backend = load_rollout_backend(tiny_model_dir("llama"), max_tokens=24, name=name)
     backend.rollout.config = dataclasses.replace(backend.rollout.config, ignore_eos=True)

@@ -3,15 +3,18 @@ of every module, function-local and type-only ones included (an AST walk, not th
 
 The parts stand in layers, each importing only parts below it (docs/architecture.md draws them):
 
-    cli/                      the `hybridflow` command, one module per subcommand
-    train/                    the loops (PPO sync/async, SFT), the job and its recovery
-    config/, compat/          the run's typed config, its resolve stage; verl's dialect
-    workers/                  role workers over Engine / Rollout
-    planner/, agent/server/   the cost model and layout search; the OpenAI-compatible endpoint
-    rollout/                  the Rollout interface, sync, multi-turn; native/, hf, vllm/
-    parity/                   the guard's checks (the sync calls them; they read a rollout through a protocol)
-    engine/, data/, rewards/, agent/loop/ (+ agent/config.py), controller/
-    protocol/, models/, algos/, utils/
+    cli/                the `hybridflow` command, one module per subcommand
+    train/              the loops (PPO sync/async, SFT, DPO), the job and its recovery
+    config/             the run's typed config and its resolve stage
+    workers/, service/  role workers over Engine / Rollout; the Tinker-compatible service
+    planner/, endpoint/ the cost model and layout search; the OpenAI-compatible endpoint and harness training
+    rollout/            the Rollout interface, sync, multi-turn; native/, hf, vllm/
+    parity/             the guard's checks (the sync calls them; they read a rollout through a protocol)
+    engine/, data/, controller/
+    agent/              the multi-turn loop's environments, tools, sandbox; the agent's config
+    rewards/, models/, algos/
+    protocol/
+    utils/, compat/     (compat/verl/: verl's key names)
 
 controller/ knows nothing of RL; algos/ is tensor math without Ray; planner/ takes plain inputs (planner/inputs.py)
 and never reads the run config; the library never imports its command-line entry points (cli/).
@@ -35,7 +38,7 @@ CLI_MODULES = {f"hybridflow.cli.{p.stem}" for p in (PACKAGE / "cli").glob("*.py"
 
 _ALL = (
     "protocol", "models", "algos", "engine", "data", "rewards", "agent", "controller", "rollout", "parity",
-    "planner", "workers", "config", "compat", "train", "cli", "service",
+    "planner", "endpoint", "workers", "config", "compat", "train", "cli", "service",
 )  # fmt: skip
 
 
@@ -49,21 +52,20 @@ FORBIDDEN = {
     "models": _above("utils", "models"),
     "algos": (*_above("utils", "algos"), "ray"),
     "rewards": _above("utils", "protocol", "rewards"),
-    "agent.loop": (*_above("utils", "protocol", "rewards", "agent.loop"), "agent.server"),
-    "data": (*_above("utils", "protocol", "data", "agent.loop"), "agent.server"),
+    "agent": _above("utils", "protocol", "rewards", "agent"),
+    "data": _above("utils", "protocol", "data", "agent"),
     "engine": _above("utils", "protocol", "models", "algos", "engine"),
     "controller": _above("utils", "protocol", "controller"),
-    "rollout": (*_above("utils", "protocol", "models", "engine", "agent", "rollout", "parity"), "agent.server"),
+    "rollout": _above("utils", "protocol", "models", "engine", "agent", "rollout", "parity"),
     "parity": _above("utils", "protocol", "models", "engine", "parity"),
     "planner": ("workers", "config", "compat", "train", "cli", "service", "controller", "agent"),
-    "agent.server": ("workers", "config", "compat", "train", "cli", "service", "planner", "parity"),
+    "endpoint": ("workers", "config", "compat", "train", "cli", "service", "planner", "parity"),
     "workers": ("config", "compat", "train", "cli", "service"),
     "config": ("train", "cli", "service"),
     "compat": ("train", "cli", "service"),
     "train": ("cli",),
 }
-"""Part of hybridflow -> what it must not import: hybridflow's parts by name ("agent.loop": a sub-package), "ray" the
-library."""
+"""Part of hybridflow -> what it must not import: hybridflow's parts by name, "ray" the library."""
 
 
 def module_name(path: Path) -> str:
@@ -173,9 +175,7 @@ def test_the_layer_check_sees_function_local_imports():
     found = imported_modules(source, "hybridflow.planner")
     assert any(is_within(m, "config") for m in found)
     assert not is_within("hybridflow.configx", "config") and is_within("ray.util", "ray")
-    assert is_within("hybridflow.agent.loop.env", "agent.loop") and not is_within(
-        "hybridflow.agent.server", "agent.loop"
-    )
+    assert is_within("hybridflow.agent.loop.env", "agent") and not is_within("hybridflow.agentx", "agent")
 
 
 def test_generate_reads_a_trainer_checkpoint_without_loading_the_other_subcommands(tmp_path):

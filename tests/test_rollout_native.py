@@ -339,7 +339,7 @@ def test_shared_prefix_prefill_matches_transformers(arch, monkeypatch):
 def test_identical_prompts_share_all_but_their_last_token_and_generate():
     """n identical prompts (an agent harness's n sessions of one row, batched by the server): the shared
     prefix leaves a one-token suffix, whose prefill must not take the one-token decode path."""
-    from hybridflow.agent.server.rollout_backend import _left_padded
+    from hybridflow.endpoint.rollout_backend import _left_padded
     from hybridflow.models import load_tokenizer, tiny_model_dir
     from hybridflow.rollout import RolloutConfig, build_rollout
     from hybridflow.rollout.config import SamplingParams

@@ -1,5 +1,5 @@
 """The agent's configuration: the in-worker multi-turn loop (`rollout.multi_turn`, agent/loop/) and harness training
-through the OpenAI-compatible endpoint (`rollout.agent`, agent/server/harness.py). Both sit under the rollout's
+through the OpenAI-compatible endpoint (`rollout.agent`, endpoint/harness.py). Both sit under the rollout's
 section, as verl names them; the rollout config (rollout/config.py) holds them."""
 
 from __future__ import annotations
@@ -59,14 +59,14 @@ class MultiTurnConfig(Section):
 
 
 HARNESS_MISMATCH = ("split", "refuse")
-"""rollout.agent.on_mismatch values (hybridflow/agent/server/sessions.py)."""
+"""rollout.agent.on_mismatch values (hybridflow/endpoint/sessions.py)."""
 
 
 @dataclass
 class AgentConfig(Section):
     """Training an agent harness written as plain `openai`-client code (issue 30; verl groups its agent-loop
     settings under `rollout.agent` too). Each rollout worker serves its own rollout on an OpenAI-compatible
-    endpoint on 127.0.0.1 and calls `function` once per prompt row x rollout.n (hybridflow/agent/server/harness.py)."""
+    endpoint on 127.0.0.1 and calls `function` once per prompt row x rollout.n (hybridflow/endpoint/harness.py)."""
 
     function: str | None = None
     """The harness, `module:name` or `path/to/file.py:name`: `run(client: openai.OpenAI, row: dict) -> float | None`
@@ -109,5 +109,5 @@ class AgentConfig(Section):
         except (TypeError, ValueError):
             raise ValueError(
                 f"rollout.agent.function={self.function!r} must be callable as run(client, row); "
-                "see hybridflow/agent/server/harness.py"
+                "see hybridflow/endpoint/harness.py"
             ) from None

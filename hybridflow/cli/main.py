@@ -9,7 +9,7 @@ hybridflow plan [--config FILE] --profile PROFILE.json [key=value ...]  # rank p
 hybridflow profile --model M [--out device_profile.json]  # per-token operator costs here (cli/profile.py)
 hybridflow generate --model PATH_OR_CKPT --data FILE.parquet [--n N] [--temperature T] [--top-p P] [--top-k K]
                     [--seed S] [--rollout native|hf|vllm] [--out FILE.jsonl]  # greedy unless a sampling flag or --n > 1
-hybridflow serve [--model M] [--host 127.0.0.1] [--port 0] [--api-key K] [LIMIT=V ...]  # OpenAI-compatible server (agent/server/app.py)
+hybridflow serve [--model M] [--host 127.0.0.1] [--port 0] [--api-key K] [LIMIT=V ...]  # OpenAI-compatible server (endpoint/app.py)
 
 hybridflow tinker [--model M] [--host 127.0.0.1] [--port 0] [--api-key tml-K]  # Tinker API service (service/)
 
@@ -129,9 +129,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve a model over the OpenAI API until interrupted; prints the base URL once it listens."""
-    from hybridflow.agent.server.app import AgentServer, ServerConfig, check_bind, start_server  # noqa: PLC0415  (lazy: a subcommand imports its implementation when it runs)
-    from hybridflow.agent.server.limits import parse_limits  # noqa: PLC0415  (lazy: a subcommand imports its implementation when it runs)
-    from hybridflow.agent.server.rollout_backend import load_rollout_backend  # noqa: PLC0415  (lazy: a subcommand imports its implementation when it runs)
+    from hybridflow.endpoint.app import AgentServer, ServerConfig, check_bind, start_server  # noqa: PLC0415  (lazy: a subcommand imports its implementation when it runs)
+    from hybridflow.endpoint.limits import parse_limits  # noqa: PLC0415  (lazy: a subcommand imports its implementation when it runs)
+    from hybridflow.endpoint.rollout_backend import load_rollout_backend  # noqa: PLC0415  (lazy: a subcommand imports its implementation when it runs)
     from hybridflow.models import load_tokenizer, resolve_model_path  # noqa: PLC0415  (lazy: a subcommand imports its implementation when it runs)
 
     check_bind(args.host, args.api_key)  # before loading the model: a refused bind or a bad limit fails fast

@@ -47,7 +47,7 @@ EXTRA_INFO = "extra_info"  # [B] dict: the dataset row's extra_info
 NUM_TURNS = "num_turns"  # [B] int: multi-turn rollouts: model turns of the trajectory
 TOOL_CALLS = "tool_calls"  # [B] int: multi-turn rollouts: tool calls the trajectory made
 STOP_REASON = "stop_reason"  # [B] str: multi-turn rollouts: why it stopped (hybridflow/agent/loop/runner.py)
-HARNESS_STATUS = "harness_status"  # [B] str: rollout.agent: how its harness call ended (agent/server/harness_batch.py)
+HARNESS_STATUS = "harness_status"  # [B] str: rollout.agent: how its harness call ended (endpoint/harness_batch.py)
 
 # --- meta_info keys ----------------------------------------------------------
 # meta_info carries what a batch IS, never what a worker should DO: control flags (sampling params,

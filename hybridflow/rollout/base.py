@@ -219,7 +219,7 @@ class ModuleRollout(Rollout):
         self.interrupted = threading.Event()
         """Set from another thread, it ends the generation in progress after its current decode step: every row
         keeps the tokens sampled so far (tensor parallel size 1 only). Whoever sets it clears it; the OpenAI
-        server's batcher does when every request of its batch was abandoned (agent/server/backend.py)."""
+        server's batcher does when every request of its batch was abandoned (endpoint/backend.py)."""
 
     def turn_generator(self, sampling: SamplingParams) -> contextlib.AbstractContextManager[GenerateFn]:
         """See `Rollout.turn_generator`: one `generate_sequences` call per round on the left-padded contexts,

@@ -24,7 +24,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from hybridflow.agent.server.app import check_bind
+from hybridflow.endpoint.app import check_bind
 from hybridflow.service.core import TinkerService
 from hybridflow.service.errors import UserError
 from hybridflow.service.wire import WireError, decode_forward_backward

@@ -23,8 +23,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from hybridflow.agent.server.backend import GenerationRequest
-from hybridflow.agent.server.rollout_backend import RolloutBackend, load_rollout_backend
+from hybridflow.endpoint.backend import GenerationRequest
+from hybridflow.endpoint.rollout_backend import RolloutBackend, load_rollout_backend
 from hybridflow.parity.config import DEFAULT_THRESHOLDS
 from hybridflow.parity.fingerprint import differing, fingerprints
 from hybridflow.parity.logprob import logprob_gaps

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from hybridflow.agent.server.app import check_bind
+from hybridflow.endpoint.app import check_bind
 from hybridflow.models import cache_root, resolve_model_path
 from hybridflow.service.app import RunningService, start_service
 from hybridflow.service.core import TinkerService

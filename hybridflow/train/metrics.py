@@ -66,7 +66,7 @@ def agent_metrics(batch: DataProto, prefix: str = "agent") -> dict[str, float]:
 
 
 def harness_metrics(batch: DataProto, prefix: str = "agent") -> dict[str, float]:
-    """Harness rollouts (rows with harness_status, hybridflow/agent/server/harness_batch.py): how many calls of the
+    """Harness rollouts (rows with harness_status, hybridflow/endpoint/harness_batch.py): how many calls of the
     batch raised (`harness_errors`), ran past rollout.agent.timeout_s (`harness_timeouts`), recorded no request
     (`harness_empty`), returned a bad reward (`harness_bad_rewards`), and all dropped rows (`harness_dropped`)."""
     if K.HARNESS_STATUS not in batch.non_tensor_batch:

@@ -29,7 +29,7 @@ def validate(actor_rollout: Any, val_loader: Any, reward_fn: Any, n: int) -> dic
         out.meta_info.pop(K.META_METRICS, None)
         result = reward_fn(out)
         sources += [str(s) for s in out.non_tensor_batch[K.DATA_SOURCE]]
-        # the prompts' uids: a harness row dropped in generation has a uid of its own (agent/server/harness_batch.py)
+        # the prompts' uids: a harness row dropped in generation has a uid of its own (endpoint/harness_batch.py)
         uids += [u for u in prompts.non_tensor_batch[K.UID] for _ in range(len(out) // len(prompts))]
         scores += result.scores
         outs.append(out)

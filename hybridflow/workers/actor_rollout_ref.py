@@ -39,11 +39,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from hybridflow.agent.server.harness import HarnessRunner
 from hybridflow.algos.core import masked_mean
 from hybridflow.controller.decorator import Dispatch, register
 from hybridflow.controller.dispatch import make_nd_compute_dataproto_dispatch_fn
 from hybridflow.controller.worker import Worker, collective_timeout_s
+from hybridflow.endpoint.harness import HarnessRunner
 from hybridflow.engine import export_hf
 from hybridflow.engine.config import EngineConfig
 from hybridflow.engine.parallel.dims import GenerationDims, ParallelDims, aligned_stride
@@ -167,7 +167,7 @@ class ActorRolloutRefWorker(Worker):
     ) -> DataProto:
         """Prompts [b, P] (left-padded) -> b * n rows of prompts, responses, masks, rollout_log_probs
         (rollout.multi_turn.enable: agent-loop trajectories, see hybridflow/rollout/multi_turn.py; rollout.agent:
-        harness trajectories, see hybridflow/agent/server/harness.py).
+        harness trajectories, see hybridflow/endpoint/harness.py).
 
         `step`: the training step; the sampler reseeds from it first (None: no reseed, the sampler goes on
         from its state, as validation does). `sampling`: this call's params; None: the configured ones,
@@ -188,7 +188,7 @@ class ActorRolloutRefWorker(Worker):
             params = sampling or self.rollout_cfg.sampling_params(validate)
             if self.rollout_cfg.multi_turn.enable:  # one agent-loop trajectory per sample (rollout/multi_turn.py)
                 out = generate_multi_turn(self.rollout, prompts, params, self.rollout_cfg)
-            elif self.rollout_cfg.agent.enable:  # one harness call per sample (agent/server/harness.py)
+            elif self.rollout_cfg.agent.enable:  # one harness call per sample (endpoint/harness.py)
                 out, server_metrics = self._harness_runner().generate(prompts, params)
                 metrics.update(server_metrics)
             else:

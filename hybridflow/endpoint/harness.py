@@ -5,9 +5,9 @@ the rollout worker's process):
 
     run(client: openai.OpenAI, row: dict) -> float | None
 
-- `client` points at this worker's OpenAI-compatible endpoint (hybridflow/agent/server/app.py) and carries a
+- `client` points at this worker's OpenAI-compatible endpoint (hybridflow/endpoint/app.py) and carries a
   session id of its own (the `x-session-id` header), fresh for every call: every request the harness makes
-  through it is recorded as one trajectory, token by token as sampled (hybridflow/agent/server/sessions.py).
+  through it is recorded as one trajectory, token by token as sampled (hybridflow/endpoint/sessions.py).
 - `row` is a copy of the verl-format dataset row, as the in-process agent loop gets it
   (`rollout/multi_turn.py` `dataset_rows`): `prompt` (chat messages), `data_source`, `reward_model.ground_truth`,
   `extra_info` (the tools a row offers in `extra_info.tools`, as the dataset stores them).
@@ -43,11 +43,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridflow.agent.config import AgentConfig
-from hybridflow.agent.server.app import SESSION_HEADER, AgentServer, ServerConfig, start_server
-from hybridflow.agent.server.backend import GenerationRequest, Sample
-from hybridflow.agent.server.harness_batch import harness_batch
-from hybridflow.agent.server.limits import ServerLimits
-from hybridflow.agent.server.rollout_backend import RolloutBackend
+from hybridflow.endpoint.app import SESSION_HEADER, AgentServer, ServerConfig, start_server
+from hybridflow.endpoint.backend import GenerationRequest, Sample
+from hybridflow.endpoint.harness_batch import harness_batch
+from hybridflow.endpoint.limits import ServerLimits
+from hybridflow.endpoint.rollout_backend import RolloutBackend
 from hybridflow.protocol import DataProto
 from hybridflow.rollout.base import ModuleRollout
 from hybridflow.rollout.config import SamplingParams
@@ -56,7 +56,7 @@ from hybridflow.utils.plugins import load_object
 
 logger = logging.getLogger(__name__)
 SERVER_COUNTERS = ("sessions/requests", "sessions/split", "sessions/refused")
-"""The endpoint's counters reported per step (as `agent/server/<name>`, per rollout worker)."""
+"""The endpoint's counters reported per step (as `endpoint/<name>`, per rollout worker)."""
 HARNESS_KEY = "hybridflow"
 """The bearer token of the harness's client (its sessions belong to it: server.py `session_owner`)."""
 
@@ -119,7 +119,7 @@ class HarnessRunner:
 
     def generate(self, prompts: DataProto, sampling: SamplingParams) -> tuple[DataProto, dict[str, float]]:
         """`sampling.n` harness trajectories per prompt row as one generated batch (harness_batch.py), and the
-        endpoint's counters of this call (`agent/server/requests`, `.../split`, `.../refused`)."""
+        endpoint's counters of this call (`endpoint/requests`, `.../split`, `.../refused`)."""
         rows = dataset_rows(prompts, sampling.n)
         sessions = [uuid.uuid4().hex for _ in rows]
         self.server.sessions.pop_all()  # what calls abandoned in an earlier step recorded since
@@ -134,7 +134,7 @@ class HarnessRunner:
         recorded = [self.server.pop_session(sid, HARNESS_KEY, i // sampling.n) for i, sid in enumerate(sessions)]
         after = self.server.metrics()
         out = harness_batch(prompts, rows, outcomes, recorded, self.rollout.pad_id, self.response_length)
-        return out, {f"agent/server/{k.split('/')[-1]}": after[k] - before[k] for k in SERVER_COUNTERS}
+        return out, {f"endpoint/{k.split('/')[-1]}": after[k] - before[k] for k in SERVER_COUNTERS}
 
     def _call(self, row: dict[str, Any], session_id: str) -> Callable[[], Any]:
         client = self.client.with_options(default_headers={SESSION_HEADER: session_id})

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridflow.agent.loop.tool_calls import parse_tool_calls
-from hybridflow.agent.server.backend import Sample
-from hybridflow.agent.server.limits import ServerLimits
+from hybridflow.endpoint.backend import Sample
+from hybridflow.endpoint.limits import ServerLimits
 
 
 class RequestError(ValueError):

@@ -59,7 +59,7 @@ from jinja2 import TemplateError
 from starlette.requests import ClientDisconnect
 
 from hybridflow.agent.loop.tokens import TemplateDeltaError, encode
-from hybridflow.agent.server.backend import (
+from hybridflow.endpoint.backend import (
     Batcher,
     BatcherClosed,
     GenerationBackend,
@@ -67,8 +67,8 @@ from hybridflow.agent.server.backend import (
     Sample,
     cut_at_stop,
 )
-from hybridflow.agent.server.limits import ServerLimits
-from hybridflow.agent.server.openai_format import (
+from hybridflow.endpoint.limits import ServerLimits
+from hybridflow.endpoint.openai_format import (
     Params,
     RequestError,
     assistant_reply,
@@ -80,7 +80,7 @@ from hybridflow.agent.server.openai_format import (
     parse_params,
     parse_prompt,
 )
-from hybridflow.agent.server.sessions import HistoryMismatch, Pending, SessionStore
+from hybridflow.endpoint.sessions import HistoryMismatch, Pending, SessionStore
 
 SESSION_HEADER = "x-session-id"
 logger = logging.getLogger(__name__)

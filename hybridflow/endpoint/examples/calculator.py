@@ -1,6 +1,6 @@
 """A calculator agent for the tool_arithmetic task, written as a user would write it for any OpenAI-compatible API.
 
-Train it with `rollout.agent.function=hybridflow.agent.server.examples.calculator:run` (README, "Training an agent
+Train it with `rollout.agent.function=hybridflow.endpoint.examples.calculator:run` (README, "Training an agent
 harness"). It sends the row's messages with the calculator's function schema in `tools`, runs every tool call
 the reply makes with `hybridflow.agent.loop.tools`' calculator, sends the results back as `tool` messages, and stops
 at the first reply without tool calls (or after `MAX_TURNS` replies). It returns None: the row's rule scorer

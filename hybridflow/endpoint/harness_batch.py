@@ -35,7 +35,7 @@ import numpy as np
 
 from hybridflow.agent.loop.batch import trajectories_to_batch
 from hybridflow.agent.loop.runner import Trajectory
-from hybridflow.agent.server.sessions import message_text
+from hybridflow.endpoint.sessions import message_text
 from hybridflow.protocol import DataProto, keys
 from hybridflow.rewards import default_compute_score
 

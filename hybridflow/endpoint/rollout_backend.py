@@ -6,7 +6,7 @@ group's largest `max_tokens`; each sample is then cut at its own `max_tokens` an
 of its extra `stop_ids` (the rollout itself stops at its EOS ids). Log-probs are the rollout's
 (`rollout/sampling.py`: the temperature-scaled, unfiltered distribution).
 
-With `backend.sampling` set (a trainer serving a harness, hybridflow/agent/server/harness.py) every request is
+With `backend.sampling` set (a trainer serving a harness, hybridflow/endpoint/harness.py) every request is
 sampled with those params instead of its own temperature / top_p, so that the recorded log-probs are
 taken at the temperature the trainer computes its log-probs at.
 
@@ -22,7 +22,7 @@ import os
 
 import torch
 
-from hybridflow.agent.server.backend import GenerationRequest, Sample
+from hybridflow.endpoint.backend import GenerationRequest, Sample
 from hybridflow.models import load_tokenizer
 from hybridflow.protocol import DataProto
 from hybridflow.protocol.keys import (

@@ -1,7 +1,7 @@
 """The bounds the OpenAI-compatible server puts on one request and on its own load (issue 56).
 
 Every bound is a field of `ServerLimits` with its default; `hybridflow serve` takes them as `key=value`
-arguments (`parse_limits`), the harness server (agent/server/harness.py) derives its own from `rollout.agent`.
+arguments (`parse_limits`), the harness server (endpoint/harness.py) derives its own from `rollout.agent`.
 A request past a bound is refused before it reaches the batcher, alone, with a 4xx naming the bound
 (server.py lists the status codes); `max_tokens` above the backend's `--max-tokens` is clamped, not refused.
 """

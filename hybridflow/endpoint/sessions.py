@@ -35,7 +35,7 @@ from typing import Any
 from hybridflow.agent.loop.runner import Trajectory
 from hybridflow.agent.loop.tokens import encode, observation_ids, prompt_ids
 from hybridflow.agent.loop.tool_calls import format_tool_call, render_messages
-from hybridflow.agent.server.backend import Sample
+from hybridflow.endpoint.backend import Sample
 
 Message = dict[str, Any]
 MISMATCH_POLICIES = ("split", "refuse")
