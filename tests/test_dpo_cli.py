@@ -158,7 +158,7 @@ def test_list_keys_names_the_dpo_section(capsys) -> None:
         (["data.max_length=8"], "exceed data.max_length=8.*data.truncation"),
         (["data.task=countdown"], "no rule for a wrong answer"),
         (["data.train_batch_size=7"], "must divide evenly over 2 workers"),
-        (["trainer.placement=split"], "use trainer.placement=colocate"),
+        (["trainer.placement=split"], "unknown config key .trainer.placement."),
         (["engine.tensor_parallel_size=2"], "DPO runs data parallel only"),
     ],
 )

@@ -15,6 +15,7 @@ from hybridflow.config.run import RunConfig
 from hybridflow.engine.config import EngineConfig
 from hybridflow.train.checkpointing import STATE_FILE, resume_path
 from hybridflow.utils.config_loader import ConfigError, FrozenConfigError, load_config
+from hybridflow.utils.manifest import write_manifest
 from tests.resolve_helpers import resolve_here
 
 
@@ -213,6 +214,7 @@ def _fake_checkpoint(root: Path, run: str) -> Path:
     path = root / "global_step_2"
     path.mkdir(parents=True)
     (path / STATE_FILE).write_text(json.dumps({"global_step": 2, "run": run}))
+    write_manifest(path, 2)  # a checkpoint without its manifest is damaged, and skipped
     (path / "COMPLETE").write_text("")
     return path
 

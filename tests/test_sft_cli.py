@@ -113,7 +113,7 @@ def test_print_config_resolves_and_starts_nothing(tiny_model: str, tmp_path: Pat
         (["data.prompt_key=question"], r"column\(s\) \['question'\] missing.*data.prompt_key"),
         (["data.max_lenght=64"], "unknown config key 'data.max_lenght'; did you mean \\['data.max_length'\\]"),
         (["data.max_length=8"], "exceed data.max_length=8.*data.truncation"),
-        (["trainer.placement=split"], "use trainer.placement=colocate"),
+        (["trainer.placement=split"], "unknown config key .trainer.placement."),
         (["data.task=countdown"], "no known correct response"),
         (["data.train_batch_size=7"], "must divide evenly over 2 workers"),
         (["engine.fsdp_size=3"], r"error: engine.fsdp_size=3 must divide the number of ranks \(2\)"),

@@ -4,7 +4,7 @@
     measured = measure_dtypes(cfg.trainer, [cfg.engine.param_dtype])
     run = resolve_dpo(cfg, steps_per_epoch, measured)                 # every derived value, then frozen
 
-As `hybridflow sft` (config/sft.py): the trainer section is the RL trainer's `TrainerConfig`, resolved by
+As `hybridflow sft` (config/sft.py): the trainer section is the shared `JobConfig`, resolved by
 the same `resolve_trainer`; derived here are the LR schedule length and the engine's fsdp_size /
 reshard_after_forward. The defaults train the bundled SmolLM2-135M-Instruct with the sigmoid (DPO) loss on the
 arithmetic task's generated preference set (hybridflow/data/preference.py).
@@ -19,7 +19,7 @@ from hybridflow.config.data import TaskFilesConfig, one_of, positive
 from hybridflow.config.measure import Measurements
 from hybridflow.config.resolve import resolve_engine, resolve_schedule, resolve_trainer
 from hybridflow.config.sft import SFT_TRUNCATIONS
-from hybridflow.config.trainer import TrainerConfig
+from hybridflow.config.trainer import JobConfig
 from hybridflow.data.preference import INVALID_PAIRS, check_preference_task
 from hybridflow.engine.config import EngineConfig, LoraConfig, OptimConfig
 from hybridflow.utils.config_loader import ConfigError, Section, freeze, to_yaml
@@ -78,8 +78,8 @@ def _default_optim() -> OptimConfig:
     return OptimConfig(lr=1e-6)
 
 
-def _default_trainer() -> TrainerConfig:
-    return TrainerConfig(
+def _default_trainer() -> JobConfig:
+    return JobConfig(
         experiment_name="dpo", total_epochs=1, test_freq=16, save_freq=32, logger=["console", "jsonl", "tensorboard"]
     )
 
@@ -101,7 +101,7 @@ class DPOConfig(Section):
     lora: LoraConfig = field(default_factory=LoraConfig)
     """Low-rank adapters instead of full training (rank 0: off); the reference is then the model with its
     adapters disabled, not a second copy."""
-    trainer: TrainerConfig = field(default_factory=_default_trainer)
+    trainer: JobConfig = field(default_factory=_default_trainer)
     """Run length, validation/checkpoint frequency, loggers, backend, workers."""
 
     @property
@@ -116,11 +116,6 @@ class DPOConfig(Section):
             raise ValueError(
                 "trainer.n_workers_per_node=null (a layout chosen at load) is for hybridflow train; "
                 "give DPO a number of workers, e.g. trainer.n_workers_per_node=2"
-            )
-        if t.placement == "split":
-            raise ValueError(
-                "trainer.placement=split separates RL roles; DPO keeps its reference beside the policy, "
-                "use trainer.placement=colocate"
             )
         if self.data.train_batch_size % self.world_size:
             raise ValueError(

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from hybridflow.config.run import RunConfig
-from hybridflow.config.trainer import TrainerConfig
+from hybridflow.config.trainer import JobConfig
 from hybridflow.models import resolve_model_path
 from hybridflow.planner.auto import ProfileSpec, cached_device_profiles, has_collectives
 from hybridflow.planner.device import DeviceProfile
@@ -77,7 +77,7 @@ def measure(cfg: RunConfig, cpu_count: int | None = None) -> Measurements:
     return Measurements(cores, cuda, dtypes, profiles, params)
 
 
-def measure_dtypes(t: TrainerConfig, names: Iterable[str], cpu_count: int | None = None) -> Measurements:
+def measure_dtypes(t: JobConfig, names: Iterable[str], cpu_count: int | None = None) -> Measurements:
     """The CPUs, and the dtype probe where one of `names` is "auto", for a run with trainer.n_workers_per_node
     set (SFT)."""
     cores = cpu_count or os.cpu_count() or 1
@@ -102,7 +102,7 @@ def compute_dtypes(cfg: RunConfig) -> tuple[str, ...]:
     )
 
 
-def threads_per_worker(t: TrainerConfig, cores: int, workers: int) -> int:
+def threads_per_worker(t: JobConfig, cores: int, workers: int) -> int:
     """trainer.cpus_per_worker, else this node's `cores` shared by its `workers` (at least 1)."""
     return t.cpus_per_worker or max(1, cores // workers)
 

@@ -44,7 +44,7 @@ from hybridflow.config.layout import choose_layout
 from hybridflow.config.measure import Measurements
 from hybridflow.config.plan_inputs import old_log_prob_mode, recompute_old_log_prob
 from hybridflow.config.run import RunConfig
-from hybridflow.config.trainer import MODE_STALENESS, TrainerConfig
+from hybridflow.config.trainer import MODE_STALENESS, JobConfig, TrainerConfig
 from hybridflow.engine.config import EngineConfig, OptimConfig
 from hybridflow.engine.parallel.pipeline_stage import check_pp_layout
 from hybridflow.engine.parallel.sequence_parallel import check_sp_layout
@@ -200,7 +200,7 @@ def worker_sets(cfg: RunConfig) -> tuple[WorkerSet, ...]:
     return WorkerSet(0, first, ("actor", "rollout")), WorkerSet(1, world - first, tuple(roles[2:]))
 
 
-def resolve_trainer(t: TrainerConfig, steps_per_epoch: int, cpu_count: int) -> TrainerConfig:
+def resolve_trainer(t: JobConfig, steps_per_epoch: int, cpu_count: int) -> JobConfig:
     """The trainer section with run directories, threads per worker (this node's `cpu_count` CPUs shared),
     run length and timeouts filled in (shared by every trainer: PPO, SFT). Not frozen: the caller freezes
     the whole config."""
@@ -217,6 +217,9 @@ def resolve_trainer(t: TrainerConfig, steps_per_epoch: int, cpu_count: int) -> T
         )
     run_dir = os.path.join(t.project_name, t.experiment_name)
     call_s, collective_s = DEVICE_TIMEOUTS_S[t.device]
+    rl = {}
+    if isinstance(t, TrainerConfig):
+        rl["max_staleness"] = MODE_STALENESS[t.mode] if t.max_staleness is None else t.max_staleness
     return replace(
         t,
         total_epochs=epochs,
@@ -226,8 +229,8 @@ def resolve_trainer(t: TrainerConfig, steps_per_epoch: int, cpu_count: int) -> T
         cpus_per_worker=t.cpus_per_worker or max(1, cpu_count // t.n_workers_per_node),
         call_timeout_s=t.call_timeout_s or call_s,
         collective_timeout_s=t.collective_timeout_s or collective_s,
-        max_staleness=MODE_STALENESS[t.mode] if t.max_staleness is None else t.max_staleness,
         max_restarts=(DEFAULT_MAX_RESTARTS if t.backend == "ray" else 0) if t.max_restarts is None else t.max_restarts,
+        **rl,
     )
 
 

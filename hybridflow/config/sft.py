@@ -4,9 +4,8 @@
     measured = measure_dtypes(cfg.trainer, [cfg.engine.param_dtype])  # this machine (config/measure.py)
     run = resolve_sft(cfg, steps_per_epoch, measured)                 # every derived value, then frozen
 
-The trainer section is the RL trainer's `TrainerConfig`, resolved by the same
-`resolve_trainer` (run directories, threads per worker, run length); its RL-only
-fields (critic_warmup, placement=split, mode) do not apply. Derived here as well: the LR
+The trainer section is the shared `JobConfig` (config/trainer.py: no RL-only keys), resolved by the same
+`resolve_trainer` as the RL trainer's (run directories, threads per worker, run length). Derived here as well: the LR
 schedule length (optim.total_training_steps), the engine's fsdp_size /
 reshard_after_forward, and engine.packing from data.packing.
 The defaults fine-tune the bundled SmolLM2-135M-Instruct on a generated SFT set of the
@@ -20,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from hybridflow.config.data import TaskFilesConfig, one_of, positive
 from hybridflow.config.measure import Measurements
 from hybridflow.config.resolve import resolve_engine, resolve_schedule, resolve_trainer
-from hybridflow.config.trainer import TrainerConfig
+from hybridflow.config.trainer import JobConfig
 from hybridflow.data.sft import check_sft_task
 from hybridflow.engine.config import EngineConfig, LoraConfig, OptimConfig
 from hybridflow.utils.config_loader import ConfigError, Section, freeze, to_yaml
@@ -92,8 +91,8 @@ def _default_optim() -> OptimConfig:
     return OptimConfig(lr=1e-5)
 
 
-def _default_trainer() -> TrainerConfig:
-    return TrainerConfig(
+def _default_trainer() -> JobConfig:
+    return JobConfig(
         experiment_name="sft", total_epochs=1, test_freq=16, save_freq=32, logger=["console", "jsonl", "tensorboard"]
     )
 
@@ -112,7 +111,7 @@ class SFTConfig(Section):
     """How the model trains on each worker (FSDP2); engine.packing follows data.packing."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """Low-rank adapters instead of full fine-tuning (rank 0: off); export merges them or writes a peft dir."""
-    trainer: TrainerConfig = field(default_factory=_default_trainer)
+    trainer: JobConfig = field(default_factory=_default_trainer)
     """Run length, validation/checkpoint frequency, loggers, backend, workers."""
 
     @property
@@ -127,10 +126,6 @@ class SFTConfig(Section):
             raise ValueError(
                 "trainer.n_workers_per_node=null (a layout chosen at load) is for hybridflow train; "
                 "give SFT a number of workers, e.g. trainer.n_workers_per_node=2"
-            )
-        if t.placement == "split":
-            raise ValueError(
-                "trainer.placement=split separates RL roles; SFT has one model, use trainer.placement=colocate"
             )
         if self.data.train_batch_size % world:
             raise ValueError(

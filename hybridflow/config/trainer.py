@@ -116,8 +116,9 @@ class AlgorithmConfig(Section):
 
 
 @dataclass
-class TrainerConfig(ParityFields):
-    """The run: length, checkpoints, logging and where workers go (and the parity guard: ParityFields)."""
+class JobConfig(Section):
+    """The trainer section every training command shares (`hybridflow sft` and `hybridflow dpo` use it as it is):
+    run length, checkpoints, logging, where the workers go, timeouts and restarts."""
 
     project_name: str = "hybridflow"
     """Project name for loggers (wandb project, mlflow experiment)."""
@@ -159,33 +160,11 @@ class TrainerConfig(ParityFields):
     """Metric sinks: any of console, jsonl, tensorboard, wandb, mlflow."""
     val_before_train: bool = True
     """Run validation once before the first step."""
-    val_only: bool = False
-    """Validate the starting model once and stop: no training step, no checkpoint (verl's key)."""
-    balance_batch: bool = True
-    """Reorder each generated batch so every actor worker gets about the same number of tokens (the
-    n samples of a prompt stay together); see hybridflow/train/balance.py."""
-    critic_warmup: int = 0
-    """Steps that update only the critic before the actor starts updating."""
     device: str = "cpu"
     """"cpu" (gloo) or "cuda" (nccl): every worker computes there (hybridflow/utils/device.py); a cuda worker uses
     the GPU its Ray actor was given (index 0 of its visible devices), or LOCAL_RANK when it sees several."""
     backend: str = "ray"
     """"ray" runs workers as Ray actors; "local" runs them in-process for debugging."""
-    placement: str = "colocate"
-    """"colocate": all roles share every worker; "split": actor/rollout and critic/ref get separate workers
-    (with mode one_step_off/async: the rollout gets its own workers, every other role shares the rest);
-    "auto": resolved at load to the runnable placement the planner predicts fastest (hybridflow/planner/auto.py,
-    from trainer.device_profile; split whenever mode is one_step_off/async)."""
-    device_profile: str | None = None
-    """placement=auto: a `hybridflow profile` JSON for this model; None: measured at load (seconds on a tiny
-    model, about a minute on SmolLM2) and cached under the model cache directory."""
-    mode: str = "sync"
-    """"sync": generate, then train, every step; "one_step_off": batch k+1 is generated while batch k trains
-    (max_staleness 1); "async": up to max_staleness updates between the weights that generated a batch and the
-    update that trains on it. The off-policy modes need placement=split (the rollout on its own workers)."""
-    max_staleness: int | None = None
-    """Most actor updates a sample's generating weights may lag behind the policy it trains (mode=async; 0 is
-    sync's schedule). None: 0 for sync, 1 for one_step_off and async."""
     plugins: list[str] = field(default_factory=list)
     """User code imported before the config is checked, on the controller and in every worker process before
     its models are built: importable module names or .py file paths (relative paths resolved to absolute at
@@ -221,7 +200,6 @@ class TrainerConfig(ParityFields):
     def __post_init__(self) -> None:
         # Derived values (directories, threads, run length) stay None here: hybridflow.config.resolve
         # fills them from the final merged values, after every override.
-        super().__post_init__()
         for key, name in (
             ("trainer.project_name", self.project_name),
             ("trainer.experiment_name", self.experiment_name),
@@ -248,8 +226,6 @@ class TrainerConfig(ParityFields):
             raise ValueError("trainer.resume_mode=resume_path needs trainer.resume_from_path")
         for name in self.logger:
             BACKENDS.get(name)  # an unknown name fails naming trainer.logger and the known loggers
-        if self.critic_warmup < 0:
-            raise ValueError(f"trainer.critic_warmup must be >= 0, got {self.critic_warmup}")
         for key, value in (
             ("trainer.call_timeout_s", self.call_timeout_s),
             ("trainer.collective_timeout_s", self.collective_timeout_s),
@@ -274,21 +250,57 @@ class TrainerConfig(ParityFields):
             )
         one_of("trainer.device", self.device, ("cpu", "cuda"))
         one_of("trainer.backend", self.backend, ("ray", "local"))
-        one_of("trainer.placement", self.placement, ("colocate", "split", "auto"))
-        self._check_mode()
         if self.device == "cuda" and not _cuda_available():
             raise ValueError("trainer.device=cuda but torch sees no CUDA device here; use trainer.device=cpu")
         if self.n_workers_per_node is None:  # chosen at resolve, which checks the result again
             return
-        if self.placement == "split" and self.n_workers_per_node * self.nnodes < 2:
-            raise ValueError(
-                "trainer.placement=split needs at least 2 workers (trainer.n_workers_per_node * trainer.nnodes)"
-            )
         world = self.n_workers_per_node * self.nnodes
         if self.backend == "local" and world != 1:
             raise ValueError(
                 f"trainer.backend=local runs one in-process worker; set trainer.n_workers_per_node=1 "
                 f"and trainer.nnodes=1 (got {world} workers)"
+            )
+
+
+@dataclass
+class TrainerConfig(JobConfig, ParityFields):
+    """`hybridflow train`'s trainer section: the shared `JobConfig`, the parity guard (`ParityFields`) and what
+    only RL runs have: validation-only runs, batch balancing, critic warm-up, placement and the off-policy modes."""
+
+    val_only: bool = False
+    """Validate the starting model once and stop: no training step, no checkpoint (verl's key)."""
+    balance_batch: bool = True
+    """Reorder each generated batch so every actor worker gets about the same number of tokens (the
+    n samples of a prompt stay together); see hybridflow/train/balance.py."""
+    critic_warmup: int = 0
+    """Steps that update only the critic before the actor starts updating."""
+    placement: str = "colocate"
+    """"colocate": all roles share every worker; "split": actor/rollout and critic/ref get separate workers
+    (with mode one_step_off/async: the rollout gets its own workers, every other role shares the rest);
+    "auto": resolved at load to the runnable placement the planner predicts fastest (hybridflow/planner/auto.py,
+    from trainer.device_profile; split whenever mode is one_step_off/async)."""
+    device_profile: str | None = None
+    """placement=auto: a `hybridflow profile` JSON for this model; None: measured at load (seconds on a tiny
+    model, about a minute on SmolLM2) and cached under the model cache directory."""
+    mode: str = "sync"
+    """"sync": generate, then train, every step; "one_step_off": batch k+1 is generated while batch k trains
+    (max_staleness 1); "async": up to max_staleness updates between the weights that generated a batch and the
+    update that trains on it. The off-policy modes need placement=split (the rollout on its own workers)."""
+    max_staleness: int | None = None
+    """Most actor updates a sample's generating weights may lag behind the policy it trains (mode=async; 0 is
+    sync's schedule). None: 0 for sync, 1 for one_step_off and async."""
+
+    def __post_init__(self) -> None:
+        JobConfig.__post_init__(self)
+        ParityFields.__post_init__(self)
+        if self.critic_warmup < 0:
+            raise ValueError(f"trainer.critic_warmup must be >= 0, got {self.critic_warmup}")
+        one_of("trainer.placement", self.placement, ("colocate", "split", "auto"))
+        self._check_mode()
+        workers = None if self.n_workers_per_node is None else self.n_workers_per_node * self.nnodes
+        if self.placement == "split" and workers is not None and workers < 2:
+            raise ValueError(
+                "trainer.placement=split needs at least 2 workers (trainer.n_workers_per_node * trainer.nnodes)"
             )
 
     def _check_mode(self) -> None:

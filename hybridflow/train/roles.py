@@ -23,7 +23,7 @@ from enum import Enum
 
 from hybridflow.config.resolve import POLICY_ROLES, ResolvedRun, WorkerSet
 from hybridflow.config.run import RunConfig
-from hybridflow.config.trainer import TrainerConfig
+from hybridflow.config.trainer import JobConfig
 from hybridflow.controller.colocate import create_colocated_worker_cls
 from hybridflow.controller.local import LocalResourcePool, LocalWorkerGroup
 from hybridflow.controller.resource_pool import ClassWithInitArgs
@@ -121,12 +121,12 @@ def build_roles(run: ResolvedRun) -> Roles:
     )
 
 
-def worker_timeouts(t: TrainerConfig) -> Timeouts:
+def worker_timeouts(t: JobConfig) -> Timeouts:
     """The worker groups' timeouts from a resolved trainer section (the Ray backend applies them)."""
     return Timeouts(t.call_timeout_s, t.collective_timeout_s, "trainer.call_timeout_s")
 
 
-def group_factory(t: TrainerConfig, set_sizes: list[int], name_prefix: str):
+def group_factory(t: JobConfig, set_sizes: list[int], name_prefix: str):
     """(make_group(pool, cls_with_init), [one pool per worker set of `set_sizes` ranks], release()) for
     trainer.backend; `release` frees the pools' placement (after the groups are shut down). Ray groups get
     the quiet-library env vars and the call/collective timeouts. Shared by every trainer."""
