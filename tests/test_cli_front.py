@@ -16,7 +16,6 @@ import pytest
 from omegaconf import DictConfig, OmegaConf
 
 from hybridflow.cli import list_keys as config_keys
-from hybridflow.cli import main as cli
 from hybridflow.cli.generate import sampling_settings
 from hybridflow.cli.main import main
 from hybridflow.config.run import RunConfig
@@ -119,7 +118,7 @@ def test_a_bug_prints_one_line_and_the_file_holding_its_traceback(tmp_path: Path
     def buggy(args):
         raise RuntimeError("boom\nsecond line")
 
-    monkeypatch.setattr(cli, "cmd_data", buggy)
+    monkeypatch.setattr("hybridflow.cli.data.cmd_data", buggy)
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     assert main(["data", "arithmetic", "--out", str(tmp_path)]) == 1
     err = capsys.readouterr().err.strip()
@@ -146,9 +145,9 @@ def test_user_errors_stay_one_line_and_debug_shows_their_traceback(tmp_path: Pat
 def test_a_bug_in_a_subprocess_exits_1_naming_the_traceback_file(tmp_path: Path) -> None:
     code = (
         "import sys\n"
-        "from hybridflow.cli import main as cli\n"
+        "from hybridflow.cli import main as cli\nimport hybridflow.cli.data as data\n"
         "def buggy(args): raise KeyError('missing')\n"
-        "cli.cmd_data = buggy\n"
+        "data.cmd_data = buggy\n"
         f"sys.exit(cli.main(['data', 'arithmetic', '--out', {str(tmp_path)!r}]))\n"
     )
     env = {"PATH": "/usr/bin:/bin", "TMPDIR": str(tmp_path), "PYTHONPATH": str(Path(__file__).parents[1])}

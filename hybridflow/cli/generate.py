@@ -7,6 +7,7 @@ and optionally write every prompt, response and score as JSON lines.
 
 from __future__ import annotations
 
+import argparse
 import json
 import tempfile
 from pathlib import Path
@@ -105,3 +106,24 @@ def generate_and_score(
     if out:
         Path(out).write_text("".join(json.dumps(r, default=str) + "\n" for r in rows))
     return summarize_scores(sources, uids, scores, n, prefix="gen")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Sample from a model (or checkpoint) on a parquet file, score and report accuracy."""
+    metrics = generate_and_score(
+        args.model,
+        args.data,
+        n=args.n,
+        out=args.out,
+        max_prompt_length=args.max_prompt_length,
+        max_response_length=args.max_response_length,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        batch_size=args.batch_size,
+        rollout=args.rollout,
+    )
+    for key, value in metrics.items():
+        print(f"{key}: {value:.4f}")
+    return 0

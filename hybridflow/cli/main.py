@@ -1,4 +1,4 @@
-"""The `hybridflow` command: train, sft, data, export, generate, serve.
+"""The `hybridflow` command: its parser and dispatch; each subcommand runs from its own module (cli/NAME.py).
 
 hybridflow train [--config FILE] key=value ...   # PPO / GRPO run (defaults: the main job)
 hybridflow sft [--config FILE] key=value ...     # supervised fine-tuning (hybridflow/cli/sft.py)
@@ -21,14 +21,9 @@ traceback (exit 1); --debug, anywhere on the command line, prints the traceback 
 from __future__ import annotations
 
 import argparse
-import os
-import signal
 import sys
-import threading
 from collections.abc import Sequence
-from pathlib import Path
-
-import yaml
+from importlib import import_module
 
 from hybridflow.cli.args import (
     DPO_DESCRIPTION,
@@ -43,133 +38,6 @@ from hybridflow.cli.args import (
     parse_args,
     report_unexpected,
 )
-
-
-def _kv(pairs: Sequence[str]) -> dict[str, object]:
-    out = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep:
-            raise ValueError(f"expected key=value, got {pair!r}")
-        out[key] = yaml.safe_load(value)
-    return out
-
-
-def cmd_data(args: argparse.Namespace) -> int:
-    """Generate a task as verl-format parquet (train and test splits); with --sft, as an SFT set; with
-    --preference, as a preference set (the correct answer chosen; a wrong one rejected, sampled from
-    --rejected-model or made by rule)."""
-    from hybridflow.data.preference import build_preference_task  # noqa: PLC0415  (lazy: a subcommand imports its implementation when it runs)
-    from hybridflow.data.sft import build_sft_task  # noqa: PLC0415  (lazy: a subcommand imports its implementation when it runs)
-    from hybridflow.data.tasks import build_task  # noqa: PLC0415  (lazy: a subcommand imports its implementation when it runs)
-
-    if args.sft and args.preference:
-        raise ValueError("--sft and --preference write different sets; give one of them")
-    if args.rejected_model and not args.preference:
-        raise ValueError("--rejected-model samples the rejected answers of a preference set; add --preference")
-    difficulty = _kv(args.difficulty)
-    if args.rejected_model:
-        from hybridflow.cli.sampled_pairs import wrong_answer_sampler  # noqa: PLC0415  (lazy: loads a model)
-
-        difficulty["sampler"] = wrong_answer_sampler(args.rejected_model, args.samples, args.seed)
-    build = build_sft_task if args.sft else build_preference_task if args.preference else build_task
-    train, test = build(args.task, args.out, args.train_size, args.test_size, seed=args.seed, **difficulty)
-    print(f"wrote {train}\nwrote {test}")
-    if args.rejected_model:
-        import pandas as pd  # noqa: PLC0415  (lazy: `hybridflow --help` stays light)
-
-        for path in (train, test):
-            counts = pd.read_parquet(path, columns=["rejected_source"])["rejected_source"].value_counts()
-            print(
-                f"{Path(path).name}: rejected answers sampled {counts.get('sampled', 0)}, by rule {counts.get('rule', 0)}"
-            )
-    return 0
-
-
-def cmd_export(args: argparse.Namespace) -> int:
-    """Write a full Hugging Face directory (LoRA adapters merged) or, with --adapter, a peft adapter
-    directory from a sharded checkpoint."""
-    from hybridflow.engine.checkpoint import export_adapter, export_hf  # noqa: PLC0415  (lazy: a subcommand imports its implementation when it runs)
-    from hybridflow.train.checkpointing import actor_dir, model_of, tokenizer_of  # noqa: PLC0415  (lazy: a subcommand imports its implementation when it runs)
-
-    ckpt = Path(args.ckpt_dir)
-    if not ckpt.is_dir():
-        raise FileNotFoundError(f"checkpoint directory {ckpt} does not exist")
-    base = args.base_model or model_of(ckpt)
-    if args.adapter:
-        out = export_adapter(actor_dir(ckpt), args.out, base)
-    else:
-        out = export_hf(actor_dir(ckpt), args.out, tokenizer_of(ckpt, args.tokenizer), base_model=base)
-    print(f"exported {out}")
-    return 0
-
-
-def cmd_generate(args: argparse.Namespace) -> int:
-    """Sample from a model (or checkpoint) on a parquet file, score and report accuracy."""
-    from hybridflow.cli.generate import generate_and_score  # noqa: PLC0415  (lazy: a subcommand imports its implementation when it runs)
-
-    metrics = generate_and_score(
-        args.model,
-        args.data,
-        n=args.n,
-        out=args.out,
-        max_prompt_length=args.max_prompt_length,
-        max_response_length=args.max_response_length,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        batch_size=args.batch_size,
-        rollout=args.rollout,
-    )
-    for key, value in metrics.items():
-        print(f"{key}: {value:.4f}")
-    return 0
-
-
-def cmd_serve(args: argparse.Namespace) -> int:
-    """Serve a model over the OpenAI API until interrupted; prints the base URL once it listens."""
-    from hybridflow.endpoint.app import AgentServer, ServerConfig, check_bind, start_server  # noqa: PLC0415  (lazy: a subcommand imports its implementation when it runs)
-    from hybridflow.endpoint.limits import parse_limits  # noqa: PLC0415  (lazy: a subcommand imports its implementation when it runs)
-    from hybridflow.endpoint.rollout_backend import load_rollout_backend  # noqa: PLC0415  (lazy: a subcommand imports its implementation when it runs)
-    from hybridflow.models import load_tokenizer, resolve_model_path  # noqa: PLC0415  (lazy: a subcommand imports its implementation when it runs)
-
-    check_bind(args.host, args.api_key)  # before loading the model: a refused bind or a bad limit fails fast
-    limits = parse_limits(args.limits)
-    path = resolve_model_path(args.model)
-    backend = load_rollout_backend(path, max_tokens=args.max_tokens, dtype=args.dtype, seed=args.seed)
-    config = ServerConfig(
-        args.served_name or str(args.model), args.api_key, args.on_mismatch, max_sessions=1000, limits=limits
-    )
-    running = start_server(AgentServer(backend, load_tokenizer(path), config), args.host, args.port)
-    # Ctrl-C (or SIGTERM) is how a user stops the server: exit 0. A handler setting an event, rather than the
-    # KeyboardInterrupt, which can land inside a Thread.join and leave that thread's lock held.
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    print(f"serving {path} at {running.url}", flush=True)
-    try:
-        running.wait(stop)
-    finally:
-        running.stop()
-    if running.server.batcher.running:  # a generation still runs on its daemon thread: interpreter shutdown under a
-        sys.stdout.flush()  # running torch op aborts the process (std::terminate), so leave without that shutdown
-        sys.stderr.flush()
-        os._exit(0)
-    return 0
-
-
-def cmd_tinker(args: argparse.Namespace) -> int:
-    """Serve the Tinker API until interrupted; prints the SDK's base_url and model name once it listens."""
-    from hybridflow.service.serve import serve_until, start  # noqa: PLC0415  (lazy: a subcommand imports its implementation when it runs)
-
-    running = start(args.model, args.host, args.port, args.api_key, args.state_dir, args.max_tokens)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    print(f"serving Tinker API at {running.url} base_model={running.service.name}", flush=True)
-    serve_until(running, stop)
-    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -291,13 +159,8 @@ def _dispatch(argv: list[str], debug: bool) -> int:
         extra = [a for a in extra if a not in args.difficulty]
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    handler = {
-        "data": cmd_data,
-        "export": cmd_export,
-        "generate": cmd_generate,
-        "serve": cmd_serve,
-        "tinker": cmd_tinker,
-    }[args.command]
+    module = import_module(f"hybridflow.cli.{args.command}")  # imported only when the subcommand runs
+    handler = getattr(module, f"cmd_{args.command}")
     try:
         return handler(args)
     except USER_ERRORS as err:
