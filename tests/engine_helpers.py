@@ -19,7 +19,7 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 
 def make_batch(batch: int, prompt_len: int, resp_len: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Left-padded prompts + right-padded responses with varied lengths, as in hybridflow/keys.py.
+    """Left-padded prompts + right-padded responses with varied lengths, as in hybridflow/protocol/keys.py.
 
     Every prompt is shorter than `prompt_len` and every response shorter than `resp_len`,
     so whole padding columns exist at both ends (what padding removal trims).

@@ -12,7 +12,7 @@ taken at the temperature the trainer computes its log-probs at.
 
 Not thread-safe (it swaps `rollout.config` per call): the server's `Batcher` calls it from one thread.
 This is the one place that knows `generate_sequences`' input (left-padded DataProto and
-`SamplingParams`) and output (hybridflow/keys.py).
+`SamplingParams`) and output (hybridflow/protocol/keys.py).
 """
 
 from __future__ import annotations

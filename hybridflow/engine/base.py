@@ -6,7 +6,7 @@ works on THIS rank's shard of the batch, SPMD: all ranks of the group call the s
 method with the same number of micro-batches, because parameters are gathered
 collectively inside the forward and gradients are reduced inside the backward.
 
-Batch layout (hybridflow/keys.py): `input_ids`, `attention_mask`, `position_ids`
+Batch layout (hybridflow/protocol/keys.py): `input_ids`, `attention_mask`, `position_ids`
 are [B, T] with prompts left-padded and responses right-padded, `responses` is
 [B, R], and per-token outputs (log-probs, entropy, values) are [B, R], aligned with
 `responses`: the logits at columns P-1 .. T-2 (P = T - R) predict the response

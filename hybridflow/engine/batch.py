@@ -45,7 +45,7 @@ def select_inputs(data: Mapping[str, torch.Tensor], device: torch.device) -> dic
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """cumsum(attention_mask) - 1 clipped at 0, as in hybridflow/keys.py."""
+    """cumsum(attention_mask) - 1 clipped at 0, as in hybridflow/protocol/keys.py."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 

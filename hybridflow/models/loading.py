@@ -78,7 +78,7 @@ def load_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerBase:
     """Load the tokenizer of a local model directory, ready for batched generation.
 
     pad_token falls back to eos_token when the tokenizer has none, and padding is
-    on the left (prompts are left-padded, see hybridflow/keys.py).
+    on the left (prompts are left-padded, see hybridflow/protocol/keys.py).
     """
     p = resolve_model_path(path)
     try:

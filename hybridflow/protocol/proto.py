@@ -5,7 +5,7 @@ A DataProto holds one batch of B rows in three parts:
 - `batch`: a TensorDict with one batch dimension (B); every tensor's dim 0 is B.
 - `non_tensor_batch`: numpy object arrays of length B (strings, dicts, lists ...).
 - `meta_info`: a plain dict for the whole batch: what the batch is, never what a worker should do
-  (hybridflow/keys.py: the step it belongs to, the metrics a worker returned).
+  (hybridflow/protocol/keys.py: the step it belongs to, the metrics a worker returned).
 
 The keys the trainer uses are declared in `hybridflow.protocol.keys`. Pickling turns
 each tensor into a numpy array (bf16 viewed as int16), so Ray ships every

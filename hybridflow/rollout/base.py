@@ -3,7 +3,7 @@
 Input of `generate_sequences`: a DataProto with `input_ids` [B, P] (left-padded),
 `attention_mask` and `position_ids`, and the call's `SamplingParams` (None: the
 configured training params, `RolloutConfig.sampling_params()`). Output: B*n rows, the n
-samples of a prompt adjacent, with the keys of hybridflow/keys.py (see `layout.build_output`).
+samples of a prompt adjacent, with the keys of hybridflow/protocol/keys.py (see `layout.build_output`).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class Rollout(ABC):
     @abstractmethod
     def generate_sequences(self, prompts: DataProto, sampling: SamplingParams | None = None) -> DataProto:
         """Sample `sampling.n` responses per prompt row with `sampling` (None: the configured training
-        params); returns B*n rows in the layout of hybridflow/keys.py. Reads no meta_info."""
+        params); returns B*n rows in the layout of hybridflow/protocol/keys.py. Reads no meta_info."""
 
     @abstractmethod
     def load_weights(self, state_dict: dict[str, Tensor], partial: bool = False) -> None:

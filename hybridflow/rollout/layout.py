@@ -1,4 +1,4 @@
-"""Turn generated tokens into the rollout output layout of hybridflow/keys.py.
+"""Turn generated tokens into the rollout output layout of hybridflow/protocol/keys.py.
 
 Every backend ends here, so their outputs are interchangeable: B*n rows (the n
 samples of a prompt adjacent), responses right-padded to exactly

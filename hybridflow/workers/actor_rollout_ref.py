@@ -17,7 +17,7 @@ computed in the actor's engine.param_dtype). The rollout generates from the merg
 weights; after the first sync only the adapted layers' merged weights are sent.
 
 Every method receives THIS worker's data-parallel shard and returns a DataProto whose
-tensors are laid out as in hybridflow/keys.py, with worker-side metrics under
+tensors are laid out as in hybridflow/protocol/keys.py, with worker-side metrics under
 meta_info["metrics"]. The worker declares two meshes for the N-D dispatch
 (hybridflow/controller/dispatch.py): "rollout", dp x tp by rollout.tensor_model_parallel_size,
 and "policy", dp x tp x sp by actor.engine.tensor_parallel_size and ulysses_sequence_parallel_size,

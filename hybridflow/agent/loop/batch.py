@@ -1,4 +1,4 @@
-"""Trajectories of the agent loop -> one DataProto in the layout of hybridflow/keys.py.
+"""Trajectories of the agent loop -> one DataProto in the layout of hybridflow/protocol/keys.py.
 
 Prompts are left-padded, responses right-padded, as every rollout backend returns them. What
 differs from a single-turn rollout:
