@@ -339,13 +339,13 @@ def test_shared_prefix_prefill_matches_transformers(arch, monkeypatch):
 def test_identical_prompts_share_all_but_their_last_token_and_generate():
     """n identical prompts (an agent harness's n sessions of one row, batched by the server): the shared
     prefix leaves a one-token suffix, whose prefill must not take the one-token decode path."""
-    from hybridflow.endpoint.rollout_backend import _left_padded
     from hybridflow.models import load_tokenizer, tiny_model_dir
     from hybridflow.rollout import RolloutConfig, build_rollout
+    from hybridflow.rollout.base import left_padded
     from hybridflow.rollout.config import SamplingParams
 
     path = tiny_model_dir("llama")
     config = RolloutConfig(name="native", response_length=8, prompt_length=128, dtype="fp32")
     rollout = build_rollout(config, path, load_tokenizer(path))
-    out = rollout.generate_sequences(_left_padded([list(range(5, 105))] * 4, rollout.pad_id), SamplingParams(n=1))
+    out = rollout.generate_sequences(left_padded([list(range(5, 105))] * 4, rollout.pad_id), SamplingParams(n=1))
     assert out.batch["responses"].shape == (4, 8)

@@ -24,17 +24,13 @@ import torch
 
 from hybridflow.endpoint.backend import GenerationRequest, Sample
 from hybridflow.models import load_tokenizer
-from hybridflow.protocol import DataProto
 from hybridflow.protocol.keys import (
-    ATTENTION_MASK,
-    INPUT_IDS,
-    POSITION_IDS,
     RESPONSE_MASK,
     RESPONSES,
     ROLLOUT_LOG_PROBS,
 )
 from hybridflow.rollout.backends import build_rollout
-from hybridflow.rollout.base import ModuleRollout
+from hybridflow.rollout.base import ModuleRollout, left_padded
 from hybridflow.rollout.config import RolloutConfig, SamplingParams
 
 
@@ -79,7 +75,7 @@ class RolloutBackend:
         self.rollout.config = dataclasses.replace(base, response_length=width, prompt_length=_widest(rows, base))
         try:
             result = self.rollout.generate_sequences(
-                _left_padded([r.prompt_ids for r in rows], self.rollout.pad_id), sampling
+                left_padded([r.prompt_ids for r in rows], self.rollout.pad_id), sampling
             )
         finally:
             self.rollout.config = base
@@ -89,14 +85,6 @@ class RolloutBackend:
 
 def _widest(rows: list[GenerationRequest], config: RolloutConfig) -> int:
     return max(max(len(r.prompt_ids) for r in rows), config.prompt_length or 1)
-
-
-def _left_padded(prompts: list[list[int]], pad_id: int) -> DataProto:
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    return DataProto.from_dict({INPUT_IDS: ids, ATTENTION_MASK: mask, POSITION_IDS: pos})
 
 
 def _sample(
