@@ -139,7 +139,7 @@ def test_cannot_fork_past_the_process_limit(mode):
 
 
 def test_tree_memory_is_bounded(mode):
-    # four children each touch 96 MB: 384 MB in all, under a 200 MB tree limit
+    # four children each touch 96 MB and hold it for 2 s: 384 MB in all, under a 200 MB tree limit
     code = """
 import os
 kids = []
@@ -153,8 +153,8 @@ for _ in range(4):
         try:
             b = bytearray(96 << 20)
             b[::4096] = b'x' * len(b[::4096])
-            os.write(1, b'ok\\n')
             import time; time.sleep(2)
+            os.write(1, b'ok\\n')  # only a child that held its 96 MB for the whole 2 s says ok
         except MemoryError:
             os.write(1, b'memoryerror\\n')
         os._exit(0)

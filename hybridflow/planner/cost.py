@@ -76,10 +76,14 @@ def costs_from_profile(profile: Sequence[dict[str, Any]], devices: int, forward_
         gen = rows["timing_s/gen"]
         found["generate"] = max(0.0, gen["median_s"] - fixed["weight_sync"]) * devices / gen["tokens_per_step"]
     if "timing_s/step" in rows:  # what no operator accounts for: advantages, dispatch, the controller's work
-        phases = ("timing_s/gen", "timing_s/reward", "timing_s/old_log_prob_ref_values", "timing_s/update")
-        fixed["controller"] = max(
-            0.0, rows["timing_s/step"]["median_s"] - sum(rows[m]["median_s"] for m in phases if m in rows)
-        )
+        phases = ("timing_s/gen", "timing_s/reward", "timing_s/old_log_prob_ref_values")
+        timed = sum(rows[m]["median_s"] for m in phases if m in rows)
+        on_workers = ("timing_s/update_actor_on_worker", "timing_s/update_critic_on_worker")
+        if "timing_s/update" in rows:  # the update phase as the controller timed it, else as the workers did
+            timed += rows["timing_s/update"]["median_s"]
+        else:
+            timed += sum(rows[m]["median_s"] for m in on_workers if m in rows)
+        fixed["controller"] = max(0.0, rows["timing_s/step"]["median_s"] - timed)
     return OperatorCosts({op: v for op, v in found.items() if v is not None}, fixed)
 
 
