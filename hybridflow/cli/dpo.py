@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Any
 from hybridflow.cli.args import DPO_DESCRIPTION, DPO_PROG, USER_ERRORS, fail, parse_args
 from hybridflow.cli.list_keys import print_keys
 from hybridflow.cli.sft import SFTInputs, SFTJob
-from hybridflow.config.dpo import DPOConfig, ResolvedDPO, resolve_dpo
+from hybridflow.config.dpo import DPOConfig, resolve_dpo
 from hybridflow.config.measure import measure_dtypes
+from hybridflow.config.sft import ResolvedJob
 from hybridflow.controller.resource_pool import ClassWithInitArgs
 from hybridflow.data.loader import StatefulDataLoader
 from hybridflow.data.preference import PreferenceDataset, preference_collate
@@ -58,7 +59,7 @@ def prepare_inputs(cfg: DPOConfig) -> SFTInputs:
     return SFTInputs(tokenizer, train_loader, val_loader)
 
 
-def load_run(config_path: str | None, overrides: Sequence[str]) -> tuple[ResolvedDPO, SFTInputs]:
+def load_run(config_path: str | None, overrides: Sequence[str]) -> tuple[ResolvedJob, SFTInputs]:
     """Load and check the config, read the inputs, measure this machine, resolve; starts no worker."""
     cfg = load_config(DPOConfig, config_path, overrides)
     inputs = prepare_inputs(cfg)
@@ -95,7 +96,7 @@ class DPOJob(SFTJob):
         return fresh
 
 
-def run(resolved: ResolvedDPO, inputs: SFTInputs) -> list[float]:
+def run(resolved: ResolvedJob, inputs: SFTInputs) -> list[float]:
     """Train as resolved, recovering from worker failures; returns the validation losses computed, in order."""
     _, losses = fit_with_restarts(DPOJob(resolved), inputs)
     _report(Path(resolved.config.trainer.log_dir))

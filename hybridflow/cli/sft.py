@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from hybridflow.cli.args import SFT_DESCRIPTION, SFT_PROG, USER_ERRORS, fail, parse_args
 from hybridflow.cli.list_keys import print_keys
 from hybridflow.config.measure import measure_dtypes
-from hybridflow.config.sft import ResolvedSFT, SFTConfig, resolve_sft
+from hybridflow.config.sft import ResolvedJob, SFTConfig, resolve_sft
 from hybridflow.controller.ray.start import RayStartTimeout
 from hybridflow.controller.resource_pool import ClassWithInitArgs
 from hybridflow.data.loader import StatefulDataLoader
@@ -71,7 +71,7 @@ def prepare_inputs(cfg: SFTConfig) -> SFTInputs:
     return SFTInputs(tokenizer, train_loader, val_loader)
 
 
-def load_run(config_path: str | None, overrides: Sequence[str]) -> tuple[ResolvedSFT, SFTInputs]:
+def load_run(config_path: str | None, overrides: Sequence[str]) -> tuple[ResolvedJob, SFTInputs]:
     """Load and check the config, read the inputs, measure this machine, resolve; starts no worker."""
 
     cfg = load_config(SFTConfig, config_path, overrides)
@@ -85,7 +85,7 @@ class SFTJob:
 
     label = "loading model"
 
-    def __init__(self, run: ResolvedSFT) -> None:
+    def __init__(self, run: ResolvedJob) -> None:
         self.run, self.config = run, run.config
         self.group: Any = None
         self.trainer: SFTTrainer | None = None
@@ -122,7 +122,7 @@ class SFTJob:
         return fresh
 
 
-def run(resolved: ResolvedSFT, inputs: SFTInputs) -> list[float]:
+def run(resolved: ResolvedJob, inputs: SFTInputs) -> list[float]:
     """Train as resolved, recovering from worker failures; returns the validation losses computed, in order."""
     _, losses = fit_with_restarts(SFTJob(resolved), inputs)
     _report(Path(resolved.config.trainer.log_dir), losses)

@@ -18,11 +18,11 @@ from hybridflow.algos.dpo import DPOLossConfig
 from hybridflow.config.data import TaskFilesConfig, one_of, positive
 from hybridflow.config.measure import Measurements
 from hybridflow.config.resolve import resolve_engine, resolve_schedule, resolve_trainer
-from hybridflow.config.sft import SFT_TRUNCATIONS
+from hybridflow.config.sft import SFT_TRUNCATIONS, ResolvedJob
 from hybridflow.config.trainer import JobConfig
 from hybridflow.data.preference import INVALID_PAIRS, check_preference_task
 from hybridflow.engine.config import EngineConfig, LoraConfig, OptimConfig
-from hybridflow.utils.config_loader import ConfigError, Section, freeze, to_yaml
+from hybridflow.utils.config_loader import ConfigError, Section, freeze
 from hybridflow.workers.config import ModelConfig
 from hybridflow.workers.engines import check_engine_backend
 
@@ -129,26 +129,7 @@ class DPOConfig(Section):
             )
 
 
-@dataclass(frozen=True)
-class ResolvedDPO:
-    """A DPO run with nothing left to derive."""
-
-    config: DPOConfig
-    """The config with every derived value filled in; frozen."""
-    steps_per_epoch: int
-    """Optimizer steps in one pass over the training pairs."""
-
-    @property
-    def total_steps(self) -> int:
-        """Training steps of the whole run."""
-        return self.config.trainer.total_training_steps
-
-    def to_yaml(self) -> str:
-        """The resolved config (loadable with --config) and the steps per epoch as a comment."""
-        return to_yaml(self.config) + f"# resolved plan:\n#   steps_per_epoch: {self.steps_per_epoch}\n"
-
-
-def resolve_dpo(cfg: DPOConfig, steps_per_epoch: int, measured: Measurements) -> ResolvedDPO:
+def resolve_dpo(cfg: DPOConfig, steps_per_epoch: int, measured: Measurements) -> ResolvedJob:
     """Fill every derived value of `cfg` (left untouched) into a frozen copy; see the module docstring.
     Pure: the machine comes in `measured` (`measure_dtypes(cfg.trainer, [cfg.engine.param_dtype])`)."""
     if steps_per_epoch < 1:
@@ -163,4 +144,4 @@ def resolve_dpo(cfg: DPOConfig, steps_per_epoch: int, measured: Measurements) ->
     resolved = replace(
         cfg, trainer=trainer, engine=engine, optim=resolve_schedule(cfg.optim, trainer.total_training_steps, "")
     )
-    return ResolvedDPO(freeze(resolved), steps_per_epoch)
+    return ResolvedJob(freeze(resolved), steps_per_epoch)

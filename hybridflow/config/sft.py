@@ -15,6 +15,7 @@ arithmetic task.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from hybridflow.config.data import TaskFilesConfig, one_of, positive
 from hybridflow.config.measure import Measurements
@@ -145,13 +146,13 @@ class SFTConfig(Section):
 
 
 @dataclass(frozen=True)
-class ResolvedSFT:
-    """An SFT run with nothing left to derive."""
+class ResolvedJob:
+    """An SFT or DPO run (config/sft.py, config/dpo.py) with nothing left to derive."""
 
-    config: SFTConfig
+    config: Any
     """The config with every derived value filled in; frozen."""
     steps_per_epoch: int
-    """Optimizer steps in one pass over the training examples."""
+    """Optimizer steps in one pass over the training examples (or preference pairs)."""
 
     @property
     def total_steps(self) -> int:
@@ -163,7 +164,7 @@ class ResolvedSFT:
         return to_yaml(self.config) + f"# resolved plan:\n#   steps_per_epoch: {self.steps_per_epoch}\n"
 
 
-def resolve_sft(cfg: SFTConfig, steps_per_epoch: int, measured: Measurements) -> ResolvedSFT:
+def resolve_sft(cfg: SFTConfig, steps_per_epoch: int, measured: Measurements) -> ResolvedJob:
     """Fill every derived value of `cfg` (left untouched) into a frozen copy; see the module docstring.
     Pure: the machine comes in `measured` (`measure_dtypes(cfg.trainer, [cfg.engine.param_dtype])`)."""
     if steps_per_epoch < 1:
@@ -185,4 +186,4 @@ def resolve_sft(cfg: SFTConfig, steps_per_epoch: int, measured: Measurements) ->
     resolved = replace(
         cfg, trainer=trainer, engine=engine, optim=resolve_schedule(cfg.optim, trainer.total_training_steps, "")
     )
-    return ResolvedSFT(freeze(resolved), steps_per_epoch)
+    return ResolvedJob(freeze(resolved), steps_per_epoch)

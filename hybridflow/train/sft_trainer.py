@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hybridflow.config.sft import ResolvedSFT
+from hybridflow.config.sft import ResolvedJob
 from hybridflow.protocol import DataProto
 from hybridflow.protocol import keys as K
 from hybridflow.protocol.future import pad_dataproto_to_divisor, unpad_dataproto
@@ -29,7 +29,7 @@ class SFTTrainer:
     """Runs the SFT loop over an initialised `SFTWorker` group."""
 
     def __init__(
-        self, run: ResolvedSFT, workers: Any, inputs: Any, tracker: Tracking, recovery: Recovery | None = None
+        self, run: ResolvedJob, workers: Any, inputs: Any, tracker: Tracking, recovery: Recovery | None = None
     ):
         """`inputs`: train_loader, val_loader and resume_from (hybridflow.cli.sft.SFTInputs);
         `recovery`: the run's restart state, told of every checkpoint written, its counters logged every step."""
