@@ -16,12 +16,11 @@ from typing import TYPE_CHECKING, Any
 
 from hybridflow.cli.args import DPO_DESCRIPTION, DPO_PROG, USER_ERRORS, fail, parse_args
 from hybridflow.cli.list_keys import print_keys
-from hybridflow.cli.sft import SFTInputs, SFTJob
+from hybridflow.cli.sft import SFTInputs, SFTJob, loaders
 from hybridflow.config.dpo import DPOConfig, resolve_dpo
 from hybridflow.config.measure import measure_dtypes
 from hybridflow.config.sft import ResolvedJob
 from hybridflow.controller.resource_pool import ClassWithInitArgs
-from hybridflow.data.loader import StatefulDataLoader
 from hybridflow.data.preference import PreferenceDataset, preference_collate
 from hybridflow.models import load_tokenizer, resolve_model_path
 from hybridflow.train.checkpointing import check_writable, resume_path
@@ -53,10 +52,7 @@ def prepare_inputs(cfg: DPOConfig) -> SFTInputs:
     train_files, val_files = task_files(d, preference=True)
     train, val = PreferenceDataset(train_files, tokenizer, **kw), PreferenceDataset(val_files, tokenizer, **kw)
     collate = partial(preference_collate, pad_token_id=train.pad_token_id)
-    train_loader = StatefulDataLoader(train, d.train_batch_size, seed=d.seed, shuffle=d.shuffle, collate_fn=collate)
-    val_bs = min(d.micro_batch_size_per_device * cfg.world_size * 4, len(val))
-    val_loader = StatefulDataLoader(val, val_bs, shuffle=False, collate_fn=collate, drop_last=False)
-    return SFTInputs(tokenizer, train_loader, val_loader)
+    return SFTInputs(tokenizer, *loaders(train, val, collate, d, cfg.world_size))
 
 
 def load_run(config_path: str | None, overrides: Sequence[str]) -> tuple[ResolvedJob, SFTInputs]:

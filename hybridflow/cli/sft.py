@@ -64,11 +64,18 @@ def prepare_inputs(cfg: SFTConfig) -> SFTInputs:
     train_files, val_files = task_files(d, sft=True)
     train, val = SFTDataset(train_files, tokenizer, **kw), SFTDataset(val_files, tokenizer, **kw)
     collate = partial(sft_collate, pad_token_id=train.pad_token_id)
+    return SFTInputs(tokenizer, *loaders(train, val, collate, d, cfg.world_size))
+
+
+def loaders(
+    train: Any, val: Any, collate: Any, d: Any, world_size: int
+) -> tuple[StatefulDataLoader, StatefulDataLoader]:
+    """The train loader (seeded, resumable) and the val loader of an SFT or DPO run's datasets (`d`: its data section)."""
     train_loader = StatefulDataLoader(train, d.train_batch_size, seed=d.seed, shuffle=d.shuffle, collate_fn=collate)
     # A few micro-batches per worker per call: fewer dispatch round trips, bounded memory.
-    val_bs = min(d.micro_batch_size_per_device * cfg.world_size * 4, len(val))
+    val_bs = min(d.micro_batch_size_per_device * world_size * 4, len(val))
     val_loader = StatefulDataLoader(val, val_bs, shuffle=False, collate_fn=collate, drop_last=False)
-    return SFTInputs(tokenizer, train_loader, val_loader)
+    return train_loader, val_loader
 
 
 def load_run(config_path: str | None, overrides: Sequence[str]) -> tuple[ResolvedJob, SFTInputs]:
