@@ -14,8 +14,8 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hybridflow.cli.args import DPO_DESCRIPTION, DPO_PROG, USER_ERRORS, fail, parse_args
-from hybridflow.cli.list_keys import print_keys
+from hybridflow.cli.args import DPO_DESCRIPTION, DPO_PROG, parse_args
+from hybridflow.cli.command import run_command
 from hybridflow.cli.sft import SFTInputs, SFTJob, loaders
 from hybridflow.config.dpo import DPOConfig, resolve_dpo
 from hybridflow.config.measure import measure_dtypes
@@ -23,7 +23,7 @@ from hybridflow.config.sft import ResolvedJob
 from hybridflow.controller.resource_pool import ClassWithInitArgs
 from hybridflow.data.preference import PreferenceDataset, preference_collate
 from hybridflow.models import load_tokenizer, resolve_model_path
-from hybridflow.train.checkpointing import check_writable, resume_path
+from hybridflow.train.checkpointing import resume_path
 from hybridflow.train.data_setup import task_files
 from hybridflow.train.dpo_trainer import DPOTrainer
 from hybridflow.train.job import fit_with_restarts
@@ -116,21 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def dpo(args: argparse.Namespace) -> int:
     """`hybridflow dpo` on parsed arguments, as `hybridflow sft`: --list-keys prints the config keys, user errors
     exit 2 with one line, a failure the run cannot recover from exits 1."""
-    if args.list_keys is not None:
-        return print_keys("dpo", args.list_keys, DPO_PROG, args.debug)
-    try:
-        resolved, inputs = load_run(args.config, args.overrides)
-        if args.print_config:
-            print(resolved.to_yaml(), end="")
-            return 0
-        check_writable(resolved.config)
-    except USER_ERRORS as err:
-        return fail(DPO_PROG, err, 2, args.debug)
-    try:
-        run(resolved, inputs)
-    except RunFailedError as err:
-        return fail(DPO_PROG, err, 1, args.debug)
-    return 0
+    return run_command(DPO_PROG, "dpo", args, load_run, run, (RunFailedError,))
 
 
 if __name__ == "__main__":

@@ -14,8 +14,8 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from hybridflow.cli.args import SFT_DESCRIPTION, SFT_PROG, USER_ERRORS, fail, parse_args
-from hybridflow.cli.list_keys import print_keys
+from hybridflow.cli.args import SFT_DESCRIPTION, SFT_PROG, parse_args
+from hybridflow.cli.command import run_command
 from hybridflow.config.measure import measure_dtypes
 from hybridflow.config.sft import ResolvedJob, SFTConfig, resolve_sft
 from hybridflow.controller.ray.start import RayStartTimeout
@@ -23,7 +23,7 @@ from hybridflow.controller.resource_pool import ClassWithInitArgs
 from hybridflow.data.loader import StatefulDataLoader
 from hybridflow.data.sft import SFTDataset, sft_collate
 from hybridflow.models import load_tokenizer, resolve_model_path
-from hybridflow.train.checkpointing import check_writable, resume_path
+from hybridflow.train.checkpointing import resume_path
 from hybridflow.train.data_setup import task_files
 from hybridflow.train.job import fit_with_restarts
 from hybridflow.train.recovery import RunFailedError
@@ -156,22 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def sft(args: argparse.Namespace) -> int:
     """`hybridflow sft` on parsed arguments, as `hybridflow train`'s (cli/train.py train): --list-keys prints the
     config keys, user errors exit 2 with one line, a failure the run cannot recover from exits 1."""
-    prog = SFT_PROG
-    if args.list_keys is not None:
-        return print_keys("sft", args.list_keys, prog, args.debug)
-    try:
-        resolved, inputs = load_run(args.config, args.overrides)
-        if args.print_config:
-            print(resolved.to_yaml(), end="")
-            return 0
-        check_writable(resolved.config)
-    except USER_ERRORS as err:
-        return fail(prog, err, 2, args.debug)
-    try:
-        run(resolved, inputs)
-    except (RunFailedError, SkippedUpdatesError, RayStartTimeout) as err:
-        return fail(prog, err, 1, args.debug)
-    return 0
+    return run_command(SFT_PROG, "sft", args, load_run, run, (RunFailedError, SkippedUpdatesError, RayStartTimeout))
 
 
 if __name__ == "__main__":

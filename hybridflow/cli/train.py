@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from hybridflow.cli.args import TRAIN_DESCRIPTION, TRAIN_PROG, USER_ERRORS, fail, parse_args
-from hybridflow.cli.list_keys import print_keys
+from hybridflow.cli.args import TRAIN_DESCRIPTION, TRAIN_PROG, parse_args
+from hybridflow.cli.command import run_command
 from hybridflow.config.measure import measure
 from hybridflow.config.resolve import ResolvedRun, resolve
 from hybridflow.config.run import RunConfig
@@ -25,7 +25,7 @@ from hybridflow.parity import ParityError
 from hybridflow.planner.profile import write_profile
 from hybridflow.rewards import RewardManager, load_custom_reward_fn
 from hybridflow.rewards.manager import NonFiniteRewardError
-from hybridflow.train.checkpointing import check_writable, resume_path
+from hybridflow.train.checkpointing import resume_path
 from hybridflow.train.data_setup import check_data_sources, make_loaders
 from hybridflow.train.job import fit_with_restarts
 from hybridflow.train.ppo_trainer import PPOTrainer
@@ -153,28 +153,8 @@ def train(args: argparse.Namespace) -> int:
     reward (reward.non_finite=error), trainer.max_skipped_updates skipped updates in a row or a Ray that did not
     start within trainer.ray_start_timeout_s exit 1
     with one line (--debug: each after its traceback)."""
-    prog = TRAIN_PROG
-    if args.list_keys is not None:
-        return print_keys("train", args.list_keys, prog, args.debug)
-    try:
-        resolved, inputs = load_run(args.config, args.overrides)
-        if args.print_config:
-            print(resolved.to_yaml(), end="")
-            return 0
-        check_writable(resolved.config)
-    except USER_ERRORS as err:
-        return fail(prog, err, 2, args.debug)
-    try:
-        run(resolved, inputs)
-    except (
-        RunFailedError,
-        ParityError,
-        NonFiniteRewardError,
-        SkippedUpdatesError,
-        RayStartTimeout,
-    ) as err:  # one line: cause, fix
-        return fail(prog, err, 1, args.debug)
-    return 0
+    errors = (RunFailedError, ParityError, NonFiniteRewardError, SkippedUpdatesError, RayStartTimeout)
+    return run_command(TRAIN_PROG, "train", args, load_run, run, errors)
 
 
 if __name__ == "__main__":
