@@ -33,6 +33,7 @@ from hybridflow.train.recovery import RunFailedError
 from hybridflow.train.roles import build_roles
 from hybridflow.train.skip_guard import SkippedUpdatesError
 from hybridflow.utils.config_loader import load_config
+from hybridflow.workers.teacher import check_teacher_tokenizer
 
 if TYPE_CHECKING:  # heavy imports, loaded where the workers start
     from hybridflow.train.ppo_trainer import PPOTrainer
@@ -70,6 +71,8 @@ def prepare_inputs(cfg: RunConfig) -> RunInputs:
 
     path = resolve_model_path(cfg.model.path)
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or path)
+    if cfg.distillation.enabled:  # the teacher scores the student's token ids: refused here if it reads others
+        check_teacher_tokenizer(cfg.distillation.teacher.path, tokenizer, cfg.model.tokenizer_path or cfg.model.path)
     train_loader, val_loader = make_loaders(cfg.data, tokenizer)
     turns = cfg.rollout.multi_turn
     if not cfg.reward.custom_reward_function.path and (not turns.enable or turns.env == "tool"):

@@ -15,12 +15,13 @@ from hybridflow.planner.inputs import RunShape
 def recompute_old_log_prob(cfg: RunConfig, actor_world: int) -> bool:
     """Whether old log-probs need their own pass: yes unless they are the rollout's (actor.old_log_prob=rollout)
     or the update is a single optimizer step over the whole batch on every rank and nothing before the update
-    needs them (KL in the reward, rollout IS)."""
+    needs them (KL in the reward, rollout IS, the distillation signal: the student's log-probs of its samples)."""
     a, rows = cfg.actor, cfg.data.train_batch_size * cfg.rollout.n
     if a.old_log_prob == "rollout":
         return False
     one_step = a.ppo_epochs == 1 and a.ppo_mini_batch_size >= cfg.data.train_batch_size and rows % actor_world == 0
     needs_old = cfg.algorithm.use_kl_in_reward or cfg.algorithm.rollout_is_threshold is not None
+    needs_old = needs_old or cfg.distillation.enabled
     return a.old_log_prob == "recompute" or not one_step or needs_old
 
 
@@ -50,7 +51,7 @@ def run_roles(cfg: RunConfig) -> tuple[str, ...]:
         + ("ref",) * cfg.use_ref
         + ("critic",) * cfg.use_critic
         + ("reward_model",) * bool(cfg.reward_model.enable)
-    )
+    )  # the distillation teacher's forward is not priced yet (planner/cost.py)
 
 
 def micro_rows(cfg: RunConfig) -> dict[str, float]:

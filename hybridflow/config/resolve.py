@@ -74,7 +74,7 @@ class WorkerSet:
     world_size: int
     """Processes (ranks) in the set; every role of the set runs SPMD on all of them."""
     roles: tuple[str, ...]
-    """Roles hosted in every process: actor, rollout, ref, critic, reward_model."""
+    """Roles hosted in every process: actor, rollout, ref, critic, reward_model, teacher."""
 
 
 @dataclass(frozen=True)
@@ -170,6 +170,7 @@ def resolve(cfg: RunConfig, steps_per_epoch: int, measured: Measurements) -> Res
         critic=critic if cfg.use_critic else replace(critic, enable=False),
         ref=replace(cfg.ref, param_dtype=measured.dtype(cfg.ref.param_dtype, threads)),
         reward_model=replace(cfg.reward_model, param_dtype=measured.dtype(cfg.reward_model.param_dtype, threads)),
+        distillation=_resolve_teacher_dtype(cfg, measured, threads),
     )
     actor_dp = cfg.actor.engine.dp_size(sets[0].world_size)
     old = old_log_prob_mode(resolved, actor_dp)
@@ -179,6 +180,12 @@ def resolve(cfg: RunConfig, steps_per_epoch: int, measured: Measurements) -> Res
     return ResolvedRun(freeze(resolved), steps_per_epoch, sets, recompute_old_log_prob(resolved, actor_dp), notes)
 
 
+def _resolve_teacher_dtype(cfg: RunConfig, measured: Measurements, threads: int):
+    """The distillation section with the teacher's "auto" dtype decided (as the reference policy's)."""
+    d = cfg.distillation
+    return replace(d, teacher=replace(d.teacher, param_dtype=measured.dtype(d.teacher.param_dtype, threads)))
+
+
 def _needs_rollout_log_probs(cfg: RunConfig) -> bool:
     corrects = cfg.algorithm.rollout_is_threshold is not None or cfg.actor.policy_loss.tis_imp_ratio_cap is not None
     return corrects or cfg.actor.old_log_prob == "rollout"
@@ -186,10 +193,10 @@ def _needs_rollout_log_probs(cfg: RunConfig) -> bool:
 
 def worker_sets(cfg: RunConfig) -> tuple[WorkerSet, ...]:
     """colocate: one set hosting every role; split: the policy (actor + rollout) on the first half of
-    the workers, the reference, critic and reward model on the second; split with an off-policy
+    the workers, the reference, critic, reward model and distillation teacher on the second; split with an off-policy
     trainer.mode: the rollout alone on the second half, every other role on the first."""
     roles = ["actor", "rollout"] + ["ref"] * cfg.use_ref + ["critic"] * cfg.use_critic
-    roles += ["reward_model"] * cfg.reward_model.enable
+    roles += ["reward_model"] * cfg.reward_model.enable + ["teacher"] * cfg.distillation.enabled
     world = cfg.world_size
     if cfg.trainer.placement == "colocate":
         return (WorkerSet(0, world, tuple(roles)),)
@@ -363,6 +370,8 @@ class StepPlan:
     """Compute old log-probs in their own pass; else the actor update uses its own forward's."""
     ref_log_prob: bool
     """Compute reference log-probs (a KL term is used)."""
+    teacher_log_prob: bool
+    """Compute the distillation teacher's log-probs (distillation.enabled)."""
     values: bool
     """Compute critic values (the run has a critic)."""
     update_critic: bool
@@ -383,6 +392,7 @@ def plan_step(run: ResolvedRun, step: int) -> StepPlan:
         step=step,
         old_log_prob=run.recompute_old_log_prob,
         ref_log_prob="ref" in roles,
+        teacher_log_prob="teacher" in roles,
         values="critic" in roles,
         update_critic="critic" in roles,
         update_actor=step > t.critic_warmup,

@@ -25,6 +25,7 @@ from hybridflow.utils.config_loader import Section
 from hybridflow.workers.config import (
     ActorConfig,
     CriticConfig,
+    DistillationConfig,
     ModelConfig,
     RefConfig,
     RewardModelConfig,
@@ -89,6 +90,8 @@ class RunConfig(Section):
     """An optional model-based reward."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """Rule / custom reward functions."""
+    distillation: DistillationConfig = field(default_factory=DistillationConfig)
+    """On-policy distillation from a teacher's per-token log-probs (off by default)."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     """Advantage estimator, discounting, KL in reward."""
     trainer: TrainerConfig = field(default_factory=_default_trainer)
@@ -224,10 +227,14 @@ class RunConfig(Section):
                 f"rollout.agent.function with trainer.mode={t.mode} is not supported: the harness's endpoint serves "
                 "the rollout workers' current weights inside the step; use trainer.mode=sync"
             )
-        if t.placement == "split" and t.mode == "sync" and not (self.use_critic or self.use_ref):
+        if (
+            t.placement == "split"
+            and t.mode == "sync"
+            and not (self.use_critic or self.use_ref or self.distillation.enabled)
+        ):
             raise ValueError(
-                "trainer.placement=split puts the critic/ref on their own workers, but this run has "
-                "neither; use trainer.placement=colocate"
+                "trainer.placement=split puts the critic/ref/teacher on their own workers, but this run has "
+                "none of them; use trainer.placement=colocate"
             )
 
     def _check_reward_tokenizer(self) -> None:
@@ -250,6 +257,8 @@ class RunConfig(Section):
             check_engine_backend("critic.engine", self.critic.engine)
         if self.reward_model.enable:
             check_engine_backend("reward_model", self.reward_model.engine_config())
+        if self.distillation.enabled:
+            check_engine_backend("distillation.teacher", self.distillation.teacher.engine_config())
 
     def _check_lora(self) -> None:
         lora = self.actor.lora

@@ -22,6 +22,7 @@ ROLLOUT_LOG_PROBS = "rollout_log_probs"  # [B, R] float32: log-probs the sampler
 OLD_LOG_PROBS = "old_log_probs"  # [B, R] float32: actor log-probs before the update
 ENTROPYS = "entropys"  # [B, R] float32: per-token entropy of the actor
 REF_LOG_PROB = "ref_log_prob"  # [B, R] float32: reference-policy log-probs
+TEACHER_LOG_PROBS = "teacher_log_probs"  # [B, R] float32: the distillation teacher's log-probs of the sampled tokens
 VALUES = "values"  # [B, R] float32: critic values V(s_t)
 RM_SCORES = "rm_scores"  # [B, R] float32: reward-model score at the last valid token, 0 elsewhere
 TOKEN_LEVEL_SCORES = "token_level_scores"  # [B, R] float32: task score at the last valid token

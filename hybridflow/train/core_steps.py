@@ -14,12 +14,14 @@ import numpy as np
 import torch
 
 from hybridflow.algos.adv_spec import get_advantage_estimator, get_advantage_spec
+from hybridflow.algos.distillation import distillation_advantages, distillation_metrics, teacher_reverse_kl
 from hybridflow.algos.kl import apply_kl_penalty, get_kl_controller
 from hybridflow.algos.rollout_is import mismatch_metrics, rollout_importance_weights
 from hybridflow.config.trainer import AlgorithmConfig
 from hybridflow.protocol import DataProto
 from hybridflow.protocol import keys as K
 from hybridflow.rollout.config import SamplingParams
+from hybridflow.workers.config import DistillationConfig
 
 
 def add_uids(prompts: DataProto, step: int) -> None:
@@ -88,6 +90,26 @@ def compute_advantage(batch: DataProto, cfg: AlgorithmConfig) -> None:
     )
     batch.batch[K.ADVANTAGES] = advantages.float()
     batch.batch[K.RETURNS] = returns.float()
+
+
+def apply_distillation(batch: DataProto, cfg: DistillationConfig) -> dict[str, float]:
+    """After `compute_advantage`: the teacher's signal on the batch's advantages (hybridflow/algos/distillation.py),
+    and the distillation metrics of the student's log-probs before the update (old_log_probs) against the
+    teacher's. Task advantages are zeroed without use_task_rewards; signal=advantage adds -coef * reverse_kl per
+    response token (observation tokens of multi-turn rows, which response_mask leaves out, get none);
+    signal=loss leaves the advantages to the actor's loss term."""
+    student, teacher = batch.batch[K.OLD_LOG_PROBS], batch.batch[K.TEACHER_LOG_PROBS]
+    mask = batch.batch[K.RESPONSE_MASK]
+    metrics = distillation_metrics(student, teacher, mask)
+    if not cfg.use_task_rewards:
+        batch.batch[K.ADVANTAGES] = torch.zeros_like(batch.batch[K.ADVANTAGES])
+    if cfg.signal == "advantage":
+        kl = teacher_reverse_kl(student, teacher, cfg.estimator, cfg.log_prob_min_clamp, cfg.kl_clamp)
+        extra = distillation_advantages(kl, mask, cfg.coef)
+        batch.batch[K.ADVANTAGES] = batch.batch[K.ADVANTAGES] + extra
+        if mask.any():
+            metrics["distillation/advantage_mean"] = float(extra.sum() / mask.sum())
+    return metrics
 
 
 @dataclass

@@ -137,15 +137,18 @@ class PPOTrainer:
                     batch.batch[K.REWARD_BASELINES] = S.reward_baselines(
                         cfg.algorithm, roles, prompts, self.reward_fn, cfg.rollout.sampling_params()
                     )
-            # 3. log-probs of the policy before the update, of the reference, and values
-            #    (ref and critic calls return futures: with split placement they overlap; old log-probs
+            # 3. log-probs of the policy before the update, of the reference (and distillation teacher), and values
+            #    (ref, teacher and critic calls return futures: with split placement they overlap; old log-probs
             #    are skipped when the update is one optimizer step, which then uses its own)
             temp = cfg.rollout.temperature  # the policy's log-probs are those of the distribution sampled from
             with timer("old_log_prob_ref_values", timing):
                 ref = roles.ref.compute_ref_log_prob(batch, temperature=temp) if plan.ref_log_prob else None
+                teacher = (
+                    roles.teacher.compute_teacher_log_prob(batch, temperature=temp) if plan.teacher_log_prob else None
+                )
                 values = roles.critic.compute_values(batch) if plan.values else None
                 old = roles.actor_rollout.compute_log_prob(batch, temperature=temp) if plan.old_log_prob else None
-                for part in (old, ref, values):
+                for part in (old, ref, teacher, values):
                     if part is not None:
                         batch.union(_take_metrics(_resolve(part), worker_out))
             # 4. the parity guard: weight-sync findings, trained ids == sampled ids, trainer vs rollout log-probs;
@@ -156,12 +159,14 @@ class PPOTrainer:
                 batch.batch[K.RESPONSE_MASK][reward.dropped] = 0
             if cfg.actor.old_log_prob == "rollout":  # after the guard: the update's first step checks them instead
                 batch.batch[K.OLD_LOG_PROBS] = _rollout_log_probs(batch, cfg.rollout.name)
-            # 5. rewards (KL penalty if in reward), advantages by the configured estimator, and the
-            #    rollout-vs-trainer importance weights (algorithm.rollout_is_threshold)
+            # 5. rewards (KL penalty if in reward), advantages by the configured estimator, the
+            #    rollout-vs-trainer importance weights (algorithm.rollout_is_threshold), and the teacher's signal
             with timer("adv", timing):
                 kl_metrics = S.apply_rewards(batch, cfg.algorithm, self.kl_ctrl)
                 kl_metrics.update(S.apply_rollout_is(batch, cfg.algorithm))
                 S.compute_advantage(batch, cfg.algorithm)
+                if plan.teacher_log_prob:
+                    kl_metrics.update(S.apply_distillation(batch, cfg.distillation))
             # 6. update the critic, then (after warm-up) the actor; with split placement they overlap
             #    (without old log-probs the actor's own forward measures the log-prob parity, checked here)
             with timer("update", timing):
@@ -191,8 +196,11 @@ class PPOTrainer:
         if plan.update_actor:
             own = not plan.old_log_prob and self.cfg.actor.old_log_prob != "rollout"
             temp, ratio = self.cfg.rollout.temperature, self.guard.ratio
+            distill = self.cfg.distillation if self.cfg.distillation.enabled else None
             pending.append(
-                self.roles.actor_rollout.update_actor(batch, temperature=temp, own_old_log_prob=own, parity_ratio=ratio)
+                self.roles.actor_rollout.update_actor(
+                    batch, temperature=temp, own_old_log_prob=own, parity_ratio=ratio, distillation=distill
+                )
             )
         return [_resolve(p) for p in pending]
 

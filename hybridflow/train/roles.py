@@ -29,7 +29,7 @@ from hybridflow.controller.local import LocalResourcePool, LocalWorkerGroup
 from hybridflow.controller.resource_pool import ClassWithInitArgs
 from hybridflow.controller.worker_group import Timeouts, WorkerGroup
 from hybridflow.utils.quiet import worker_env
-from hybridflow.workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
+from hybridflow.workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker, TeacherWorker
 
 
 class Role(Enum):
@@ -61,10 +61,12 @@ class Roles:
     """Generates; the actor_rollout group itself unless trainer.mode puts the rollout on its own workers."""
     release: Callable[[], None] = lambda: None
     """Frees the placement the groups ran on (Ray placement groups); call after shutting them down."""
+    teacher: WorkerGroup | None = None
+    """The distillation teacher's log-probs (distillation.enabled)."""
 
     def all(self) -> list[WorkerGroup]:
         """Distinct groups, for init/shutdown."""
-        groups = [self.actor_rollout, self.rollout, self.ref, self.critic, self.reward_model]
+        groups = [self.actor_rollout, self.rollout, self.ref, self.critic, self.reward_model, self.teacher]
         return list({id(g): g for g in groups if g is not None}.values())
 
 
@@ -74,12 +76,13 @@ _CLASS_OF_ROLE = {
     "ref": "policy",
     "critic": "critic",
     "reward_model": "reward_model",
+    "teacher": "teacher",
 }
 """Which worker class of a set hosts each role."""
 
 
 def _set_classes(cfg: RunConfig, worker_set: WorkerSet) -> dict[str, ClassWithInitArgs]:
-    """The worker classes of one set: the policy worker (with its roles joined), critic, reward model."""
+    """The worker classes of one set: the policy worker (with its roles joined), critic, reward model, teacher."""
     classes = {}
     policy_roles = [r for r in POLICY_ROLES if r in worker_set.roles]
     if policy_roles:
@@ -98,6 +101,8 @@ def _set_classes(cfg: RunConfig, worker_set: WorkerSet) -> dict[str, ClassWithIn
         )
     if "reward_model" in worker_set.roles:
         classes["reward_model"] = ClassWithInitArgs(RewardModelWorker, cfg.reward_model, plugins=cfg.trainer.plugins)
+    if "teacher" in worker_set.roles:
+        classes["teacher"] = ClassWithInitArgs(TeacherWorker, cfg.distillation.teacher, plugins=cfg.trainer.plugins)
     return classes
 
 
@@ -117,7 +122,13 @@ def build_roles(run: ResolvedRun) -> Roles:
         spawned = _spawn(make_group, _set_classes(run.config, worker_set), pools[worker_set.pool])
         groups.update({role: spawned[_CLASS_OF_ROLE[role]] for role in worker_set.roles})
     return Roles(
-        groups["actor"], groups.get("ref"), groups.get("critic"), groups.get("reward_model"), groups["rollout"], release
+        groups["actor"],
+        groups.get("ref"),
+        groups.get("critic"),
+        groups.get("reward_model"),
+        groups["rollout"],
+        release,
+        teacher=groups.get("teacher"),
     )
 
 

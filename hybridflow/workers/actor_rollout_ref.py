@@ -61,7 +61,7 @@ from hybridflow.utils.hooks import HookPoint
 from hybridflow.utils.memory import release_freed_memory
 from hybridflow.utils.peak_memory import operator_peak
 from hybridflow.utils.plugins import import_plugins
-from hybridflow.workers.config import ActorConfig, ModelConfig, RefConfig
+from hybridflow.workers.config import ActorConfig, DistillationConfig, ModelConfig, RefConfig
 from hybridflow.workers.engines import build_engine, declare_engine_mesh
 from hybridflow.workers.losses import actor_loss_builder
 from hybridflow.workers.ppo_update import run_ppo_update
@@ -261,14 +261,21 @@ class ActorRolloutRefWorker(Worker):
     # --- training ----------------------------------------------------------------
     @register(dispatch_mode=_ON_POLICY_MESH)
     def update_actor(
-        self, data: DataProto, *, temperature: float, own_old_log_prob: bool, parity_ratio: float | None = None
+        self,
+        data: DataProto,
+        *,
+        temperature: float,
+        own_old_log_prob: bool,
+        parity_ratio: float | None = None,
+        distillation: DistillationConfig | None = None,
     ) -> DataProto:
         """PPO epochs over mini-batches over micro-batches, log-probs at `temperature`; rows need advantages
         (+ ref_log_prob) and old_log_probs. With `own_old_log_prob` (the trainer's step plan, see
         ActorConfig.old_log_prob) the update must be one optimizer step, and takes the old log-probs
         from its own forward instead. `parity_ratio` (not None) asks for the log-prob parity numbers of the
         forward on the weights that generated (that one step, or with actor.old_log_prob=rollout the first
-        optimizer step) against rows' rollout_log_probs (`actor/parity_*`, workers/losses.py).
+        optimizer step) against rows' rollout_log_probs (`actor/parity_*`, workers/losses.py). `distillation` (with
+        signal=loss; rows need teacher_log_probs) adds its reverse-KL loss term (`actor/distillation_loss`).
 
         Returns no rows, only meta_info["metrics"] (lists with one value per optimizer step).
         """
@@ -284,7 +291,7 @@ class ActorRolloutRefWorker(Worker):
                 mini_rows,
                 cfg.update_micro(),
                 cfg.ppo_epochs,
-                actor_loss_builder(cfg, own, parity_ratio),
+                actor_loss_builder(cfg, own, parity_ratio, distillation),
                 shuffle=cfg.shuffle,
                 seed=self._update_calls,
                 temperature=temperature,

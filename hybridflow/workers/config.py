@@ -264,3 +264,89 @@ class RewardModelConfig(Section):
                 f"reward_model.micro_batch_size_per_device must be >= 1, got {self.micro_batch_size_per_device}"
             )
         check_dtype("reward_model.param_dtype", self.param_dtype)
+
+
+@dataclass
+class TeacherConfig(Section):
+    """The frozen teacher of on-policy distillation: a forward-only causal LM scoring the student's tokens."""
+
+    path: str | None = None
+    """Local Hugging Face directory of the teacher (a `hybridflow export` output is one), or "default" for the
+    bundled SmolLM2-135M-Instruct. Must use the student's tokenizer: another one is refused at load."""
+    param_dtype: str = "auto"
+    """Compute dtype of the teacher forward ("fp32" | "bf16" | "auto": as engine.param_dtype)."""
+    log_prob_micro_batch_size_per_device: int = 16
+    """Rows per teacher forward on one worker."""
+
+    def __post_init__(self) -> None:
+        if self.log_prob_micro_batch_size_per_device < 1:
+            raise ValueError(
+                "distillation.teacher.log_prob_micro_batch_size_per_device must be >= 1, got "
+                f"{self.log_prob_micro_batch_size_per_device}"
+            )
+        check_dtype("distillation.teacher.param_dtype", self.param_dtype)
+
+    def engine_config(self) -> EngineConfig:
+        """The teacher's inference engine settings."""
+        return EngineConfig(param_dtype=self.param_dtype)
+
+
+DEFAULT_DISTILLATION_ESTIMATOR = {"advantage": "k1", "loss": "k3"}
+"""distillation.kl_estimator when null, by distillation.signal (hybridflow/algos/distillation.py)."""
+
+
+@dataclass
+class DistillationConfig(Section):
+    """On-policy distillation (hybridflow/algos/distillation.py): the teacher's log-probs of the student's sampled
+    tokens give every response token a signal, as an advantage or as a loss term, with or without the rule reward."""
+
+    enabled: bool = False
+    """Build the teacher and train on its per-token reverse KL (verl: distillation.enabled)."""
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    """The teacher model (verl: distillation.teacher_models.<name>.model_path; one teacher)."""
+    signal: str = "advantage"
+    """"advantage": per-token advantage -coef * reverse_kl (the Tinker cookbook's formulation; verl's
+    distillation_loss.use_policy_gradient=true), added to the rule reward's advantage when use_task_rewards.
+    "loss": coef * reverse_kl aggregated like the policy loss (actor.loss_agg_mode) and added to it
+    (use_policy_gradient=false)."""
+    coef: float = 1.0
+    """Scale of the distillation signal (verl: distillation_loss.distillation_loss_coef)."""
+    kl_estimator: str | None = None
+    """Per-token reverse-KL estimator by KL_ESTIMATORS name (k1 = log pi_s - log pi_t, k2, k3 = low_var_kl, abs;
+    verl: distillation_loss.loss_mode); null: k1 for signal=advantage, k3 for signal=loss."""
+    use_task_rewards: bool = True
+    """Also train on the rule / reward-model reward's advantages (verl: distillation_loss.use_task_rewards); false:
+    the distillation signal alone (the task advantages are zeroed)."""
+    kl_clamp: float | None = None
+    """Bound each token's reverse-KL estimate to [-kl_clamp, kl_clamp]; null: no bound (verl:
+    distillation_loss.loss_max_clamp)."""
+    log_prob_min_clamp: float | None = None
+    """Bound student and teacher log-probs from below before the estimate; null: no bound (verl:
+    distillation_loss.log_prob_min_clamp)."""
+
+    @property
+    def estimator(self) -> str:
+        """The reverse-KL estimator in effect (kl_estimator, or the signal's default)."""
+        return self.kl_estimator or DEFAULT_DISTILLATION_ESTIMATOR.get(self.signal, "k1")
+
+    def __post_init__(self) -> None:
+        _one_of("distillation.signal", self.signal, DEFAULT_DISTILLATION_ESTIMATOR)
+        if self.kl_estimator is not None:
+            _registered("distillation.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        if self.kl_clamp is not None and self.kl_clamp <= 0:
+            raise ValueError(f"distillation.kl_clamp must be > 0 or null, got {self.kl_clamp}")
+        if not self.enabled:
+            return
+        if not self.teacher.path:
+            raise ValueError(
+                "distillation.enabled=true needs a teacher: set distillation.teacher.path to a local Hugging Face "
+                "directory or a `hybridflow export` output (verl: distillation.teacher_models.<name>.model_path)"
+            )
+        if self.coef <= 0:
+            raise ValueError(f"distillation.coef must be > 0 with distillation.enabled=true, got {self.coef}")
+        if self.signal == "loss" and KL_ESTIMATORS.get(self.estimator) is KL_ESTIMATORS.get("k1"):
+            raise ValueError(
+                f"distillation.signal=loss with distillation.kl_estimator={self.estimator}: the gradient of the k1 "
+                "estimate does not depend on the teacher (its mean over the student's samples is zero); use k3 "
+                "(low_var_kl) or k2 for a loss, or distillation.signal=advantage for k1"
+            )

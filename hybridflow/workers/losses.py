@@ -9,20 +9,25 @@ normalised share that is back-propagated).
 from __future__ import annotations
 
 from hybridflow.algos.core import GlobalNorm, agg_loss, masked_mean
+from hybridflow.algos.distillation import distillation_loss
 from hybridflow.algos.kl import kl_loss
 from hybridflow.algos.losses import get_policy_loss_fn
 from hybridflow.algos.value_loss import compute_value_loss
 from hybridflow.engine.base import LossFn, MicroBatch
 from hybridflow.parity.logprob import logprob_gaps
 from hybridflow.protocol import keys as K
-from hybridflow.workers.config import ActorConfig, CriticConfig
+from hybridflow.workers.config import ActorConfig, CriticConfig, DistillationConfig
 from hybridflow.workers.ppo_update import LossBuilder, local_mean_factor
 
 
 def actor_loss_builder(
-    cfg: ActorConfig, own_old_log_prob: bool = False, parity_ratio: float | None = None
+    cfg: ActorConfig,
+    own_old_log_prob: bool = False,
+    parity_ratio: float | None = None,
+    distillation: DistillationConfig | None = None,
 ) -> LossBuilder:
-    """PPO-family policy loss (by name) - entropy_coeff * entropy + kl_loss_coef * KL(pi || ref).
+    """PPO-family policy loss (by name) - entropy_coeff * entropy + kl_loss_coef * KL(pi || ref)
+    (+ distillation.coef * reverse KL(pi || teacher) with distillation.signal=loss, logged as `distillation_loss`).
 
     `own_old_log_prob`: the update is one optimizer step on the weights that generated
     (ActorConfig.old_log_prob), so the old log-probs are this forward's own, detached, and
@@ -78,6 +83,20 @@ def actor_loss_builder(
                 kl = kl_loss(log_prob, micro[K.REF_LOG_PROB], mask, cfg.kl_loss_type, mode, gn)
                 loss = loss + cfg.kl_loss_coef * kl
                 metrics["kl_loss"] = float(kl.detach()) * scale
+            if distillation is not None and distillation.signal == "loss":
+                d = distillation
+                term = distillation_loss(
+                    log_prob,
+                    micro[K.TEACHER_LOG_PROBS],
+                    mask,
+                    d.estimator,
+                    mode,
+                    gn,
+                    d.log_prob_min_clamp,
+                    d.kl_clamp,
+                )
+                loss = loss + d.coef * term
+                metrics["distillation_loss"] = float(term.detach()) * scale
             return loss, metrics
 
         return loss_fn
