@@ -84,9 +84,9 @@ class VerlDialect:
     def translate(self, data: dict, source: str) -> tuple[dict, list[str]]:
         """`data` (one layer) with verl's names replaced, and one problem line per refused key. The keys accepted
         without effect are logged in one summary (one warning per layer, a line per reason)."""
-        out, problems, ignored = {}, [], {}
+        out, problems, ignored, names = {}, [], {}, {}
         for key, value in flatten(data).items():
-            mine = verl_keys.RENAMED.get(key)
+            mine = verl_keys.RENAMED.get(key) or verl_keys.RENAMED.get(_any_name(key, names))
             if value is None and key in verl_keys.NULL_IS_UNSET:
                 continue
             if mine is not None:
@@ -117,6 +117,11 @@ class VerlDialect:
                 problems.append(f"{key!r} is not one of verl's keys hybridflow knows{_near_verl(key)}")
             else:  # spelled as in verl; VALUES may still translate verl's value (critic.optim's -1 steps)
                 out[key] = verl_keys.VALUES.get(key, {}).get(value, value) if _hashable(value) else value
+        problems += [
+            f"{section}.* names {len(seen)} entries ({', '.join(sorted(seen))}); hybridflow distills from one teacher"
+            for section, seen in names.items()
+            if len(seen) > 1
+        ]
         _log_ignored(ignored, source)
         _warn_unused_memory_fraction(out, source)
         if isinstance(out.get("trainer.logger"), str):
@@ -167,6 +172,18 @@ class VerlDialect:
             if rest and verl.endswith("." + rest) and mine.startswith(section + "."):
                 return f"; {verl!r} is {mine!r} here"
         return ""
+
+
+def _any_name(key: str, names: dict[str, set[str]]) -> str:
+    """`key` with the user-chosen name of a `verl_keys.NAMED` section as `*` (recording the name in `names`), or
+    `key` unchanged."""
+    for section in verl_keys.NAMED:
+        if key.startswith(section + "."):
+            name, _, rest = key[len(section) + 1 :].partition(".")
+            if rest:
+                names.setdefault(section, set()).add(name)
+                return f"{section}.*.{rest}"
+    return key
 
 
 def _near_verl(key: str) -> str:

@@ -122,7 +122,18 @@ RENAMED: dict[str, str] = {
     "algorithm.rollout_correction.rollout_is_threshold": "algorithm.rollout_is_threshold",
     "trainer.n_gpus_per_node": "trainer.n_workers_per_node",
     "trainer.max_actor_ckpt_to_keep": "trainer.max_ckpt_to_keep",
+    # on-policy distillation (verl's distillation section; distillation.enabled is spelled the same)
+    "distillation.teacher_models.*.model_path": "distillation.teacher.path",
+    "distillation.teacher_model.model_path": "distillation.teacher.path",
+    "distillation.distillation_loss.loss_mode": "distillation.kl_estimator",
+    "distillation.distillation_loss.distillation_loss_coef": "distillation.coef",
+    "distillation.distillation_loss.use_task_rewards": "distillation.use_task_rewards",
+    "distillation.distillation_loss.loss_max_clamp": "distillation.kl_clamp",
+    "distillation.distillation_loss.log_prob_min_clamp": "distillation.log_prob_min_clamp",
 }
+NAMED: tuple[str, ...] = ("distillation.teacher_models",)
+"""verl sections keyed by a user-chosen name (`distillation.teacher_models.<name>.model_path`): their keys are
+looked up with the name as `*`. hybridflow distills from one teacher: two names in one run are refused."""
 for _verl, _mine in ((f"{A}.actor", "actor"), ("critic.model", "critic")):  # fsdp_config keys of an engine here
     RENAMED[f"{_verl}.fsdp_config.fsdp_size"] = f"{_mine}.engine.fsdp_size"
     RENAMED[f"{_verl}.fsdp_config.reshard_after_forward"] = f"{_mine}.engine.reshard_after_forward"
@@ -153,6 +164,10 @@ SETS: dict[str, dict[Any, dict[str, Any]]] = {
         "token": {"algorithm.rollout_is": True, "algorithm.rollout_is_level": "token"},
         "sequence": {"algorithm.rollout_is": True, "algorithm.rollout_is_level": "sequence"},
     },
+    "distillation.distillation_loss.use_policy_gradient": {
+        True: {"distillation.signal": "advantage"},
+        False: {"distillation.signal": "loss"},
+    },
 }
 """verl keys whose value sets several hybridflow keys: verl value -> {hybridflow key: value}; other values are
 refused. verl's rollout_is is the IS level or null (weights off, mismatch metrics only)."""
@@ -163,6 +178,16 @@ _OFFLOAD = (
 )
 _CUDA_KERNEL = "a CUDA kernel option: hybridflow's CPU path has no such kernel"
 _VLLM_GPU = "a vLLM engine knob of verl's GPU server: hybridflow's rollouts size themselves (rollout.max_batch_size)"
+_TEACHER_PLACED = (
+    "the teacher's own resource pool: hybridflow places the teacher with the reference policy (trainer.placement)"
+)
+_TEACHER_ENGINE = (
+    "verl's inference server for the teacher: hybridflow's teacher is a forward-only engine in the workers"
+)
+_DISTILL_PG = (
+    "the distillation advantage goes through the actor's own policy loss (actor.policy_loss_mode, "
+    "actor.policy_loss.clip_ratio*)"
+)
 NO_EFFECT: dict[str, str] = {
     f"{A}.model.use_liger": _CUDA_KERNEL + " (Liger)",
     f"{A}.model.use_fused_kernels": _CUDA_KERNEL + " (fused log-prob/entropy)",
@@ -200,6 +225,22 @@ NO_EFFECT: dict[str, str] = {
     "trainer.use_legacy_worker_impl": "hybridflow has one worker implementation",
     "trainer.ray_wait_register_center_timeout": "workers register through trainer.call_timeout_s here",
     "trainer.esi_redundant_time": "an elastic-training deadline of verl's GPU clusters",
+    "distillation.num_workers": _TEACHER_PLACED,
+    "distillation.enable_resource_pool": _TEACHER_PLACED,
+    "distillation.n_gpus_per_node": _TEACHER_PLACED,
+    "distillation.nnodes": _TEACHER_PLACED,
+    "distillation.teacher_model.enable_resource_pool": _TEACHER_PLACED,
+    "distillation.teacher_model.n_gpus_per_node": _TEACHER_PLACED,
+    "distillation.teacher_model.nnodes": _TEACHER_PLACED,
+    "distillation.teacher_model.inference.*": _TEACHER_ENGINE,
+    "distillation.teacher_models.*": _TEACHER_ENGINE,
+    "distillation.distillation_loss.topk": "a parameter of verl's top-k losses, not offered here "
+    "(distillation.kl_estimator: single-sample estimators)",
+    "distillation.distillation_loss.jsd_beta": "a parameter of verl's JSD loss, not offered here",
+    "distillation.distillation_loss.policy_loss_mode": _DISTILL_PG,
+    "distillation.distillation_loss.clip_ratio": _DISTILL_PG,
+    "distillation.distillation_loss.clip_ratio_low": _DISTILL_PG,
+    "distillation.distillation_loss.clip_ratio_high": _DISTILL_PG,
 }
 for _verl in ROLES:
     for _leaf in ("param_offload", "optimizer_offload", "offload_policy"):
