@@ -159,9 +159,9 @@ def _distill_args(tmp_path: Path, student: Path, teacher: Path) -> list[str]:
 
 @pytest.mark.slow
 def test_distillation_on_ray_workers_lowers_the_teacher_kl(tmp_path: Path):
-    """Student: the tiny model at temperature 1/12 (entropy ~5 nats); teacher: the same at 1/16 (~2 nats). The
-    teacher-KL signal alone (no task reward) sharpens the student towards the teacher; with the sign of the
-    advantage flipped the KL grows instead (measured while writing this test)."""
+    """Student: the tiny model at temperature 1/12 (entropy 2.8 nats on its first step's samples); teacher: the
+    same at 1/16, sharper. The teacher-KL advantage alone (no task reward) moves the student towards the teacher:
+    the KL of the last three steps is well under the first step's (0.44 -> ~0.1 in a local-backend run)."""
     student = sharpened_copy(tmp_path / "student", 12.0)
     teacher = sharpened_copy(tmp_path / "teacher", 16.0)
     args = [
