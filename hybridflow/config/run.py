@@ -227,6 +227,8 @@ class RunConfig(Section):
                 f"rollout.agent.function with trainer.mode={t.mode} is not supported: the harness's endpoint serves "
                 "the rollout workers' current weights inside the step; use trainer.mode=sync"
             )
+        if t.partial_rollout:
+            self._check_partial_rollout()
         if (
             t.placement == "split"
             and t.mode == "sync"
@@ -235,6 +237,24 @@ class RunConfig(Section):
             raise ValueError(
                 "trainer.placement=split puts the critic/ref/teacher on their own workers, but this run has "
                 "none of them; use trainer.placement=colocate"
+            )
+
+    def _check_partial_rollout(self) -> None:
+        r = self.rollout
+        if not r.multi_turn.enable:
+            raise ValueError(
+                "trainer.partial_rollout=true continues interrupted agent-loop trajectories; it needs "
+                "rollout.multi_turn.enable=true (single-turn and harness generations are not interrupted yet)"
+            )
+        if r.name not in ("native", "hf"):
+            raise ValueError(
+                f"trainer.partial_rollout=true with rollout.name={r.name!r}: only the native and hf rollouts stop "
+                "mid-generation when a push lands; use one of them or trainer.partial_rollout=false"
+            )
+        if r.tensor_model_parallel_size > 1:
+            raise ValueError(
+                "trainer.partial_rollout=true with rollout.tensor_model_parallel_size > 1: a tensor-parallel rollout "
+                "is not interrupted mid-generation yet; set one of them back"
             )
 
     def _check_reward_tokenizer(self) -> None:

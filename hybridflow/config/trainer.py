@@ -289,6 +289,11 @@ class TrainerConfig(JobConfig, ParityFields):
     max_staleness: int | None = None
     """Most actor updates a sample's generating weights may lag behind the policy it trains (mode=async; 0 is
     sync's schedule). None: 0 for sync, 1 for one_step_off and async."""
+    partial_rollout: bool = False
+    """mode one_step_off / async with rollout.multi_turn (verl: async_training.partial_rollout): a weight update
+    that lands while the rollout workers generate interrupts the generation after its current decode step; the
+    trajectories go on under the new weights, each token recording the version that sampled it
+    (hybridflow/rollout/partial.py). The update's push then waits for one decode step instead of the generation."""
 
     def __post_init__(self) -> None:
         JobConfig.__post_init__(self)
@@ -313,6 +318,11 @@ class TrainerConfig(JobConfig, ParityFields):
             raise ValueError(
                 f"trainer.mode={self.mode} means trainer.max_staleness={fixed}, got {s}; "
                 "use trainer.mode=async for another bound"
+            )
+        if self.partial_rollout and self.mode == "sync":
+            raise ValueError(
+                "trainer.partial_rollout=true interrupts generations running on the rollout's own workers while the "
+                "actor trains; set trainer.mode=one_step_off or async (sync generates between updates)"
             )
         if self.mode != "sync" and self.device == "cuda":
             raise ValueError(

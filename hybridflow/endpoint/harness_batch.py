@@ -120,6 +120,7 @@ def cut(traj: Trajectory, width: int) -> Trajectory:
     if len(traj.response_ids) > width:
         traj.response_ids, traj.response_mask = traj.response_ids[:width], traj.response_mask[:width]
         traj.rollout_log_probs = traj.rollout_log_probs[:width]
+        traj.token_versions = traj.token_versions[:width]
         traj.sampled_ids = traj.sampled_ids[: sum(traj.response_mask)]
         traj.stop_reason = "response_length"
     model = [k for k, m in enumerate(traj.response_mask) if m]

@@ -10,6 +10,10 @@ weights (a collective of the actor pool), actor rank 0 broadcasts them as one fl
 per dtype, and every rollout rank copies them into its generating model. With rollout.weight_fingerprints
 the sender's fingerprints of the weights follow them, and each rollout rank checks what it holds after the load.
 
+With trainer.partial_rollout the sender first announces the push in the bridge's store (`announce`), so that a
+rollout rank in the middle of a generation can see it (`PushWatch`, rollout/partial.py), stop its decoding and
+receive the weights right away instead of after the generation.
+
 The receivers learn names, shapes and dtypes once, from a manifest the controller passes
 along when the bridge is formed; only tensors travel afterwards.
 """
@@ -52,6 +56,14 @@ class WeightBridge:
         self.rank, self.world = rank, world
         self.group = dist.ProcessGroupGloo(dist.PrefixStore("weight_bridge", store), rank, world, timeout)
 
+    def announce(self, step: int) -> None:
+        """Bridge rank 0: say in the store that the weights of `step` are about to be sent (read by `announced`)."""
+        self._store.set(ANNOUNCED_KEY, str(step))
+
+    def announced(self) -> int | None:
+        """The step of the last announced push (None: none yet); never blocks."""
+        return announced(self._store)
+
     def _broadcast(self, flat: Tensor) -> None:
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = 0, 0
@@ -91,6 +103,20 @@ class WeightBridge:
                 state[name] = flat[offset : offset + n].view(shape)
                 offset += n
         return {name: state[name] for name, _, _ in manifest}
+
+
+ANNOUNCED_KEY = "weight_bridge/announced"
+"""The store key holding the step of the last push the sender announced."""
+
+
+def announced(store: dist.Store) -> int | None:
+    """The step of the last push announced in the bridge's `store` (None: none yet); never blocks."""
+    return int(store.get(ANNOUNCED_KEY)) if store.check([ANNOUNCED_KEY]) else None
+
+
+def store_client(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """A client of the bridge's rendezvous store (its own connection, for a thread that polls `announced`)."""
+    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
 def _dtypes(manifest: Manifest) -> list[str]:

@@ -35,7 +35,7 @@ import numpy as np
 from hybridflow.agent.config import MultiTurnConfig
 from hybridflow.agent.loop.batch import trajectories_to_batch
 from hybridflow.agent.loop.env import ENVIRONMENTS, Environment
-from hybridflow.agent.loop.runner import AgentLoopConfig, LoopTimes, run_agent_loop
+from hybridflow.agent.loop.runner import AgentLoopConfig, GenerateFn, LoopTimes, run_agent_loop
 from hybridflow.agent.loop.tools.tool_config import load_tool_config, tool_kwargs
 from hybridflow.protocol import DataProto, keys
 from hybridflow.rollout.base import Rollout
@@ -46,9 +46,14 @@ ROW_COLUMNS = (keys.RAW_PROMPT, keys.DATA_SOURCE, keys.GROUND_TRUTH)
 
 
 def generate_multi_turn(
-    rollout: Rollout, prompts: DataProto, sampling: SamplingParams, config: RolloutConfig
+    rollout: Rollout,
+    prompts: DataProto,
+    sampling: SamplingParams,
+    config: RolloutConfig,
+    wrap: Callable[[GenerateFn], GenerateFn] | None = None,
 ) -> DataProto:
-    """`sampling.n` trajectories per prompt row as one generated batch (module docstring)."""
+    """`sampling.n` trajectories per prompt row as one generated batch (module docstring); `wrap`, when given,
+    wraps the rollout's turn generator (the worker's: policy versions and partial rollout, rollout/partial.py)."""
     rows = dataset_rows(prompts, sampling.n)
     mt = config.multi_turn
     loop_cfg = AgentLoopConfig(
@@ -61,7 +66,15 @@ def generate_multi_turn(
     times = LoopTimes()
     with rollout.turn_generator(dataclasses.replace(sampling, n=1)) as generate:
         trajs = run_agent_loop(
-            rows, env_factory(mt), generate, rollout.tokenizer, loop_cfg, rollout.eos_ids, mt.env, labels, times
+            rows,
+            env_factory(mt),
+            wrap(generate) if wrap else generate,
+            rollout.tokenizer,
+            loop_cfg,
+            rollout.eos_ids,
+            mt.env,
+            labels,
+            times,
         )
     width = prompts.batch[keys.INPUT_IDS].shape[1]
     widest = max(len(t.prompt_ids) for t in trajs)

@@ -77,7 +77,7 @@ class PPOTrainer:
         self.rollout: RolloutSource = (
             SyncRollout(roles, prompts)
             if t.mode == "sync"
-            else AsyncRollout(roles, prompts, run.total_steps, t.max_staleness)
+            else AsyncRollout(roles, prompts, run.total_steps, t.max_staleness, partial=t.partial_rollout)
         )
         self.checkpointer = TrainerCheckpointer(self.cfg, roles, inputs.train_loader, self.rollout)
         self.global_step = 0

@@ -34,11 +34,12 @@ from __future__ import annotations
 import contextlib
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from hybridflow.agent.loop.runner import GenerateFn
 from hybridflow.algos.core import masked_mean
 from hybridflow.controller.decorator import Dispatch, register
 from hybridflow.controller.dispatch import make_nd_compute_dataproto_dispatch_fn
@@ -52,9 +53,10 @@ from hybridflow.parity.weights import SyncSite, WeightCheck, bridge_expected, pr
 from hybridflow.protocol import DataProto
 from hybridflow.protocol import keys as K
 from hybridflow.rollout import build_rollout
-from hybridflow.rollout.bridge import WeightBridge, manifest_of, open_store
+from hybridflow.rollout.bridge import WeightBridge, announced, manifest_of, open_store, store_client
 from hybridflow.rollout.config import RolloutConfig, SamplingParams
 from hybridflow.rollout.multi_turn import generate_multi_turn
+from hybridflow.rollout.partial import PushWatch, fill_versions, resumable, versioned
 from hybridflow.rollout.sync import BEFORE_LOAD, LOADED, SKIP_LOAD, share_engine_weights, sync_weights
 from hybridflow.utils.device import device_kind
 from hybridflow.utils.hooks import HookPoint
@@ -103,6 +105,11 @@ class ActorRolloutRefWorker(Worker):
         self._parity_pending: list[str] = []  # weight-sync findings of a validation call, for the next training batch
         self._rollout_has_all_weights = False
         self._update_calls = 0
+        self._pushed_version = 0  # a rollout-only worker's: the step of the weights it received last (0: initial)
+        self._inline_pushes: dict[int, dict[str, Any]] = {}  # pushes a partial generation took: step -> its report
+        self._watch_store: Any = None  # its own client of the bridge's store, for PushWatch (rollout/partial.py)
+        self._bridge: WeightBridge | None = None
+        self._bridge_address: tuple[str, int] | None = None
         # The reference runs on the actor's layout: both are dispatched over the policy mesh.
         self.dp_size = declare_engine_mesh(self, POLICY_MESH, actor.engine, "actor.engine.")
         self.rollout_tp_size = rollout.tensor_model_parallel_size
@@ -164,6 +171,7 @@ class ActorRolloutRefWorker(Worker):
         step: int | None = None,
         sampling: SamplingParams | None = None,
         validate: bool = False,
+        partial: bool = False,
     ) -> DataProto:
         """Prompts [b, P] (left-padded) -> b * n rows of prompts, responses, masks, rollout_log_probs
         (rollout.multi_turn.enable: agent-loop trajectories, see hybridflow/rollout/multi_turn.py; rollout.agent:
@@ -171,7 +179,11 @@ class ActorRolloutRefWorker(Worker):
 
         `step`: the training step; the sampler reseeds from it first (None: no reseed, the sampler goes on
         from its state, as validation does). `sampling`: this call's params; None: the configured ones,
-        rollout.val_kwargs when `validate`, else the training ones (giving both is refused).
+        rollout.val_kwargs when `validate`, else the training ones (giving both is refused). `partial`
+        (trainer.partial_rollout, a rollout-only worker's multi-turn training call): weight pushes announced during
+        the generation are taken in its middle, the trajectories going on under the new weights
+        (hybridflow/rollout/partial.py). Multi-turn and harness rows carry each model token's policy version
+        (keys.TOKEN_POLICY_VERSION): the step of the weights that sampled it.
         """
 
         if sampling is not None and validate:
@@ -187,9 +199,13 @@ class ActorRolloutRefWorker(Worker):
         with operator_peak("generate", metrics):
             params = sampling or self.rollout_cfg.sampling_params(validate)
             if self.rollout_cfg.multi_turn.enable:  # one agent-loop trajectory per sample (rollout/multi_turn.py)
-                out = generate_multi_turn(self.rollout, prompts, params, self.rollout_cfg)
+                wrap = self._turn_wrap(step, partial) if step is not None else None
+                with self._push_watch() if partial else contextlib.nullcontext():
+                    out = generate_multi_turn(self.rollout, prompts, params, self.rollout_cfg, wrap)
             elif self.rollout_cfg.agent.enable:  # one harness call per sample (endpoint/harness.py)
                 out, server_metrics = self._harness_runner().generate(prompts, params)
+                if step is not None:
+                    fill_versions(out, self._held_version(step))
                 metrics.update(server_metrics)
             else:
                 out = self.rollout.generate_sequences(prompts, params)
@@ -199,6 +215,45 @@ class ActorRolloutRefWorker(Worker):
         if findings:
             out.meta_info[K.META_PARITY] = out.meta_info.get(K.META_PARITY, []) + findings
         return out
+
+    def _held_version(self, step: int) -> int:
+        """The policy version the rollout generates step `step` with: a rollout-only worker's, the last push it
+        received; beside the actor, the weights after step `step` - 1's update (synced before generating)."""
+        return self._pushed_version if "actor" not in self.roles else max(step - 1, 0)
+
+    def _turn_wrap(self, step: int, partial: bool) -> Callable[[GenerateFn], GenerateFn]:
+        """The agent loop's generate, each turn stamped with its version; with `partial`, taking pushes mid-way."""
+        if not partial:
+            return lambda generate: versioned(generate, lambda: self._held_version(step))
+        self._check_partial()
+        return lambda generate: resumable(
+            generate, self.rollout.eos_ids, self.rollout.interrupted, self._take_push, lambda: self._pushed_version
+        )
+
+    def _check_partial(self) -> None:
+        if "actor" in self.roles or self._bridge is None:
+            raise RuntimeError(
+                "generate_sequences(partial=True) is for the rollout workers of trainer.mode one_step_off / async, "
+                "after join_weight_bridge"
+            )
+
+    def _push_watch(self) -> PushWatch:
+        """A watch for pushes announced in the bridge's store while this generation runs (rollout/partial.py)."""
+        self._check_partial()
+        if self._watch_store is None:
+            self._watch_store = store_client(*self._bridge_address, collective_timeout_s())
+        store = self._watch_store
+        return PushWatch(lambda: announced(store), lambda: self._pushed_version, self.rollout.interrupted)
+
+    def _take_push(self) -> bool:
+        """Receive and load the weights of a push announced since the last one taken (partial rollout); its report
+        waits for the transfer_weights call of that push."""
+        step = self._bridge.announced()
+        taken = step is not None and step > self._pushed_version
+        if taken:
+            self._inline_pushes[step] = self._receive_weights(time.perf_counter(), step)
+        self.rollout.interrupted.clear()
+        return taken
 
     def _sync_rollout(self, step: int | None, metrics: dict[str, float]) -> list[str]:
         """Refresh the rollout copy from the actor (rollout/sync.py); returns the weight-sync parity findings."""
@@ -327,6 +382,7 @@ class ActorRolloutRefWorker(Worker):
         take no part). Blocks until every bridge rank joined: issue both pools' calls before waiting."""
 
         if "actor" not in self.roles:
+            self._bridge_address = (host, port)
             self._bridge = WeightBridge(host, port, 1 + self.rank, world, collective_timeout_s())
             self._bridge_manifest = manifest
         elif self.rank == 0:
@@ -340,7 +396,11 @@ class ActorRolloutRefWorker(Worker):
         receivers: their weight-sync parity findings under keys.META_PARITY)."""
         start = time.perf_counter()
         if "actor" not in self.roles:
+            if step in self._inline_pushes:  # a partial generation took it already (rollout/partial.py)
+                return self._inline_pushes.pop(step)
             return self._receive_weights(start, step)
+        if self.rank == 0 and step is not None:  # a partial generation on the rollout workers takes it mid-way
+            self._bridge.announce(step)
         state = self.actor.full_state_dict(dtype=self.rollout_cfg.torch_dtype)
         if self.rank != 0:
             return {"timing_s/weight_transfer": time.perf_counter() - start, "weight_transfer/bytes": 0.0}
@@ -365,6 +425,8 @@ class ActorRolloutRefWorker(Worker):
         if not SKIP_LOAD(rollout=self.rollout, step=step, path="bridge"):
             self.rollout.load_weights(state if replaced is None else replaced)
         LOADED(rollout=self.rollout, step=step, path="bridge")
+        if step is not None:
+            self._pushed_version = step
         check = WeightCheck(self.rollout, SyncSite(cfg.name, "bridge", step), cfg.weight_fingerprints)
         sent = dict(zip((name for name, _, _ in manifest), prints))
         findings = check.compare(check.timed(bridge_expected, self.rollout, state, sent))

@@ -10,6 +10,7 @@ differs from a single-turn rollout:
   trajectory's reward;
 - `sampled_ids_hash` is the hash of the concatenation of each model turn's sampled ids (`Trajectory.sampled_ids`),
   not of the assembled response, so the trainer's token parity check sees any trained token the model did not sample;
+- `token_policy_version` holds the policy version that sampled each model token (-1 elsewhere);
 - non-tensor columns `num_turns` (model turns), `tool_calls` and `stop_reason` per row, for metrics.
 """
 
@@ -72,6 +73,7 @@ def trajectories_to_batch(
         keys.ROLLOUT_LOG_PROBS: _pad([t.rollout_log_probs for t in trajs], r_width, 0.0, False, torch.float32),
         keys.TOKEN_LEVEL_SCORES: scores,
         keys.SAMPLED_IDS_HASH: hash_list_rows([t.sampled_ids for t in trajs]),
+        keys.TOKEN_POLICY_VERSION: _pad([t.token_versions for t in trajs], r_width, -1, False, torch.long),
     }
     non_tensors = {
         keys.NUM_TURNS: np.array([t.assistant_turns for t in trajs]),

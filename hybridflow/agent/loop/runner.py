@@ -57,6 +57,8 @@ class TurnOutput:
     """Sampled ids, ending with the stop token when the turn stopped on one."""
     log_probs: list[float] | None = None
     """The sampler's log-prob of each sampled id (None: not computed)."""
+    versions: list[int] | None = None
+    """The policy version whose weights sampled each id (None: not known; recorded as -1)."""
 
 
 GenerateFn = Callable[[list[list[int]], list[int]], list[TurnOutput]]
@@ -125,6 +127,8 @@ class Trajectory:
     sampled_ids: list[int] = field(default_factory=list)
     """Each model turn's ids as the sampler returned them, concatenated (the token parity check's reference:
     hybridflow/protocol/token_hash.py); the trained ids (`response_mask` 1) must equal them."""
+    token_versions: list[int] = field(default_factory=list)
+    """Per response token: the policy version that sampled it (`TurnOutput.versions`); -1 on observation tokens."""
     turn_rewards: list[float] = field(default_factory=list)
     reward_positions: list[int] = field(default_factory=list)
     """Index in `response_ids` of the last token of each model turn (where its reward goes)."""
@@ -209,6 +213,9 @@ def _append_turn(traj: Trajectory, out: TurnOutput, budget: int, stops: list[int
     traj.response_ids += ids
     traj.response_mask += [1] * len(ids)
     traj.rollout_log_probs += log_probs
+    traj.token_versions += list(out.versions)[: len(ids)] if out.versions is not None else [-1] * len(ids)
+    if len(traj.token_versions) != len(traj.response_ids):
+        raise ValueError(f"generate returned {len(out.versions or [])} versions for {len(ids)} tokens")
     traj.assistant_turns += 1
     ended = bool(ids) and ids[-1] in stops
     text = tokenizer.decode(ids[:-1] if ended else ids)
@@ -253,5 +260,6 @@ def _apply_step(
     traj.response_ids += ids
     traj.response_mask += [0] * len(ids)
     traj.rollout_log_probs += [0.0] * len(ids)
+    traj.token_versions += [-1] * len(ids)
     traj.messages += result.observations
     traj.user_turns += 1

@@ -130,6 +130,7 @@ RENAMED: dict[str, str] = {
     "distillation.distillation_loss.use_task_rewards": "distillation.use_task_rewards",
     "distillation.distillation_loss.loss_max_clamp": "distillation.kl_clamp",
     "distillation.distillation_loss.log_prob_min_clamp": "distillation.log_prob_min_clamp",
+    "async_training.partial_rollout": "trainer.partial_rollout",  # verl's fully-async recipe
 }
 NAMED: tuple[str, ...] = ("distillation.teacher_models",)
 """verl sections keyed by a user-chosen name (`distillation.teacher_models.<name>.model_path`): their keys are

@@ -1,0 +1,122 @@
+"""Policy versions of sampled tokens, and partial rollout (trainer.partial_rollout): a generation that takes a
+weight push in the middle and goes on under the new weights.
+
+Both wrap the `GenerateFn` the agent loop calls once per round (`Rollout.turn_generator`, agent/loop/runner.py):
+- `versioned(generate, version)`: every turn's ids stamped with the policy version the rollout held when the
+  round was generated (`TurnOutput.versions`), so each trajectory carries the version of every token;
+- `resumable(generate, stops, interrupt, take_push, version)`: before each call it takes a push that was
+  announced meanwhile (`take_push`: receive and load the weights, return True); a call cut short by `interrupt`
+  (set by a `PushWatch` when the actor announces a push: the rollout ends its rows after the current decode step,
+  `ModuleRollout.interrupted`) takes the push, then continues each cut row from its context plus the ids sampled
+  so far, up to the rest of its budget. A row's turn is thus the ids sampled under each version in order, every
+  id stamped with the version that sampled it and keeping the log-prob the sampler drew it with: the trained ids
+  are the sampled ids, and a token's rollout log-prob is its own version's.
+
+The continuation re-reads the row's context under the new weights (the KV cache of the old ones is not reused, as
+slime's and AReaL's resumed requests re-prefill), and its sampler draws are not those an uninterrupted call would
+have made.
+
+`PushWatch(poll, held, interrupt)`: a thread that, while a generation runs, polls `poll()` (the step of the last
+announced push, rollout/bridge.py `announced`, over a store connection of its own) and sets `interrupt` as long
+as it is newer than `held()`. The generation's thread clears it when it takes the push (or finds none), so a
+spurious set costs one decode step.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+
+import torch
+
+from hybridflow.agent.loop.runner import GenerateFn, TurnOutput
+from hybridflow.protocol import DataProto
+from hybridflow.protocol import keys as K
+
+POLL_S = 0.01
+"""How often a `PushWatch` asks the store for an announced push (a loopback round trip each)."""
+
+
+def versioned(generate: GenerateFn, version: Callable[[], int]) -> GenerateFn:
+    """`generate` with each turn's ids stamped with `version()` as it was when the round was generated."""
+
+    def call(batch: list[list[int]], budgets: list[int]) -> list[TurnOutput]:
+        held = version()
+        outs = generate(batch, budgets)
+        return [TurnOutput(o.token_ids, o.log_probs, [held] * len(o.token_ids)) for o in outs]
+
+    return call
+
+
+def resumable(
+    generate: GenerateFn,
+    stop_ids: Sequence[int],
+    interrupt: threading.Event,
+    take_push: Callable[[], bool],
+    version: Callable[[], int],
+) -> GenerateFn:
+    """`generate` taking announced pushes before each call and continuing rows an interrupt cut (module docstring)."""
+    stops = set(stop_ids)
+
+    def call(batch: list[list[int]], budgets: list[int]) -> list[TurnOutput]:
+        ids: list[list[int]] = [[] for _ in batch]
+        logps: list[list[float]] = [[] for _ in batch]
+        versions: list[list[int]] = [[] for _ in batch]
+        todo = list(range(len(batch)))
+        while todo:
+            take_push()
+            held = version()
+            outs = generate([batch[i] + ids[i] for i in todo], [budgets[i] - len(ids[i]) for i in todo])
+            cut = interrupt.is_set()
+            for i, out in zip(todo, outs):
+                new = list(out.token_ids)
+                ids[i] += new
+                logps[i] += list(out.log_probs)[: len(new)] if out.log_probs is not None else [0.0] * len(new)
+                versions[i] += [held] * len(new)
+            if not cut:
+                break
+            todo = [i for i in todo if len(ids[i]) < budgets[i] and not (ids[i] and ids[i][-1] in stops)]
+        return [TurnOutput(ids[i], logps[i], versions[i]) for i in range(len(batch))]
+
+    return call
+
+
+def fill_versions(batch: DataProto, version: int) -> None:
+    """Give `version` to every model token (response_mask 1) of `batch` that has no policy version yet (-1, or no
+    keys.TOKEN_POLICY_VERSION at all): rows generated under one version throughout."""
+    mask = batch.batch[K.RESPONSE_MASK].bool()
+    versions = batch.batch[K.TOKEN_POLICY_VERSION] if K.TOKEN_POLICY_VERSION in batch.batch.keys() else None
+    if versions is None:
+        versions = torch.full(mask.shape, -1, dtype=torch.long)
+    batch.batch[K.TOKEN_POLICY_VERSION] = torch.where(mask & (versions < 0), version, versions)
+
+
+class PushWatch:
+    """Sets `interrupt` while a push newer than the held weights is announced (module docstring); a context
+    manager: the thread runs inside the `with` block."""
+
+    def __init__(
+        self,
+        poll: Callable[[], int | None],
+        held: Callable[[], int],
+        interrupt: threading.Event,
+        period_s: float = POLL_S,
+    ) -> None:
+        self.poll, self.held, self.interrupt, self.period_s = poll, held, interrupt, period_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="push-watch", daemon=True)
+
+    def __enter__(self) -> PushWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.interrupt.clear()  # a push announced after the generation's last call: the worker's next call takes it
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            step = self.poll()
+            if step is not None and step > self.held():
+                self.interrupt.set()
