@@ -44,6 +44,16 @@ class Echo(Environment):
         return StepResult([{"role": "tool", "content": "ok"}], info={"tool_calls": 1})
 
 
+class Slow(Echo):
+    """Echo whose replies take 2 s, so that a generation is still running when the actor's update lands."""
+
+    def step(self, text):
+        import time
+
+        time.sleep(2.0)
+        return super().step(text)
+
+
 class Broken(Echo):
     def step(self, text):
         raise KeyError("no such thing")
@@ -160,3 +170,35 @@ def test_multi_turn_trains_off_policy_on_its_own_rollout_workers(tmp_path: Path,
     assert observed > 0 and masked.any()
     assert (b[K.ROLLOUT_LOG_PROBS][masked] == 0).all() and (b[K.ENV_REWARDS][masked] == 0).all()
     assert torch.all(b[K.ROLLOUT_LOG_PROBS][b[K.RESPONSE_MASK].bool()] < 0)
+
+
+@pytest.mark.slow  # a Ray run of 2 steps whose environment sleeps
+def test_partial_rollout_takes_the_update_mid_trajectory_on_ray(tmp_path: Path):
+    """one_step_off + trainer.partial_rollout: step 2's trajectories are in flight (their environment replies take
+    2 s) when step 1's update lands; the rollout worker takes the push mid-way and the rows go on under it. The
+    queued batch in step 1's checkpoint holds tokens of both versions, the trained ids are the sampled ids, and
+    step 2's parity guard compares the log-probs of the tokens sampled by the weights it updates."""
+    args = [
+        *multi_turn_args(tmp_path, "Slow", workers=2),
+        "trainer.mode=one_step_off",
+        "trainer.placement=split",
+        "trainer.partial_rollout=true",
+        "trainer.save_freq=1",
+        "rollout.calculate_log_probs=true",
+        "rollout.multi_turn.max_turn_tokens=4",
+    ]
+    proc = run_cli(["train", *args], tmp_path, module="hybridflow.cli.main")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    steps = [r for r in read_metrics(tmp_path) if "actor/pg_loss" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert steps[0]["async/partial_rows"] == 0.0 and steps[1]["async/partial_rows"] > 0.0
+    assert steps[1]["async/staleness_hist/0"] > 0.0 and steps[1]["async/staleness_hist/1"] > 0.0
+    assert steps[1]["parity/logprob_checked"] == 1.0 and steps[1]["parity/logprob_stale_tokens"] > 0
+    assert steps[1]["parity/token_mismatch_rows"] == 0.0
+    queued = _load_queued(tmp_path / "ckpt" / "global_step_1" / "rollout_queue", 2).batch
+    mask = queued[K.RESPONSE_MASK].bool()
+    versions = queued[K.TOKEN_POLICY_VERSION]
+    assert set(versions[mask].tolist()) == {0, 1} and bool((versions[~mask] == -1).all())
+    for row in range(len(mask)):  # a row's versions never go back: 0 ... 0 1 ... 1
+        own = versions[row][mask[row]].tolist()
+        assert own == sorted(own)
