@@ -193,7 +193,6 @@ def test_observation_tokens_get_no_loss_gradient(generated):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        ({"tensor_model_parallel_size": 2}, "rollout.multi_turn.enable=true with rollout.tensor_model_parallel_size"),
         ({"multi_turn": {"enable": True, "env": "nope"}}, "rollout.multi_turn.env='nope' is not a registered"),
         ({"multi_turn": {"max_assistant_turns": 0}}, "rollout.multi_turn.max_assistant_turns must be >= 1"),
     ],

@@ -226,6 +226,7 @@ class ModuleRollout(Rollout):
         with the largest budget as response length, each row cut at its own."""
 
         def generate(batch: list[list[int]], budgets: list[int]) -> list[TurnOutput]:
+            self._check_turn_inputs(batch, budgets)
             width = max(len(ids) for ids in batch)
             base = self.config
             self.config = dataclasses.replace(
@@ -240,6 +241,10 @@ class ModuleRollout(Rollout):
             return [TurnOutput(ids[i, :n].tolist(), logps[i, :n].tolist()) for i, n in enumerate(lengths)]
 
         return contextlib.nullcontext(generate)
+
+    def _check_turn_inputs(self, batch: list[list[int]], budgets: list[int]) -> None:
+        """Before each round of the agent loop: raise where the round cannot run as given (a backend split over
+        ranks checks that they agree); nothing here."""
 
     def load_weights(self, state_dict: dict[str, Tensor], partial: bool = False) -> None:
         """Copy the state dict into the model in place (cast to rollout dtype, tied weights once)."""

@@ -183,13 +183,8 @@ class RolloutConfig(Section):
             raise ValueError(f"rollout.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
     def _check_multi_turn(self) -> None:
-        # native, hf and vllm all run the loop; a plugin backend's rollout is checked at its first generation
-        # (hybridflow/rollout/multi_turn.py turn_generator)
-        if self.tensor_model_parallel_size > 1:
-            raise ValueError(
-                "rollout.multi_turn.enable=true with rollout.tensor_model_parallel_size > 1 is not supported yet; "
-                "set it to 1"
-            )
+        # native (tensor parallel too), hf and vllm all run the loop; a plugin backend's rollout is checked at its
+        # first generation (hybridflow/rollout/multi_turn.py turn_generator)
         ENVIRONMENTS.get(self.multi_turn.env)  # unknown names (or unloadable paths) fail naming the key
 
     def _check_agent(self) -> None:

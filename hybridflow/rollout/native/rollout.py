@@ -95,6 +95,29 @@ class NativeRollout(ModuleRollout):
             state_dict = {name: self.as_held(name, t) for name, t in state_dict.items()}
         super().load_weights(state_dict, partial)
 
+    def _check_turn_inputs(self, batch: list[list[int]], budgets: list[int]) -> None:
+        """With tp > 1 every rank of the group runs the agent loop on the same rows with the same seed, so each
+        round's contexts must be the same on all of them (the split decode steps are collectives): raise, on every
+        rank, naming the cause where an environment answered differently on another rank."""
+        if self.tp_size == 1:
+            return
+        mine = parity_tokens.hash_list_rows([[len(ids), budget, *ids] for ids, budget in zip(batch, budgets)])
+        mine = torch.cat([torch.tensor([len(batch)]), mine])
+        sizes = [torch.zeros(1, dtype=torch.long) for _ in range(self.tp_size)]
+        dist.all_gather(sizes, torch.tensor([len(mine)]), group=self.tp_group)
+        if len({int(n) for n in sizes}) == 1:
+            gathered = [torch.empty_like(mine) for _ in range(self.tp_size)]
+            dist.all_gather(gathered, mine, group=self.tp_group)
+            if all(torch.equal(g, mine) for g in gathered):
+                return
+        raise RuntimeError(
+            "rollout.multi_turn with rollout.tensor_model_parallel_size="
+            f"{self.tp_size}: the ranks of a tensor-parallel group reached a round of the agent loop with different "
+            "token contexts. Every rank runs the environments of the same rows; an environment whose replies differ "
+            "between runs (time, randomness, a tool timing out on one rank) cannot run split: make it deterministic "
+            "or set rollout.tensor_model_parallel_size=1"
+        )
+
     def as_held(self, name: str, t: Tensor) -> Tensor:
         """See `Rollout.as_held`: this rank's chunk of a split weight sent whole (a shard is kept as is)."""
         if name not in self.split_dims:
