@@ -210,7 +210,6 @@ HARNESS_FILE = "def run(client, row):\n    return 1.0\n\n\ndef wrong(client):\n 
         (["rollout.name=vllm"], "rollout.agent.function with rollout.name='vllm' is not supported yet"),
         (["rollout.multi_turn.enable=true"], "rollout.agent.function and rollout.multi_turn.enable=true both"),
         (["rollout.tensor_model_parallel_size=2"], "rollout.agent.function with rollout.tensor_model_parallel_size"),
-        (["trainer.mode=one_step_off", "trainer.placement=split"], "rollout.agent.function with trainer.mode="),
         (["rollout.agent.function=h.py:wrong"], "must be callable as run(client, row)"),
         (["rollout.agent.function=h.py:nope"], "has no attribute 'nope'"),
         (["rollout.agent.timeout_s=0"], "rollout.agent.timeout_s must be > 0"),
@@ -227,15 +226,19 @@ def test_bad_harness_configs_are_refused_at_load(tmp_path, monkeypatch, override
         load_config(RunConfig, None, ["rollout.agent.function=h.py:run", *overrides])
 
 
-def test_the_calculator_harness_trains_on_ray_workers(tmp_path: Path):
-    args = [
+def calculator_args(tmp_path: Path, workers: int = 1) -> list[str]:
+    return [
         *base_overrides(str(tiny_model_dir("llama")), tmp_path),
         "data.task=tool_arithmetic",
         "data.max_prompt_length=256",
         "rollout.agent.function=hybridflow.endpoint.examples.calculator:run",
-        "trainer.n_workers_per_node=1",
+        f"trainer.n_workers_per_node={workers}",
         "trainer.val_before_train=false",
     ]
+
+
+def test_the_calculator_harness_trains_on_ray_workers(tmp_path: Path):
+    args = calculator_args(tmp_path)
     proc = run_cli(["train", *args], tmp_path, module="hybridflow.cli.main")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     records = read_metrics(tmp_path)
@@ -245,3 +248,21 @@ def test_the_calculator_harness_trains_on_ray_workers(tmp_path: Path):
         assert r["agent/turns/mean"] >= 1 and r["agent/harness_dropped"] == 0
         assert r["endpoint/requests"] >= 8  # 4 prompts x 2 samples on 1 worker: a request each at least
     assert "val-core/tool_arithmetic/acc/mean@1" in records[-1] and "val-aux/agent/harness_errors" in records[-1]
+
+
+@pytest.mark.slow  # a Ray run over two pools
+def test_the_calculator_harness_trains_one_step_off_on_its_own_rollout_workers(tmp_path: Path):
+    """The harness's endpoint runs on the rollout's own workers, generating step 2's batch while step 1 trains; its
+    rows carry the version of the weights that sampled each token, and the trained ids are the sampled ids."""
+    args = [*calculator_args(tmp_path, workers=2), "trainer.mode=one_step_off", "trainer.placement=split"]
+    proc = run_cli(["train", *args, "trainer.save_freq=1"], tmp_path, module="hybridflow.cli.main")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    steps = [r for r in read_metrics(tmp_path) if "actor/pg_loss" in r]
+    assert [r["step"] for r in steps] == [1, 2] and [r["async/staleness/max"] for r in steps] == [0.0, 1.0]
+    assert all(r["agent/harness_dropped"] == 0 and r["parity/token_mismatch_rows"] == 0 for r in steps)
+    from hybridflow.train.async_pipeline import _load_queued
+
+    queued = _load_queued(tmp_path / "ckpt" / "global_step_1" / "rollout_queue", 2).batch
+    mask = queued[K.RESPONSE_MASK].bool()
+    assert mask.any() and set(queued[K.TOKEN_POLICY_VERSION][mask].tolist()) == {0}
+    assert mismatched_rows(queued[K.SAMPLED_IDS_HASH], queued[K.RESPONSES], queued[K.RESPONSE_MASK]) == []

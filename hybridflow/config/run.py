@@ -222,11 +222,6 @@ class RunConfig(Section):
                 f"step (e.g. to generate its baseline), which trainer.mode={t.mode} does not support; "
                 "use trainer.mode=sync"
             )
-        if t.mode != "sync" and self.rollout.agent.enable:
-            raise ValueError(
-                f"rollout.agent.function with trainer.mode={t.mode} is not supported: the harness's endpoint serves "
-                "the rollout workers' current weights inside the step; use trainer.mode=sync"
-            )
         if t.partial_rollout:
             self._check_partial_rollout()
         if (
