@@ -80,3 +80,20 @@ def test_vllm_multi_turn_trains_through_the_cli(tmp_path: Path):
     assert all(1 <= r["agent/turns/mean"] <= 3 and r["actor/rollout_probs_diff_mean"] < 0.02 for r in steps), steps
     assert any(r["agent/turns/mean"] > 1 for r in steps)
     assert "val-aux/agent/turns/mean" in records[-1]
+
+
+def test_vllm_multi_turn_trains_one_step_off_on_its_own_rollout_workers(tmp_path: Path):
+    """The loop over a vllm engine on the rollout's own Ray workers, step 2's batch generated while step 1 trains,
+    every token stamped with the version of the weights that sampled it."""
+    args = [
+        *multi_turn_args(tmp_path, "Echo", workers=2, source=tiny_model_dir("llama", hidden_size=128)),
+        "rollout.name=vllm",
+        "rollout.calculate_log_probs=true",
+        "trainer.mode=one_step_off",
+        "trainer.placement=split",
+    ]
+    proc = run_cli(["train", *args], tmp_path, module="hybridflow.cli.main")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    steps = [r for r in read_metrics(tmp_path) if "actor/pg_loss" in r]
+    assert [r["step"] for r in steps] == [1, 2] and [r["async/staleness/max"] for r in steps] == [0.0, 1.0]
+    assert all(r["parity/token_mismatch_rows"] == 0 and r["async/partial_rows"] == 0 for r in steps)

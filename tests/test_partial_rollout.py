@@ -193,3 +193,71 @@ def test_the_push_watch_interrupts_once_a_newer_push_is_announced():
 def test_bad_partial_rollout_configs_are_refused_at_load(overrides, message):
     with pytest.raises(ValueError, match=message):
         load_config(RunConfig, None, overrides)
+
+
+def test_the_pipeline_issues_partial_generations_and_waits_for_each_push_at_the_next_batch(monkeypatch):
+    """AsyncRollout(partial=True) against fake groups: the generations are issued with partial=True, the push's
+    rollout-side call is waited for with the next batch (the sender's only in the push), its findings reach that
+    batch, and the staleness metrics are per token (a row of step 2 holds tokens of versions 0 and 1)."""
+    from hybridflow.protocol import DataProto
+    from hybridflow.train import async_pipeline
+    from hybridflow.train.async_pipeline import AsyncRollout
+
+    monkeypatch.setattr(async_pipeline, "bridge_host", lambda: "127.0.0.1")
+    log: list = []
+
+    class Rollout:
+        world_size = 1
+
+        def call_nonblocking(self, method, prompts, *, step, partial):
+            log.append(("gen", step, partial))
+            late = 1 if step == 2 else 0  # step 2's rows take push 1 after their first two tokens
+            versions = torch.tensor([[0, 0, late, -1], [0, 0, 0, -1]])
+            mask = (versions >= 0).long()
+            return DataProto.from_dict({K.RESPONSE_MASK: mask, K.TOKEN_POLICY_VERSION: versions})
+
+        def join_weight_bridge(self, *args):
+            return []
+
+        def transfer_weights(self, step):
+            return [("receiver", step)]
+
+    class Actor:
+        world_size = 1
+
+        def open_weight_bridge(self, host, world):
+            return [(host, 1, [])]
+
+        def join_weight_bridge(self, *args):
+            return []
+
+        def transfer_weights(self, step):
+            return [("sender", step)]
+
+    def wait(refs):
+        if not refs:
+            return []
+        side, step = refs[0]
+        log.append(("wait", side, step))
+        if side == "sender":
+            return [{"timing_s/weight_transfer": 0.5, "weight_transfer/bytes": 8.0}]
+        return [{"timing_s/weight_transfer": 2.0, K.META_PARITY: [f"finding of push {step}"]}]
+
+    class Roles:
+        rollout, actor_rollout = Rollout(), Actor()
+
+    prompts = iter(DataProto.from_dict({"p": torch.tensor([i, i])}) for i in range(10))
+    pipe = AsyncRollout(Roles(), prompts, 3, 1, wait=wait, partial=True)
+    pipe.start(0, None, {})
+    first = pipe.batch(1)
+    m1 = pipe.after_update(1, first)
+    assert ("wait", "sender", 1) in log and ("wait", "receiver", 1) not in log
+    assert "timing_s/weight_transfer_receive" not in m1 and m1["async/partial_rows"] == 0.0
+    second = pipe.batch(2)
+    assert log.index(("wait", "receiver", 1)) > log.index(("gen", 3, True))
+    assert second.meta_info[K.META_PARITY] == ["finding of push 1"]
+    assert second.batch[K.POLICY_VERSION].tolist() == [0, 0]
+    m2 = pipe.after_update(2, second)
+    assert m2["timing_s/weight_transfer_receive"] == 2.0 and m2["async/partial_rows"] == 0.5
+    assert m2["async/staleness_hist/0"] == pytest.approx(1 / 6) and m2["async/staleness/max"] == 1.0
+    assert [e for e in log if e[0] == "gen"] == [("gen", 1, True), ("gen", 2, True), ("gen", 3, True)]
