@@ -20,7 +20,8 @@ class MultiTurnConfig(Section):
     its environment (hybridflow/agent/loop/env.py) in the token-exact loop of hybridflow/agent/loop/runner.py."""
 
     enable: bool = False
-    """Generate with the agent loop instead of single-turn completions (native and hf rollouts, trainer.mode=sync)."""
+    """Generate with the agent loop instead of single-turn completions (native, tensor-parallel native, hf and vllm
+    rollouts; every trainer.mode, with trainer.partial_rollout in the off-policy ones)."""
     max_assistant_turns: int = 4
     """Most model turns per trajectory."""
     max_user_turns: int = 4

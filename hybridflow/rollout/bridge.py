@@ -105,7 +105,7 @@ class WeightBridge:
         return {name: state[name] for name, _, _ in manifest}
 
 
-ANNOUNCED_KEY = "weight_bridge/announced"
+ANNOUNCED_KEY = "weight_bridge_announced"
 """The store key holding the step of the last push the sender announced."""
 
 
