@@ -195,44 +195,49 @@ def test_bad_partial_rollout_configs_are_refused_at_load(overrides, message):
         load_config(RunConfig, None, overrides)
 
 
-def test_the_pipeline_issues_partial_generations_and_waits_for_each_push_at_the_next_batch(monkeypatch):
-    """AsyncRollout(partial=True) against fake groups: the generations are issued with partial=True, the push's
-    rollout-side call is waited for with the next batch (the sender's only in the push), its findings reach that
-    batch, and the staleness metrics are per token (a row of step 2 holds tokens of versions 0 and 1)."""
+class FakeRollout:
+    """The rollout group: step 2's first row takes push 1 after its first two tokens."""
+
+    world_size = 1
+
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def call_nonblocking(self, method, prompts, *, step, partial):
+        from hybridflow.protocol import DataProto
+
+        self.log.append(("gen", step, partial))
+        late = 1 if step == 2 else 0
+        versions = torch.tensor([[0, 0, late, -1], [0, 0, 0, -1]])
+        return DataProto.from_dict({K.RESPONSE_MASK: (versions >= 0).long(), K.TOKEN_POLICY_VERSION: versions})
+
+    def join_weight_bridge(self, *args):
+        return []
+
+    def transfer_weights(self, step):
+        return [("receiver", step)]
+
+
+class FakeActor:
+    world_size = 1
+
+    def open_weight_bridge(self, host, world):
+        return [(host, 1, [])]
+
+    def join_weight_bridge(self, *args):
+        return []
+
+    def transfer_weights(self, step):
+        return [("sender", step)]
+
+
+def partial_pipeline(monkeypatch, staleness: int, log: list):
+    """AsyncRollout(partial=True) over the fakes; `log` gets the generations issued and the calls waited for."""
     from hybridflow.protocol import DataProto
     from hybridflow.train import async_pipeline
     from hybridflow.train.async_pipeline import AsyncRollout
 
     monkeypatch.setattr(async_pipeline, "bridge_host", lambda: "127.0.0.1")
-    log: list = []
-
-    class Rollout:
-        world_size = 1
-
-        def call_nonblocking(self, method, prompts, *, step, partial):
-            log.append(("gen", step, partial))
-            late = 1 if step == 2 else 0  # step 2's rows take push 1 after their first two tokens
-            versions = torch.tensor([[0, 0, late, -1], [0, 0, 0, -1]])
-            mask = (versions >= 0).long()
-            return DataProto.from_dict({K.RESPONSE_MASK: mask, K.TOKEN_POLICY_VERSION: versions})
-
-        def join_weight_bridge(self, *args):
-            return []
-
-        def transfer_weights(self, step):
-            return [("receiver", step)]
-
-    class Actor:
-        world_size = 1
-
-        def open_weight_bridge(self, host, world):
-            return [(host, 1, [])]
-
-        def join_weight_bridge(self, *args):
-            return []
-
-        def transfer_weights(self, step):
-            return [("sender", step)]
 
     def wait(refs):
         if not refs:
@@ -244,11 +249,20 @@ def test_the_pipeline_issues_partial_generations_and_waits_for_each_push_at_the_
         return [{"timing_s/weight_transfer": 2.0, K.META_PARITY: [f"finding of push {step}"]}]
 
     class Roles:
-        rollout, actor_rollout = Rollout(), Actor()
+        rollout, actor_rollout = FakeRollout(log), FakeActor()
 
     prompts = iter(DataProto.from_dict({"p": torch.tensor([i, i])}) for i in range(10))
-    pipe = AsyncRollout(Roles(), prompts, 3, 1, wait=wait, partial=True)
+    pipe = AsyncRollout(Roles(), prompts, 4, staleness, wait=wait, partial=True)
     pipe.start(0, None, {})
+    return pipe
+
+
+def test_the_pipeline_issues_partial_generations_and_waits_for_each_push_at_the_next_batch(monkeypatch):
+    """AsyncRollout(partial=True) against fake groups: the generations are issued with partial=True, the push's
+    rollout-side call is waited for with the next batch (the sender's only in the push), its findings reach that
+    batch, and the staleness metrics are per token (a row of step 2 holds tokens of versions 0 and 1)."""
+    log: list = []
+    pipe = partial_pipeline(monkeypatch, 1, log)
     first = pipe.batch(1)
     m1 = pipe.after_update(1, first)
     assert ("wait", "sender", 1) in log and ("wait", "receiver", 1) not in log
@@ -261,3 +275,15 @@ def test_the_pipeline_issues_partial_generations_and_waits_for_each_push_at_the_
     assert m2["timing_s/weight_transfer_receive"] == 2.0 and m2["async/partial_rows"] == 0.5
     assert m2["async/staleness_hist/0"] == pytest.approx(1 / 6) and m2["async/staleness/max"] == 1.0
     assert [e for e in log if e[0] == "gen"] == [("gen", 1, True), ("gen", 2, True), ("gen", 3, True)]
+
+
+def test_with_staleness_2_a_push_is_waited_for_after_the_generations_issued_before_it(monkeypatch):
+    """Push 1 is issued while steps 2 and 3 are queued: its rollout-side call returns after step 3's generation,
+    so the controller waits for it at batch(3), not at batch(2) (which would wait for step 3's generation)."""
+    log: list = []
+    pipe = partial_pipeline(monkeypatch, 2, log)
+    pipe.after_update(1, pipe.batch(1))
+    pipe.batch(2)
+    assert ("wait", "receiver", 1) not in log
+    third = pipe.batch(3)
+    assert ("wait", "receiver", 1) in log and third.meta_info[K.META_PARITY] == ["finding of push 1"]

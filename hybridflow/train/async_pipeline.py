@@ -26,9 +26,10 @@ Partial rollout (`partial`, trainer.partial_rollout; multi-turn rows): the gener
 partial=True, and the actor announces each push in the bridge's store before gathering its weights; a rollout
 worker in the middle of a generation ends its decoding after the current step, receives the weights, and its
 trajectories go on under them (hybridflow/rollout/partial.py), so the push waits for one decode step instead of
-the whole generation, and the rows of batch k + 1 hold tokens of versions k - 1 and k. The push's call on the
-rollout workers returns once they reach it in their queue (after that generation): it is waited for at the next
-`batch`, whose meta_info gets its findings as without partial rollout.
+the whole generation, and the rows of batch k + 1 hold tokens of versions k - 1 and k. The weight check's findings
+of a push taken that way come back with the generation that took it. The push's call on the rollout workers returns
+once they reach it in their queue (after the generations issued before it, up to step k + s): it is waited for by
+`batch(k + s)`, after that generation, so it never holds up the controller.
 
 Checkpoints carry what is in flight: the batches of steps k+1 .. k+s (waited for and
 written under rollout_queue/) with their versions. The loader's position already counts
@@ -154,8 +155,9 @@ class AsyncRollout:
         self._bridge_open = False
         self._findings: list[str] = []
         """The weight-sync parity findings of the pushes since the last `batch` (the rollout workers')."""
-        self._receiving: list[Any] = []
-        """Partial rollout: the rollout workers' calls of the pushes not yet waited for."""
+        self._receiving: list[tuple[int, Any]] = []
+        """Partial rollout: (the last step issued before, the rollout workers' calls) of the pushes not yet waited
+        for; such a call returns after that step's generation."""
         self._late_metrics: dict[str, float] = {}
         """Partial rollout: the receive side's metrics of the last push, reported with the next step's."""
 
@@ -176,6 +178,7 @@ class AsyncRollout:
             self.queue[int(k)] = (_load_queued(path / QUEUE_DIR, int(k)), int(version))
             self.issued = max(self.issued, int(k))
         self._push(step)
+        self._receive(self.issued)  # nothing is generating: the rollout workers have received it
 
     def batch(self, step: int) -> DataProto:
         """Issue the generations up to step + max_staleness, then wait for step `step`'s rows (each with
@@ -188,7 +191,7 @@ class AsyncRollout:
             self.issued = k
         pending, version = self.queue.pop(step)
         batch = _value(pending)
-        self._receive()
+        self._receive(step)
         batch.meta_info[K.META_GLOBAL_STEP] = step
         if self._findings:  # the last push's: the first batch the controller sees after it
             batch.meta_info[K.META_PARITY] = batch.meta_info.get(K.META_PARITY, []) + self._findings
@@ -215,7 +218,7 @@ class AsyncRollout:
         for k, (pending, version) in sorted(self.queue.items()):
             data = _value(pending)
             self.queue[k] = (data, version)
-            self._receive()
+            self._receive(k)
             save_plain(ckpt / QUEUE_DIR / f"step_{k}.pt", _plain_batch(data))
         return {"rollout_queue": [[k, v] for k, (_, v) in sorted(self.queue.items())]}
 
@@ -244,17 +247,20 @@ class AsyncRollout:
         }
         if "timing_s/parity_weights" in sent[0]:
             metrics["timing_s/parity_weights"] = sent[0]["timing_s/parity_weights"]
-        self._receiving.append(receivers)
-        if not self.partial:  # the push's generation has ended (without partial rollout the sender waited for it)
-            for key, value in self._receive().items():  # the slowest side's
+        self._receiving.append((self.issued, receivers))
+        if not self.partial:  # the generations before the push have ended (without partial rollout the sender waited)
+            for key, value in self._receive(self.issued).items():  # the slowest side's
                 metrics[key] = max(value, metrics.get(key, value))
         return metrics
 
-    def _receive(self) -> dict[str, float]:
-        """Wait for the rollout workers' calls of the pushes issued so far; keep their findings for the next batch
-        and their metrics (partial rollout: for the next step's, `_late_metrics`). Returns those metrics."""
+    def _receive(self, step: int) -> dict[str, float]:
+        """Wait for the rollout workers' calls of the pushes issued before the generation of `step` ended; keep their
+        findings for the next batch and their metrics (partial rollout: for the next step's, `_late_metrics`).
+        Returns those metrics."""
         metrics: dict[str, float] = {}
-        for receivers in self._receiving:
+        ready = [receivers for issued, receivers in self._receiving if issued <= step]
+        self._receiving = [(issued, r) for issued, r in self._receiving if issued > step]
+        for receivers in ready:
             received = self._wait(receivers)
             lines = (line for r in received for line in r.get(K.META_PARITY, []))
             self._findings += [line for line in dict.fromkeys(lines) if line not in self._findings]
@@ -262,7 +268,6 @@ class AsyncRollout:
             checks = [r["timing_s/parity_weights"] for r in received if "timing_s/parity_weights" in r]
             if checks:
                 metrics["timing_s/parity_weights"] = max(checks)
-        self._receiving = []
         if self.partial:
             self._late_metrics.update(metrics)
         return metrics

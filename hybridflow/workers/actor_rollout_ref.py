@@ -209,6 +209,8 @@ class ActorRolloutRefWorker(Worker):
                 metrics.update(server_metrics)
             else:
                 out = self.rollout.generate_sequences(prompts, params)
+        if partial:  # the pushes this generation took: their findings travel with the rows their weights sampled
+            findings += [line for report in self._inline_pushes.values() for line in report.pop(K.META_PARITY, [])]
         GENERATED(out=out, step=step)
         metrics["timing_s/generate_on_worker"] = time.perf_counter() - start
         out.meta_info[K.META_METRICS] = {**out.meta_info.get(K.META_METRICS, {}), **metrics}  # + agent/* times
@@ -247,7 +249,7 @@ class ActorRolloutRefWorker(Worker):
 
     def _take_push(self) -> bool:
         """Receive and load the weights of a push announced since the last one taken (partial rollout); its report
-        waits for the transfer_weights call of that push."""
+        waits for the transfer_weights call of that push, its findings go out with this generation's rows."""
         step = self._bridge.announced()
         taken = step is not None and step > self._pushed_version
         if taken:
