@@ -23,7 +23,7 @@ from hybridflow.rollout import RolloutConfig, build_rollout
 from hybridflow.rollout.base import load_state_dict_into
 from hybridflow.rollout.bridge import WeightBridge, announced, open_store, store_client
 from hybridflow.rollout.config import SamplingParams
-from hybridflow.rollout.partial import PushWatch, fill_versions, resumable, versioned
+from hybridflow.rollout.partial import PushWatch, fill_versions, generate_turnwise, resumable, versioned
 from hybridflow.utils.config_loader import load_config
 from tests.test_agent_rollout import runs, stopping_model
 
@@ -124,6 +124,59 @@ def test_an_update_landing_mid_turn_keeps_ids_versions_and_log_probs_exact(tmp_p
     )
 
 
+def test_single_turn_rows_take_an_update_mid_generation_in_the_rollout_layout(tmp_path: Path):
+    """generate_turnwise + resumable: the update lands after each row's first token; the rows keep the standard
+    layout, trained ids are the sampled ids, versions 0 then 1, log-probs their own version's."""
+    from tests.rollout_helpers import prompt_batch
+
+    model_path, _ = stopping_model(tmp_path)
+    tok = load_tokenizer(model_path)
+    cfg = RolloutConfig(dtype="fp32", prompt_length=64, response_length=12, calculate_log_probs=True)
+    rollout = build_rollout(cfg, model_path, tok)
+    before = {k: v.detach().clone() for k, v in rollout.held_weights().items()}
+    gen = torch.Generator().manual_seed(2)
+    after = {k: v + 0.5 * torch.randn(v.shape, generator=gen) * v.std() for k, v in before.items()}
+    version = [0]
+
+    def take_push() -> bool:
+        taken = version[0] == 0 and rollout.interrupted.is_set()
+        if taken:
+            rollout.load_weights(after)
+            version[0] = 1
+        rollout.interrupted.clear()
+        return taken
+
+    def wrap(inner):
+        def landing(batch, budgets):
+            if version[0] == 0:
+                rollout.interrupted.set()  # the update lands as the generation starts
+            return inner(batch, budgets)
+
+        return resumable(landing, rollout.eos_ids, rollout.interrupted, take_push, lambda: version[0])
+
+    prompts = prompt_batch(tok)
+    out = generate_turnwise(rollout, prompts, SamplingParams(n=2), wrap)
+    b = out.batch
+    assert len(out) == 2 * len(prompts) and b[K.RESPONSES].shape[1] == 12
+    assert list(out.non_tensor_batch["uid"]) == [u for u in prompts.non_tensor_batch["uid"] for _ in range(2)]
+    assert mismatched_rows(b[K.SAMPLED_IDS_HASH], b[K.RESPONSES], b[K.RESPONSE_MASK]) == []
+    mask = b[K.RESPONSE_MASK].bool()
+    versions = b[K.TOKEN_POLICY_VERSION]
+    assert bool((versions[:, 0] == 0).all()) and bool((versions[:, 1:][mask[:, 1:]] == 1).all())
+    assert bool((versions[~mask] == -1).all()) and int(mask[:, 1:].sum()) > 0
+    scorer = load_causal_lm(model_path).eval()
+    for weights, v in ((before, 0), (after, 1)):
+        load_state_dict_into(scorer, weights)
+        for row in range(len(out)):
+            real = b[K.ATTENTION_MASK][row].bool()
+            ids = b[K.INPUT_IDS][row][real].tolist()
+            start = int(real[: -b[K.RESPONSES].shape[1]].sum())
+            forced = teacher_forced(scorer, ids, start)
+            own = (versions[row] == v)[mask[row]]
+            got = b[K.ROLLOUT_LOG_PROBS][row][mask[row]]
+            torch.testing.assert_close(got[own], forced[own], atol=2e-4, rtol=0)
+
+
 def test_versioned_stamps_each_round_and_fill_versions_completes_a_batch():
     from hybridflow.agent.loop.runner import TurnOutput
 
@@ -175,8 +228,14 @@ def test_the_push_watch_interrupts_once_a_newer_push_is_announced():
     [
         (["trainer.partial_rollout=true"], "set trainer.mode=one_step_off or async"),
         (
-            ["trainer.partial_rollout=true", "trainer.mode=one_step_off", "trainer.placement=split"],
-            "needs rollout.multi_turn.enable=true",
+            [
+                "trainer.partial_rollout=true",
+                "trainer.mode=one_step_off",
+                "trainer.placement=split",
+                "trainer.n_workers_per_node=4",
+                "rollout.tensor_model_parallel_size=2",
+            ],
+            "a tensor-parallel rollout is not interrupted",
         ),
         (
             [

@@ -236,10 +236,10 @@ class RunConfig(Section):
 
     def _check_partial_rollout(self) -> None:
         r = self.rollout
-        if not r.multi_turn.enable:
+        if r.agent.enable:
             raise ValueError(
-                "trainer.partial_rollout=true continues interrupted agent-loop trajectories; it needs "
-                "rollout.multi_turn.enable=true (single-turn and harness generations are not interrupted yet)"
+                "trainer.partial_rollout=true with rollout.agent.function: the harness's requests are not interrupted "
+                "by a weight push yet; drop one of them"
             )
         if r.name not in ("native", "hf"):
             raise ValueError(

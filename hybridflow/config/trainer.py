@@ -290,10 +290,11 @@ class TrainerConfig(JobConfig, ParityFields):
     """Most actor updates a sample's generating weights may lag behind the policy it trains (mode=async; 0 is
     sync's schedule). None: 0 for sync, 1 for one_step_off and async."""
     partial_rollout: bool = False
-    """mode one_step_off / async with rollout.multi_turn (verl: async_training.partial_rollout): a weight update
-    that lands while the rollout workers generate interrupts the generation after its current decode step; the
-    trajectories go on under the new weights, each token recording the version that sampled it
-    (hybridflow/rollout/partial.py). The update's push then waits for one decode step instead of the generation."""
+    """mode one_step_off / async (verl: async_training.partial_rollout; native and hf rollouts, not with
+    rollout.agent): a weight update that lands while the rollout workers generate interrupts the generation after its
+    current decode step; the rows (single-turn, or multi-turn trajectories) go on under the new weights, each token
+    recording the version that sampled it (hybridflow/rollout/partial.py). The update's push then waits for one
+    decode step instead of the generation."""
 
     def __post_init__(self) -> None:
         JobConfig.__post_init__(self)

@@ -37,7 +37,9 @@ ENV_REWARDS = (
 SAMPLED_IDS_HASH = "sampled_ids_hash"  # [B] int64: hybridflow/protocol/token_hash.py's hash of the ids the sampler drew
 # (in order, over the tokens response_mask marks), taken where they were sampled; checked before the update against
 # the response columns of input_ids (what the update reads)
-POLICY_VERSION = "policy_version"  # [B] int64: trainer step whose weights generated the row (0: initial weights; the oldest of its
+POLICY_VERSION = (
+    "policy_version"  # [B] int64: trainer step whose weights generated the row (0: initial weights; the oldest of its
+)
 # tokens' where a partial rollout switched weights mid-row)
 TOKEN_POLICY_VERSION = "token_policy_version"  # [B, R] int64: the policy version (trainer step) whose weights sampled
 # each response token; -1 where response_mask is 0 (observations, padding). A partial rollout (trainer.partial_rollout)

@@ -16,6 +16,11 @@ The continuation re-reads the row's context under the new weights (the KV cache 
 slime's and AReaL's resumed requests re-prefill), and its sampler draws are not those an uninterrupted call would
 have made.
 
+`generate_turnwise(rollout, prompts, sampling, wrap)`: single-turn rows generated through the (wrapped) turn
+generator instead of `generate_sequences`, in the same output layout, so that partial rollout covers them too: each
+prompt's context repeated `sampling.n` times, one turn of up to rollout.response_length tokens each, stopped at the
+rollout's EOS ids. Its prefill runs once per sample rather than once per prompt.
+
 `PushWatch(poll, held, interrupt)`: a thread that, while a generation runs, polls `poll()` (the step of the last
 announced push, rollout/bridge.py `announced`, over a store connection of its own) and sets `interrupt` as long
 as it is newer than `held()`. The generation's thread clears it when it takes the push (or finds none), so a
@@ -24,14 +29,19 @@ spurious set costs one decode step.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from hybridflow.agent.loop.runner import GenerateFn, TurnOutput
 from hybridflow.protocol import DataProto
 from hybridflow.protocol import keys as K
+from hybridflow.protocol.token_hash import hash_list_rows
+from hybridflow.rollout.config import SamplingParams
+from hybridflow.rollout.layout import build_output
 
 POLL_S = 0.01
 """How often a `PushWatch` asks the store for an announced push (a loopback round trip each)."""
@@ -79,6 +89,34 @@ def resumable(
         return [TurnOutput(ids[i], logps[i], versions[i]) for i in range(len(batch))]
 
     return call
+
+
+def generate_turnwise(
+    rollout: Any, prompts: DataProto, sampling: SamplingParams, wrap: Callable[[GenerateFn], GenerateFn]
+) -> DataProto:
+    """`sampling.n` samples per prompt row of an in-process rollout (`ModuleRollout`: config, pad_id, turn
+    generator) through `wrap` of its turn generator, in `build_output`'s layout plus keys.TOKEN_POLICY_VERSION."""
+    ids, mask, pos = (prompts.batch[k] for k in (K.INPUT_IDS, K.ATTENTION_MASK, K.POSITION_IDS))
+    contexts = [row[m.bool()].tolist() for row, m in zip(ids, mask) for _ in range(sampling.n)]
+    width = rollout.config.response_length
+    with rollout.turn_generator(dataclasses.replace(sampling, n=1)) as generate:
+        outs = wrap(generate)(contexts, [width] * len(contexts))
+    rows = len(outs)
+    responses = torch.full((rows, width), rollout.pad_id, dtype=torch.long)
+    response_mask = torch.zeros(rows, width, dtype=torch.long)
+    log_probs = torch.zeros(rows, width)
+    versions = torch.full((rows, width), -1, dtype=torch.long)
+    for i, out in enumerate(outs):
+        n = len(out.token_ids)
+        responses[i, :n] = torch.tensor(out.token_ids, dtype=torch.long)
+        response_mask[i, :n] = 1
+        log_probs[i, :n] = torch.tensor(out.log_probs or [0.0] * n)
+        versions[i, :n] = torch.tensor(out.versions or [-1] * n, dtype=torch.long)
+    kept = log_probs if rollout.config.calculate_log_probs else None
+    sampled = hash_list_rows([out.token_ids for out in outs])
+    result = build_output(prompts, ids, mask, pos, responses, response_mask, sampling.n, kept, sampled)
+    result.batch[K.TOKEN_POLICY_VERSION] = versions
+    return result
 
 
 def fill_versions(batch: DataProto, version: int) -> None:

@@ -56,7 +56,7 @@ from hybridflow.rollout import build_rollout
 from hybridflow.rollout.bridge import WeightBridge, announced, manifest_of, open_store, store_client
 from hybridflow.rollout.config import RolloutConfig, SamplingParams
 from hybridflow.rollout.multi_turn import generate_multi_turn
-from hybridflow.rollout.partial import PushWatch, fill_versions, resumable, versioned
+from hybridflow.rollout.partial import PushWatch, fill_versions, generate_turnwise, resumable, versioned
 from hybridflow.rollout.sync import BEFORE_LOAD, LOADED, SKIP_LOAD, share_engine_weights, sync_weights
 from hybridflow.utils.device import device_kind
 from hybridflow.utils.hooks import HookPoint
@@ -180,14 +180,16 @@ class ActorRolloutRefWorker(Worker):
         `step`: the training step; the sampler reseeds from it first (None: no reseed, the sampler goes on
         from its state, as validation does). `sampling`: this call's params; None: the configured ones,
         rollout.val_kwargs when `validate`, else the training ones (giving both is refused). `partial`
-        (trainer.partial_rollout, a rollout-only worker's multi-turn training call): weight pushes announced during
-        the generation are taken in its middle, the trajectories going on under the new weights
-        (hybridflow/rollout/partial.py). Multi-turn and harness rows carry each model token's policy version
-        (keys.TOKEN_POLICY_VERSION): the step of the weights that sampled it.
+        (trainer.partial_rollout, a rollout-only worker's training call, with `step`): weight pushes announced during
+        the generation are taken in its middle, the rows going on under the new weights (hybridflow/rollout/partial.py;
+        single-turn rows are then generated turn-wise). Multi-turn, harness and partial rows carry each model token's
+        policy version (keys.TOKEN_POLICY_VERSION): the step of the weights that sampled it.
         """
 
         if sampling is not None and validate:
             raise ValueError("generate_sequences: pass sampling or validate=True, not both")
+        if partial and step is None:
+            raise ValueError("generate_sequences: partial=True is for training calls, which pass their step")
         metrics: dict[str, float] = {}
         findings = self._sync_rollout(step, metrics) if self._rollout_stale and self.actor is not None else []
         # the guard reads training batches only: a sync's findings wait for the next one (validation may sync first)
@@ -202,6 +204,9 @@ class ActorRolloutRefWorker(Worker):
                 wrap = self._turn_wrap(step, partial) if step is not None else None
                 with self._push_watch() if partial else contextlib.nullcontext():
                     out = generate_multi_turn(self.rollout, prompts, params, self.rollout_cfg, wrap)
+            elif partial:  # single-turn rows through the turn generator, so that they can take a push mid-way
+                with self._push_watch():
+                    out = generate_turnwise(self.rollout, prompts, params, self._turn_wrap(step, partial))
             elif self.rollout_cfg.agent.enable:  # one harness call per sample (endpoint/harness.py)
                 out, server_metrics = self._harness_runner().generate(prompts, params)
                 if step is not None:
