@@ -18,14 +18,14 @@ With s = 0 this issues exactly sync's calls in sync's order (same rollouts, same
 with s = 1 (one_step_off) the generation of batch k + 1 runs while batch k trains.
 
 Every model token records the version that sampled it (keys.TOKEN_POLICY_VERSION: the rollout workers stamp
-multi-turn and harness rows token by token, a single-turn row gets its generation's version), every row the oldest
-of its tokens' (keys.POLICY_VERSION); the staleness metrics are computed per token, and a token above the cap stops
-the run.
+multi-turn, harness and partial rows token by token, any other row gets its generation's version here), every row
+the oldest of its tokens' (keys.POLICY_VERSION); the staleness metrics are computed per token, and a token above the
+cap stops the run.
 
-Partial rollout (`partial`, trainer.partial_rollout; multi-turn rows): the generations are issued with
-partial=True, and the actor announces each push in the bridge's store before gathering its weights; a rollout
-worker in the middle of a generation ends its decoding after the current step, receives the weights, and its
-trajectories go on under them (hybridflow/rollout/partial.py), so the push waits for one decode step instead of
+Partial rollout (`partial`, trainer.partial_rollout): the generations are issued with partial=True, and the actor
+announces each push in the bridge's store before gathering its weights; a rollout worker in the middle of a
+generation ends its decoding after the current step, receives the weights, and its rows (single-turn, or
+trajectories) go on under them (hybridflow/rollout/partial.py), so the push waits for one decode step instead of
 the whole generation, and the rows of batch k + 1 hold tokens of versions k - 1 and k. The weight check's findings
 of a push taken that way come back with the generation that took it. The push's call on the rollout workers returns
 once they reach it in their queue (after the generations issued before it, up to step k + s): it is waited for by
