@@ -41,6 +41,7 @@ def _untimed(record: dict) -> dict:
         "async/",
         "weight_transfer/",
         "parity/logprob_stale_rows",
+        "parity/logprob_stale_tokens",
         "_time",
         "time",
     )
