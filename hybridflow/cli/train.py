@@ -77,7 +77,18 @@ def prepare_inputs(cfg: RunConfig) -> RunInputs:
     turns = cfg.rollout.multi_turn
     if not cfg.reward.custom_reward_function.path and (not turns.enable or turns.env == "tool"):
         check_data_sources(train_loader.dataset, val_loader.dataset)
+    if cfg.judge.enable:
+        check_judge_prompts(cfg)
     return RunInputs(tokenizer, train_loader, val_loader, make_reward_fn(cfg, tokenizer))
+
+
+def check_judge_prompts(cfg: RunConfig) -> None:
+    """Refuse a judge whose prompts can outgrow judge.rollout.prompt_length or its model's context (one line)."""
+    from hybridflow.workers.judge import judge_context  # noqa: PLC0415  (lazy: torch and the rollout)
+
+    judge_path = resolve_model_path(cfg.judge.model.path)
+    judge_tokenizer = load_tokenizer(cfg.judge.model.tokenizer_path or judge_path)
+    judge_context(cfg.judge, judge_tokenizer, cfg.data.max_prompt_length, cfg.data.max_response_length)
 
 
 def load_run(config_path: str | None, overrides: Sequence[str]) -> tuple[ResolvedRun, RunInputs]:

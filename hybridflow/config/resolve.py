@@ -74,7 +74,7 @@ class WorkerSet:
     world_size: int
     """Processes (ranks) in the set; every role of the set runs SPMD on all of them."""
     roles: tuple[str, ...]
-    """Roles hosted in every process: actor, rollout, ref, critic, reward_model, teacher."""
+    """Roles hosted in every process: actor, rollout, ref, critic, reward_model, teacher, judge."""
 
 
 @dataclass(frozen=True)
@@ -171,6 +171,9 @@ def resolve(cfg: RunConfig, steps_per_epoch: int, measured: Measurements) -> Res
         ref=replace(cfg.ref, param_dtype=measured.dtype(cfg.ref.param_dtype, threads)),
         reward_model=replace(cfg.reward_model, param_dtype=measured.dtype(cfg.reward_model.param_dtype, threads)),
         distillation=_resolve_teacher_dtype(cfg, measured, threads),
+        judge=replace(
+            cfg.judge, rollout=replace(cfg.judge.rollout, dtype=measured.dtype(cfg.judge.rollout.dtype, threads))
+        ),
     )
     actor_dp = cfg.actor.engine.dp_size(sets[0].world_size)
     old = old_log_prob_mode(resolved, actor_dp)
@@ -197,6 +200,7 @@ def worker_sets(cfg: RunConfig) -> tuple[WorkerSet, ...]:
     trainer.mode: the rollout alone on the second half, every other role on the first."""
     roles = ["actor", "rollout"] + ["ref"] * cfg.use_ref + ["critic"] * cfg.use_critic
     roles += ["reward_model"] * cfg.reward_model.enable + ["teacher"] * cfg.distillation.enabled
+    roles += ["judge"] * cfg.judge.enable
     world = cfg.world_size
     if cfg.trainer.placement == "colocate":
         return (WorkerSet(0, world, tuple(roles)),)

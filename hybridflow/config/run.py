@@ -31,6 +31,7 @@ from hybridflow.workers.config import (
     RewardModelConfig,
 )
 from hybridflow.workers.engines import check_engine_backend
+from hybridflow.workers.judge_config import JudgeConfig
 
 log = logging.getLogger("hybridflow.config")
 
@@ -92,6 +93,8 @@ class RunConfig(Section):
     """Rule / custom reward functions."""
     distillation: DistillationConfig = field(default_factory=DistillationConfig)
     """On-policy distillation from a teacher's per-token log-probs (off by default)."""
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    """An optional judge model (generative reward model) whose parsed verdict is the reward (off by default)."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     """Advantage estimator, discounting, KL in reward."""
     trainer: TrainerConfig = field(default_factory=_default_trainer)
@@ -129,6 +132,8 @@ class RunConfig(Section):
         self._check_reward_tokenizer()
         self._check_lora()  # before the backend checks: LoRA with vllm is refused whether vllm is installed or not
         self._check_backends()
+        if self.judge.enable:
+            self._check_judge()
 
     def _check_batch_sizes(self) -> None:
         d, a, n, w = self.data, self.actor, self.rollout.n, self.world_size
@@ -227,10 +232,10 @@ class RunConfig(Section):
         if (
             t.placement == "split"
             and t.mode == "sync"
-            and not (self.use_critic or self.use_ref or self.distillation.enabled)
+            and not (self.use_critic or self.use_ref or self.distillation.enabled or self.judge.enable)
         ):
             raise ValueError(
-                "trainer.placement=split puts the critic/ref/teacher on their own workers, but this run has "
+                "trainer.placement=split puts the critic/ref/teacher/judge on their own workers, but this run has "
                 "none of them; use trainer.placement=colocate"
             )
 
@@ -274,6 +279,31 @@ class RunConfig(Section):
             check_engine_backend("reward_model", self.reward_model.engine_config())
         if self.distillation.enabled:
             check_engine_backend("distillation.teacher", self.distillation.teacher.engine_config())
+
+    def _check_judge(self) -> None:
+        """What the judge needs of the rest of the run (its own keys are checked by JudgeConfig)."""
+        from hybridflow.rewards.judge import JUDGE_PARSERS, JUDGE_TEMPLATES  # noqa: PLC0415  (after trainer.plugins)
+
+        JUDGE_TEMPLATES.get(self.judge.template)  # unknown names (or unloadable paths) fail naming the key
+        JUDGE_PARSERS.get(self.judge.parser)
+        check_backend(self.judge.rollout).check_installed(self.judge.rollout.name, self.trainer.device)
+        turns = self.rollout.multi_turn.enable or self.rollout.agent.enable
+        if turns:
+            raise ValueError(
+                "judge.enable=true with rollout.multi_turn / rollout.agent is not supported yet: the judge reads one "
+                "question and one response per row; score multi-turn runs with the environment's rewards"
+            )
+        if self.estimator.baseline is not None:
+            raise ValueError(
+                f"judge.enable=true with algorithm.adv_estimator={self.algorithm.adv_estimator}, whose baseline is "
+                "scored by the rule reward, not the judge, is not supported; pick grpo, rloo, gae, ..."
+            )
+        timeout, call = self.judge.timeout_s, self.trainer.call_timeout_s
+        if call is not None and (timeout is None or timeout >= call):
+            raise ValueError(
+                f"judge.timeout_s={timeout} must be below trainer.call_timeout_s={call}: the call timeout kills the "
+                "worker (and the policy colocated with the judge), the judge's own timeout only scores its rows"
+            )
 
     def _check_lora(self) -> None:
         lora = self.actor.lora

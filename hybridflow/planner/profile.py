@@ -28,6 +28,7 @@ OPERATORS: tuple[tuple[str, str, str, str], ...] = (
     ("actor_rollout", "generate", "timing_s/gen", "response"),
     ("actor_rollout", "generate (on worker)", "timing_s/generate_on_worker", "response"),
     ("reward", "reward", "timing_s/reward", "all"),
+    ("judge", "judge verdicts (within reward)", "timing_s/judge", "all"),
     ("actor_rollout+ref+critic", "old log-probs, ref log-probs, values", "timing_s/old_log_prob_ref_values", "all"),
     ("controller", "advantages", "timing_s/adv", ""),
     ("actor_rollout+critic", "update (actor and critic)", "timing_s/update", "all"),

@@ -22,6 +22,7 @@ from hybridflow.train import core_steps as S
 from hybridflow.train.async_pipeline import AsyncRollout, RolloutSource, SyncRollout, endless
 from hybridflow.train.balance import balance_batch
 from hybridflow.train.checkpointing import TrainerCheckpointer
+from hybridflow.train.judge_step import judge_rewards
 from hybridflow.train.metrics import data_metrics, throughput_metrics, worker_metrics
 from hybridflow.train.recovery import Recovery
 from hybridflow.train.roles import Roles
@@ -68,6 +69,7 @@ class PPOTrainer:
         self.run, self.cfg, self.roles = run, run.config, roles
         self.train_loader, self.val_loader = inputs.train_loader, inputs.val_loader
         self.reward_fn = inputs.reward_fn
+        self.tokenizer = inputs.tokenizer
         self.tracker = tracker
         self.kl_ctrl = S.make_kl_controller(self.cfg.algorithm)
         self.guard = ParityGuard.from_config(self.cfg)
@@ -126,11 +128,14 @@ class PPOTrainer:
                 batch = _take_metrics(self.rollout.batch(self.global_step), worker_out)
             #    ... and spread over the actor workers so that each gets about the same number of tokens
             balance = balance_batch(batch, self.actor_dp) if cfg.trainer.balance_batch else {}
-            # 2. score them: rule / custom reward (+ reward model) at the last response token
+            # 2. score them: rule / custom reward (+ reward model, + judge) at the last response token
             with timer("reward", timing):
                 if roles.reward_model is not None:
                     batch.union(roles.reward_model.compute_rm_score(batch))
                 reward = self.reward_fn(batch)
+                if roles.judge is not None:  # one call over every row (train/judge_step.py)
+                    with timer("judge", timing):
+                        reward, _, _ = judge_rewards(roles.judge, batch, self.tokenizer, reward, cfg.judge)
                 batch.batch[K.TOKEN_LEVEL_SCORES] = reward.token_level_scores
                 if S.has_baseline(cfg.algorithm):  # e.g. ReMax: the greedy response's reward (its spec's baseline)
                     prompts = self.rollout.prompts_of(batch)

@@ -30,6 +30,7 @@ from hybridflow.controller.resource_pool import ClassWithInitArgs
 from hybridflow.controller.worker_group import Timeouts, WorkerGroup
 from hybridflow.utils.quiet import worker_env
 from hybridflow.workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker, TeacherWorker
+from hybridflow.workers.judge import JudgeWorker
 
 
 class Role(Enum):
@@ -63,10 +64,20 @@ class Roles:
     """Frees the placement the groups ran on (Ray placement groups); call after shutting them down."""
     teacher: WorkerGroup | None = None
     """The distillation teacher's log-probs (distillation.enabled)."""
+    judge: WorkerGroup | None = None
+    """The judge model's verdicts (judge.enable)."""
 
     def all(self) -> list[WorkerGroup]:
         """Distinct groups, for init/shutdown."""
-        groups = [self.actor_rollout, self.rollout, self.ref, self.critic, self.reward_model, self.teacher]
+        groups = [
+            self.actor_rollout,
+            self.rollout,
+            self.ref,
+            self.critic,
+            self.reward_model,
+            self.teacher,
+            self.judge,
+        ]
         return list({id(g): g for g in groups if g is not None}.values())
 
 
@@ -77,6 +88,7 @@ _CLASS_OF_ROLE = {
     "critic": "critic",
     "reward_model": "reward_model",
     "teacher": "teacher",
+    "judge": "judge",
 }
 """Which worker class of a set hosts each role."""
 
@@ -103,6 +115,8 @@ def _set_classes(cfg: RunConfig, worker_set: WorkerSet) -> dict[str, ClassWithIn
         classes["reward_model"] = ClassWithInitArgs(RewardModelWorker, cfg.reward_model, plugins=cfg.trainer.plugins)
     if "teacher" in worker_set.roles:
         classes["teacher"] = ClassWithInitArgs(TeacherWorker, cfg.distillation.teacher, plugins=cfg.trainer.plugins)
+    if "judge" in worker_set.roles:
+        classes["judge"] = ClassWithInitArgs(JudgeWorker, cfg.judge, plugins=cfg.trainer.plugins)
     return classes
 
 
@@ -129,6 +143,7 @@ def build_roles(run: ResolvedRun) -> Roles:
         groups["rollout"],
         release,
         teacher=groups.get("teacher"),
+        judge=groups.get("judge"),
     )
 
 
