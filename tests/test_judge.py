@@ -239,3 +239,38 @@ def test_a_ray_run_rewards_the_judge_alone(tiny, tmp_path: Path):
         assert 0 < row["timing_s/judge"] <= row["timing_s/reward"]
     profile = json.loads((tmp_path / "logs" / "profile.json").read_text())
     assert any(op["metric"] == "timing_s/judge" for op in profile), profile
+
+
+def test_verls_generative_reward_model_keys_are_the_judge(tiny):
+    """verl's GenRM (reward_model.enable + model.path + rollout.*) is the judge; without rollout.name, the same
+    keys are the scalar reward model's, and verl's generated defaults for reward_model.rollout.* load unused."""
+    cfg = load_config(
+        RunConfig,
+        None,
+        [
+            "reward_model.enable=true",
+            f"reward_model.model.path={tiny}",
+            "reward_model.rollout.name=native",
+            "reward_model.rollout.tensor_model_parallel_size=1",
+            "reward_model.rollout.response_length=16",
+            "reward_model.rollout.dtype=bfloat16",
+            "reward_model.rollout.max_num_seqs=32",
+        ],
+    )
+    j = cfg.judge
+    assert (j.enable, j.model.path, j.rollout.name, j.rollout.response_length) == (True, tiny, "native", 16)
+    assert (j.rollout.dtype, j.rollout.max_batch_size, cfg.reward_model.enable) == ("bf16", 32, False)
+    unused = load_config(
+        RunConfig, None, ["reward_model.rollout.name=???", "reward_model.rollout.tensor_model_parallel_size=2"]
+    )
+    assert not unused.judge.enable and unused.judge.rollout.tensor_model_parallel_size == 2
+    with pytest.raises(ConfigError, match="judge.rollout.tensor_model_parallel_size=2"):
+        load_config(
+            RunConfig,
+            None,
+            [
+                "reward_model.enable=true",
+                "reward_model.rollout.name=native",
+                "reward_model.rollout.tensor_model_parallel_size=2",  # verl's default for its reward model
+            ],
+        )

@@ -56,6 +56,10 @@ class JudgeConfig(Section):
             raise ValueError(f"judge.combine must be one of {list(JUDGE_COMBINE)}, got {self.combine!r}")
         if self.timeout_s is not None and self.timeout_s <= 0:
             raise ValueError(f"judge.timeout_s must be > 0 or null (no limit), got {self.timeout_s}")
+        if self.enable:  # verl's generated config sets reward_model.rollout.* (judge.rollout here) for no judge
+            self._check_rollout()
+
+    def _check_rollout(self) -> None:
         r = self.rollout
         if r.n != 1:
             raise ValueError(f"judge.rollout.n must be 1 (one verdict per response), got {r.n}")

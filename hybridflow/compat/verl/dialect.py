@@ -5,6 +5,8 @@ is built:
 
 - a key in `verl_keys.NULL_IS_UNSET` set to null is dropped (verl's "not set": hybridflow's default holds);
 - a key in `verl_keys.RENAMED` becomes hybridflow's key (its value translated where `verl_keys.VALUES` says);
+  in a layer that names the reward model's inference engine (`reward_model.rollout.name`), the keys of
+  `verl_keys.GENERATIVE_RM` become the judge's (verl's generative reward model is hybridflow's judge);
 - a key in `verl_keys.SETS` sets the hybridflow keys its value names (another value is a problem line);
 - a key in `verl_keys.NO_EFFECT` is dropped; the entry `*._target_` covers every key whose last part is
   `_target_` (Hydra class paths);
@@ -85,8 +87,11 @@ class VerlDialect:
         """`data` (one layer) with verl's names replaced, and one problem line per refused key. The keys accepted
         without effect are logged in one summary (one warning per layer, a line per reason)."""
         out, problems, ignored, names = {}, [], {}, {}
-        for key, value in flatten(data).items():
-            mine = verl_keys.RENAMED.get(key) or verl_keys.RENAMED.get(_any_name(key, names))
+        flat = flatten(data)
+        generative = flat.get("reward_model.rollout.name") not in (None, "???")
+        for key, value in flat.items():
+            mine = verl_keys.GENERATIVE_RM.get(key) if generative else None
+            mine = mine or verl_keys.RENAMED.get(key) or verl_keys.RENAMED.get(_any_name(key, names))
             if value is None and key in verl_keys.NULL_IS_UNSET:
                 continue
             if mine is not None:

@@ -117,6 +117,20 @@ RENAMED: dict[str, str] = {
     "reward_model.micro_batch_size_per_gpu": "reward_model.micro_batch_size_per_device",
     "reward_model.num_workers": "reward.num_workers",
     "reward_model.model.input_tokenizer": "reward_model.input_tokenizer",
+    # a generative reward model served by an inference engine: hybridflow's judge (see GENERATIVE_RM)
+    "reward_model.rollout.name": "judge.rollout.name",
+    "reward_model.rollout.prompt_length": "judge.rollout.prompt_length",
+    "reward_model.rollout.response_length": "judge.rollout.response_length",
+    "reward_model.rollout.dtype": "judge.rollout.dtype",
+    "reward_model.rollout.temperature": "judge.rollout.temperature",
+    "reward_model.rollout.top_p": "judge.rollout.top_p",
+    "reward_model.rollout.top_k": "judge.rollout.top_k",
+    "reward_model.rollout.do_sample": "judge.rollout.do_sample",
+    "reward_model.rollout.tensor_model_parallel_size": "judge.rollout.tensor_model_parallel_size",
+    "reward_model.rollout.gpu_memory_utilization": "judge.rollout.gpu_memory_utilization",
+    "reward_model.rollout.enforce_eager": "judge.rollout.enforce_eager",
+    "reward_model.rollout.free_cache_engine": "judge.rollout.free_cache_engine",
+    "reward_model.rollout.max_num_seqs": "judge.rollout.max_batch_size",
     "custom_reward_function.path": "reward.custom_reward_function.path",
     "custom_reward_function.name": "reward.custom_reward_function.name",
     "algorithm.rollout_correction.rollout_is_threshold": "algorithm.rollout_is_threshold",
@@ -141,6 +155,17 @@ for _verl, _mine in ((f"{A}.actor", "actor"), ("critic.model", "critic")):  # fs
     RENAMED[f"{_verl}.fsdp_config.ulysses_sequence_parallel_size"] = f"{_mine}.engine.ulysses_sequence_parallel_size"
 for _verl, _mine in _internal.FSDP.items():  # verl's mixed-precision compute dtype of a role
     RENAMED[f"{_verl}.dtype"] = f"{_mine}.param_dtype"
+
+GENERATIVE_RM: dict[str, str] = {
+    "reward_model.enable": "judge.enable",
+    "reward_model.model.path": "judge.model.path",
+}
+"""verl keys that mean the judge when the same layer names an inference engine for the reward model
+(`reward_model.rollout.name` set, not verl's `???`): verl's generative reward model is reward_model.enable +
+reward_model.model.path + reward_model.rollout.*, with the prompt template and the verdict parser inside a custom
+reward function that calls verl's `reward_router_address`. hybridflow has no HTTP router for the judge (its worker
+is called once per step with every row) and takes the template and parser as judge.template / judge.parser
+plugins; without reward_model.rollout.name these keys keep their meaning: the scalar reward model."""
 
 NULL_IS_UNSET = frozenset(
     {
@@ -333,6 +358,8 @@ _NO_LIMIT = 1_000_000
 _DTYPES = {"bfloat16": "bf16", "float32": "fp32", "fp32": "fp32", "bf16": "bf16"}
 VALUES: dict[str, dict[Any, Any]] = {
     "rollout.dtype": _DTYPES,
+    "judge.rollout.dtype": _DTYPES,
+    "judge.rollout.name": {"???": "native"},  # verl's unset engine of its (disabled) reward model
     **{f"{mine}.param_dtype": _DTYPES for mine in _internal.FSDP.values()},
     "actor.optim.total_training_steps": {-1: None},  # verl's -1: the run's length, injected by its trainer
     "critic.optim.total_training_steps": {-1: None},

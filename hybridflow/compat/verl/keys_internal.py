@@ -99,10 +99,8 @@ NO_EFFECT: dict[str, str] = {
     "reward_model.nnodes": _SETTING_OF.format(
         "a resource pool of the reward model's own", "reward_model.enable_resource_pool"
     ),
-    "reward_model.rollout.*": _SETTING_OF.format(
-        "serving the reward model from an inference engine (e.g. a generative reward model)",
-        "reward_model.rollout.name",
-    ),
+    "reward_model.rollout.*": "a vLLM / SGLang engine knob of verl's reward-model server with no counterpart in "
+    "hybridflow's judge rollout (judge.rollout.*: its name, lengths, dtype, sampling, max_num_seqs are mapped)",
     "reward_model.sandbox_fusion.*": _SETTING_OF.format(
         "sandbox-fusion code execution rewards", "reward_model.sandbox_fusion.url"
     ),
@@ -163,8 +161,6 @@ NOT_YET: dict[str, str] = {
     "reward_manager.source": "reward managers from a module",
     "reward_manager.module.path": "reward managers from a module",
     "reward_model.enable_resource_pool": "resource pool of the reward model's own",
-    "reward_model.rollout.name": "serving the reward model from an inference engine (e.g. a generative reward "
-    "model); `???` is verl's unset value",
     "reward_model.max_length": "truncating the reward model's inputs",
     "reward_model.use_dynamic_bsz": "token-budget micro-batches for the reward model",
     "reward_model.reward_loop_source": "custom reward-loop classes",
@@ -192,7 +188,6 @@ ACCEPTED: dict[str, tuple[Any, ...]] = {
     "reward_manager.name": ("naive",),
     "reward_manager.source": ("register",),
     "reward_model.reward_loop_source": ("register",),
-    "reward_model.rollout.name": ("???",),
     "critic.data_loader_seed": (42,),  # verl's default: seeds only a shuffle, which hybridflow's critic does not do
     "critic.checkpoint.save_contents": (["model", "optimizer", "extra"],),
     "critic.checkpoint.load_contents": (["model", "optimizer", "extra"],),
