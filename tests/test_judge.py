@@ -18,6 +18,7 @@ import torch
 from test_trainer_cli import base_overrides, read_metrics, run_cli
 from transformers import AutoModelForCausalLM
 
+from hybridflow.cli.train import check_judge_prompts
 from hybridflow.config.run import RunConfig
 from hybridflow.controller.local import LocalResourcePool, LocalWorkerGroup
 from hybridflow.controller.resource_pool import ClassWithInitArgs
@@ -209,6 +210,11 @@ def test_judge_config_errors(tiny, tmp_path):
     long = JudgeConfig(enable=True, model=ModelConfig(path=tiny), rollout=RolloutConfig(prompt_length=2040))
     with pytest.raises(ValueError, match=r"more than the judge model's context \(2048 tokens"):
         judge_context(long, tokenizer, 128, 32)
+    run = load_config(  # the check `hybridflow train` runs on its inputs, before any worker starts
+        RunConfig, None, ["judge.enable=true", f"judge.model.path={tiny}", "judge.rollout.prompt_length=100"]
+    )
+    with pytest.raises(ValueError, match=r"more than judge.rollout.prompt_length=100; raise"):
+        check_judge_prompts(run)
 
 
 @pytest.mark.slow
