@@ -105,6 +105,21 @@ def _sets() -> str:
     return "\n".join(lines) + "\n"
 
 
+def _generative() -> str:
+    lines = [
+        "\n## The generative reward model (a layer that sets `reward_model.rollout.name`)\n",
+        "verl's generative reward model is hybridflow's judge (docs/guides/judge.md): in a layer that names the reward "
+        "model's inference engine, these keys are the judge's; elsewhere they are the scalar reward model's. verl's "
+        "`reward_router_address` (an HTTP router its custom reward function calls) has no counterpart: the judge is "
+        "called in-process, once per step with every row, and its prompt template and verdict parser are "
+        "`judge.template` / `judge.parser`.\n",
+        "| verl key | hybridflow key |",
+        "|---|---|",
+    ]
+    lines += [f"| `{k}` | `{v}` |" for k, v in verl_keys.GENERATIVE_RM.items()]
+    return "\n".join(lines) + "\n"
+
+
 def _with_accepted(rows: dict[str, str]) -> dict[str, str]:
     """NOT_YET's rows, each with the values of `verl_keys.ACCEPTED` it takes."""
     out = {}
@@ -128,6 +143,7 @@ def render() -> str:
         + DEPARTURES
         + _table(f"Renamed ({len(verl_keys.RENAMED)} keys)", "hybridflow key", verl_keys.RENAMED)
         + _sets()
+        + _generative()
         + _table(
             f"No effect here, accepted with a warning ({len(verl_keys.NO_EFFECT)} keys)", "why", verl_keys.NO_EFFECT
         )
