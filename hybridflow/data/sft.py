@@ -46,6 +46,7 @@ def _tool_arithmetic_transcript(row: dict[str, Any]) -> list[dict[str, str]]:
 
 SFT_TRANSCRIPTS: dict[str, Callable[[dict[str, Any]], list[dict[str, str]]]] = {
     "tool_arithmetic": _tool_arithmetic_transcript,
+    "tool_sum_products": _tool_arithmetic_transcript,  # one call on the whole expression
 }
 """Multi-turn tasks with a known ideal episode: verl-format row -> its chat messages."""
 

@@ -75,3 +75,29 @@ def transcript(row: dict[str, Any]) -> list[dict[str, str]]:
         {"role": "tool", "content": result},
         {"role": "assistant", "content": result},
     ]
+
+
+@dataclass
+class ToolSumProductsDifficulty(ToolArithmeticDifficulty):
+    """Difficulty knobs of the sum-of-products task: the factors' digits, and how many products are summed."""
+
+    terms: int = 2
+    """Products in the sum (2: `a * b + c * d`)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 2 <= self.terms <= 6:
+            raise ValueError(f"need 2 <= terms <= 6, got {self.terms}")
+
+
+@register_task("tool_sum_products", ToolSumProductsDifficulty)
+def make_tool_sum_products(rng: np.random.Generator, level: ToolSumProductsDifficulty) -> Problem:
+    """One sum-of-products question (`a * b + c * d`); the ground truth is its value; the row offers the calculator.
+
+    A product's transcript (`transcript`) teaches one call on one product; this task needs the whole
+    expression in the call, or calls composed, so a warm-up on products alone leaves it part-learned.
+    """
+    pairs = [(_factor(rng, level), _factor(rng, level)) for _ in range(level.terms)]
+    expression = " + ".join(f"{a} * {b}" for a, b in pairs)
+    value = sum(a * b for a, b in pairs)
+    return Problem(f"What is {expression}? {INSTRUCTION}", str(value), {"expression": expression, "tools": TOOL_NAMES})

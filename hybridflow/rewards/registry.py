@@ -27,6 +27,7 @@ SCORERS: Registry[Scorer] = Registry(
 """data_source -> scorer(solution_str, ground_truth) -> float."""
 SCORERS.register("arithmetic", arithmetic.compute_score)
 SCORERS.register("tool_arithmetic", arithmetic.compute_score)  # data/tool_arithmetic.py: products, with a calculator
+SCORERS.register("tool_sum_products", arithmetic.compute_score)  # data/tool_arithmetic.py: a * b + c * d, calculator
 SCORERS.register("gsm8k", gsm8k.compute_score)
 SCORERS.register("openai/gsm8k", gsm8k.compute_score)
 SCORERS.register("countdown", countdown.compute_score)
