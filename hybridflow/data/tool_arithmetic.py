@@ -7,6 +7,10 @@ question asks for `a * b` with `min_digits`..`max_digits`-digit operands (defaul
 products SmolLM2-135M-Instruct cannot do in its head); the answer is scored like arithmetic
 (the last number, or the number after `####`), under data_source `tool_arithmetic`.
 
+`tool_sum_products` rows ask for a sum of products (`a * b + c * d`; `terms` products) the same way: one
+calculator call on the whole expression solves one, as do calls composed (each product, then the sum), while
+a call on one product answered with its result (what a warm-up on `tool_arithmetic` alone teaches) scores 0.
+
 `transcript(row)` is the ideal multi-turn episode for an SFT warm-up: the tool system prompt,
 the question, an assistant turn calling the calculator, the tool's result, and the answer.
 The system prompt is written out (`tools_system_prompt`), so templates that
