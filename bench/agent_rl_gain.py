@@ -10,7 +10,8 @@ rows then rewards the trajectories that do. Every stage is a `hybridflow` comman
 3. `hybridflow sft` on the product transcripts (the warm-up), then `hybridflow export`;
 4. GRPO with tools (`rollout.multi_turn.enable=true`) from the warm-up model on the sum-of-products rows: its
    validation before the first step is the warm-up model, the last one the trained model.
-Printed: held-out accuracy and tool-call rate (greedy, the run's validation) of base, warm-up and GRPO, the
+Every stage runs 1 Ray worker (--workers) and GRPO checkpoints every step: on a shared host a worker killed for
+memory then costs one step, not the run. Printed: held-out accuracy and tool-call rate (greedy, the run's validation) of base, warm-up and GRPO, the
 gain of GRPO over the warm-up in points, the training reward (T=1 samples) of every GRPO step, and the wall
 clock of every stage. Each stage's console log and metrics stay under --out.
 

@@ -273,7 +273,8 @@ def test_recipe_print_config_for_real(recipe: Path, user_dir: Path, capsys):
     from hybridflow.cli.main import main
 
     command = recipe.stem if recipe.stem in ("sft", "dpo") else "train"
-    extra = ["model.path=default"] if recipe.stem == "rl_after_sft" else []  # sft_model/ is what the SFT run writes
+    from_sft = ("rl_after_sft", "tool_sum_products")
+    extra = ["model.path=default"] if recipe.stem in from_sft else []  # sft_model/ is what the SFT run writes
     extra += ["distillation.teacher.path=default"] if recipe.stem == "distill" else []  # main_policy/: an export
     if _needs_vllm(["--config", str(recipe)]) and not VLLM:
         pytest.skip("vllm is not installed here (the -m vllm suite runs in .venv-vllm)")
