@@ -114,17 +114,39 @@ def generated(request, tmp_path_factory):
     model, stops = stopping_model(tmp_path_factory.mktemp("agent_rollout"))
     group = worker(model, name=request.param)
     rollout, sampled = group._worker.rollout, []
-    plain = rollout.generate_sequences
+    if request.param == "native":  # the turn engine: turns recorded by trajectory as they end
+        sampled = {}
+        make_engine = rollout.turn_engine
 
-    def recording(batch, sampling=None):
-        out = plain(batch, sampling)
-        sampled.append([r[: int(m.sum())].tolist() for r, m in zip(out.batch[K.RESPONSES], out.batch[K.RESPONSE_MASK])])
-        return out
+        def recording_engine(sampling, reuse_kv=True):
+            engine = make_engine(sampling, reuse_kv)
+            advance = engine.advance
 
-    rollout.generate_sequences = recording
+            def recording():
+                turns = advance()
+                for key, turn in turns:
+                    sampled.setdefault(key, []).append(list(turn.token_ids))
+                return turns
+
+            engine.advance = recording
+            return engine
+
+        rollout.turn_engine = recording_engine
+    else:
+        plain = rollout.generate_sequences
+
+        def recording(batch, sampling=None):
+            out = plain(batch, sampling)
+            sampled.append(
+                [r[: int(m.sum())].tolist() for r, m in zip(out.batch[K.RESPONSES], out.batch[K.RESPONSE_MASK])]
+            )
+            return out
+
+        rollout.generate_sequences = recording
     tok = load_tokenizer(model)
     out = group.generate_sequences(prompts(tok), step=1)
-    rollout.generate_sequences = plain
+    vars(rollout).pop("generate_sequences", None)
+    vars(rollout).pop("turn_engine", None)
     return group, tok, stops, out, sampled
 
 
@@ -133,10 +155,13 @@ def test_multi_turn_batch_holds_the_sampled_ids_and_masks_the_observations(gener
     assert_the_sampled_turns_are_trained(out, tok, stops, sampled)
 
 
-def assert_the_sampled_turns_are_trained(out: DataProto, tok, stops: list[int], sampled: list[list[list[int]]]):
+def assert_the_sampled_turns_are_trained(
+    out: DataProto, tok, stops: list[int], sampled: list[list[list[int]]] | dict[int, list[list[int]]]
+):
     """`out` (3 prompts x 2 samples of Echo, responses 48 wide) holds, as its trained tokens, exactly the ids the
-    rollout sampled (`sampled`: each generate call's turns, one id list per running row), between Echo's
-    replies as the template renders them (response_mask 0); the rewards sit on model tokens."""
+    rollout sampled (`sampled`: each generate call's turns, one id list per running row; or, from a turn engine,
+    each row's turns in order), between Echo's replies as the template renders them (response_mask 0); the rewards
+    sit on model tokens."""
     b = out.batch
     assert len(out) == 6 and list(out.non_tensor_batch[K.UID]) == ["u0", "u0", "u1", "u1", "u2", "u2"]
     assert b[K.ATTENTION_MASK][:, -48:].sum() > b[K.RESPONSE_MASK].sum()  # observations: real, not trained
@@ -145,6 +170,8 @@ def assert_the_sampled_turns_are_trained(out: DataProto, tok, stops: list[int], 
     # the model turns of row r are, in order, what the rollout sampled for it in the rounds it was running
     pending = {r: [] for r in range(6)}
     running = list(range(6))
+    if isinstance(sampled, dict):
+        pending, sampled = {r: sampled[r] for r in range(6)}, []
     for call in sampled:
         assert len(call) == len(running)
         for row, ids in zip(running, call):

@@ -140,11 +140,13 @@ static void silu_mul(const float* gu, float* act, long B, long I) {
 }
 
 /* h [B][H]: the new tokens' embeddings in, the last layer's residual stream out; x [B][H]: the final norm of it.
- * Caches [layers][B][Hkv][T][D]; key_mask [B][T] (slot `length` already set); cos/sin tables [positions][D];
+ * Caches [layers][S][Hkv][T][D] of S sequences, B of which step here: row b is sequence slots[b] and writes its key
+ * and value at column cols[b] (sequences may be of different lengths, and the others are left as they are);
+ * key_mask [S][T] (column cols[b] of each stepping sequence already set); cos/sin tables [positions][D];
  * pos [B]: each row's rotary position. scratch: B * ((Hq + 2 Hkv) D + Hq D + H + 3 I) floats. */
 void hf_decode_step(const void* const* w, long layers, int kind, float* h, float* x, long B, long H, long Hq,
-                    long Hkv, long D, long I, float* k_cache, float* v_cache, long T, const uint8_t* key_mask,
-                    long length, const float* cos, const float* sin, const long* pos, const float* final_norm,
+                    long Hkv, long D, long I, float* k_cache, float* v_cache, long S, long T, const uint8_t* key_mask,
+                    const long* slots, const long* cols, const float* cos, const float* sin, const long* pos, const float* final_norm,
                     float eps, float scale, float* scratch, int threads) {
     long QKV_N = (Hq + 2 * Hkv) * D, G = Hq / Hkv;
     float *qkv = scratch, *attn = qkv + B * QKV_N, *delta = attn + B * Hq * D, *gu = delta + B * H, *act = gu + B * 2 * I;
@@ -152,7 +154,7 @@ void hf_decode_step(const void* const* w, long layers, int kind, float* h, float
     for (long i = 0; i < layers; ++i) {
         const void* const* lw = w + i * PER_LAYER;
         linear(kind, x, B, lw[QKV], lw[QKV_BIAS], QKV_N, H, qkv, threads);
-        float *kc = k_cache + i * B * Hkv * T * D, *vc = v_cache + i * B * Hkv * T * D;
+        float *kc = k_cache + i * S * Hkv * T * D, *vc = v_cache + i * S * Hkv * T * D;
         _Pragma("omp parallel for collapse(2) schedule(static) num_threads(threads)")
         for (long b = 0; b < B; ++b)
             for (long kv = 0; kv < Hkv; ++kv) {
@@ -161,12 +163,13 @@ void hf_decode_step(const void* const* w, long layers, int kind, float* h, float
                 for (long g = 0; g < G; ++g) rotary(row + (kv * G + g) * D, c, s, D);
                 float* kr = row + (Hq + kv) * D;
                 rotary(kr, c, s, D);
-                float *kslot = kc + (b * Hkv + kv) * T * D, *vslot = vc + (b * Hkv + kv) * T * D;
+                long seq = slots[b], col = cols[b];
+                float *kslot = kc + (seq * Hkv + kv) * T * D, *vslot = vc + (seq * Hkv + kv) * T * D;
                 for (long j = 0; j < D; ++j) {
-                    kslot[length * D + j] = kr[j];
-                    vslot[length * D + j] = row[(Hq + Hkv + kv) * D + j];
+                    kslot[col * D + j] = kr[j];
+                    vslot[col * D + j] = row[(Hq + Hkv + kv) * D + j];
                 }
-                attend(row + kv * G * D, G, kslot, vslot, key_mask + b * T, length + 1, D, scale,
+                attend(row + kv * G * D, G, kslot, vslot, key_mask + seq * T, col + 1, D, scale,
                        attn + b * Hq * D + kv * G * D);
             }
         linear(kind, attn, B, lw[O], lw[O_BIAS], H, Hq * D, delta, threads);

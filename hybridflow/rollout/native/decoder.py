@@ -280,6 +280,48 @@ class StaticLlamaDecoder:
             setattr(self, name, new)
         self.key_mask = self.key_mask[rows]
 
+    # Sequences of their own lengths (the turn engine, rollout/native/turns.py): each of `slots` sequences keeps its
+    # tokens from column 0 on, so a token's column is its rotary position, and grows by its own steps.
+
+    def allocate_slots(self, slots: int, width: int) -> None:
+        """An empty cache of `slots` sequences of up to `width` tokens each; one kept before is copied in (its
+        sequences first, each up to its old width), so it may only grow."""
+        old = (self.k_cache, self.v_cache, self.key_mask) if hasattr(self, "k_cache") else None
+        self._allocate(slots, width, width)
+        if old is not None:
+            s, t = old[2].shape
+            self.k_cache[:, :s, :, :t], self.v_cache[:, :s, :, :t], self.key_mask[:s, :t] = old
+
+    def extend(self, slot: int, ids: Tensor, start: int) -> Tensor:
+        """Run `ids` [s] as sequence `slot`'s tokens from column `start` on, after its first `start` tokens (kept in
+        the cache; later columns are dropped); the last one's logits [1, V]."""
+        s = len(ids)
+        caches = k, v, mask = self.k_cache, self.v_cache, self.key_mask
+        mask[slot] = False
+        mask[slot, : start + s] = True
+        # the torch path on this one sequence: the views write through into the whole cache
+        self.k_cache, self.v_cache, self.key_mask = k[:, slot : slot + 1], v[:, slot : slot + 1], mask[slot : slot + 1]
+        try:
+            return self._forward(ids[None], torch.arange(start, start + s)[None], self._prefill_mask(s, start), start)
+        finally:
+            self.k_cache, self.v_cache, self.key_mask = caches
+
+    def copy_prefix(self, src: int, dsts: list[int], n: int) -> None:
+        """Give the sequences `dsts` the first `n` tokens of sequence `src` (a prefix they share)."""
+        rows = torch.tensor(dsts)
+        self.k_cache[:, rows, :, :n] = self.k_cache[:, src : src + 1, :, :n]
+        self.v_cache[:, rows, :, :n] = self.v_cache[:, src : src + 1, :, :n]
+        self.key_mask[rows] = False
+        self.key_mask[rows, :n] = True
+
+    def step_rows(self, tokens: Tensor, slots: Tensor, cols: Tensor) -> Tensor:
+        """Append `tokens[b]` to sequence `slots[b]` at column (= position) `cols[b]`, every row in one fused decode
+        step (the sequences not in `slots` are left as they are); next-token logits [B, V]. Needs the fused step."""
+        if self.fused is None:
+            raise RuntimeError("step_rows needs the fused decode step (rollout/native/fused_step.py fused_path)")
+        self.key_mask[slots, cols] = True
+        return self._logits(self.fused(self, self._embed(tokens), cols, slots, cols))
+
     def _rope_table(self, max_pos: int) -> None:
         pos = torch.arange(max_pos)[None]
         cos, sin = self.model.model.rotary_emb(self.k_cache[0, :1, 0], pos)

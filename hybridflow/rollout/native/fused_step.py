@@ -71,7 +71,9 @@ def fused_path(model: nn.Module, weight_dtype: torch.dtype | None) -> str | None
 class FusedStep:
     """The decode step of one decoder's weights, laid out in `fused_path`'s panels; call with the new tokens'
     embeddings [B, H] (overwritten with the residual stream) and their rotary positions [B]; returns the final norm
-    of the last layer's output [B, H]."""
+    of the last layer's output [B, H]. By default row b is the cache's sequence b and every row writes at column
+    `dec.length`; `slots` [B] and `cols` [B] name each row's sequence and column instead (the turn engine's rows:
+    rollout/native/turns.py)."""
 
     def __init__(self, dec: StaticDecoder) -> None:
         self.fn = panel.kernel(panel.DECODE_STEP)
@@ -95,12 +97,16 @@ class FusedStep:
             return self.keep[-1].data_ptr()
         return None
 
-    def __call__(self, dec: StaticDecoder, h: Tensor, positions: Tensor) -> Tensor:
+    def __call__(
+        self, dec: StaticDecoder, h: Tensor, positions: Tensor, slots: Tensor | None = None, cols: Tensor | None = None
+    ) -> Tensor:
         b = h.shape[0]
         d, hq, hkv = dec.head_dim, dec.heads, dec.kv_heads
         x = torch.empty_like(h)
         scratch = torch.empty(b * ((hq + 2 * hkv) * d + hq * d + self.hidden + 3 * self.inter))
         pos = positions.to(torch.int64).contiguous()
+        slots = (torch.arange(b) if slots is None else slots).to(torch.int64).contiguous()
+        cols = (torch.full((b,), dec.length) if cols is None else cols).to(torch.int64).contiguous()
         self.fn(
             self.table,
             len(dec.layers),
@@ -115,9 +121,11 @@ class FusedStep:
             self.inter,
             dec.k_cache.data_ptr(),
             dec.v_cache.data_ptr(),
+            dec.k_cache.shape[1],
             dec.k_cache.shape[3],
             dec.key_mask.data_ptr(),
-            dec.length,
+            slots.data_ptr(),
+            cols.data_ptr(),
             dec.cos.data_ptr(),
             dec.sin.data_ptr(),
             pos.data_ptr(),

@@ -101,7 +101,7 @@ def _load(build_flags: list[str] | None = None) -> dict[torch.dtype | str, ctype
     for key, symbol, args in [
         *((dtype, symbol, [p, n, p, p, n, n, p, i]) for dtype, symbol in _SYMBOLS.items()),
         (_REPACK, _REPACK, [p, n, n, n, p, i]),
-        (DECODE_STEP, DECODE_STEP, [p, n, i, p, p, n, n, n, n, n, n, p, p, n, p, n, p, p, p, p, f, f, p, i]),
+        (DECODE_STEP, DECODE_STEP, [p, n, i, p, p, n, n, n, n, n, n, p, p, n, n, p, p, p, p, p, p, p, f, f, p, i]),
         (DOT, DOT, [p, n, p, p, n, n, p, i]),
     ]:
         if not hasattr(lib, symbol):  # DOT: only in AVX512-BF16 builds

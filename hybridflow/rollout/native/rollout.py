@@ -22,6 +22,7 @@ shard of the split weights (rollout/native/sharding.py); the weight sync reshard
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -37,6 +38,7 @@ from hybridflow.rollout.native.decoder import HFDecoder, StaticLlamaDecoder, sup
 from hybridflow.rollout.native.fused_step import fused_path
 from hybridflow.rollout.native.kernels import decoder_kernels
 from hybridflow.rollout.native.sharding import own_part, shard_module_, split_dims
+from hybridflow.rollout.native.turns import NativeTurnEngine
 from hybridflow.rollout.sampling import sample_next
 from hybridflow.utils.memory import release_freed_memory
 
@@ -134,6 +136,24 @@ class NativeRollout(ModuleRollout):
         """The tensors `load_weights` writes, by name (this rank's shards of the split weights, the rest
         whole), for a reshard that writes straight into them."""
         return self.held_weights()
+
+    def turn_generator(self, sampling: SamplingParams) -> contextlib.AbstractContextManager:
+        """See `Rollout.turn_generator`: the turn engine (rollout/native/turns.py: KV cache kept across turns, tools
+        overlapping decoding) where it covers the model, else `ModuleRollout`'s round path."""
+        engine = self.turn_engine(sampling)
+        return super().turn_generator(sampling) if engine is None else contextlib.nullcontext(engine)
+
+    def turn_engine(self, sampling: SamplingParams, reuse_kv: bool = True) -> NativeTurnEngine | None:
+        """A turn engine over a fresh decoder (the weights as they are now), or None where the decoder's decode step
+        is not the fused one (rollout/native/turns.py). `reuse_kv=False`: every turn runs its whole context."""
+        if not self.use_static or self.tp_size > 1:
+            return None
+        dec = self._decoder(self.config.max_batch_size)
+        if dec.fused is None:
+            return None
+        eos = None if self.config.ignore_eos else self.eos_ids
+        cfg = self.config
+        return NativeTurnEngine(dec, sampling, self.generator, eos, cfg.max_batch_size, cfg.response_length, reuse_kv)
 
     def _decoder(self, rows: int = 0) -> StaticLlamaDecoder | HFDecoder:
         """The decoder of one generate call of `rows` rows (prompts x n; 0: unknown)."""
