@@ -110,6 +110,7 @@ class NativeTurnEngine:
         if traj is not None and traj.slot is not None:
             self.free.append(traj.slot)
 
+    @torch.inference_mode()
     def advance(self) -> list[tuple[int, TurnOutput]]:
         """See `TurnEngine.advance`: admit, sample one token per running row, step the rows still running."""
         self._admit()
