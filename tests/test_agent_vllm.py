@@ -42,6 +42,7 @@ def test_vllm_multi_turn_trains_the_sampled_ids_and_masks_the_observations(tmp_p
         multi_turn=MultiTurnConfig(enable=True, env=ENV, max_turn_tokens=10),
     )
     rollout = build_rollout(config, model, tok)
+    assert rollout.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching  # later turns reuse the KV blocks
     assert set(stops) <= set(rollout.eos_ids)  # the generation config's EOS ids end a turn, as for native / hf
     sampled, budgets, plain = [], [], rollout.generate_ids
 

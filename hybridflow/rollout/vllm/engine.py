@@ -53,6 +53,9 @@ def engine_kwargs(model_path: str, config: RolloutConfig, device: str, sleep: bo
         max_num_seqs=config.max_batch_size,
         enforce_eager=config.enforce_eager,
         enable_sleep_mode=sleep,
+        # a multi-turn trajectory's next turn resends its whole conversation: its KV blocks are found, not recomputed
+        # (vllm's default for most models, set so it does not hinge on that; reset after every weight reload)
+        enable_prefix_caching=True,
         # log softmax(logits / temperature) after top-k/top-p: see the vllm_rollout module docstring
         logprobs_mode="processed_logprobs",
         disable_log_stats=True,
