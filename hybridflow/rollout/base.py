@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from hybridflow.agent.loop.runner import GenerateFn, TurnOutput
+from hybridflow.agent.loop.runner import GenerateFn, TurnEngine, TurnOutput
 from hybridflow.engine.parallel.dims import Axis, GenerationDims
 from hybridflow.engine.reshard import GenerationLayout
 from hybridflow.models import load_causal_lm
@@ -108,11 +108,14 @@ class Rollout(ABC):
         the weight check's finding; [] when nothing is."""
         return []
 
-    def turn_generator(self, sampling: SamplingParams) -> contextlib.AbstractContextManager[GenerateFn]:
+    def turn_generator(self, sampling: SamplingParams) -> contextlib.AbstractContextManager[GenerateFn | TurnEngine]:
         """The multi-turn capability (rollout.multi_turn, rollout/multi_turn.py): a context manager giving a
         `GenerateFn` that generates one turn for each of a batch of token-id contexts, each up to its own token
-        budget, stopping at the rollout's EOS ids, with the log-prob of every sampled token (n=1). A backend
-        that implements it runs the agent loop; the in-process backends share `ModuleRollout`'s."""
+        budget, stopping at the rollout's EOS ids, with the log-prob of every sampled token (n=1), run in rounds;
+        or a `TurnEngine` (agent/loop/runner.py), which gets each trajectory's key with its context, so it may keep
+        a trajectory's cache between its turns and decode other trajectories while one's tool runs. A backend
+        that implements it runs the agent loop; hf uses `ModuleRollout`'s, native its turn engine
+        (rollout/native/turns.py) where that covers the model."""
         raise NotImplementedError(
             f"rollout.multi_turn needs a rollout that generates turn by turn: {type(self).__name__} does not "
             "implement Rollout.turn_generator (hybridflow/rollout/base.py says what it returns)"

@@ -7,17 +7,19 @@ when `rollout.multi_turn.enable`:
   `data_source`, `reward_model.ground_truth`, `extra_info`) from the columns RLDataset puts in the batch;
 - one environment per trajectory comes from `ENVIRONMENTS` (a name or a `module:Class` path, loaded in
   this process, so a plugin environment works on Ray workers);
-- `run_agent_loop` generates every running trajectory's next turn in one call of the rollout, through
-  the rollout's own `Rollout.turn_generator` (the interface's multi-turn capability, so a plugin rollout
-  gets the loop by implementing it): native / hf (`ModuleRollout`): one `generate_sequences` call on
-  left-padded ids with the largest turn budget as response length, each row cut at its own; vllm
-  (`VLLMRollout`): `generate_ids`, ids in and out, each request with its own budget, the engine kept awake
-  for the whole loop. All stop at the rollout's EOS ids, keep log-probs, n=1;
+- `run_agent_loop` generates the trajectories' turns through the rollout's own `Rollout.turn_generator` (the
+  interface's multi-turn capability, so a plugin rollout gets the loop by implementing it): native, where its
+  fused decode step covers the model: the turn engine (rollout/native/turns.py: each trajectory's KV cache kept
+  across turns, trajectories joining and leaving one running batch while tools run); hf and native elsewhere
+  (`ModuleRollout`): per round one `generate_sequences` call on left-padded ids with the largest turn budget as
+  response length, each row cut at its own; vllm (`VLLMRollout`): per round `generate_ids`, ids in and out, each
+  request with its own budget, prefix caching on, the engine kept awake for the whole loop. All stop at the
+  rollout's EOS ids, keep log-probs, n=1;
 - the trajectories become the standard generated batch (hybridflow/agent/loop/batch.py) padded to the
   rollout's prompt / response widths, with the environment's per-turn rewards under `env_rewards`
   (the reward step uses them instead of the rule scorer) and `num_turns`, `tool_calls`, `stop_reason`;
 - the loop's phase times (`LoopTimes.metrics()`: `agent/generate_time_s`, `agent/env_time_s`,
-  `agent/loop_time_s`, `agent/rounds`, `agent/env_time_share`) go in `meta_info["metrics"]`.
+  `agent/loop_time_s`, `agent/rounds`, `agent/env_time_share`, `agent/tool_time_s`) go in `meta_info["metrics"]`.
 
 The environment re-renders the prompt from the row's messages (with its tools), so the trajectory's
 prompt ids may differ from (and be longer than) the dataset's; a prompt wider than rollout.prompt_length fails.
