@@ -225,7 +225,9 @@ def test_loop_times_split_generate_from_waiting_on_environments(tok):
     assert times.rounds == 3
     assert 0.06 <= times.generate_s and 0.15 <= times.env_s < 0.45  # the 3 steps of a round overlap
     assert times.generate_s + times.env_s <= times.total_s
+    assert times.tool_s >= times.env_s  # each step's own time, summed: the round's steps ran side by side
     metrics = times.metrics()
+    assert metrics["agent/tool_time_s"] == times.tool_s
     assert metrics["agent/rounds"] == 3.0 and metrics["agent/env_time_s"] == times.env_s
     assert metrics["agent/env_time_share"] == pytest.approx(times.env_s / times.total_s)
     assert LoopTimes().metrics()["agent/env_time_share"] == 0.0

@@ -1,6 +1,6 @@
 """Multi-turn is a capability of the `Rollout` interface: a plugin rollout that is no `ModuleRollout` runs the agent
-loop by implementing `turn_generator`, with trained ids equal to the sampled ones; one that does not fails naming
-its class."""
+loop by implementing `turn_generator` (a round function or a turn engine), with trained ids equal to the sampled ones;
+one that does not fails naming its class."""
 
 from __future__ import annotations
 
@@ -81,3 +81,52 @@ def test_a_rollout_without_turn_generator_fails_naming_its_class():
     tok = load_tokenizer(tiny_model_dir("llama"))
     with pytest.raises(NotImplementedError, match="Unsupported does not implement Rollout.turn_generator"):
         generate_multi_turn(Unsupported(tok), prompts(tok), SamplingParams(n=2), config())
+
+
+class EngineRollout(Scripted):
+    """Gives a continuous `TurnEngine`: one token of REPLY + EOS per `advance` for every queued turn."""
+
+    def turn_generator(self, sampling):
+        self.engine = ScriptedEngine(self.tokenizer.encode(REPLY, add_special_tokens=False) + self.eos_ids)
+        return contextlib.nullcontext(self.engine)
+
+
+class ScriptedEngine:
+    """Records the contexts each trajectory was submitted with, and the releases."""
+
+    continuous = True
+
+    def __init__(self, reply: list[int]) -> None:
+        self.reply, self.pending, self.contexts, self.released = reply, {}, {}, []
+
+    def submit(self, key, context, budget):
+        self.contexts.setdefault(key, []).append(list(context))
+        self.pending[key] = []
+
+    def advance(self):
+        ended = []
+        for key, ids in list(self.pending.items()):
+            ids.append(self.reply[len(ids)])
+            if len(ids) == len(self.reply):
+                ended.append((key, TurnOutput(self.pending.pop(key), [LOGP] * len(ids))))
+        return ended
+
+    def release(self, key):
+        self.released.append(key)
+
+
+def test_a_plugin_turn_engine_gets_each_trajectory_by_key_with_its_growing_context():
+    tok = load_tokenizer(tiny_model_dir("llama"))
+    rollout = EngineRollout(tok)
+    out = generate_multi_turn(rollout, prompts(tok), SamplingParams(n=2), config())
+    b = out.batch
+    reply = tok.encode(REPLY, add_special_tokens=False) + [tok.eos_token_id]
+    assert list(out.non_tensor_batch[K.NUM_TURNS]) == [3] * 6
+    assert mismatched_rows(b[K.SAMPLED_IDS_HASH], b[K.RESPONSES], b[K.RESPONSE_MASK]) == []
+    engine = rollout.engine
+    assert sorted(engine.released) == list(range(6))  # each trajectory released once, when it ended
+    for key, contexts in engine.contexts.items():
+        assert len(contexts) == 3
+        for before, after in zip(contexts, contexts[1:]):  # the last context, the turn, then the observation
+            assert after[: len(before) + len(reply)] == before + reply and len(after) > len(before) + len(reply)
+        assert b[K.RESPONSES][key][b[K.RESPONSE_MASK][key].bool()].tolist() == reply * 3

@@ -78,7 +78,7 @@ class NativeTurnEngine:
             raise ValueError("the native turn engine needs the fused decode step (rollout/native/fused_step.py)")
         self.dec = decoder
         self.params = sampling
-        self.eos = None if eos_ids is None else torch.tensor(eos_ids)
+        self.eos = frozenset(eos_ids or ())  # none: rollout.ignore_eos
         self.max_rows = max_rows
         self.response_length = response_length
         self.reuse_kv = reuse_kv
@@ -119,12 +119,11 @@ class NativeTurnEngine:
         keys, logits = self.running, self.logits
         tokens, logp = self.sample(keys, logits)
         ended, going = [], []
-        for i, key in enumerate(keys):
+        for i, (key, token, lp) in enumerate(zip(keys, tokens.tolist(), logp.tolist())):
             traj = self.trajs[key]
-            traj.ids.append(int(tokens[i]))
-            traj.log_probs.append(float(logp[i]))
-            stop = self.eos is not None and bool(torch.isin(tokens[i], self.eos))
-            (ended if stop or len(traj.ids) >= traj.budget else going).append(i)
+            traj.ids.append(token)
+            traj.log_probs.append(lp)
+            (ended if token in self.eos or len(traj.ids) >= traj.budget else going).append(i)
         done = [(keys[i], TurnOutput(self.trajs[keys[i]].ids, self.trajs[keys[i]].log_probs)) for i in ended]
         self.running = [keys[i] for i in going]
         if going:
@@ -132,8 +131,8 @@ class NativeTurnEngine:
             slots = torch.tensor([self.trajs[k].slot for k in self.running])
             cols = torch.tensor([len(self.trajs[k].held) for k in self.running])
             self.logits = self.dec.step_rows(tokens[rows], slots, cols)
-            for i, key in zip(going, self.running):
-                self.trajs[key].held.append(int(tokens[i]))
+            for key in self.running:
+                self.trajs[key].held.append(self.trajs[key].ids[-1])
         else:
             self.logits = None
         return done
