@@ -77,9 +77,9 @@ def test_each_later_turn_runs_only_its_stop_id_and_observation(model):
     ran: list[tuple[int, list[int], int]] = []
     extend = engine.dec.extend
 
-    def recording(slot, ids, start):
-        ran.append((slot, ids.tolist(), start))
-        return extend(slot, ids, start)
+    def recording(slots, ids, starts):
+        ran.extend(zip(slots, ids, starts))
+        return extend(slots, ids, starts)
 
     engine.dec.extend = recording
     trajs = run(model, engine, ro=ro)

@@ -123,6 +123,21 @@ class SharedPrefix:
     suffix_pos: Tensor
 
 
+@dataclass
+class _NewRows:
+    """Where `StaticLlamaDecoder.extend`'s rows write and read in the slot cache."""
+
+    slots: Tensor
+    """[B] each row's sequence."""
+    flat_slots: Tensor
+    flat_cols: Tensor
+    """[N] the sequence and column of each real (not padding) new id, row by row."""
+    real: Tensor
+    """[B, S] which of the rows' positions are real ids."""
+    width: int
+    """Columns the rows attend over (the longest row's end)."""
+
+
 SHARED_PREFIX_MIN_SAVING = 64
 """Prefill the common prefix once only when that skips at least this many prompt tokens: below it the
 extra forward call and cache copy cost about what they save."""
@@ -292,19 +307,26 @@ class StaticLlamaDecoder:
             s, t = old[2].shape
             self.k_cache[:, :s, :, :t], self.v_cache[:, :s, :, :t], self.key_mask[:s, :t] = old
 
-    def extend(self, slot: int, ids: Tensor, start: int) -> Tensor:
-        """Run `ids` [s] as sequence `slot`'s tokens from column `start` on, after its first `start` tokens (kept in
-        the cache; later columns are dropped); the last one's logits [1, V]."""
-        s = len(ids)
-        caches = k, v, mask = self.k_cache, self.v_cache, self.key_mask
-        mask[slot] = False
-        mask[slot, : start + s] = True
-        # the torch path on this one sequence: the views write through into the whole cache
-        self.k_cache, self.v_cache, self.key_mask = k[:, slot : slot + 1], v[:, slot : slot + 1], mask[slot : slot + 1]
-        try:
-            return self._forward(ids[None], torch.arange(start, start + s)[None], self._prefill_mask(s, start), start)
-        finally:
-            self.k_cache, self.v_cache, self.key_mask = caches
+    def extend(self, slots: list[int], ids: list[list[int]], starts: list[int]) -> Tensor:
+        """Run `ids[b]` as sequence `slots[b]`'s tokens from column `starts[b]` on, after its first `starts[b]`
+        tokens (kept in the cache; later columns are dropped), every row in one forward (right-padded to the
+        longest); each row's last token's logits [B, V]."""
+        b, lens = len(slots), torch.tensor([len(r) for r in ids])
+        if b == 0 or int(lens.min()) < 1:
+            raise ValueError("extend needs at least one row, each with at least one id")
+        s, rows, first = int(lens.max()), torch.tensor(slots), torch.tensor(starts)
+        real = torch.arange(s)[None] < lens[:, None]  # [B, S]: not padding
+        cols = first[:, None] + torch.arange(s)[None]  # [B, S]: each new id's column (= position)
+        width = int((first + lens).max())
+        self.key_mask[rows] = torch.arange(self.key_mask.shape[1])[None] < (first + lens)[:, None]
+        keys = self.key_mask[rows, :width][:, None] & (torch.arange(width)[None, None] <= cols[:, :, None])
+        keys[~real] = torch.arange(width) == 0  # padding queries attend to one real key (no empty softmax row)
+        group = self.heads // self.kv_heads
+        mask = keys[:, None, None].expand(b, 1, group, s, width).reshape(b, 1, group * s, width)
+        padded = torch.tensor([r + [0] * (s - len(r)) for r in ids])
+        new = _NewRows(rows, rows[:, None].expand(b, s)[real], cols[real], real, width)
+        positions = cols.clamp(max=self.cos.shape[0] - 1)
+        return self._forward(padded, positions, mask, 0, new, lens - 1)
 
     def copy_prefix(self, src: int, dsts: list[int], n: int) -> None:
         """Give the sequences `dsts` the first `n` tokens of sequence `src` (a prefix they share)."""
@@ -328,7 +350,11 @@ class StaticLlamaDecoder:
         half = sin.shape[-1] // 2
         self.cos, self.sin = cos[0].contiguous(), torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
 
-    def _forward(self, ids: Tensor, positions: Tensor, mask: Tensor, start: int) -> Tensor:
+    def _forward(
+        self, ids: Tensor, positions: Tensor, mask: Tensor, start: int, new: _NewRows | None = None, last=None
+    ) -> Tensor:
+        """Logits of each row's last position (`last` [B]: of these positions); `new`: the rows are sequences of
+        the slot cache, each writing at its own columns (`extend`), else every row writes at columns from `start`."""
         k, eps = self.kernels, self.eps
         h = self._embed(ids)
         cos, sin = self.cos[positions][:, :, None], self.sin[positions][:, :, None]
@@ -337,8 +363,10 @@ class StaticLlamaDecoder:
         after_mlp = [w.ln1 for w in self.layers[1:]] + [self.final_norm]
         x = k.rms_norm(h, self.layers[0].ln1, eps)
         for i, w in enumerate(self.layers):
-            h, x = k.add_rms_norm(h, self._attention(i, w, x, cos, sin, mask, start), after_attn[i], eps)
+            h, x = k.add_rms_norm(h, self._attention(i, w, x, cos, sin, mask, start, new), after_attn[i], eps)
             h, x = k.add_rms_norm(h, self._mlp(w, x), after_mlp[i], eps)
+        if new is not None:
+            return self._logits(x[torch.arange(len(x)), last])
         self.length = start + ids.shape[1]
         return self._logits(x[:, -1])
 
@@ -363,13 +391,23 @@ class StaticLlamaDecoder:
         return logits.float()
 
     def _attention(
-        self, i: int, w: _LayerWeights, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, start: int
+        self,
+        i: int,
+        w: _LayerWeights,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: Tensor,
+        start: int,
+        new: _NewRows | None = None,
     ) -> Tensor:
         b, s, _ = x.shape
         hq, hkv, d = self.heads, self.kv_heads, self.head_dim
         qkv = w.qkv(x).view(b, s, hq + 2 * hkv, d)
         qk = qkv[:, :, : hq + hkv]
         qk = self.kernels.rotary(qk, cos, sin)
+        if new is not None:
+            return self._attention_new_rows(i, w, qkv, qk, mask, new)
         end = start + s
         self.k_cache[i, :, :, start:end] = qk[:, :, hq:].transpose(1, 2)
         self.v_cache[i, :, :, start:end] = qkv[:, :, hq + hkv :].transpose(1, 2)
@@ -382,6 +420,19 @@ class StaticLlamaDecoder:
         else:
             k, v = self.k_cache[i, :, :, :end], self.v_cache[i, :, :, :end]
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling)
+        out = out.view(b, hq, s, d).transpose(1, 2).reshape(b, s, hq * d)
+        return self._sum_over_tp(w.o(out))
+
+    def _attention_new_rows(self, i: int, w: _LayerWeights, qkv: Tensor, qk: Tensor, mask: Tensor, new: _NewRows):
+        """`_attention` of `extend`'s rows: the real ids' keys and values written at their own slots and columns,
+        then every row's queries against its slot's first `new.width` columns."""
+        b, s = qkv.shape[:2]
+        hq, hkv, d = self.heads, self.kv_heads, self.head_dim
+        self.k_cache[i][new.flat_slots, :, new.flat_cols] = qk[:, :, hq:][new.real]
+        self.v_cache[i][new.flat_slots, :, new.flat_cols] = qkv[:, :, hq + hkv :][new.real]
+        k, v = self.k_cache[i][new.slots, :, : new.width], self.v_cache[i][new.slots, :, : new.width]
+        q = qk[:, :, :hq].transpose(1, 2).reshape(b, hkv, (hq // hkv) * s, d)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling)
         out = out.view(b, hq, s, d).transpose(1, 2).reshape(b, s, hq * d)
         return self._sum_over_tp(w.o(out))
 

@@ -6,7 +6,8 @@ from column 0 on, so a token's column is its rotary position. The engine remembe
 the slot holds. When the loop submits the trajectory's next turn (its whole context: the last one, the sampled
 turn, the observation), only the ids after those held run (`extend`: the turn's stop token, the observation and the
 next generation prompt); with `reuse_kv=False`, or a context that does not extend the held ids, the whole context
-runs again from column 0 (the check costs one list comparison). Trajectories whose slots are empty when first
+runs again from column 0 (the check costs one list comparison). The turns admitted together run their new ids in
+one forward (`StaticLlamaDecoder.extend`, each row at its own slot and columns). Trajectories whose slots are empty when first
 admitted together prefill their common first tokens once (a tools system prompt) and copy them
 (`shared_prefix`'s rule: only when that skips `SHARED_PREFIX_MIN_SAVING` tokens).
 
@@ -152,9 +153,12 @@ class NativeTurnEngine:
         self._reserve(admitted)
         fresh = [k for k in admitted if not self.trajs[k].held]
         self._share_prefix(fresh)
-        rows = [self._extend(k) for k in admitted]
+        trajs = [self.trajs[k] for k in admitted]
+        logits = self.dec.extend([t.slot for t in trajs], [t.todo for t in trajs], [len(t.held) for t in trajs])
+        for traj in trajs:
+            traj.held, traj.todo = traj.held + traj.todo, []
         self.running = self.running + admitted
-        self.logits = torch.cat(([self.logits] if self.logits is not None else []) + rows)
+        self.logits = logits if self.logits is None else torch.cat([self.logits, logits])
 
     def _reserve(self, keys: list[int]) -> None:
         """A slot for each of `keys`, and room in every slot for its context and a whole response."""
@@ -182,14 +186,7 @@ class NativeTurnEngine:
         if n * (len(keys) - 1) < SHARED_PREFIX_MIN_SAVING:
             return
         first, *others = (self.trajs[k] for k in keys)
-        self.dec.extend(first.slot, torch.tensor(todos[0][:n]), 0)
+        self.dec.extend([first.slot], [todos[0][:n]], [0])
         self.dec.copy_prefix(first.slot, [t.slot for t in others], n)
         for traj in (first, *others):
             traj.held, traj.todo = traj.todo[:n], traj.todo[n:]
-
-    def _extend(self, key: int) -> Tensor:
-        """Run the trajectory's remaining context ids into its slot; its next-token logits [1, V]."""
-        traj = self.trajs[key]
-        logits = self.dec.extend(traj.slot, torch.tensor(traj.todo), len(traj.held))
-        traj.held, traj.todo = traj.held + traj.todo, []
-        return logits
