@@ -18,6 +18,9 @@ that way too, on its own weights in bf16 panels: with bf16 products and fp32 sum
 (`panel.DOT`), else with fp32 math at most `BF16_PANEL_MAX_ROWS` rows.
 With a tensor-parallel group (rollout.tensor_model_parallel_size > 1) the module keeps only this rank's
 shard of the split weights (rollout/native/sharding.py); the weight sync reshards the actor into them.
+Multi-turn (`turn_generator`): where the decode step is the fused one, the turn engine of rollout/native/turns.py
+(each trajectory's KV cache kept across turns, trajectories joining and leaving the running batch while tools run);
+elsewhere `ModuleRollout`'s rounds of `generate_sequences`.
 """
 
 from __future__ import annotations
