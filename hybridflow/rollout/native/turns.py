@@ -17,11 +17,12 @@ that ended (a stop id, unless `rollout.ignore_eos`, or the turn's budget) and ru
 (`step_rows`: each row at its own column) for the others. A trajectory whose turn ended waits in its slot while its
 tool runs; the other rows go on decoding.
 
-Token-exact and independent of scheduling: each trajectory draws its samples from its own generator, seeded from the
-rollout's generator when it first arrives (`sampling.row_uniforms`), and the fused step computes each row on its
-own, so a turn's ids do not depend on which trajectories share its steps or when tools return. Without KV reuse
-the same tokens run through the same weights, so greedy ids are equal and log-probs agree to fp32 rounding (a key
-computed in a decode step and in a prefill round differently; tests/test_rollout_native_turns.py).
+Reproducible whatever the scheduling: each trajectory draws its samples from its own generator, seeded from the
+rollout's generator and its key (`sampling.row_uniforms`), so which trajectories share its steps, or when tools
+return, changes none of its draws (the logits may still differ in their last bits with the batch's size, through
+products of other shapes). Without KV reuse the same tokens run through the same weights: the ids are the same and
+the log-probs agree to fp32 rounding (a key computed in a decode step and in a prefill round differently;
+tests/test_rollout_native_turns.py).
 
 The engine runs where the decoder's decode step is the fused C step (rollout/native/fused_step.py: fp32, or bf16
 on panels; one rank); elsewhere (`engine_covers`) the native rollout keeps the round path of
