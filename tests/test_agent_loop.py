@@ -223,9 +223,9 @@ def test_loop_times_split_generate_from_waiting_on_environments(tok):
     config = AgentLoopConfig(max_parallel_steps=4)
     run_agent_loop([{"q": "a"}, {"q": "b"}, {"q": "c"}], lambda: Slow(3), generate, tok, config, times=times)
     assert times.rounds == 3
-    assert 0.06 <= times.generate_s and 0.15 <= times.env_s < 0.45  # the 3 steps of a round overlap
+    assert 0.06 <= times.generate_s and 9 * 0.05 <= times.tool_s  # 3 generate calls; 3 x 3 steps, summed
+    assert 0 < times.env_s < times.tool_s  # blocked on steps, but the 3 steps of a round ran side by side
     assert times.generate_s + times.env_s <= times.total_s
-    assert times.tool_s >= times.env_s  # each step's own time, summed: the round's steps ran side by side
     metrics = times.metrics()
     assert metrics["agent/tool_time_s"] == times.tool_s
     assert metrics["agent/rounds"] == 3.0 and metrics["agent/env_time_s"] == times.env_s
