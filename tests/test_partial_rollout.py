@@ -73,7 +73,7 @@ def test_an_update_landing_mid_turn_keeps_ids_versions_and_log_probs_exact(tmp_p
         rollout.interrupted.clear()
         return taken
 
-    with rollout.turn_generator(SamplingParams()) as inner:
+    with rollout.turn_generator(SamplingParams(), interruptible=True) as inner:
 
         def landing(batch, budgets):
             calls[0] += 1
@@ -346,3 +346,25 @@ def test_with_staleness_2_a_push_is_waited_for_after_the_generations_issued_befo
     assert ("wait", "receiver", 1) not in log
     third = pipe.batch(3)
     assert ("wait", "receiver", 1) in log and third.meta_info[K.META_PARITY] == ["finding of push 1"]
+
+
+def test_the_native_turn_engine_stamps_every_token_with_the_held_version(tmp_path: Path):
+    """Outside partial rollout the native rollout's turn engine (KV kept across turns) runs the loop; `versioned`
+    stamps its turns as a round path's, and `interruptible=True` gives the round path a push may cut."""
+    from hybridflow.agent.loop.runner import TurnEngine
+
+    model_path, _ = stopping_model(tmp_path)
+    tok = load_tokenizer(model_path)
+    cfg = RolloutConfig(dtype="fp32", prompt_length=64, response_length=48, calculate_log_probs=True)
+    rollout = build_rollout(cfg, model_path, tok)
+    with rollout.turn_generator(SamplingParams(), interruptible=True) as rounds:
+        assert not isinstance(rounds, TurnEngine)
+    with rollout.turn_generator(SamplingParams()) as engine:
+        assert isinstance(engine, TurnEngine), "the fused decode step covers the tiny llama: the engine path"
+        loop = AgentLoopConfig(response_length=48, max_turn_tokens=TURN_TOKENS, max_assistant_turns=3)
+        rows = [{"q": f"question {i}"} for i in range(3)]
+        trajs = run_agent_loop(rows, ThreeTurns, versioned(engine, lambda: 7), tok, loop, rollout.eos_ids)
+    for t in trajs:
+        assert [i for i, m in zip(t.response_ids, t.response_mask) if m] == t.sampled_ids
+        assert all(v == (7 if m else -1) for v, m in zip(t.token_versions, t.response_mask))
+        assert sum(t.response_mask) > 0

@@ -108,14 +108,18 @@ class Rollout(ABC):
         the weight check's finding; [] when nothing is."""
         return []
 
-    def turn_generator(self, sampling: SamplingParams) -> contextlib.AbstractContextManager[GenerateFn | TurnEngine]:
+    def turn_generator(
+        self, sampling: SamplingParams, interruptible: bool = False
+    ) -> contextlib.AbstractContextManager[GenerateFn | TurnEngine]:
         """The multi-turn capability (rollout.multi_turn, rollout/multi_turn.py): a context manager giving a
         `GenerateFn` that generates one turn for each of a batch of token-id contexts, each up to its own token
         budget, stopping at the rollout's EOS ids, with the log-prob of every sampled token (n=1), run in rounds;
         or a `TurnEngine` (agent/loop/runner.py), which gets each trajectory's key with its context, so it may keep
         a trajectory's cache between its turns and decode other trajectories while one's tool runs. A backend
         that implements it runs the agent loop; hf uses `ModuleRollout`'s, native its turn engine
-        (rollout/native/turns.py) where that covers the model."""
+        (rollout/native/turns.py) where that covers the model. `interruptible=True` (partial rollout,
+        rollout/partial.py): a `GenerateFn` whose calls a weight push may cut (`ModuleRollout.interrupted`) and whose
+        next call generates with the weights loaded meanwhile."""
         raise NotImplementedError(
             f"rollout.multi_turn needs a rollout that generates turn by turn: {type(self).__name__} does not "
             "implement Rollout.turn_generator (hybridflow/rollout/base.py says what it returns)"
@@ -224,9 +228,11 @@ class ModuleRollout(Rollout):
         keeps the tokens sampled so far (tensor parallel size 1 only). Whoever sets it clears it; the OpenAI
         server's batcher does when every request of its batch was abandoned (endpoint/backend.py)."""
 
-    def turn_generator(self, sampling: SamplingParams) -> contextlib.AbstractContextManager[GenerateFn]:
+    def turn_generator(
+        self, sampling: SamplingParams, interruptible: bool = False
+    ) -> contextlib.AbstractContextManager[GenerateFn]:
         """See `Rollout.turn_generator`: one `generate_sequences` call per round on the left-padded contexts,
-        with the largest budget as response length, each row cut at its own."""
+        with the largest budget as response length, each row cut at its own (interruptible either way)."""
 
         def generate(batch: list[list[int]], budgets: list[int]) -> list[TurnOutput]:
             self._check_turn_inputs(batch, budgets)

@@ -37,7 +37,7 @@ import numpy as np
 from hybridflow.agent.config import MultiTurnConfig
 from hybridflow.agent.loop.batch import trajectories_to_batch
 from hybridflow.agent.loop.env import ENVIRONMENTS, Environment
-from hybridflow.agent.loop.runner import AgentLoopConfig, GenerateFn, LoopTimes, run_agent_loop
+from hybridflow.agent.loop.runner import AgentLoopConfig, GenerateFn, LoopTimes, TurnEngine, run_agent_loop
 from hybridflow.agent.loop.tools.tool_config import load_tool_config, tool_kwargs
 from hybridflow.protocol import DataProto, keys
 from hybridflow.rollout.base import Rollout
@@ -52,10 +52,12 @@ def generate_multi_turn(
     prompts: DataProto,
     sampling: SamplingParams,
     config: RolloutConfig,
-    wrap: Callable[[GenerateFn], GenerateFn] | None = None,
+    wrap: Callable[[GenerateFn | TurnEngine], GenerateFn | TurnEngine] | None = None,
+    interruptible: bool = False,
 ) -> DataProto:
     """`sampling.n` trajectories per prompt row as one generated batch (module docstring); `wrap`, when given,
-    wraps the rollout's turn generator (the worker's: policy versions and partial rollout, rollout/partial.py)."""
+    wraps the rollout's turn generator (the worker's: policy versions and partial rollout, rollout/partial.py);
+    `interruptible` asks the rollout for a turn generator a weight push may cut (partial rollout)."""
     rows = dataset_rows(prompts, sampling.n)
     mt = config.multi_turn
     loop_cfg = AgentLoopConfig(
@@ -66,7 +68,10 @@ def generate_multi_turn(
     )
     labels = [f"dataset row {index} (sample {k})" for index in row_indices(prompts) for k in range(sampling.n)]
     times = LoopTimes()
-    with rollout.turn_generator(dataclasses.replace(sampling, n=1)) as generate:
+    one = dataclasses.replace(sampling, n=1)
+    # asked only when needed: a plugin rollout's turn_generator may take sampling alone
+    turns = rollout.turn_generator(one, interruptible=True) if interruptible else rollout.turn_generator(one)
+    with turns as generate:
         trajs = run_agent_loop(
             rows,
             env_factory(mt),

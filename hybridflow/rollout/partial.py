@@ -1,10 +1,12 @@
 """Policy versions of sampled tokens, and partial rollout (trainer.partial_rollout): a generation that takes a
 weight push in the middle and goes on under the new weights.
 
-Both wrap the `GenerateFn` the agent loop calls once per round (`Rollout.turn_generator`, agent/loop/runner.py):
+Both wrap what `Rollout.turn_generator` gives the agent loop (agent/loop/runner.py):
 - `versioned(generate, version)`: every turn's ids stamped with the policy version the rollout held when the
-  round was generated (`TurnOutput.versions`), so each trajectory carries the version of every token;
-- `resumable(generate, stops, interrupt, take_push, version)`: before each call it takes a push that was
+  round was generated (`TurnOutput.versions`), so each trajectory carries the version of every token; a
+  `TurnEngine` (the native rollout's, rollout/native/turns.py) is stamped as each `advance` returns its turns;
+- `resumable(generate, stops, interrupt, take_push, version)`, on the round path (`turn_generator(...,
+  interruptible=True)`: a turn engine's decoder keeps the weights it was built with): before each call it takes a push that was
   announced meanwhile (`take_push`: receive and load the weights, return True); a call cut short by `interrupt`
   (set by a `PushWatch` when the actor announces a push: the rollout ends its rows after the current decode step,
   `ModuleRollout.interrupted`) takes the push, then continues each cut row from its context plus the ids sampled
@@ -36,7 +38,7 @@ from typing import Any
 
 import torch
 
-from hybridflow.agent.loop.runner import GenerateFn, TurnOutput
+from hybridflow.agent.loop.runner import GenerateFn, TurnEngine, TurnOutput
 from hybridflow.protocol import DataProto
 from hybridflow.protocol import keys as K
 from hybridflow.protocol.token_hash import hash_list_rows
@@ -47,8 +49,10 @@ POLL_S = 0.01
 """How often a `PushWatch` asks the store for an announced push (a loopback round trip each)."""
 
 
-def versioned(generate: GenerateFn, version: Callable[[], int]) -> GenerateFn:
+def versioned(generate: GenerateFn | TurnEngine, version: Callable[[], int]) -> GenerateFn | TurnEngine:
     """`generate` with each turn's ids stamped with `version()` as it was when the round was generated."""
+    if isinstance(generate, TurnEngine):
+        return VersionedTurns(generate, version)
 
     def call(batch: list[list[int]], budgets: list[int]) -> list[TurnOutput]:
         held = version()
@@ -56,6 +60,30 @@ def versioned(generate: GenerateFn, version: Callable[[], int]) -> GenerateFn:
         return [TurnOutput(o.token_ids, o.log_probs, [held] * len(o.token_ids)) for o in outs]
 
     return call
+
+
+class VersionedTurns:
+    """A `TurnEngine` whose turns carry `version()` as it was when `advance` returned them (the weights do not change
+    while an engine runs: partial rollout takes the round path)."""
+
+    def __init__(self, engine: TurnEngine, version: Callable[[], int]) -> None:
+        self.engine, self.version = engine, version
+        self.continuous = engine.continuous
+
+    def submit(self, key: int, context: list[int], budget: int) -> None:
+        """See `TurnEngine.submit`."""
+        self.engine.submit(key, context, budget)
+
+    def advance(self) -> list[tuple[int, TurnOutput]]:
+        """See `TurnEngine.advance`: the engine's turns, each id stamped with the version held."""
+        held = self.version()
+        return [
+            (key, TurnOutput(o.token_ids, o.log_probs, [held] * len(o.token_ids))) for key, o in self.engine.advance()
+        ]
+
+    def release(self, key: int) -> None:
+        """See `TurnEngine.release`."""
+        self.engine.release(key)
 
 
 def resumable(
@@ -99,7 +127,7 @@ def generate_turnwise(
     ids, mask, pos = (prompts.batch[k] for k in (K.INPUT_IDS, K.ATTENTION_MASK, K.POSITION_IDS))
     contexts = [row[m.bool()].tolist() for row, m in zip(ids, mask) for _ in range(sampling.n)]
     width = rollout.config.response_length
-    with rollout.turn_generator(dataclasses.replace(sampling, n=1)) as generate:
+    with rollout.turn_generator(dataclasses.replace(sampling, n=1), interruptible=True) as generate:
         outs = wrap(generate)(contexts, [width] * len(contexts))
     rows = len(outs)
     responses = torch.full((rows, width), rollout.pad_id, dtype=torch.long)

@@ -203,7 +203,7 @@ class ActorRolloutRefWorker(Worker):
             if self.rollout_cfg.multi_turn.enable:  # one agent-loop trajectory per sample (rollout/multi_turn.py)
                 wrap = self._turn_wrap(step, partial) if step is not None else None
                 with self._push_watch() if partial else contextlib.nullcontext():
-                    out = generate_multi_turn(self.rollout, prompts, params, self.rollout_cfg, wrap)
+                    out = generate_multi_turn(self.rollout, prompts, params, self.rollout_cfg, wrap, partial)
             elif partial:  # single-turn rows through the turn generator, so that they can take a push mid-way
                 with self._push_watch():
                     out = generate_turnwise(self.rollout, prompts, params, self._turn_wrap(step, partial))

@@ -140,10 +140,13 @@ class NativeRollout(ModuleRollout):
         whole), for a reshard that writes straight into them."""
         return self.held_weights()
 
-    def turn_generator(self, sampling: SamplingParams) -> contextlib.AbstractContextManager:
+    def turn_generator(
+        self, sampling: SamplingParams, interruptible: bool = False
+    ) -> contextlib.AbstractContextManager:
         """See `Rollout.turn_generator`: the turn engine (rollout/native/turns.py: KV cache kept across turns, tools
-        overlapping decoding) where it covers the model, else `ModuleRollout`'s round path."""
-        engine = self.turn_engine(sampling)
+        overlapping decoding) where it covers the model, else `ModuleRollout`'s round path. `interruptible`: the
+        round path, whose calls a push may cut (the engine's decoder holds the weights it was built with)."""
+        engine = None if interruptible else self.turn_engine(sampling)
         return super().turn_generator(sampling) if engine is None else contextlib.nullcontext(engine)
 
     def turn_engine(self, sampling: SamplingParams, reuse_kv: bool = True) -> NativeTurnEngine | None:

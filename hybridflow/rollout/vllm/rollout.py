@@ -162,9 +162,9 @@ class VLLMRollout(Rollout):
         return [(list(out.outputs[0].token_ids), _sampled_log_probs(out.outputs[0])) for out in outputs]
 
     @contextlib.contextmanager
-    def turn_generator(self, sampling: SamplingParams) -> Iterator[GenerateFn]:
+    def turn_generator(self, sampling: SamplingParams, interruptible: bool = False) -> Iterator[GenerateFn]:
         """See `Rollout.turn_generator`: `generate_ids`, ids in and out, each request with its own budget, the
-        engine awake while the block runs."""
+        engine awake while the block runs (`interruptible` changes nothing: partial rollout is refused with vllm)."""
 
         def generate(batch: list[list[int]], budgets: list[int]) -> list[TurnOutput]:
             return [TurnOutput(ids, logps) for ids, logps in self.generate_ids(batch, budgets, sampling)]
