@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -25,6 +26,7 @@ tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 from tinker._client import AsyncTinker  # noqa: E402
 from tinker._exceptions import RequestFailedError  # noqa: E402
+from tinker.proto import tinker_public_pb2 as pb  # noqa: E402
 
 from hybridflow.models import tiny_model_dir  # noqa: E402
 from hybridflow.parity.config import DEFAULT_THRESHOLDS  # noqa: E402
@@ -239,7 +241,17 @@ def test_unknown_model_malformed_protobuf_and_reused_seq_id_fail_as_user_errors(
         model_id = (await _outcome(api, created.request_id))["model_id"]
         step = types.OptimStepRequest(adam_params=types.AdamParams(), model_id=model_id, seq_id=1)
         first = await api.training.optim_step(request=step)
-        reused = await api.training.optim_step(request=step)
+        resent = await api.training.optim_step(request=step)  # what the SDK sends when an answer timed out
+        other = types.OptimStepRequest(adam_params=types.AdamParams(learning_rate=0.5), model_id=model_id, seq_id=1)
+        reused = await api.training.optim_step(request=other)
+        assert resent.request_id == first.request_id  # the same call: answered once, run once
+        snap = [  # the SDK numbers its sampling sessions afresh on every send, resends included
+            await api.weights.save_for_sampler(
+                request=types.SaveWeightsForSamplerRequest(model_id=model_id, seq_id=2, sampling_session_seq_id=n)
+            )
+            for n in (5, 6)
+        ]
+        assert snap[0].request_id == snap[1].request_id
         out = [await _outcome(api, f.request_id) for f in (unknown, garbage, first, reused)]
         await api.close()
         return out
@@ -251,7 +263,7 @@ def test_unknown_model_malformed_protobuf_and_reused_seq_id_fail_as_user_errors(
     assert reused["category"] == "user" and "out of order" in reused["error"]
 
 
-def test_a_wrong_api_key_is_refused(served):
+def test_a_wrong_api_key_is_refused_and_other_clients_go_on(served, trainer, tokens):
     async def run():
         api = AsyncTinker(base_url=served.url, api_key="tml-wrong", max_retries=0)
         try:
@@ -261,8 +273,9 @@ def test_a_wrong_api_key_is_refused(served):
         finally:
             await api.close()
 
-    with pytest.raises(tinker.AuthenticationError):
+    with pytest.raises(tinker.AuthenticationError, match="missing or wrong X-API-Key"):
         asyncio.run(run())
+    assert math.isfinite(trainer.forward([ce_datum(tokens)], "cross_entropy").result(timeout=60).metrics["loss:sum"])
 
 
 def test_finished_session_frees_its_adapters_but_not_its_checkpoints(served, tokens):
@@ -335,24 +348,38 @@ def test_a_batch_over_the_chunk_limit_arrives_in_chunks_and_sums_like_one(client
     ]
 
 
-def test_a_session_that_stops_heartbeating_is_freed_after_the_timeout(served):
-    async def create() -> str:
-        api = _low_level(served)
-        session = (
-            await api.service.create_session(
-                request=types.CreateSessionRequest(tags=[], user_metadata={}, sdk_version="t")
-            )
-        ).session_id
-        created = await api.models.create(
-            request=types.CreateModelRequest(
-                session_id=session, model_seq_id=0, base_model=served.service.name, lora_config=types.LoraConfig(rank=2)
-            )
-        )
-        model_id = (await _outcome(api, created.request_id))["model_id"]
-        await api.close()
-        return model_id
+async def _loss_sum(api, request_id: str) -> float:
+    """The loss:sum of a forward_backward future (a ForwardBackwardOutput protobuf)."""
+    resp = await api.post(
+        "/api/v1/retrieve_future", body={"request_id": request_id}, cast_to=httpx.Response, options={"max_retries": 0}
+    )
+    assert resp.headers["content-type"] == "application/x-protobuf", resp.text
+    return pb.ForwardBackwardOutput.FromString(resp.content).metrics["loss:sum"]
 
-    model_id = asyncio.run(create())
+
+async def _new_model(api, served, rank: int = 2) -> str:
+    """A new session with one training client, through the SDK's low-level client; the client's model_id."""
+    session = (
+        await api.service.create_session(request=types.CreateSessionRequest(tags=[], user_metadata={}, sdk_version="t"))
+    ).session_id
+    created = await api.models.create(
+        request=types.CreateModelRequest(
+            session_id=session, model_seq_id=0, base_model=served.service.name, lora_config=types.LoraConfig(rank=rank)
+        )
+    )
+    return (await _outcome(api, created.request_id))["model_id"]
+
+
+def test_a_session_that_stops_heartbeating_is_freed_after_the_timeout_and_its_checkpoints_stay(served, client, tokens):
+    async def create() -> tuple[str, str]:
+        api = _low_level(served)
+        model_id = await _new_model(api, served)
+        save = types.SaveWeightsRequest(model_id=model_id, path="before-vanishing", seq_id=1)
+        saved = await _outcome(api, (await api.weights.save(request=save)).request_id)
+        await api.close()  # and never heartbeats, nor finishes its session
+        return model_id, saved["path"]
+
+    model_id, path = asyncio.run(create())
     service = served.service
     assert model_id in service.registry.models
     silent = service.sessions.get(model_id.split(":train:")[0])
@@ -362,6 +389,92 @@ def test_a_session_that_stops_heartbeating_is_freed_after_the_timeout(served):
     while model_id in service.registry.models and time.monotonic() < deadline:
         time.sleep(0.1)
     assert model_id not in service.registry.models
+    assert model_id not in service.registry.peft.peft_config  # the adapter itself is gone, not just its entry
+    restored = client.create_training_client_from_state(path).result(timeout=60)
+    assert len(forward_logprobs(restored, tokens)) == len(tokens) - 1
+
+
+def _fb_request(model_id: str, seq_id: int, ids: list[int]) -> types.ForwardBackwardRequest:
+    return types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(data=[ce_datum(ids)], loss_fn="cross_entropy"),
+        model_id=model_id,
+        seq_id=seq_id,
+    )
+
+
+def test_calls_that_arrive_out_of_seq_id_order_run_in_seq_id_order(served, tokens):
+    async def run() -> tuple[dict, dict, dict]:
+        api = _low_level(served)
+        model_id = await _new_model(api, served)
+        fb = _fb_request(model_id, 1, tokens)
+        step = types.OptimStepRequest(adam_params=types.AdamParams(learning_rate=1e-3), model_id=model_id, seq_id=2)
+        fwd = _fb_request(model_id, 3, tokens)
+        # sent last-first: the forward (3) must still see the step (2) taken on the gradients of (1)
+        third = await api.training.forward_backward(request=fwd, forward_only=True)
+        second = await api.training.optim_step(request=step)
+        first = await api.training.forward_backward(request=fb)
+        out = [await _loss_sum(api, first.request_id), await _outcome(api, second.request_id)]
+        out.append(await _loss_sum(api, third.request_id))
+        await api.close()
+        return tuple(out)
+
+    first, second, third = asyncio.run(run())
+    assert "error" not in second, second
+    assert third < first - 0.1, (first, third)  # seq order: the forward ran after the step
+
+
+def test_a_seq_id_gap_that_never_fills_fails_the_held_calls_naming_the_missing_one(served):
+    scheduler = served.service.scheduler
+    saved, scheduler.gap_timeout_s = scheduler.gap_timeout_s, 1.0
+    try:
+
+        async def run() -> dict:
+            api = _low_level(served)
+            model_id = await _new_model(api, served)
+            step = types.OptimStepRequest(adam_params=types.AdamParams(), model_id=model_id, seq_id=2)
+            held = await api.training.optim_step(request=step)  # seq_id 1 never comes
+            out = await _outcome(api, held.request_id)
+            await api.close()
+            return out
+
+        held = asyncio.run(run())
+    finally:
+        scheduler.gap_timeout_s = saved
+    assert held["category"] == "user" and "seq_id 1 of model" in held["error"] and "never arrived" in held["error"]
+
+
+def test_an_unknown_base_model_is_a_user_error_naming_the_served_one(client, served, trainer, tokens):
+    with pytest.raises(RequestFailedError, match="unknown base_model 'no/such-model'") as err:
+        client.create_lora_training_client(base_model="no/such-model", rank=2).result(timeout=60)
+    assert err.value.category == types.RequestErrorCategory.User and served.service.name in str(err.value)
+    assert math.isfinite(trainer.forward([ce_datum(tokens)], "cross_entropy").result(timeout=60).metrics["loss:sum"])
+
+
+def test_freeing_the_first_client_leaves_the_others_served(tmp_path, tokens):
+    # peft keeps the first adapter's name as the wrapper's active adapter unless told otherwise: freeing that
+    # client once broke every later forward of every client (found by the cookbook recipes, one after another)
+    service = TinkerService(tiny_model_dir(), tmp_path, max_tokens=16)
+    running = start_service(service, "127.0.0.1", 0, api_key=KEY)
+    try:
+        first = tinker.ServiceClient(base_url=running.url, api_key=KEY)
+        tc = first.create_lora_training_client(base_model=service.name, rank=2).result(timeout=60)
+        tc.forward_backward([ce_datum(tokens)], "cross_entropy").result(timeout=60)
+        first.close("success").result(timeout=30)
+        deadline = time.monotonic() + 30
+        while service.registry.models and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not service.registry.models
+        second = tinker.ServiceClient(base_url=running.url, api_key=KEY)
+        other = second.create_lora_training_client(base_model=service.name, rank=2).result(timeout=60)
+        out = other.forward_backward([ce_datum(tokens)], "cross_entropy").result(timeout=60)
+        other.optim_step(types.AdamParams(learning_rate=1e-2)).result(timeout=60)
+        assert math.isfinite(out.metrics["loss:sum"])
+        sampler = other.save_weights_and_get_sampling_client()
+        params = types.SamplingParams(max_tokens=4)
+        assert len(sampler.sample(types.ModelInput.from_ints(tokens[:4]), 1, params).result(timeout=60).sequences) == 1
+        second.close("success").result(timeout=30)
+    finally:
+        running.stop()
 
 
 def test_concurrent_samples_of_one_sampler_run_as_one_batch(trainer, served, tokens):

@@ -14,10 +14,13 @@ telemetry is accepted and dropped; client/dynamic_config answers 404, which the 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import uvicorn
@@ -27,6 +30,7 @@ from fastapi.responses import JSONResponse, Response
 from hybridflow.endpoint.app import check_bind
 from hybridflow.service.core import TinkerService
 from hybridflow.service.errors import UserError
+from hybridflow.service.replays import Replays
 from hybridflow.service.wire import WireError, decode_forward_backward
 
 log = logging.getLogger(__name__)
@@ -37,12 +41,31 @@ REAP_EVERY_S = 10.0
 def build_app(service: TinkerService, api_key: str | None = None) -> FastAPI:
     """The FastAPI app serving `service` (module docstring)."""
     app = FastAPI(title="hybridflow Tinker service")
+    replays = Replays()
 
     @app.middleware("http")
     async def auth(request: Request, call_next):
         if api_key and not secrets.compare_digest(request.headers.get("x-api-key", ""), api_key):
             return JSONResponse({"error": "missing or wrong X-API-Key"}, status_code=401)
         return await call_next(request)
+
+    def once(request: Request, answer: Callable[[], Any], seq: tuple[str, Any] | None = None, raw: bytes = b"") -> Any:
+        """`answer()`, or for a resent request the first copy's answer (replays.py). A resend is known by its
+        X-Idempotency-Key (the SDK's HTTP retries) or, for a call in a training client's sequence (`seq`: its
+        model_id and seq_id), by the same seq_id with the same body, `raw` (the SDK resends a call whose answer
+        timed out as a new request with a new key); the same seq_id with another body stays an out-of-order error."""
+        keys = [request.headers.get("x-idempotency-key") or ""]
+        if seq is not None and seq[1] is not None:
+            keys.append(f"{request.url.path} {seq[0]} {seq[1]} {hashlib.sha256(raw).hexdigest()}")
+        keys = [k for k in keys if k]
+        for key in keys:
+            if (hit := replays.get(key)) is not None:
+                log.info("answered a resent %s (%s) with its first answer", request.url.path, key)
+                return hit
+        out = answer()
+        for key in keys:
+            replays.put(key, out)
+        return out
 
     def future(rid: str, model_id: str | None = None) -> dict[str, Any]:
         return {"request_id": rid, "model_id": model_id} if model_id else {"request_id": rid}
@@ -78,8 +101,8 @@ def build_app(service: TinkerService, api_key: str | None = None) -> FastAPI:
         return {"supported_models": [{**model, "trainable": True, "sampleable": True}]}
 
     @app.post("/api/v1/create_session")
-    async def create_session() -> dict[str, Any]:
-        return {"type": "create_session", "session_id": service.sessions.create()}
+    async def create_session(request: Request) -> dict[str, Any]:
+        return once(request, lambda: {"type": "create_session", "session_id": service.sessions.create()})
 
     @app.post("/api/v1/session_heartbeat")
     async def heartbeat(request: Request):
@@ -97,7 +120,9 @@ def build_app(service: TinkerService, api_key: str | None = None) -> FastAPI:
     @app.post("/api/v1/create_model")
     async def create_model(request: Request):
         body = await body_of(request)
-        return future(service.create_model(body)) if body is not None else bad_json("create_model")
+        if body is None:
+            return bad_json("create_model")
+        return once(request, lambda: future(service.create_model(body)))
 
     @app.post("/api/v1/get_info")
     async def get_info(request: Request):
@@ -114,14 +139,16 @@ def build_app(service: TinkerService, api_key: str | None = None) -> FastAPI:
             body = decode_forward_backward(raw, request.headers.get("content-encoding"))
         except WireError as err:
             return future(service.failed(str(err)))
-        return future(service.forward_backward(body), body.model_id)
+        seq = (body.model_id, body.seq_id)
+        return once(request, lambda: future(service.forward_backward(body), body.model_id), seq, raw)
 
     def json_route(path: str, method):
         async def route(request: Request):
             body = await body_of(request)
             if body is None:
                 return bad_json(path)
-            return future(method(body), body.get("model_id"))
+            seq = (body.get("model_id"), body.get("seq_id"))
+            return once(request, lambda: future(method(body), body.get("model_id")), seq, _resend_digest(body))
 
         app.post("/api/v1/" + path)(route)
 
@@ -135,14 +162,19 @@ def build_app(service: TinkerService, api_key: str | None = None) -> FastAPI:
         body = await body_of(request)
         if body is None:
             return bad_json("asample")
-        rid = service.asample(body)
-        n = max(int(body.get("num_samples", 1) or 1), 1)
-        return {"request_id": rid, "sample_sequence_ids": [f"{rid}:{i}" for i in range(n)]}
+
+        def answer() -> dict[str, Any]:
+            rid = service.asample(body)
+            n = max(int(body.get("num_samples", 1) or 1), 1)
+            return {"request_id": rid, "sample_sequence_ids": [f"{rid}:{i}" for i in range(n)]}
+
+        return once(request, answer)
 
     @app.post("/api/v1/create_sampling_session")
     async def create_sampling_session(request: Request):
         try:
-            return service.create_sampling_session(await body_of(request) or {})
+            body = await body_of(request) or {}
+            return once(request, lambda: service.create_sampling_session(body))
         except UserError as err:
             return user_error(err)
 
@@ -173,6 +205,15 @@ def build_app(service: TinkerService, api_key: str | None = None) -> FastAPI:
         return outcome.json
 
     return app
+
+
+RESEND_VARIES = ("sampling_session_seq_id",)
+"""Body keys the SDK numbers afresh each time it sends a call, resends included."""
+
+
+def _resend_digest(body: dict[str, Any]) -> bytes:
+    """What a JSON call's resend has in common with the first copy: the body less `RESEND_VARIES`."""
+    return json.dumps({k: v for k, v in body.items() if k not in RESEND_VARIES}, sort_keys=True).encode()
 
 
 class RunningService:

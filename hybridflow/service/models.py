@@ -136,7 +136,9 @@ class ModelRegistry:
     def _activate(self, model_id: str) -> list[torch.nn.Parameter]:
         """Make `model_id` the active adapter; returns its (now trainable) parameters."""
         assert self.peft is not None
-        self.peft.base_model.set_adapter(model_id)
+        # PeftModel.set_adapter, not its base_model's: the wrapper keeps its own active adapter name, which its
+        # forward reads, and which would still name the first client's adapter after that client was freed
+        self.peft.set_adapter(model_id)
         return [p for n, p in self.peft.named_parameters() if f".{model_id}." in n and p.requires_grad]
 
     # ---- training
