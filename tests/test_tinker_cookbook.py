@@ -138,7 +138,9 @@ def test_math_rl_arithmetic_raises_the_reward(service, tmp_path):
     )
     reward = series(metrics, "env/all/reward/total")
     assert len(reward) == 4, reward
-    assert reward[-1] > reward[0], reward
+    # the base model often runs past the 5 tokens without <|im_end|> (reward -0.1, the format penalty) and never
+    # adds right; stopping on time is what 4 steps of 16 samples learn
+    assert sum(reward[-2:]) / 2 > reward[0], reward
 
 
 def test_dpo_raises_the_chosen_vs_rejected_margin(service, tmp_path):
