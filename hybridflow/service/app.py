@@ -10,6 +10,7 @@ Endpoints: client/config, create_session, session_heartbeat, sessions/{id}/finis
 forward_backward, optim_step, save_weights, save_weights_for_sampler, load_weights, create_sampling_session,
 samplers/{id}, asample, retrieve_future, training_runs/{id}/checkpoints, get_server_capabilities, healthz, telemetry.
 telemetry is accepted and dropped; client/dynamic_config answers 404, which the SDK takes as "not served".
+A resent request gets its first copy's answer (`once`, replays.py), so the SDK's retries never run a call twice.
 """
 
 from __future__ import annotations
