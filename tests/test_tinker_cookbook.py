@@ -22,13 +22,14 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.cookbook
+# on a 2-core host shared with other jobs one recipe took over 10 min (chat_sl, 2026-11-29)
+pytestmark = [pytest.mark.cookbook, pytest.mark.timeout(1800)]
 pytest.importorskip("tinker_cookbook")
 
 KEY = "tml-cookbook-test"
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples" / "tinker_cookbook"
-RECIPE_TIMEOUT_S = 900
+RECIPE_TIMEOUT_S = 1500
 CONVERSATIONS = [
     ("What is the capital of France?", "Paris is the capital of France."),
     ("Name a primary colour.", "Red is a primary colour."),
@@ -147,11 +148,11 @@ def test_dpo_raises_the_chosen_vs_rejected_margin(service, tmp_path):
     url, model = service
     log = tmp_path / "run"
     metrics = run(
-        [str(EXAMPLES / "dpo.py"), "--base-url", url, "--model", model, "--log-path", str(log), "--steps", "4"],
+        [str(EXAMPLES / "dpo.py"), "--base-url", url, "--model", model, "--log-path", str(log), "--steps", "3"],
         log,
     )
     margin = series(metrics, "margin")
-    assert len(margin) == 4, margin
+    assert len(margin) == 3, margin
     assert abs(margin[0]) < 1e-3, margin  # step 0: the policy is the reference
     assert margin[-1] > margin[0] + 0.05, margin
 
