@@ -24,27 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
-import time
 from pathlib import Path
+
+from agent_learning import run  # the same stage runner: `hybridflow ARGS`, its console in OUT/STAGE.log
 
 ROOT = Path(__file__).resolve().parent.parent
 ACC = "val-core/arithmetic/acc/mean@1"
 KL = "distillation/teacher_kl"
-
-
-def run(stage: str, args: list[str], out: Path, timings: dict[str, float]) -> None:
-    """`hybridflow ARGS` with its console in OUT/STAGE.log; exits naming the log if it fails."""
-    log_path = out / f"{stage}.log"
-    env = {**os.environ, "HYBRIDFLOW_NO_PROGRESS": "1", "PYTHONPATH": str(ROOT)}
-    start = time.perf_counter()
-    with log_path.open("w") as log:
-        proc = subprocess.run([sys.executable, "-m", "hybridflow.cli.main", *args], env=env, stdout=log, stderr=log)
-    timings[stage] = time.perf_counter() - start
-    if proc.returncode:
-        sys.exit(f"{stage} failed ({proc.returncode}); see {log_path}")
-    print(f"{stage}: {timings[stage]:.0f} s", flush=True)
 
 
 def records(run_dir: Path) -> list[dict]:
