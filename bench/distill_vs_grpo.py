@@ -28,7 +28,6 @@ from pathlib import Path
 
 from agent_learning import run  # the same stage runner: `hybridflow ARGS`, its console in OUT/STAGE.log
 
-ROOT = Path(__file__).resolve().parent.parent
 ACC = "val-core/arithmetic/acc/mean@1"
 KL = "distillation/teacher_kl"
 
