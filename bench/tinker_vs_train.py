@@ -8,9 +8,9 @@ applies for the cookbook's default lora_config, and `actor.lora.target_modules=a
 (prompts x group size), the same max new tokens, at T=1, one optimizer step per batch, no KL, no validation:
 - `service`: `hybridflow tinker` as its own process, and the cookbook's recipe exactly as its README runs it
   (`python -m tinker_cookbook.recipes.math_rl.train env=arithmetic loss_fn=importance_sampling ...`) in the
-  cookbook's venv (`--cookbook-python`, default `.venv-cookbook/bin/python`), a second process. Step time: the cookbook's `time/total` per iteration
-  in its LOG_PATH/metrics.jsonl (sampling, rewards, forward_backward, optim_step, the next sampler's weights
-  save, all over HTTP).
+  cookbook's venv (`--cookbook-python`, default `.venv-cookbook/bin/python`), a second process. Step time:
+  the cookbook's `time/total` per iteration in its LOG_PATH/metrics.jsonl (sampling, rewards, forward_backward,
+  optim_step, the next sampler's weights save, all over HTTP).
 - `train`: `hybridflow train` on data.task=arithmetic, GRPO, 1 worker, trainer.backend=local (one process, as
   the service is one process). Step time: `timing_s/step` in its metrics.jsonl. It runs once per
   `--train-dtypes`: fp32 (actor and rollout) is the service's dtype, the same work; `auto` is train's default
