@@ -161,9 +161,13 @@ def test_on_policy_distillation_lowers_the_teacher_kl(service, tmp_path):
     url, model = service
     log = tmp_path / "run"
     metrics = run(
-        [str(EXAMPLES / "distill.py"), "--base-url", url, "--model", model, "--log-path", str(log), "--steps", "3"],
+        [
+            *(str(EXAMPLES / "distill.py"), "--base-url", url, "--model", model, "--log-path", str(log)),
+            *("--steps", "4", "--groups-per-batch", "8", "--group-size", "4"),
+        ],
         log,
     )
     kl = series(metrics, "teacher_kl")
-    assert len(kl) == 3, kl
-    assert kl[-1] < kl[0], kl
+    assert len(kl) == 4, kl
+    # a step's KL is a 32-sample estimate: one step may rise (3 steps of 8 samples once went 2.94, 2.85, 3.39)
+    assert sum(kl[2:]) / 2 < kl[0], kl
