@@ -84,6 +84,24 @@ def logprobs_from_logits(logits: Tensor, labels: Tensor, chunk_size: int = DEFAU
     return _map_chunks(_chunk_logprobs, logits, labels, chunk_size, recompute).reshape(labels.shape)
 
 
+def logprobs_from_hidden(
+    hidden: Tensor, head: Callable[[Tensor], Tensor], labels: Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE
+) -> Tensor:
+    """log p(label) from final hidden states [N, H] through `head` (the LM head), `chunk_size` rows at a time.
+
+    Only the chunk's logits exist at once when gradients are off; with gradients on, each chunk's logits stay
+    for backward (a caller passes only the rows it differentiates). Returns float32 [N].
+    """
+    if hidden.shape[:-1] != labels.shape or hidden.dim() != 2:
+        raise ValueError(f"hidden must be [N, H] with labels [N], got {tuple(hidden.shape)} and {tuple(labels.shape)}")
+    _check_chunk(chunk_size)
+    parts = [
+        _chunk_logprobs(head(hidden[i : i + chunk_size]), labels[i : i + chunk_size])
+        for i in range(0, hidden.shape[0], chunk_size)
+    ]
+    return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
+
+
 def _chunk_entropy(logits: Tensor) -> Tensor:
     logits = logits.float()
     lse = torch.logsumexp(logits, dim=-1)

@@ -14,8 +14,9 @@ holds the datum's other `loss_fn_inputs` as float tensors. The API sums the loss
 - cispo: -sum(sg(clip(r, low, high)) * logprobs * A), same clip keys;
 - dro: -sum(logprobs * A - beta / 2 * (logprobs - sampling logprobs)^2), config beta (required).
 
-Each registered `TinkerLoss` says which inputs and config keys its loss reads; the service refuses anything else
-by name.
+Each registered `TinkerLoss` says which inputs and config keys its loss reads (the service refuses anything else
+by name), and which input, where zero, gives a token no gradient: the service computes those tokens' log-probs
+without autograd (`grad_positions`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,15 @@ class TinkerLoss:
     fn: TinkerLossFn
     inputs: tuple[str, ...]
     config_keys: tuple[str, ...] = ()
+    grad_key: str | None = None
+    """The input whose zero entries contribute no gradient at their token (weights, advantages); None: any token
+    may contribute (dro's penalty reaches every token)."""
+
+    def grad_positions(self, inputs: dict[str, Tensor]) -> Tensor:
+        """Bool [T]: the tokens whose log-prob this loss can differentiate."""
+        if self.grad_key is None:
+            return torch.ones_like(next(iter(inputs.values())), dtype=torch.bool)
+        return inputs[self.grad_key] != 0
 
 
 TINKER_LOSSES: Registry[TinkerLoss] = Registry(
@@ -53,11 +63,11 @@ CLIP_LOW, CLIP_HIGH = 0.8, 1.2
 """Default ratio clip bounds of ppo and cispo."""
 
 
-def register(name: str, inputs: tuple[str, ...], config_keys: tuple[str, ...] = ()):
-    """Decorator registering a loss function under its API `name`."""
+def register(name: str, inputs: tuple[str, ...], grad_key: str | None, config_keys: tuple[str, ...] = ()):
+    """Decorator registering a loss function under its API `name` (`TinkerLoss` for the rest)."""
 
     def wrap(fn: TinkerLossFn) -> TinkerLossFn:
-        TINKER_LOSSES.register(name, TinkerLoss(fn, inputs, config_keys))
+        TINKER_LOSSES.register(name, TinkerLoss(fn, inputs, config_keys, grad_key))
         return fn
 
     return wrap
@@ -67,19 +77,19 @@ def _ratio(logprobs: Tensor, sampling_logprobs: Tensor) -> Tensor:
     return torch.exp(logprobs - sampling_logprobs)
 
 
-@register("cross_entropy", ("target_tokens", "weights"))
+@register("cross_entropy", ("target_tokens", "weights"), "weights")
 def cross_entropy(logprobs: Tensor, inputs: dict[str, Tensor], config: dict[str, float]) -> Tensor:
     """-sum(weights * logprobs)."""
     return -(inputs["weights"] * logprobs).sum()
 
 
-@register("importance_sampling", RL_INPUTS)
+@register("importance_sampling", RL_INPUTS, "advantages")
 def importance_sampling(logprobs: Tensor, inputs: dict[str, Tensor], config: dict[str, float]) -> Tensor:
     """-sum(p / q * A): the policy gradient corrected for sampling from q."""
     return -(_ratio(logprobs, inputs["logprobs"]) * inputs["advantages"]).sum()
 
 
-@register("ppo", RL_INPUTS, CLIP_KEYS)
+@register("ppo", RL_INPUTS, "advantages", CLIP_KEYS)
 def ppo(logprobs: Tensor, inputs: dict[str, Tensor], config: dict[str, float]) -> Tensor:
     """-sum(min(r * A, clip(r) * A)), the clipped surrogate."""
     ratio, adv = _ratio(logprobs, inputs["logprobs"]), inputs["advantages"]
@@ -87,7 +97,7 @@ def ppo(logprobs: Tensor, inputs: dict[str, Tensor], config: dict[str, float]) -
     return -torch.minimum(ratio * adv, clipped * adv).sum()
 
 
-@register("cispo", RL_INPUTS, CLIP_KEYS)
+@register("cispo", RL_INPUTS, "advantages", CLIP_KEYS)
 def cispo(logprobs: Tensor, inputs: dict[str, Tensor], config: dict[str, float]) -> Tensor:
     """-sum(sg(clip(r)) * logprobs * A): the clipped ratio only weighs the log-likelihood gradient."""
     ratio = _ratio(logprobs, inputs["logprobs"]).detach()
@@ -95,7 +105,7 @@ def cispo(logprobs: Tensor, inputs: dict[str, Tensor], config: dict[str, float])
     return -(clipped * logprobs * inputs["advantages"]).sum()
 
 
-@register("dro", RL_INPUTS, ("beta",))
+@register("dro", RL_INPUTS, None, ("beta",))
 def dro(logprobs: Tensor, inputs: dict[str, Tensor], config: dict[str, float]) -> Tensor:
     """-sum(logprobs * A - beta / 2 * (logprobs - sampling logprobs)^2)."""
     if "beta" not in config:

@@ -10,6 +10,9 @@ train_unembed -> lm_head, except on a model whose lm_head is tied to its embeddi
 adapter on the head would train the embeddings too: there it is left out (docs/guides/tinker.md). The
 adapters are scaled by alpha / rank with alpha = `LORA_ALPHA`.
 
+The forward itself (shared prompts, the head only where needed) is service/forward.py's; a loss says which tokens
+it differentiates (`TinkerLoss.grad_positions`).
+
 Not thread-safe: the service runs every call from its one worker thread (`scheduler.py`).
 """
 
@@ -29,6 +32,7 @@ from hybridflow.engine.config import LoraConfig
 from hybridflow.engine.lora import peft_config
 from hybridflow.models import load_causal_lm, load_tokenizer
 from hybridflow.service.errors import UserError
+from hybridflow.service.forward import batch_parts, head_splits, target_logprobs
 from hybridflow.service.wire import Datum, ForwardBackwardBody
 
 LORA_ALPHA = 32.0
@@ -37,9 +41,6 @@ ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 PROBE_TEXT = "The parity probe: a sampler holds the weights it was given, and 2 + 3 = 5."
 """Text whose log-probs the training forward and the sampler must agree on (sampler.py's parity check)."""
-MAX_BATCH_TOKENS = 2048
-"""Most padded tokens one forward pass of a forward_backward call holds (longer batches run in parts): its fp32
-logits take MAX_BATCH_TOKENS x vocab x 4 bytes (400 MB at SmolLM2's 49152)."""
 
 
 @dataclass
@@ -85,6 +86,8 @@ class ModelRegistry:
         self.models: dict[str, TrainingModel] = {}
         self.probe = np.asarray(self.tokenizer.encode(PROBE_TEXT), dtype=np.int64)
         """The parity probe's token ids."""
+        self.split_head = head_splits(self.base)
+        """Whether logits are `head(decoder(...))`, so the head can run on chosen tokens (module docstring)."""
 
     # ---- clients
 
@@ -152,18 +155,20 @@ class ModelRegistry:
         self._activate(model.model_id)
         outputs: list[dict[str, np.ndarray]] = []
         total = 0.0
-        for part in _parts(body.data, MAX_BATCH_TOKENS):
+        for part in batch_parts(body.data):
+            inputs = [_tensors(d) for d in part]
             with torch.set_grad_enabled(not body.forward_only):
-                logps = self._target_logprobs(part)
-                losses = [loss.fn(lp, _tensors(d), body.loss_fn_config) for lp, d in zip(logps, part)]
+                grads = None if body.forward_only else [loss.grad_positions(x) for x in inputs]
+                logps = self._target_logprobs(part, grads)
+                losses = [loss.fn(lp, x, body.loss_fn_config) for lp, x in zip(logps, inputs)]
                 part_loss = torch.stack(losses).sum()
-                if not body.forward_only:
+                if not body.forward_only and part_loss.requires_grad:
                     part_loss.backward()
             total += float(part_loss.detach())
-            for lp, d in zip(logps, part):
+            for lp, x in zip(logps, inputs):
                 out = {"logprobs": lp.detach().numpy().astype(np.float32)}
                 if body.loss_fn == "cross_entropy":
-                    out["elementwise_loss"] = -(lp.detach() * _tensors(d)["weights"]).numpy().astype(np.float32)
+                    out["elementwise_loss"] = -(lp.detach() * x["weights"]).numpy().astype(np.float32)
                 outputs.append(out)
         return outputs, {"loss:sum": total}
 
@@ -208,21 +213,9 @@ class ModelRegistry:
                     f"datum {i}: {key} holds token id {int(arr[bad][0])}, outside the vocabulary [0, {self.vocab_size})"
                 )
 
-    def _target_logprobs(self, data: list[Datum]) -> list[Tensor]:
-        """Each datum's log-probs of its target tokens under the active adapter, one padded forward."""
+    def _target_logprobs(self, data: list[Datum], grads: list[Tensor] | None = None) -> list[Tensor]:
         assert self.peft is not None
-        width = max(len(d.tokens) for d in data)
-        ids = torch.zeros(len(data), width, dtype=torch.long)
-        targets = torch.zeros(len(data), width, dtype=torch.long)
-        mask = torch.zeros(len(data), width, dtype=torch.long)
-        for r, d in enumerate(data):
-            n = len(d.tokens)
-            ids[r, :n] = torch.from_numpy(d.tokens)
-            targets[r, :n] = torch.from_numpy(np.asarray(d.inputs["target_tokens"], dtype=np.int64))
-            mask[r, :n] = 1
-        logits = self.peft(input_ids=ids, attention_mask=mask).logits.float()
-        token_logps = logits.gather(-1, targets[..., None]).squeeze(-1) - logits.logsumexp(-1)
-        return [token_logps[r, : len(d.tokens)] for r, d in enumerate(data)]
+        return target_logprobs(self.peft.get_base_model(), data, grads, self.split_head)
 
     @torch.no_grad()
     def probe_logprobs(self, model_id: str) -> np.ndarray:
@@ -275,19 +268,6 @@ class ModelRegistry:
             b = state[key.replace(".lora_A.", ".lora_B.")]
             out[f"{module}.weight"] = self.base_weights[f"{module}.weight"] + scaling * (b.float() @ a.float())
         return out
-
-
-def _parts(data: list[Datum], budget: int) -> list[list[Datum]]:
-    """Consecutive runs of datums whose padded size (rows x longest) stays within `budget` tokens."""
-    parts: list[list[Datum]] = [[]]
-    for d in data:
-        run = parts[-1]
-        width = max([len(d.tokens), *(len(x.tokens) for x in run)])
-        if run and width * (len(run) + 1) > budget:
-            parts.append([d])
-        else:
-            run.append(d)
-    return parts
 
 
 def _tensors(d: Datum) -> dict[str, Tensor]:

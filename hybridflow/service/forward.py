@@ -1,0 +1,184 @@
+"""The service's training forward: each datum's log-probs of its target tokens under the active adapter.
+
+Three things keep it close to the training engine's cost on the same batch:
+- Shared prompts. A forward_backward batch of an RL recipe holds several samples of each prompt, and the
+  tokens before a datum's first differentiated position (`grads`) are its prompt. Datums with the same prompt run
+  it once: a prompt pass over the distinct prompts (left-padded) fills a KV cache, the cache's rows are repeated
+  to the datums of each prompt, and a continuation pass runs every datum's remaining tokens (right-padded)
+  against them. Gradients flow back through the cache into the shared prompt, summed over its datums, as they
+  would from separate rows. Used where some prompt is shared; otherwise one padded pass runs every datum whole.
+- The LM head only where it is needed, in chunks: with autograd for the differentiated tokens, without it for
+  the rest (their log-probs are still returned), never over padding. A model whose logits are not
+  `head(decoder(...))` (a softcap or scale between them: `head_splits` says) runs the full forward instead.
+- SDPA's math kernel for passes at most MATH_ATTENTION_MAX_LEN wide, as the training engine does on CPU.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from hybridflow.algos.logits import logprobs_from_hidden
+from hybridflow.engine.config import EngineConfig
+from hybridflow.service.wire import Datum
+
+MAX_BATCH_TOKENS = 2048
+"""Most padded tokens one forward pass of a forward_backward call holds (longer batches run in parts): with the
+head on every token, its fp32 logits take MAX_BATCH_TOKENS x vocab x 4 bytes (400 MB at SmolLM2's 49152)."""
+MATH_ATTENTION_MAX_LEN = EngineConfig.cpu_math_attention_max_len
+"""Passes at most this wide run SDPA's math kernel on CPU (its backward is the faster one there)."""
+
+
+def target_logprobs(
+    lm: nn.Module, data: list[Datum], grads: list[Tensor] | None = None, split_head: bool = True
+) -> list[Tensor]:
+    """Each datum's float32 log-probs [T] of its target tokens under `lm` (a causal LM, adapters applied); with
+    `grads` (a bool [T] per datum) and autograd on, only the marked tokens' log-probs carry gradients."""
+    lengths = [len(d.tokens) for d in data]
+    labels = torch.cat([torch.from_numpy(np.asarray(d.inputs["target_tokens"], dtype=np.int64)) for d in data])
+    if not split_head:
+        return _full_forward(lm, data, labels, lengths)
+    differentiate = grads is not None and torch.is_grad_enabled()
+    plan = SharedPrompts.plan(data, grads) if differentiate else None
+    hidden = _shared_hidden(lm, data, plan) if plan is not None else _padded_hidden(lm, data)
+    head = lm.get_output_embeddings()
+    if not differentiate:
+        return list(logprobs_from_hidden(hidden, head, labels).split(lengths))
+    marked = torch.cat(grads)
+    rest, chosen = (~marked).nonzero().squeeze(-1), marked.nonzero().squeeze(-1)
+    logps = torch.zeros(len(labels))
+    with torch.no_grad():
+        logps[rest] = logprobs_from_hidden(hidden[rest], head, labels[rest])
+    logps = logps.index_put((chosen,), logprobs_from_hidden(hidden[chosen], head, labels[chosen]))
+    return list(logps.split(lengths))
+
+
+@torch.no_grad()
+def head_splits(lm: nn.Module) -> bool:
+    """Whether `lm`'s logits equal its head applied to its decoder's output (checked on a few tokens)."""
+    head, decoder = lm.get_output_embeddings(), lm.get_decoder()
+    if head is None or decoder is None or decoder is lm:
+        return False
+    ids = torch.arange(8)[None] % int(lm.config.vocab_size)
+    hidden = decoder(input_ids=ids, use_cache=False).last_hidden_state
+    return torch.allclose(head(hidden), lm(input_ids=ids, use_cache=False).logits, rtol=1e-4, atol=1e-4)
+
+
+def batch_parts(data: list[Datum], budget: int = MAX_BATCH_TOKENS) -> list[list[Datum]]:
+    """Consecutive runs of datums whose padded size (rows x longest) stays within `budget` tokens."""
+    parts: list[list[Datum]] = [[]]
+    for d in data:
+        run = parts[-1]
+        width = max([len(d.tokens), *(len(x.tokens) for x in run)])
+        if run and width * (len(run) + 1) > budget:
+            parts.append([d])
+        else:
+            run.append(d)
+    return parts
+
+
+@dataclass
+class SharedPrompts:
+    """How a batch splits into distinct prompts and per-datum continuations."""
+
+    splits: list[int]
+    """Per datum: its prompt's length (the tokens before it that no loss differentiates), at least 1."""
+    prompts: list[np.ndarray]
+    """The distinct prompts, in order of first appearance."""
+    group: list[int]
+    """Per datum: the index of its prompt."""
+
+    @classmethod
+    def plan(cls, data: list[Datum], grads: list[Tensor]) -> SharedPrompts | None:
+        """The split at each datum's first differentiated token (or its last token); None unless some prompt is
+        shared or where a datum's first token is differentiated (no prompt to share)."""
+        splits = []
+        for d, g in zip(data, grads):
+            first = g.nonzero()
+            splits.append(int(first[0]) if len(first) else len(d.tokens) - 1)
+        if min(splits) < 1:
+            return None
+        index: dict[bytes, int] = {}
+        prompts, group = [], []
+        for d, k in zip(data, splits):
+            key = d.tokens[:k].tobytes()
+            if key not in index:
+                index[key] = len(prompts)
+                prompts.append(d.tokens[:k])
+            group.append(index[key])
+        return cls(splits, prompts, group) if len(prompts) < len(data) else None
+
+
+def _shared_hidden(lm: nn.Module, data: list[Datum], plan: SharedPrompts) -> Tensor:
+    """Final hidden states [N, H] of every datum's tokens, in datum order (module docstring: shared prompts)."""
+    decoder = lm.get_decoder()
+    width = max(len(p) for p in plan.prompts)
+    ids = torch.zeros(len(plan.prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(plan.prompts), width, dtype=torch.long)
+    for g, p in enumerate(plan.prompts):
+        ids[g, width - len(p) :] = torch.from_numpy(p)
+        mask[g, width - len(p) :] = 1
+    with _attention_kernel(width):
+        prompt = decoder(input_ids=ids, attention_mask=mask, position_ids=_positions(mask), use_cache=True)
+    cache, group = prompt.past_key_values, torch.tensor(plan.group)
+    cache.batch_select_indices(group)
+    rest = [d.tokens[k:] for d, k in zip(data, plan.splits)]
+    r_width = max(len(r) for r in rest)
+    r_ids = torch.zeros(len(data), r_width, dtype=torch.long)
+    r_mask = torch.zeros(len(data), r_width, dtype=torch.long)
+    for i, r in enumerate(rest):
+        r_ids[i, : len(r)] = torch.from_numpy(r)
+        r_mask[i, : len(r)] = 1
+    positions = torch.tensor(plan.splits)[:, None] + torch.arange(r_width)[None]
+    with _attention_kernel(width + r_width):
+        cont = decoder(
+            input_ids=r_ids,
+            attention_mask=torch.cat([mask[group], r_mask], dim=1),
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+        )
+    out = []
+    for i, (r, k) in enumerate(zip(rest, plan.splits)):
+        out += [prompt.last_hidden_state[plan.group[i], width - k :], cont.last_hidden_state[i, : len(r)]]
+    return torch.cat(out)
+
+
+def _padded_hidden(lm: nn.Module, data: list[Datum]) -> Tensor:
+    """Final hidden states [N, H] of every datum's tokens from one right-padded pass, in datum order."""
+    ids, mask = _right_padded(data)
+    with _attention_kernel(ids.shape[1]):
+        hidden = lm.get_decoder()(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+    return hidden[mask.bool()]
+
+
+def _full_forward(lm: nn.Module, data: list[Datum], labels: Tensor, lengths: list[int]) -> list[Tensor]:
+    """The model's own forward on every position (for a model whose head does not split off)."""
+    ids, mask = _right_padded(data)
+    with _attention_kernel(ids.shape[1]):
+        logits = lm(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()[mask.bool()]
+    return list((logits.gather(-1, labels[:, None]).squeeze(-1) - logits.logsumexp(-1)).split(lengths))
+
+
+def _right_padded(data: list[Datum]) -> tuple[Tensor, Tensor]:
+    width = max(len(d.tokens) for d in data)
+    ids = torch.zeros(len(data), width, dtype=torch.long)
+    mask = torch.zeros(len(data), width, dtype=torch.long)
+    for r, d in enumerate(data):
+        ids[r, : len(d.tokens)] = torch.from_numpy(d.tokens)
+        mask[r, : len(d.tokens)] = 1
+    return ids, mask
+
+
+def _positions(mask: Tensor) -> Tensor:
+    return (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def _attention_kernel(width: int):
+    """SDPA's math kernel for passes at most MATH_ATTENTION_MAX_LEN wide (module docstring); else the default."""
+    return sdpa_kernel([SDPBackend.MATH]) if width <= MATH_ATTENTION_MAX_LEN else nullcontext()
