@@ -3,8 +3,8 @@ against `hybridflow tinker`, with a teacher that is the same base model under an
 
 The cookbook's distillation command line only names prompt sets on the hub; this script gives its trainer a
 local list of prompts. The teacher: unless `--teacher-path` names a sampler checkpoint, the script first trains
-one with a few plain `cross_entropy` steps (the `tinker` SDK, no cookbook trainer) to answer every prompt with
-`--teacher-answer`, and saves it as `tinker://.../sampler_weights/teacher`. Then the student (a fresh adapter
+one with a few plain `cross_entropy` steps (the `tinker` SDK, no cookbook trainer) to give each prompt its
+short answer in `PROMPTS` (or `--teacher-answer` to every prompt), and saves it as `tinker://.../sampler_weights/teacher`. Then the student (a fresh adapter
 on the base) samples answers, the teacher scores them (`compute_logprobs` on that snapshot), and the student
 trains on the per-token reverse KL as its advantage (`importance_sampling`). The per-step `teacher_kl` metric
 (the sampled tokens' student minus teacher log-probs, averaged) falls as the student moves towards the teacher.
@@ -30,12 +30,14 @@ from tinker_cookbook.rl.types import RLDatasetBuilder
 from tinker_cookbook.supervised.data import conversation_to_datum
 from tinker_cookbook.tokenizer_utils import get_tokenizer
 
-PROMPTS = (
-    "What is your favourite colour?",
-    "Name a fruit.",
-    "What should I name my cat?",
-    "Say something about the sea.",
-)
+PROMPTS = {
+    "What is your favourite colour?": "Blue.",
+    "Name a fruit.": "Apple.",
+    "What should I name my cat?": "Whiskers.",
+    "Say something about the sea.": "The sea is deep.",
+}
+"""The prompts and the trained teacher's answer to each: answers the base model itself gives some probability, so
+the student's own samples meet the teacher's choices from the first step."""
 
 
 @chz.chz
@@ -58,15 +60,15 @@ class LocalPrompts(RLDatasetBuilder):
 
 
 def train_teacher(args: argparse.Namespace) -> str:
-    """A sampler checkpoint of an adapter trained to answer every prompt with `--teacher-answer`."""
+    """A sampler checkpoint of an adapter trained to answer each prompt as `PROMPTS` (or `--teacher-answer`) says."""
     service = tinker.ServiceClient(base_url=args.base_url)
     trainer = service.create_lora_training_client(base_model=args.model, rank=args.lora_rank).result()
     renderer = renderers.get_renderer(args.renderer, tokenizer=trainer.get_tokenizer())
     data = [
         conversation_to_datum(
-            [{"role": "user", "content": p}, {"role": "assistant", "content": args.teacher_answer}], renderer, 256
+            [{"role": "user", "content": p}, {"role": "assistant", "content": args.teacher_answer or a}], renderer, 256
         )
-        for p in PROMPTS
+        for p, a in PROMPTS.items()
     ]
     for _ in range(args.teacher_steps):
         trainer.forward_backward(data, "cross_entropy")
@@ -79,7 +81,7 @@ def train_teacher(args: argparse.Namespace) -> str:
 def config(args: argparse.Namespace, teacher_path: str) -> train_on_policy.Config:
     """The cookbook's on-policy distillation config for these arguments."""
     dataset = LocalPrompts(
-        prompts=PROMPTS,
+        prompts=tuple(PROMPTS),
         groups_per_batch=args.groups_per_batch,
         group_size=args.group_size,
         batches=args.steps,
@@ -115,8 +117,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", required=True, help="the base model's name in the service (its directory)")
     p.add_argument("--log-path", required=True, help="where the cookbook writes metrics.jsonl and its logs")
     p.add_argument("--teacher-path", default=None, help="a tinker://.../sampler_weights/NAME teacher (else trained)")
-    p.add_argument("--teacher-answer", default="Blue.", help="what the trained teacher answers to every prompt")
-    p.add_argument("--teacher-steps", type=int, default=6)
+    p.add_argument("--teacher-answer", help="one answer the teacher gives every prompt (default: PROMPTS' own)")
+    p.add_argument("--teacher-steps", type=int, default=3)
     p.add_argument("--teacher-learning-rate", type=float, default=1e-3)
     p.add_argument("--renderer", default="qwen3_instruct", help="cookbook renderer (qwen3_instruct: ChatML)")
     p.add_argument("--steps", type=int, default=4)
