@@ -12,6 +12,7 @@ import numpy as np
 import peft
 import pytest
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from transformers import Gemma2Config, Gemma2ForCausalLM
 
 from hybridflow.engine.config import LoraConfig
@@ -55,12 +56,9 @@ def batch(seed: int = 0) -> tuple[list[Datum], list[torch.Tensor]]:
 
 def reference_logprobs(lm, data: list[Datum]) -> list[torch.Tensor]:
     """One right-padded forward of the whole model, log-softmax over every position."""
-    width = max(len(d.tokens) for d in data)
-    ids = torch.zeros(len(data), width, dtype=torch.long)
-    mask = torch.zeros(len(data), width, dtype=torch.long)
-    for r, d in enumerate(data):
-        ids[r, : len(d.tokens)] = torch.from_numpy(d.tokens)
-        mask[r, : len(d.tokens)] = 1
+    rows = [torch.from_numpy(d.tokens) for d in data]
+    ids = pad_sequence(rows, batch_first=True)
+    mask = pad_sequence([torch.ones_like(r) for r in rows], batch_first=True)
     logps = torch.log_softmax(lm(input_ids=ids, attention_mask=mask).logits.float(), -1)
     return [
         logps[r, : len(d.tokens)].gather(-1, torch.from_numpy(d.inputs["target_tokens"])[:, None])[:, 0]
