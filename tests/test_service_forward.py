@@ -18,7 +18,7 @@ from transformers import Gemma2Config, Gemma2ForCausalLM
 from hybridflow.engine.config import LoraConfig
 from hybridflow.engine.lora import peft_config
 from hybridflow.models import load_causal_lm, tiny_model_dir
-from hybridflow.service.forward import SharedPrompts, batch_parts, head_splits, target_logprobs
+from hybridflow.service.forward import SharedPrompts, batch_parts, head_splits, length_buckets, target_logprobs
 from hybridflow.service.wire import Datum
 
 VOCAB = 49152
@@ -39,13 +39,14 @@ def lm():
 
 def batch(seed: int = 0) -> tuple[list[Datum], list[torch.Tensor]]:
     """3 prompts of different lengths, 3 samples each (one sample of prompt 1 has all-zero advantages, so its
-    split falls at its last token), and one datum of its own; advantages on the sampled tokens only."""
+    split falls at its last token; prompt 2's samples are 20 tokens longer, so the continuations run in more than
+    one length bucket), and one datum of its own; advantages on the sampled tokens only."""
     rng = np.random.default_rng(seed)
     data, advantages = [], []
     for g, plen in enumerate((7, 11, 5, 9)):
         prompt = rng.integers(0, VOCAB, plen)
         for s in range(3 if g < 3 else 1):
-            tokens = np.concatenate([prompt, rng.integers(0, VOCAB, 2 + (g + s) % 4)])
+            tokens = np.concatenate([prompt, rng.integers(0, VOCAB, 2 + (g + s) % 4 + (20 if g == 2 else 0))])
             adv = np.zeros(len(tokens) - 1, np.float32)
             if not (g == 1 and s == 2):
                 adv[plen - 1 :] = rng.normal(size=len(tokens) - plen)
@@ -91,7 +92,9 @@ def test_shared_prompts_and_chosen_tokens_equal_the_plain_forward(lm):
     want = reference_logprobs(lm, data)
     want_loss, want_grads = loss_and_grads(lm, want, advantages)
     got = target_logprobs(lm, data, marks)
-    assert SharedPrompts.plan(data, marks) is not None  # the shared path is the one measured here
+    plan = SharedPrompts.plan(data, marks)
+    assert plan is not None  # the shared path is the one measured here, in more than one continuation pass
+    assert len(length_buckets([len(d.tokens) - k for d, k in zip(data, plan.splits)])) > 1
     for w, g in zip(want, got):
         torch.testing.assert_close(g, w.detach(), rtol=1e-5, atol=1e-5)
         assert g.requires_grad
@@ -146,3 +149,9 @@ def test_batch_parts_keep_each_part_within_the_budget():
     parts = batch_parts(data, budget=64)
     assert [len(p) for p in parts] == [2, 1, 1, 2]
     assert all(len(p) * max(len(d.tokens) for d in p) <= 64 for p in parts)
+
+
+def test_length_buckets_pad_least():
+    assert length_buckets([3, 30, 4, 29, 3], pass_cost=8) == [[0, 4, 2], [3, 1]]
+    assert length_buckets([3, 30, 4, 29, 3], pass_cost=1000) == [[0, 4, 2, 3, 1]]  # a pass dearer than padding
+    assert length_buckets([5], pass_cost=8) == [[0]] and length_buckets([]) == []

@@ -3,13 +3,15 @@
 Three things keep it close to the training engine's cost on the same batch:
 - Shared prompts. A forward_backward batch of an RL recipe holds several samples of each prompt, and the
   tokens before a datum's first differentiated position (`grads`) are its prompt. Datums with the same prompt run
-  it once: a prompt pass over the distinct prompts (left-padded) fills a KV cache, the cache's rows are repeated
-  to the datums of each prompt, and a continuation pass runs every datum's remaining tokens (right-padded)
-  against them. Gradients flow back through the cache into the shared prompt, summed over its datums, as they
-  would from separate rows. Used where some prompt is shared; otherwise one padded pass runs every datum whole.
+  it once: a prompt pass over the distinct prompts (left-padded) fills a KV cache, and continuation passes run
+  every datum's remaining tokens (right-padded) against its prompt's rows of that cache. The continuations go
+  in buckets of similar length (`length_buckets`), so short ones are not padded to the longest. Gradients flow
+  back through the cache into the shared prompt, summed over its datums, as they would from separate rows. Used
+  where some prompt is shared; otherwise one padded pass runs every datum whole.
 - The LM head only where it is needed, in chunks: with autograd for the differentiated tokens, without it for
-  the rest (their log-probs are still returned), never over padding. A model whose logits are not
-  `head(decoder(...))` (a softcap or scale between them: `head_splits` says) runs the full forward instead.
+  the rest (their log-probs are still returned), once per shared prompt position, never over padding. A model
+  whose logits are not `head(decoder(...))` (a softcap or scale between them: `head_splits` says) runs the full
+  forward instead.
 - SDPA's math kernel for passes at most MATH_ATTENTION_MAX_LEN wide, as the training engine does on CPU.
 """
 
@@ -22,6 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from transformers import DynamicCache
 
 from hybridflow.algos.logits import logprobs_from_hidden
 from hybridflow.engine.config import EngineConfig
@@ -32,6 +35,8 @@ MAX_BATCH_TOKENS = 2048
 head on every token, its fp32 logits take MAX_BATCH_TOKENS x vocab x 4 bytes (400 MB at SmolLM2's 49152)."""
 MATH_ATTENTION_MAX_LEN = EngineConfig.cpu_math_attention_max_len
 """Passes at most this wide run SDPA's math kernel on CPU (its backward is the faster one there)."""
+PASS_COST_TOKENS = 8
+"""What one more continuation pass costs, in padded tokens (its per-layer overhead), when bucketing."""
 
 
 def target_logprobs(
@@ -45,17 +50,31 @@ def target_logprobs(
         return _full_forward(lm, data, labels, lengths)
     differentiate = grads is not None and torch.is_grad_enabled()
     plan = SharedPrompts.plan(data, grads) if differentiate else None
-    hidden = _shared_hidden(lm, data, plan) if plan is not None else _padded_hidden(lm, data)
+    rows, where = _shared_hidden(lm, data, plan) if plan is not None else _padded_hidden(lm, data)
     head = lm.get_output_embeddings()
     if not differentiate:
-        return list(logprobs_from_hidden(hidden, head, labels).split(lengths))
+        return list(_logprobs_at(rows, where, labels, head).split(lengths))
     marked = torch.cat(grads)
     rest, chosen = (~marked).nonzero().squeeze(-1), marked.nonzero().squeeze(-1)
     logps = torch.zeros(len(labels))
     with torch.no_grad():
-        logps[rest] = logprobs_from_hidden(hidden[rest], head, labels[rest])
-    logps = logps.index_put((chosen,), logprobs_from_hidden(hidden[chosen], head, labels[chosen]))
+        logps[rest] = _logprobs_at(rows, where[rest], labels[rest], head)
+    logps = logps.index_put((chosen,), logprobs_from_hidden(rows[where[chosen]], head, labels[chosen]))
     return list(logps.split(lengths))
+
+
+def _logprobs_at(rows: Tensor, where: Tensor, labels: Tensor, head: nn.Module, chunk: int = 512) -> Tensor:
+    """log p(labels[i]) from hidden row `rows[where[i]]`, without autograd: the head and logsumexp run once per
+    distinct row (a shared prompt position serves every datum of its prompt), `chunk` rows at a time."""
+    distinct, inverse = where.unique(return_inverse=True)
+    out = torch.empty(len(where))
+    for start in range(0, len(distinct), chunk):
+        logits = head(rows[distinct[start : start + chunk]]).float()
+        lse = logits.logsumexp(-1)
+        sel = ((inverse >= start) & (inverse < start + chunk)).nonzero().squeeze(-1)
+        local = inverse[sel] - start
+        out[sel] = logits[local, labels[sel]] - lse[local]
+    return out
 
 
 @torch.no_grad()
@@ -114,8 +133,9 @@ class SharedPrompts:
         return cls(splits, prompts, group) if len(prompts) < len(data) else None
 
 
-def _shared_hidden(lm: nn.Module, data: list[Datum], plan: SharedPrompts) -> Tensor:
-    """Final hidden states [N, H] of every datum's tokens, in datum order (module docstring: shared prompts)."""
+def _shared_hidden(lm: nn.Module, data: list[Datum], plan: SharedPrompts) -> tuple[Tensor, Tensor]:
+    """Hidden states [U, H] of each distinct prompt position and each continuation token, and for every datum
+    position (in datum order) the row that holds it (module docstring: shared prompts)."""
     decoder = lm.get_decoder()
     width = max(len(p) for p in plan.prompts)
     ids = torch.zeros(len(plan.prompts), width, dtype=torch.long)
@@ -125,36 +145,71 @@ def _shared_hidden(lm: nn.Module, data: list[Datum], plan: SharedPrompts) -> Ten
         mask[g, width - len(p) :] = 1
     with _attention_kernel(width):
         prompt = decoder(input_ids=ids, attention_mask=mask, position_ids=_positions(mask), use_cache=True)
-    cache, group = prompt.past_key_values, torch.tensor(plan.group)
-    cache.batch_select_indices(group)
+    real = mask.bool()
+    parts = [prompt.last_hidden_state[real]]  # each prompt's tokens, prompt after prompt
+    prompt_start = (real.sum(1).cumsum(0) - real.sum(1)).tolist()
+    stash = [(layer.keys, layer.values) for layer in prompt.past_key_values.layers]
     rest = [d.tokens[k:] for d, k in zip(data, plan.splits)]
-    r_width = max(len(r) for r in rest)
-    r_ids = torch.zeros(len(data), r_width, dtype=torch.long)
-    r_mask = torch.zeros(len(data), r_width, dtype=torch.long)
-    for i, r in enumerate(rest):
-        r_ids[i, : len(r)] = torch.from_numpy(r)
-        r_mask[i, : len(r)] = 1
-    positions = torch.tensor(plan.splits)[:, None] + torch.arange(r_width)[None]
-    with _attention_kernel(width + r_width):
-        cont = decoder(
-            input_ids=r_ids,
-            attention_mask=torch.cat([mask[group], r_mask], dim=1),
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-        )
-    out = []
-    for i, (r, k) in enumerate(zip(rest, plan.splits)):
-        out += [prompt.last_hidden_state[plan.group[i], width - k :], cont.last_hidden_state[i, : len(r)]]
-    return torch.cat(out)
+    cont_row: dict[int, Tensor] = {}
+    offset = int(real.sum())
+    for bucket in length_buckets([len(r) for r in rest]):
+        groups = torch.tensor([plan.group[i] for i in bucket])
+        cache = DynamicCache(config=lm.config)
+        for layer, (k, v) in enumerate(stash):
+            cache.update(k[groups], v[groups], layer)
+        r_width = max(len(rest[i]) for i in bucket)
+        r_ids = torch.zeros(len(bucket), r_width, dtype=torch.long)
+        r_mask = torch.zeros(len(bucket), r_width, dtype=torch.long)
+        for j, i in enumerate(bucket):
+            r_ids[j, : len(rest[i])] = torch.from_numpy(rest[i])
+            r_mask[j, : len(rest[i])] = 1
+        positions = torch.tensor([plan.splits[i] for i in bucket])[:, None] + torch.arange(r_width)[None]
+        with _attention_kernel(width + r_width):
+            cont = decoder(
+                input_ids=r_ids,
+                attention_mask=torch.cat([mask[groups], r_mask], dim=1),
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=True,
+            )
+        parts.append(cont.last_hidden_state[r_mask.bool()])
+        for i in bucket:
+            cont_row[i] = torch.arange(offset, offset + len(rest[i]))
+            offset += len(rest[i])
+    where = [
+        torch.cat([torch.arange(prompt_start[g], prompt_start[g] + k), cont_row[i]])
+        for i, (g, k) in enumerate(zip(plan.group, plan.splits))
+    ]
+    return torch.cat(parts), torch.cat(where)
 
 
-def _padded_hidden(lm: nn.Module, data: list[Datum]) -> Tensor:
-    """Final hidden states [N, H] of every datum's tokens from one right-padded pass, in datum order."""
+def length_buckets(lengths: list[int], pass_cost: int = PASS_COST_TOKENS) -> list[list[int]]:
+    """Indices of `lengths` in buckets, each run as one right-padded pass: the split of the sorted lengths into
+    consecutive runs that pads the fewest tokens, counting `pass_cost` tokens per pass."""
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    sizes = [lengths[i] for i in order]
+    best = [0] + [1 << 60] * len(sizes)  # best[j]: the cost of the first j sorted lengths
+    cut = [0] * (len(sizes) + 1)
+    for j in range(1, len(sizes) + 1):
+        for i in range(j):
+            cost = best[i] + sizes[j - 1] * (j - i) + pass_cost
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    buckets, j = [], len(sizes)
+    while j > 0:
+        buckets.append(order[cut[j] : j])
+        j = cut[j]
+    return buckets[::-1]
+
+
+def _padded_hidden(lm: nn.Module, data: list[Datum]) -> tuple[Tensor, Tensor]:
+    """Final hidden states [N, H] of every datum's tokens from one right-padded pass, in datum order, and the
+    identity map of datum positions to them."""
     ids, mask = _right_padded(data)
     with _attention_kernel(ids.shape[1]):
         hidden = lm.get_decoder()(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
-    return hidden[mask.bool()]
+    rows = hidden[mask.bool()]
+    return rows, torch.arange(len(rows))
 
 
 def _full_forward(lm: nn.Module, data: list[Datum], labels: Tensor, lengths: list[int]) -> list[Tensor]:
