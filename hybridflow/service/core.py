@@ -64,21 +64,27 @@ class TinkerService:
         name (`AutoTokenizer.from_pretrained`), which a local directory satisfies offline."""
         self.aliases = {self.name, str(model_path), *aliases}
         """Every base_model a client may pass for this model."""
-        self.registry = ModelRegistry(model_path, self.name)
-        self.sampler = Sampler(
-            model_path,
-            max_tokens,
-            self.registry.vocab_size,
-            self.registry.context_length,
-            self.registry.merged,
-            self.registry.probe,
-        )
-        self.checkpoints = ckpt.CheckpointStore(state_dir)
         self.futures = FutureStore()
         self.scheduler = Scheduler(self.futures)
+        # Loading, like every call after it, runs on the scheduler's one worker thread: torch's OpenMP gives each
+        # thread that computes its own thread team, and with two teams on few cores libgomp cuts their spin-waits
+        # short, which made forward_backward ~40% slower (BENCHMARKS.md, "A tinker-cookbook math_rl step").
+        try:
+            self.registry, self.sampler = self.scheduler.call(lambda: self._load(model_path, max_tokens))
+        except BaseException:
+            self.scheduler.stop()
+            raise
+        self.checkpoints = ckpt.CheckpointStore(state_dir)
         self.sessions = SessionTable(session_timeout_s)
         self.sampling: dict[str, SamplingSession] = {}
         self._snapshots: dict[str, Snapshot] = {}
+
+    def _load(self, model_path: str | Path, max_tokens: int) -> tuple[ModelRegistry, Sampler]:
+        registry = ModelRegistry(model_path, self.name)
+        sampler = Sampler(
+            model_path, max_tokens, registry.vocab_size, registry.context_length, registry.merged, registry.probe
+        )
+        return registry, sampler
 
     # ---- helpers
 

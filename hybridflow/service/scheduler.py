@@ -17,6 +17,7 @@ its traceback); the worker itself keeps running, so one bad request never stops 
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 import time
@@ -75,6 +76,21 @@ class Scheduler:
         self._cv = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="hybridflow-tinker-worker", daemon=True)
         self._thread.start()
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` on the worker thread, after the calls queued so far, and return what it returns (or raise
+        what it raises): for work that must share the worker's thread, such as loading the models."""
+        result: concurrent.futures.Future = concurrent.futures.Future()
+
+        def job() -> Outcome:
+            try:
+                result.set_result(fn())
+            except BaseException as err:  # noqa: BLE001  (handed to the caller, which raises it)
+                result.set_exception(err)
+            return Outcome(json={})
+
+        self._put(_Item("", job))
+        return result.result()
 
     def submit(self, rid: str, job: Job) -> None:
         """Run `job` for request `rid` in arrival order."""
