@@ -26,7 +26,8 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache
 
-from hybridflow.algos.logits import logprobs_from_hidden
+from hybridflow.algos.logits import logprobs_from_hidden, logprobs_from_logits
+from hybridflow.engine.batch import position_ids_from_mask
 from hybridflow.engine.config import EngineConfig
 from hybridflow.service.wire import Datum
 
@@ -137,14 +138,10 @@ def _shared_hidden(lm: nn.Module, data: list[Datum], plan: SharedPrompts) -> tup
     """Hidden states [U, H] of each distinct prompt position and each continuation token, and for every datum
     position (in datum order) the row that holds it (module docstring: shared prompts)."""
     decoder = lm.get_decoder()
-    width = max(len(p) for p in plan.prompts)
-    ids = torch.zeros(len(plan.prompts), width, dtype=torch.long)
-    mask = torch.zeros(len(plan.prompts), width, dtype=torch.long)
-    for g, p in enumerate(plan.prompts):
-        ids[g, width - len(p) :] = torch.from_numpy(p)
-        mask[g, width - len(p) :] = 1
+    ids, mask = _padded(plan.prompts, left=True)
+    width = ids.shape[1]
     with _attention_kernel(width):
-        prompt = decoder(input_ids=ids, attention_mask=mask, position_ids=_positions(mask), use_cache=True)
+        prompt = decoder(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=True)
     real = mask.bool()
     parts = [prompt.last_hidden_state[real]]  # each prompt's tokens, prompt after prompt
     prompt_start = (real.sum(1).cumsum(0) - real.sum(1)).tolist()
@@ -157,12 +154,8 @@ def _shared_hidden(lm: nn.Module, data: list[Datum], plan: SharedPrompts) -> tup
         cache = DynamicCache(config=lm.config)
         for layer, (k, v) in enumerate(stash):
             cache.update(k[groups], v[groups], layer)
-        r_width = max(len(rest[i]) for i in bucket)
-        r_ids = torch.zeros(len(bucket), r_width, dtype=torch.long)
-        r_mask = torch.zeros(len(bucket), r_width, dtype=torch.long)
-        for j, i in enumerate(bucket):
-            r_ids[j, : len(rest[i])] = torch.from_numpy(rest[i])
-            r_mask[j, : len(rest[i])] = 1
+        r_ids, r_mask = _padded([rest[i] for i in bucket])
+        r_width = r_ids.shape[1]
         positions = torch.tensor([plan.splits[i] for i in bucket])[:, None] + torch.arange(r_width)[None]
         with _attention_kernel(width + r_width):
             cont = decoder(
@@ -205,7 +198,7 @@ def length_buckets(lengths: list[int], pass_cost: int = PASS_COST_TOKENS) -> lis
 def _padded_hidden(lm: nn.Module, data: list[Datum]) -> tuple[Tensor, Tensor]:
     """Final hidden states [N, H] of every datum's tokens from one right-padded pass, in datum order, and the
     identity map of datum positions to them."""
-    ids, mask = _right_padded(data)
+    ids, mask = _padded([d.tokens for d in data])
     with _attention_kernel(ids.shape[1]):
         hidden = lm.get_decoder()(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
     rows = hidden[mask.bool()]
@@ -214,24 +207,22 @@ def _padded_hidden(lm: nn.Module, data: list[Datum]) -> tuple[Tensor, Tensor]:
 
 def _full_forward(lm: nn.Module, data: list[Datum], labels: Tensor, lengths: list[int]) -> list[Tensor]:
     """The model's own forward on every position (for a model whose head does not split off)."""
-    ids, mask = _right_padded(data)
+    ids, mask = _padded([d.tokens for d in data])
     with _attention_kernel(ids.shape[1]):
-        logits = lm(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()[mask.bool()]
-    return list((logits.gather(-1, labels[:, None]).squeeze(-1) - logits.logsumexp(-1)).split(lengths))
+        logits = lm(input_ids=ids, attention_mask=mask, use_cache=False).logits[mask.bool()]
+    return list(logprobs_from_logits(logits, labels).split(lengths))
 
 
-def _right_padded(data: list[Datum]) -> tuple[Tensor, Tensor]:
-    width = max(len(d.tokens) for d in data)
-    ids = torch.zeros(len(data), width, dtype=torch.long)
-    mask = torch.zeros(len(data), width, dtype=torch.long)
-    for r, d in enumerate(data):
-        ids[r, : len(d.tokens)] = torch.from_numpy(d.tokens)
-        mask[r, : len(d.tokens)] = 1
+def _padded(seqs: list[np.ndarray], left: bool = False) -> tuple[Tensor, Tensor]:
+    """Token ids [n, longest] and their attention mask, each sequence padded on the right (or the left)."""
+    width = max(len(t) for t in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = torch.zeros(len(seqs), width, dtype=torch.long)
+    for r, t in enumerate(seqs):
+        cols = slice(width - len(t), width) if left else slice(0, len(t))
+        ids[r, cols] = torch.from_numpy(t)
+        mask[r, cols] = 1
     return ids, mask
-
-
-def _positions(mask: Tensor) -> Tensor:
-    return (mask.cumsum(-1) - 1).clamp(min=0)
 
 
 def _attention_kernel(width: int):
